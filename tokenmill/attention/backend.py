@@ -1,0 +1,71 @@
+"""AttentionBackend: the model <-> attention contract.
+
+A backend turns the step's batch layout into its own metadata once per step, then runs every
+attention layer with it: write the new K/V into the paged pool by slot, and attend over each
+request's blocks through its block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tokenmill.layers.attention import Attention
+
+
+@dataclass
+class BatchLayout:
+    """Where each request's tokens sit in the flat batch; built on the host by the model runner."""
+
+    query_start_loc: np.ndarray
+    """[num_reqs + 1] int32: request i owns flat tokens [query_start_loc[i], query_start_loc[i+1])."""
+    seq_lens: np.ndarray
+    """[num_reqs] int32: tokens in the cache for each request once this step's are written."""
+    block_table: np.ndarray
+    """[num_reqs, max_blocks_per_req] int32: physical block of each logical block."""
+    slot_mapping: np.ndarray
+    """[num_tokens] int64: pool slot (block * block_size + offset) each new token's K/V goes to."""
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
+        """Per-step metadata shared by every layer (tensors on the device, host copies as needed)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: Attention,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: object,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store key/value into the pool at the step's slots, then attend."""
+
+
+def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    from tokenmill.attention.torch_attn import TorchAttentionBackend
+
+    backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+    if device.type == "cuda":
+        try:
+            from tokenmill.attention.triton_attn import TritonAttentionBackend
+
+            backends["triton"] = TritonAttentionBackend
+        except ImportError:
+            pass
+    default = "triton" if "triton" in backends else "torch"
+    name = name or default
+    if name not in backends:
+        raise ValueError(f"attention backend {name!r} is not available here; choose from {sorted(backends)}")
+    return backends[name]()

@@ -1,0 +1,60 @@
+"""EngineCore: the busy loop's body. step() = schedule -> execute -> update_from_output.
+
+This file must only contain what every model and request needs: no tokenizer, no HTTP, no
+model code. It runs in the caller's process (offline LLM) or in its own (server).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tokenmill.config import EngineConfig
+from tokenmill.kv_cache.manager import KVCacheManager
+from tokenmill.protocol import EngineCoreOutputs, EngineRequest
+from tokenmill.request import Request, RequestStatus
+from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, hf_config, max_model_len: int) -> None:
+        start = time.perf_counter()
+        self.worker = Worker(config, hf_config, max_model_len)
+        self.kv_cache_spec = self.worker.determine_kv_cache_spec()
+        self.worker.initialize_cache(self.kv_cache_spec)
+        kv_cache_manager = KVCacheManager(
+            self.kv_cache_spec.num_blocks,
+            config.cache_config.block_size,
+            enable_caching=config.cache_config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len)
+        logger.info("engine ready in %.1f s", time.perf_counter() - start)
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_ids=request.eos_token_ids,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str], status=RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_requests():
+            return EngineCoreOutputs()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.worker.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)

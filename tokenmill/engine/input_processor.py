@@ -1,0 +1,79 @@
+"""Validate and tokenize user prompts into EngineRequests, before anything is scheduled."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypedDict
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.engine.tokenizer import TokenizerInfo
+from tokenmill.protocol import EngineRequest
+from tokenmill.sampling_params import SamplingParams
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
+    prompt: str
+
+
+PromptType = str | TokensPrompt | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, tokenizer_info: TokenizerInfo,
+        max_model_len: int, vocab_size: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tokenizer_info = tokenizer_info
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        else:
+            raise TypeError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
+        if token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
+            token_ids = self.tokenizer.encode(text)
+        return text, list(token_ids)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, EngineRequest]:
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate(token_ids, params)
+        request = EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.tokenizer_info.eos_token_ids,
+            arrival_time=arrival_time or time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        return text, request
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        num = len(token_ids)
+        if num >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num} tokens, but the model's context length (max_model_len) is "
+                f"{self.max_model_len}, which leaves no room for output"
+            )

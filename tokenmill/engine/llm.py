@@ -1,0 +1,97 @@
+"""Offline API: LLM.generate() and LLM.chat() over an in-process engine, outputs in input order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.input_processor import PromptType
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:
+            from tokenmill.default_model import default_model_path
+
+            model = default_model_path()
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+        cache_salt: str | list[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        salts = self._per_prompt(cache_salt, len(prompts), "cache_salt")
+        priorities = self._per_prompt(priority or 0, len(prompts), "priority")
+        # Validate everything before scheduling anything: a bad prompt fails the call cleanly.
+        request_ids = []
+        try:
+            for prompt, p, prio, salt in zip(prompts, params, priorities, salts):
+                request_id = self.engine.next_request_id()
+                self.engine.add_request(request_id, prompt, p, priority=prio, cache_salt=salt)
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer, and this engine has none")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+            )
+            # The template already holds the special tokens (BOS) it wants.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[rid] for rid in request_ids]
+
+    @staticmethod
+    def _per_prompt(value, num_prompts: int, name: str) -> list:
+        if isinstance(value, (list, tuple)):
+            if len(value) != num_prompts:
+                raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts")
+            return list(value)
+        return [value] * num_prompts

@@ -1,0 +1,50 @@
+"""Load the tokenizer (model folder or GGUF metadata) and what the engine needs to know of it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from tokenmill.config import ModelConfig
+from tokenmill.model.loader import is_gguf
+
+
+def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
+    path = model_config.tokenizer or model_config.model
+    if is_gguf(path):
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
+    if model_config.chat_template is not None:
+        with open(model_config.chat_template) as f:
+            tokenizer.chat_template = f.read()
+    return tokenizer
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    eos_token_ids: frozenset[int]
+
+
+def _as_set(value) -> set[int]:
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, (list, tuple, set)) else {value}
+
+
+def make_tokenizer_info(
+    tokenizer: PreTrainedTokenizerBase | None, hf_config: PretrainedConfig, model_config: ModelConfig
+) -> TokenizerInfo:
+    """EOS ids from the tokenizer, the model config and generation_config.json (chat models often
+    end turns with a token only the latter names)."""
+    eos = _as_set(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        eos |= _as_set(tokenizer.eos_token_id)
+    if os.path.isdir(model_config.model):
+        try:
+            eos |= _as_set(GenerationConfig.from_pretrained(model_config.model).eos_token_id)
+        except OSError:
+            pass  # no generation_config.json
+    return TokenizerInfo(eos_token_ids=frozenset(eos))

@@ -1,0 +1,33 @@
+"""Gated activations over a fused [gate | up] tensor."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+def get_gated_activation(hidden_act: str) -> nn.Module:
+    if hidden_act in ("silu", "swish"):
+        return SiluAndMul()
+    if hidden_act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new"):
+        return GeluAndMul("tanh")
+    if hidden_act == "gelu":
+        return GeluAndMul("none")
+    raise ValueError(f"unsupported activation {hidden_act!r}")

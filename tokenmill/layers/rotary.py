@@ -1,0 +1,61 @@
+"""Rotary position embedding with a precomputed cos/sin table.
+
+Frequencies (and the scalings: linear, llama3, yarn, ...) come from transformers' own RoPE
+initialisers, so every scaling a checkpoint names is computed exactly as its reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# These change frequencies with the sequence length, which a fixed table cannot express.
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def _default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int, rotary_dim: int | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        params = rope_parameters(config)
+        rope_type = params["rope_type"]
+        if rope_type in _LENGTH_DEPENDENT:
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported yet")
+        if rope_type == "default":
+            inv_freq, scale = _default_inv_freq(params["rope_theta"], self.rotary_dim), 1.0
+        else:
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.float()[None, :]
+        # [max_position, rotary_dim]: cos | sin halves, computed in float32 as the reference does
+        cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]."""
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return torch.cat([rotated, rest], dim=-1) if rest.numel() else rotated

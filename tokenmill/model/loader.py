@@ -1,0 +1,121 @@
+"""Build a model on its device and fill it: sharded safetensors, GGUF (dequantized), or dummy."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from tokenmill.config import ModelConfig
+from tokenmill.model.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
+def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
+    path = model_config.model
+    if is_gguf(path):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        # GGUF metadata names the family but not the class.
+        if not getattr(config, "architectures", None):
+            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
+        return config
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} is neither a model folder nor a .gguf file")
+    return AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
+
+
+def resolve_dtype(model_config: ModelConfig, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if model_config.dtype != "auto":
+        return _DTYPES[model_config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    ckpt = _DTYPES.get(ckpt, ckpt) if isinstance(ckpt, str) else ckpt
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_config: ModelConfig, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    model_class = get_model_class(hf_config.architectures)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(hf_config)
+    load_format = model_config.load_format
+    if load_format == "auto":
+        load_format = "gguf" if is_gguf(model_config.model) else "safetensors"
+    if load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    elif load_format == "gguf":
+        model.load_weights(iter_gguf_weights(model_config.model, hf_config))
+    else:
+        model.load_weights(iter_safetensors_weights(model_config.model))
+    return model.eval()
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Small random values: speed does not depend on them, but NaNs or overflow would skew it."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for param in model.parameters():
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=generator)
+        param.data.copy_(values)
+    for name, module in model.named_modules():
+        if "norm" in name.rsplit(".", 1)[-1] and getattr(module, "weight", None) is not None:
+            module.weight.data.fill_(1.0 - getattr(module, "offset", 0.0))
+
+
+def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted({os.path.join(folder, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder!r}")
+    for file in tqdm(files, desc="Loading safetensors shards", disable=len(files) < 2):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized tensors under Hugging Face names, through transformers' GGUF support."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers maps GGUF tensor names (and undoes llama.cpp's q/k permutation) against a
+    # model skeleton; a meta-device one costs no memory.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    yield from tensors.items()

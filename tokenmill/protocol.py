@@ -1,0 +1,49 @@
+"""What crosses the frontend <-> engine-core boundary: requests in, per-step outputs out.
+
+Plain dataclasses, so the core imports nothing beyond the standard library here; msgspec can
+encode them as they are when the core runs in its own process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.request import FinishReason
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request."""
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None

@@ -1,0 +1,56 @@
+"""The scheduler <-> worker contract: what to run this step, and what came out of it.
+
+New requests are sent whole once; after that only diffs travel (new block ids, token counts).
+The worker keeps its own per-request state and appends the tokens it samples itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker has no state for: first scheduled, or resumed after preemption."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt plus any tokens generated before a preemption."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (prefix-cache hit)."""
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the worker already tracks: only what changed since the last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    """Tokens to compute this step per request, in batch order (decodes first)."""
+    total_num_scheduled_tokens: int
+    finished_request_ids: set[str] = field(default_factory=set)
+    """Requests finished, aborted or preempted since the last step: the worker drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    """The new token of each request whose scheduled tokens reached the end of its sequence;
+    requests in the middle of a chunked prefill are absent."""

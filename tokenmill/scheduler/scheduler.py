@@ -1,0 +1,213 @@
+"""Token-budget scheduler: continuous batching with chunked prefill and recompute preemption.
+
+There are no prefill or decode phases. Every request has `num_computed_tokens` and `num_tokens`;
+each step the scheduler hands out a token budget to close that gap, running requests first
+(decodes and unfinished prefill chunks), then waiting ones in queue order. When the KV cache is
+full, the lowest-priority running request is preempted: its blocks are freed and it is recomputed
+later from its prompt and the tokens it had already generated.
+
+This file must only contain what every request and model needs; rarer features live behind their
+own modules and touch it in a few lines at most.
+"""
+
+from __future__ import annotations
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.kv_cache.manager import NO_HIT, KVCacheManager
+from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.request import Request, RequestStatus, finish_reason_of
+from tokenmill.scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tokenmill.scheduler.request_queue import make_request_queue
+from tokenmill.scheduler.stop import check_stop
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_request_ids: set[str] = set()
+        """Requests that left since the last schedule(); the worker must drop their state."""
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def has_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_requests: list[NewRequestData] = []
+        cached_requests: list[CachedRequestData] = []
+        num_preemptions_before = self.num_preemptions
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self._allocate_or_preempt(request, num_new, num_scheduled, cached_requests)
+            if new_block_ids is None:
+                continue
+            cached_requests.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        # Preemption may have handed back budget; recount from what is actually scheduled.
+        budget = self.config.max_num_batched_tokens - sum(num_scheduled.values())
+        # After a preemption the cache is full: admitting more would only thrash it.
+        if self.num_preemptions > num_preemptions_before:
+            budget = 0
+
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else NO_HIT
+            num_new = request.num_tokens - request.num_computed_tokens - computed.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens += computed.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = computed.num_tokens
+            self.running.append(request)
+            new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv.get_block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # Decodes first in the batch: running requests were scheduled before waiting ones.
+        output = SchedulerOutput(
+            new_requests=new_requests,
+            cached_requests=cached_requests,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_request_ids=self.finished_request_ids,
+        )
+        self.finished_request_ids = set()
+        for request_id, num_new in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_new
+        return output
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        num_new: int,
+        num_scheduled: dict[str, int],
+        cached_requests: list[CachedRequestData],
+    ) -> list[int] | None:
+        """Allocate for a running request, preempting others (or itself) until it fits."""
+        while True:
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self._pick_victim()
+            if victim.request_id in num_scheduled:
+                # Only the priority policy can pick a request already scheduled in this step.
+                del num_scheduled[victim.request_id]
+                cached_requests[:] = [c for c in cached_requests if c.request_id != victim.request_id]
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_request_ids.add(request.request_id)
+        self.waiting.add_preempted(request)
+
+    # ---- results of a step -----------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        for request_id, token_id in runner_output.sampled_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.output_token_ids.append(token_id)
+            status = check_stop(request, self.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[token_id],
+                    finish_reason=finish_reason_of(request.status),
+                    stop_reason=request.stop_token_id,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                )
+            )
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self.finished_request_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_cache_stats.queries,
+            prefix_cache_hits=self.kv.prefix_cache_stats.hits,
+            num_preemptions=self.num_preemptions,
+        )

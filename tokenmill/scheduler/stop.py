@@ -1,0 +1,22 @@
+"""Token-level stop conditions, checked by the scheduler after each sampled token.
+
+Stop strings need text, so the output processor checks them and aborts the request.
+"""
+
+from __future__ import annotations
+
+from tokenmill.request import Request, RequestStatus
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """The finished status the request's last token leads to, or None to keep going."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+            request.stop_token_id = last
+            return RequestStatus.FINISHED_STOPPED
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+    if request.num_output_tokens >= max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -1,0 +1,58 @@
+"""Peak GPU memory of the largest step the scheduler may issue, measured by running it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.output import NewRequestData, SchedulerOutput
+from tokenmill.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tokenmill.worker.worker import Worker
+
+
+def profile_peak_memory(worker: Worker) -> int:
+    """Bytes needed at peak (weights, activations, sampler, non-torch allocations), KV pool excluded."""
+    sched = worker.config.scheduler_config
+    block_size = worker.config.cache_config.block_size
+    num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * worker.max_model_len)
+    num_reqs = min(sched.max_num_seqs, num_tokens)
+    lengths = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
+    blocks_per_req = [-(-n // block_size) for n in lengths]
+    shape = worker.kv_cache_shape()
+    temp_caches = [
+        torch.empty((2, sum(blocks_per_req), block_size, shape.num_kv_heads, shape.head_dim),
+                    dtype=worker.dtype, device=worker.device)
+        for _ in worker.attn_layers
+    ]
+    for layer, cache in zip(worker.attn_layers, temp_caches):
+        layer.kv_cache = cache
+    runner = ModelRunner(worker.model, worker.attn_backend, worker.device, block_size, num_reqs,
+                         max(lengths) + 1, worker.hf_config.vocab_size)
+    # Sampling with top-k/top-p exercises the sampler's largest temporaries (the sort).
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
+    generator = torch.Generator().manual_seed(0)
+    new_requests, next_block = [], 0
+    for i, (n, nb) in enumerate(zip(lengths, blocks_per_req)):
+        token_ids = torch.randint(0, worker.hf_config.vocab_size, (n,), generator=generator).tolist()
+        block_ids = list(range(next_block, next_block + nb))
+        next_block += nb
+        new_requests.append(NewRequestData(f"profile-{i}", token_ids, n, params, block_ids, 0))
+    output = SchedulerOutput(new_requests, [], {r.request_id: len(r.token_ids) for r in new_requests}, num_tokens)
+
+    torch.cuda.synchronize(worker.device)
+    torch.cuda.reset_peak_memory_stats(worker.device)
+    runner.execute_model(output)
+    torch.cuda.synchronize(worker.device)
+    peak_torch = torch.cuda.max_memory_allocated(worker.device)
+    free, total = torch.cuda.mem_get_info(worker.device)
+    non_torch = (total - free) - torch.cuda.memory_reserved(worker.device)
+    temp_bytes = sum(c.numel() * c.element_size() for c in temp_caches)
+    for layer in worker.attn_layers:
+        layer.kv_cache = torch.empty(0)
+    del temp_caches, runner
+    torch.cuda.empty_cache()
+    return peak_torch - temp_bytes + max(0, non_torch)

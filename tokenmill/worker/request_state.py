@@ -1,0 +1,58 @@
+"""Persistent per-request state on the worker, kept in fixed numpy rows and updated from diffs.
+
+Each live request owns one row of the token and block-table buffers until it finishes or is
+preempted, so building a step's inputs is array indexing rather than a rebuild per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.output import SchedulerOutput
+
+
+class RequestStates:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def apply(self, scheduler_output: SchedulerOutput) -> None:
+        """Bring the rows up to date with what the scheduler decided for this step."""
+        for request_id in scheduler_output.finished_request_ids:
+            row = self.row_of.pop(request_id, None)
+            if row is not None:
+                self.sampling_params[row] = None
+                self._free_rows.append(row)
+        for new in scheduler_output.new_requests:
+            row = self._free_rows.pop()
+            self.row_of[new.request_id] = row
+            n = len(new.token_ids)
+            self.token_ids[row, :n] = new.token_ids
+            self.num_tokens[row] = n
+            self.num_prompt_tokens[row] = new.num_prompt_tokens
+            self.num_computed_tokens[row] = new.num_computed_tokens
+            self.num_blocks[row] = 0
+            self._append_blocks(row, new.block_ids)
+            self.sampling_params[row] = new.sampling_params
+        for cached in scheduler_output.cached_requests:
+            row = self.row_of[cached.request_id]
+            self.num_computed_tokens[row] = cached.num_computed_tokens
+            self._append_blocks(row, cached.new_block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        self.token_ids[row, self.num_tokens[row]] = token_id
+        self.num_tokens[row] += 1
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = self.num_blocks[row]
+            self.block_table[row, start : start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)

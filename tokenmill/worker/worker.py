@@ -1,0 +1,105 @@
+"""Worker: owns the device, the model, the KV pool tensors and the model runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import PretrainedConfig
+
+from tokenmill.attention.backend import get_attention_backend
+from tokenmill.config import EngineConfig
+from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
+from tokenmill.layers.attention import Attention
+from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_GIB = 4.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.max_model_len = max_model_len
+        self.device = resolve_device(config.device_config.device)
+        self.dtype = resolve_dtype(config.model_config, hf_config, self.device)
+        torch.manual_seed(config.model_config.seed)
+        start = time.perf_counter()
+        self.model = load_model(config.model_config, hf_config, self.device, self.dtype)
+        logger.info("loaded %s (%s) on %s in %.1f s", type(self.model).__name__, self.dtype, self.device,
+                    time.perf_counter() - start)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attn_backend = get_attention_backend(config.device_config.attention_backend, self.device)
+        self.model_runner: ModelRunner | None = None
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        layer = self.attn_layers[0]
+        return KVCacheShape(
+            num_layers=len(self.attn_layers),
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            dtype_size=torch.empty((), dtype=self.dtype).element_size(),
+            block_size=self.config.cache_config.block_size,
+        )
+
+    def determine_kv_cache_spec(self) -> KVCacheSpec:
+        cache = self.config.cache_config
+        shape = self.kv_cache_shape()
+        if cache.num_gpu_blocks_override is not None:
+            available = cache.num_gpu_blocks_override * shape.bytes_per_block
+        elif cache.kv_cache_space is not None:
+            available = int(cache.kv_cache_space * GiB)
+        elif self.device.type == "cpu":
+            available = int(DEFAULT_CPU_KV_CACHE_GIB * GiB)
+        else:
+            available = self._profile_available_gpu_memory()
+        return make_kv_cache_spec(shape, available, self.max_model_len)
+
+    def _profile_available_gpu_memory(self) -> int:
+        """Memory left for the KV pool after weights and the peak of a full-budget forward pass."""
+        from tokenmill.worker.profiling import profile_peak_memory
+
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = profile_peak_memory(self)
+        budget = int(total * self.config.cache_config.gpu_memory_utilization)
+        logger.info("memory profile: peak %.2f GiB of %.2f GiB budget", peak / GiB, budget / GiB)
+        if budget <= peak:
+            raise RuntimeError(
+                f"no memory left for the KV cache: the model needs {peak / GiB:.2f} GiB at peak, "
+                f"gpu_memory_utilization grants {budget / GiB:.2f} GiB"
+            )
+        return budget - peak
+
+    def initialize_cache(self, spec: KVCacheSpec) -> None:
+        shape = spec.shape
+        for layer in self.attn_layers:
+            layer.kv_cache = torch.empty(
+                (2, spec.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
+                dtype=self.dtype, device=self.device,
+            )
+        self.model_runner = ModelRunner(
+            self.model,
+            self.attn_backend,
+            self.device,
+            block_size=shape.block_size,
+            max_num_reqs=self.config.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            vocab_size=self.hf_config.vocab_size,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.model_runner is not None, "initialize_cache() must run first"
+        return self.model_runner.execute_model(scheduler_output)
