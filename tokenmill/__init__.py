@@ -1,9 +1,13 @@
 """tokenmill: a high-throughput LLM inference and serving engine."""
 
-from tokenmill.config import EngineConfig
-from tokenmill.engine.llm import LLM
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.logger import configure_package_logger
+
+configure_package_logger()
+
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.engine.llm import LLM  # noqa: E402
+from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

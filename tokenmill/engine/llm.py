@@ -14,7 +14,6 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 
-
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is None:

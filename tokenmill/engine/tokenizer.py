@@ -14,7 +14,8 @@ from tokenmill.model.loader import is_gguf
 def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     path = model_config.tokenizer or model_config.model
     if is_gguf(path):
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        folder, name = os.path.split(os.path.abspath(path))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
     if model_config.chat_template is not None:

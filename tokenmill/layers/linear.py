@@ -31,7 +31,8 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.tp_dim = tp_dim
         self.input_size, self.output_size = input_size, output_size
-        self.weight = _set_loader(nn.Parameter(torch.empty(output_size, input_size), requires_grad=False), self.weight_loader)
+        weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight = _set_loader(weight, self.weight_loader)
         if bias:
             self.bias = _set_loader(nn.Parameter(torch.empty(output_size), requires_grad=False), self.weight_loader)
         else:

@@ -28,7 +28,9 @@ def _default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int, rotary_dim: int | None = None) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, max_position: int, rotary_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim

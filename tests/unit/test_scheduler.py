@@ -1,0 +1,181 @@
+"""Scheduler: token budget, chunked prefill, decodes first, preemption order, no leaks.
+
+The model runner is replaced by hand-built ModelRunnerOutputs: the scheduler only sees token ids.
+"""
+
+import pytest
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.kv_cache.manager import KVCacheManager
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.scheduler.scheduler import Scheduler
+
+BLOCK = 4
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, budget=32, max_seqs=8, policy="fcfs", max_model_len=64, caching=True):
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+    return Scheduler(config, KVCacheManager(num_blocks, BLOCK, enable_caching=caching), max_model_len)
+
+
+def make_request(rid, num_prompt, max_tokens=4, priority=0, arrival=0.0, first_token=1):
+    tokens = list(range(first_token, first_token + num_prompt))
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset([EOS]),
+                   priority=priority, arrival_time=arrival)
+
+
+def run_step(scheduler: Scheduler, token=7) -> SchedulerOutput:
+    """Schedule one step and sample `token` for every request that reached its end."""
+    out = scheduler.schedule()
+    sampled = {}
+    for rid in out.num_scheduled_tokens:
+        req = scheduler.requests[rid]
+        if req.num_computed_tokens == req.num_tokens:
+            sampled[rid] = token
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled))
+    return out
+
+
+def drain(scheduler: Scheduler, max_steps=500) -> list[SchedulerOutput]:
+    outs = []
+    while scheduler.has_requests():
+        outs.append(run_step(scheduler))
+        assert len(outs) < max_steps
+    return outs
+
+
+def test_long_prompt_is_chunked_within_the_budget():
+    s = make_scheduler(budget=16)
+    s.add_request(make_request("a", 40))
+    outs = [run_step(s) for _ in range(3)]
+    assert [o.num_scheduled_tokens["a"] for o in outs] == [16, 16, 8]
+    assert s.requests["a"].num_output_tokens == 1  # sampled only once the prompt is complete
+
+
+def test_decodes_come_first_and_prefill_fills_the_rest_of_the_budget():
+    s = make_scheduler(budget=16)
+    s.add_request(make_request("a", 5, max_tokens=10))
+    run_step(s)  # a prefilled, now decoding
+    s.add_request(make_request("b", 40))
+    out = run_step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
+    assert out.total_num_scheduled_tokens <= 16
+
+
+def test_budget_and_max_num_seqs_are_never_exceeded():
+    s = make_scheduler(budget=24, max_seqs=3)
+    for i in range(10):
+        s.add_request(make_request(f"r{i}", 5 + 3 * i, first_token=100 * i + 1))
+    for out in drain(s):
+        assert out.total_num_scheduled_tokens <= 24
+        assert len(out.num_scheduled_tokens) <= 3
+
+
+def test_no_block_leaks_after_finish_and_abort():
+    s = make_scheduler(num_blocks=32)
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", 7, max_tokens=5, first_token=10 * i + 1))
+    run_step(s)
+    s.finish_requests(["r1", "r4"], RequestStatus.FINISHED_ABORTED)
+    run_step(s)
+    s.finish_requests(["r2"], RequestStatus.FINISHED_ABORTED)
+    drain(s)
+    assert s.kv.pool.num_free_blocks == 32
+    assert not s.requests and not s.running and len(s.waiting) == 0
+
+
+def test_abort_of_a_waiting_request_frees_it_before_it_runs():
+    s = make_scheduler(max_seqs=1)
+    s.add_request(make_request("a", 5))
+    s.add_request(make_request("b", 5))
+    run_step(s)
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    outs = drain(s)
+    assert all("b" not in o.num_scheduled_tokens for o in outs)
+
+
+def test_finished_ids_reach_the_worker_once():
+    s = make_scheduler()
+    s.add_request(make_request("a", 5, max_tokens=1))
+    s.add_request(make_request("b", 5, max_tokens=3, first_token=50))
+    assert run_step(s).finished_request_ids == set()  # a finishes in this step
+    assert run_step(s).finished_request_ids == {"a"}
+    assert run_step(s).finished_request_ids == set()
+
+
+def test_eos_and_length_finish_reasons():
+    s = make_scheduler()
+    s.add_request(make_request("eos", 5, max_tokens=10))
+    s.add_request(make_request("len", 5, max_tokens=2, first_token=50))
+    first = s.update_from_output(s.schedule(), ModelRunnerOutput({"eos": EOS, "len": 3})).outputs
+    assert [(r.request_id, r.finish_reason and r.finish_reason.value, r.stop_reason) for r in first] == [
+        ("eos", "stop", EOS), ("len", None, None)]
+    second = s.update_from_output(s.schedule(), ModelRunnerOutput({"len": 3})).outputs
+    assert [(r.request_id, r.finish_reason.value) for r in second] == [("len", "length")]
+
+
+def test_fcfs_preempts_the_latest_request_and_recomputes_it_later():
+    # 6 blocks of 4 tokens; three requests of 7 prompt tokens grow until the pool runs out.
+    s = make_scheduler(num_blocks=6, budget=64, max_model_len=24)
+    for i, rid in enumerate("abc"):
+        s.add_request(make_request(rid, 7, max_tokens=12, arrival=i, first_token=10 * i + 1))
+    preempted_order = []
+    while s.has_requests():
+        before = {r.request_id for r in s.running}
+        run_step(s)
+        after = {r.request_id for r in s.running}
+        preempted_order += [rid for rid in before - after if s.requests.get(rid) and
+                            s.requests[rid].status == RequestStatus.PREEMPTED]
+    assert preempted_order and preempted_order[0] == "c"
+    assert s.num_preemptions >= 1 and s.kv.pool.num_free_blocks == 6
+
+
+def test_priority_policy_runs_and_keeps_the_most_urgent_request():
+    s = make_scheduler(num_blocks=6, budget=64, max_model_len=24, policy="priority", max_seqs=2)
+    s.add_request(make_request("low", 7, max_tokens=12, priority=5, arrival=0))
+    s.add_request(make_request("high", 7, max_tokens=12, priority=0, arrival=1, first_token=50))
+    s.add_request(make_request("mid", 7, max_tokens=12, priority=1, arrival=2, first_token=90))
+    first = s.schedule()
+    assert set(first.num_scheduled_tokens) == {"high", "mid"}  # lower value runs first
+    s.update_from_output(first, ModelRunnerOutput({"high": 7, "mid": 7}))
+    high, mid = s.requests["high"], s.requests["mid"]
+    while high.status == RequestStatus.RUNNING:
+        run_step(s)
+        assert high.status != RequestStatus.PREEMPTED
+    assert mid.num_preemptions > 0  # the pool could not hold both; the less urgent one yielded
+    assert high.status == RequestStatus.FINISHED_LENGTH
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preempted_requests_finish_with_exactly_their_token_count(policy):
+    s = make_scheduler(num_blocks=8, budget=20, max_model_len=32, policy=policy)
+    for i in range(5):
+        s.add_request(make_request(f"r{i}", 6 + i, max_tokens=9, priority=i % 2, arrival=i, first_token=20 * i + 1))
+    requests = dict(s.requests)
+    drain(s)
+    assert s.num_preemptions > 0
+    for req in requests.values():
+        assert req.num_output_tokens == 9 and req.status == RequestStatus.FINISHED_LENGTH
+    assert s.kv.pool.num_free_blocks == 8
+
+
+def test_second_request_with_shared_prefix_computes_only_the_new_tokens():
+    s = make_scheduler()
+    s.add_request(make_request("a", 13, max_tokens=1))
+    drain(s)
+    s.add_request(make_request("b", 13, max_tokens=1))
+    out = s.schedule()
+    assert out.new_requests[0].num_computed_tokens == 12
+    assert out.num_scheduled_tokens["b"] == 1
+    assert s.kv.prefix_cache_stats.hits == 12
+
+
+def test_prefix_caching_off_recomputes_everything():
+    s = make_scheduler(caching=False)
+    s.add_request(make_request("a", 13, max_tokens=1))
+    drain(s)
+    s.add_request(make_request("b", 13, max_tokens=1))
+    assert s.schedule().num_scheduled_tokens["b"] == 13
