@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve run test lint
+.PHONY: setup serve generate test lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,10 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-run: setup
+serve: setup
+	$(VENV)/bin/tokenmill serve
+
+generate: setup
 	$(VENV)/bin/tokenmill generate "The capital of France is"
 
 test: setup
