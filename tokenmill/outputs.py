@@ -6,6 +6,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    """Rank in the model's distribution (1 = most likely)."""
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated position: token id -> its Logprob (the chosen token and the top alternatives)."""
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt position; the first token has no logprob (None)."""
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -15,7 +29,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended generation; None for EOS-less endings."""
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    """Sum of the chosen tokens' logprobs; set when logprobs were computed."""
+    logprobs: SampleLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -39,4 +54,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    prompt_logprobs: list | None = field(default=None)
+    prompt_logprobs: PromptLogprobs | None = field(default=None)

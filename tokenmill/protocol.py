@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.request import FinishReason
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.output import TokenLogprobs
 
 
 @dataclass
@@ -31,6 +32,10 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request."""
     num_cached_tokens: int = 0
+    new_logprobs: TokenLogprobs | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    """Prompt logprobs arrive with the step that completes the prompt (chunks are gathered by the
+    worker until then)."""
 
 
 @dataclass

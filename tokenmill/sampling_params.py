@@ -1,33 +1,78 @@
-"""SamplingParams: how one request is sampled and when it stops; validated at the edge."""
+"""SamplingParams: how one request is sampled and when it stops; validated at the edge.
+
+The fields and their meaning follow vLLM's SamplingParams. The sampler applies them in the order
+documented in tokenmill/sample/sampler.py.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
+
+LogitsProcessor = Callable[[list[int], "object"], "object"]
+"""fn(output_token_ids, logits_row) -> logits_row. Runs in Python per request: the slow path."""
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"
+    """Every output carries all text and tokens so far."""
+    DELTA = "delta"
+    """Every output carries only what is new (streaming)."""
+    FINAL_ONLY = "final_only"
+    """Only the finished output is produced (the offline default)."""
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
-    """Number of completions to return (only 1 is supported by this engine so far)."""
+    """Completions returned for the prompt."""
+    best_of: int | None = None
+    """Completions generated, of which the n with the highest cumulative logprob are returned."""
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 or -1 disables top-k."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from every token already generated."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted per occurrence of a token already generated."""
+    repetition_penalty: float = 1.0
+    """transformers' (CTRL): logits of tokens in the prompt or output are divided (if > 0) or
+    multiplied (if < 0) by it."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled."""
+    bad_words: list[str] | None = None
+    """Words never to generate (their last token is masked when the rest was just generated)."""
     max_tokens: int | None = 16
     """Most tokens to generate; None means up to max_model_len."""
     min_tokens: int = 0
-    """EOS and stop token ids are ignored until this many tokens were generated."""
+    """EOS and stop token ids are masked until this many tokens were generated."""
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    """Return the log probabilities of the top `logprobs` tokens (and the sampled one) per step."""
+    prompt_logprobs: int | None = None
+    """Likewise for each prompt token (the first has none)."""
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    logits_processors: list[LogitsProcessor] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    # Token ids of bad_words, filled by the input processor (it owns the tokenizer).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,26 +81,65 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        _check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        if self.best_of is not None:
+            _check(self.best_of >= self.n, f"best_of ({self.best_of}) must be at least n ({self.n})")
+        _check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        _check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(all(self.stop), "stop strings must be non-empty")
+        _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+               f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+               "allowed_token_ids must not be empty")
+        if self.best_of is not None and self.best_of > self.n and self.is_greedy:
+            raise ValueError("best_of > n needs sampling (temperature > 0): greedy samples would all be equal")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences are generated for the prompt."""
+        return self.best_of or self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone_for_sample(self, index: int) -> SamplingParams:
+        """The params of one of several samples: n=1, and a seed of its own if seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, best_of=None, seed=seed)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    """Finished beams are ranked by cumulative logprob / length ** length_penalty."""
+    temperature: float = 0.0

@@ -54,6 +54,8 @@ class InputProcessor:
     ) -> tuple[str | None, EngineRequest]:
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate(token_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -69,11 +71,30 @@ class InputProcessor:
         params.validate()
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if any(t < 0 or t >= self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        self._check_token_ids(token_ids, "prompt token ids")
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self._check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
+        self._check_token_ids(list(params.logit_bias or {}), "logit_bias keys")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, and this engine has none")
         num = len(token_ids)
         if num >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {num} tokens, but the model's context length (max_model_len) is "
                 f"{self.max_model_len}, which leaves no room for output"
             )
+
+    def _check_token_ids(self, token_ids: list[int], what: str) -> None:
+        if any(t < 0 or t >= self.vocab_size for t in token_ids):
+            raise ValueError(f"{what} must be in [0, {self.vocab_size})")
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word as it would appear mid-text and at the start of text (they tokenize differently)."""
+        assert self.tokenizer is not None
+        sequences = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences

@@ -11,7 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -44,7 +44,9 @@ class LLM:
         try:
             for prompt, p, prio, salt in zip(prompts, params, priorities, salts):
                 request_id = self.engine.next_request_id()
-                self.engine.add_request(request_id, prompt, p, priority=prio, cache_salt=salt)
+                self.engine.add_request(
+                    request_id, prompt, p, priority=prio, cache_salt=salt, output_kind=RequestOutputKind.FINAL_ONLY
+                )
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)

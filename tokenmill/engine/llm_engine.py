@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
@@ -56,16 +57,17 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        output_kind: OutputKind | None = None,
     ) -> None:
         text, request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
-        self.output_processor.add_request(
+        samples = self.output_processor.add_request(
             request_id, text, request.prompt_token_ids, params, request.arrival_time, output_kind
         )
-        self.core.add_request(request)
+        for sample_id, sample_params in samples:
+            self.core.add_request(replace(request, request_id=sample_id, sampling_params=sample_params))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        self.core.abort_requests(request_ids)
+        self.core.abort_requests([sid for rid in request_ids for sid in self.output_processor.sample_ids(rid)])
         return self.output_processor.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:

@@ -1,53 +1,70 @@
-"""Turn the core's per-step token outputs into RequestOutputs: detokenize, stop strings, metrics."""
+"""Turn the core's per-step token outputs into RequestOutputs: detokenize, stop strings, logprobs,
+metrics, and the merging of parallel samples (n > 1, best_of) into one output per request.
+
+A request with n > 1 (or best_of) runs in the core as one sample request per completion; their
+prompts share KV blocks through the prefix cache. This module gathers them back.
+"""
 
 from __future__ import annotations
 
-import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.protocol import EngineCoreOutput
 from tokenmill.request import FinishReason
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.scheduler.output import TokenLogprobs
 
-
-class OutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"
-    """Every output carries all text and tokens so far."""
-    DELTA = "delta"
-    """Every output carries only what is new (for streaming)."""
-    FINAL_ONLY = "final_only"
-    """Only the finished output is produced."""
+OutputKind = RequestOutputKind
 
 
 @dataclass
-class RequestState:
+class ParentRequest:
+    """What the caller sees as one request: its prompt, metrics and the samples that make it up."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
     output_kind: OutputKind
     metrics: RequestMetrics
+    samples: list[SampleState] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+@dataclass
+class SampleState:
+    """One completion being generated: a request in the core."""
+
+    request_id: str
+    index: int
+    parent: ParentRequest
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
     num_text_sent: int = 0
     num_tokens_sent: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        self.token_ids: list[int] = []
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.samples: dict[str, SampleState] = {}
+        self.parents: dict[str, ParentRequest] = {}
 
     def add_request(
         self,
@@ -56,102 +73,175 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
-    ) -> None:
-        detokenizer = None
-        if params.detokenize and self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self.states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, detokenizer, output_kind, RequestMetrics(arrival_time)
-        )
+        output_kind: OutputKind | None = None,
+    ) -> list[tuple[str, SamplingParams]]:
+        """Track a request; returns the (core request id, params) of each sample to run."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        kind = output_kind or params.output_kind
+        if params.num_samples > params.n:
+            kind = OutputKind.FINAL_ONLY  # the best n are known only at the end
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, kind, RequestMetrics(arrival_time))
+        self.parents[request_id] = parent
+        single = params.num_samples == 1
+        for index in range(params.num_samples):
+            sample_id = request_id if single else f"{index}_{request_id}"
+            sample_params = params if single else params.clone_for_sample(index)
+            if params.num_samples > params.n and sample_params.logprobs is None:
+                # Ranking by cumulative logprob needs the chosen tokens' logprobs.
+                sample_params.logprobs = 0
+            detokenizer = None
+            if params.detokenize and self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            sample = SampleState(sample_id, index, parent, sample_params, detokenizer)
+            parent.samples.append(sample)
+            self.samples[sample_id] = sample
+        return [(s.request_id, s.params) for s in parent.samples]
+
+    def sample_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [s.request_id for s in parent.samples] if parent else []
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+        return bool(self.parents)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver and the ids the core must abort (hit a stop string)."""
+        """Returns the outputs to deliver and the core ids to abort (they hit a stop string)."""
         now = time.time()
         results, to_abort = [], []
         for out in outputs:
-            state = self.states.get(out.request_id)
-            if state is None:
+            sample = self.samples.get(out.request_id)
+            if sample is None:
                 continue  # aborted by the caller
-            metrics = state.metrics
-            if metrics.first_token_time is None and out.new_token_ids:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            state.num_cached_tokens = out.num_cached_tokens
-            state.token_ids.extend(out.new_token_ids)
-            state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
-            if state.detokenizer is not None and self._update_text(state, out.new_token_ids):
+            parent = sample.parent
+            if parent.metrics.first_token_time is None and out.new_token_ids:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+            parent.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None] + [self._to_logprob_dict(e) for e in out.new_prompt_logprobs]
+            sample.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None:
+                self._append_logprobs(sample, out.new_logprobs)
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            if sample.detokenizer is not None and self._update_text(sample, out.new_token_ids):
                 to_abort.append(out.request_id)
-            result = self._make_output(state, now)
+            result = self._make_output(sample, now)
             if result is not None:
                 results.append(result)
         return results, to_abort
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Finish requests aborted from outside; returns their final outputs."""
+        """Finish requests aborted from outside (caller ids, not sample ids); returns final outputs."""
         now, results = time.time(), []
         for request_id in request_ids:
-            state = self.states.get(request_id)
-            if state is not None:
-                state.finish_reason = FinishReason.ABORT
-                result = self._make_output(state, now)
-                if result is not None:
-                    results.append(result)
+            parent = self.parents.get(request_id)
+            if parent is None:
+                continue
+            result = None
+            for sample in parent.samples:
+                if sample.finish_reason is None:
+                    sample.finish_reason = FinishReason.ABORT
+                    result = self._make_output(sample, now) or result
+            if result is not None:
+                results.append(result)
         return results
 
-    def _update_text(self, state: RequestState, new_token_ids: list[int]) -> bool:
-        """Append decoded text; True when a stop string ended the request."""
-        assert state.detokenizer is not None
-        delta = state.detokenizer.update(new_token_ids)
-        state.text += delta
-        if not delta or not state.params.stop or state.finish_reason is not None:
+    # ---- per-sample updates ----------------------------------------------------------------
+
+    def _update_text(self, sample: SampleState, new_token_ids: list[int]) -> bool:
+        """Append decoded text; True when a stop string ended the sample."""
+        assert sample.detokenizer is not None
+        delta = sample.detokenizer.update(new_token_ids)
+        sample.text += delta
+        if not delta or not sample.params.stop or sample.finish_reason is not None:
             return False
-        hit = find_stop_string(state.text, len(delta), state.params.stop)
+        hit = find_stop_string(sample.text, len(delta), sample.params.stop)
         if hit is None:
             return False
         stop, start = hit
-        state.text = state.text[: start + len(stop) if state.params.include_stop_str_in_output else start]
-        state.finish_reason, state.stop_reason = FinishReason.STOP, stop
+        sample.text = sample.text[: start + len(stop) if sample.params.include_stop_str_in_output else start]
+        sample.finish_reason, sample.stop_reason = FinishReason.STOP, stop
         return True
 
-    def _make_output(self, state: RequestState, now: float) -> RequestOutput | None:
-        finished = state.finish_reason is not None
+    def _append_logprobs(self, sample: SampleState, entry: TokenLogprobs) -> None:
+        sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry.logprobs[0]
+        if sample.parent.params.logprobs is not None:
+            if sample.logprobs is None:
+                sample.logprobs = []
+            sample.logprobs.append(self._to_logprob_dict(entry))
+
+    def _to_logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        """Chosen token first (with its rank), then the top alternatives ranked 1..k."""
+        chosen = entry.token_ids[0]
+        result = {chosen: Logprob(entry.logprobs[0], entry.rank, self._decode_one(chosen))}
+        for rank, (token_id, logprob) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:]), start=1):
+            result.setdefault(token_id, Logprob(logprob, rank, self._decode_one(token_id)))
+        return result
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    # ---- what the caller sees --------------------------------------------------------------
+
+    def _make_output(self, sample: SampleState, now: float) -> RequestOutput | None:
+        parent = sample.parent
+        if sample.finish_reason is not None:
+            del self.samples[sample.request_id]
+        finished = parent.finished
         if finished:
-            state.metrics.finished_time = now
-            del self.states[state.request_id]
-        elif state.output_kind == OutputKind.FINAL_ONLY:
-            return None
-        if state.output_kind == OutputKind.DELTA:
-            text_end = len(state.text) if finished else len(state.text) - self._holdback(state)
-            text = state.text[state.num_text_sent : max(text_end, state.num_text_sent)]
-            token_ids = state.token_ids[state.num_tokens_sent :]
-            state.num_text_sent += len(text)
-            state.num_tokens_sent = len(state.token_ids)
+            parent.metrics.finished_time = now
+            del self.parents[parent.request_id]
+        if parent.output_kind == OutputKind.FINAL_ONLY:
+            if not finished:
+                return None
+            completions = [self._completion(s, delta=False) for s in self._best(parent)]
+        elif parent.output_kind == OutputKind.DELTA:
+            completions = [self._completion(sample, delta=True)]
         else:
-            text, token_ids = state.text, list(state.token_ids)
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=token_ids,
-            finish_reason=state.finish_reason.value if finished else None,
-            stop_reason=state.stop_reason,
-        )
+            completions = [self._completion(s, delta=False) for s in parent.samples]
         return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[completion],
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
             finished=finished,
-            metrics=state.metrics,
-            num_cached_tokens=state.num_cached_tokens,
+            metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs,
         )
 
     @staticmethod
-    def _holdback(state: RequestState) -> int:
+    def _best(parent: ParentRequest) -> list[SampleState]:
+        if parent.params.num_samples == parent.params.n:
+            return parent.samples
+        ranked = sorted(parent.samples, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)
+        return ranked[: parent.params.n]
+
+    def _completion(self, sample: SampleState, delta: bool) -> CompletionOutput:
+        finished = sample.finish_reason is not None
+        text, token_ids, logprobs = sample.text, list(sample.token_ids), sample.logprobs
+        if delta:
+            text_end = len(sample.text) if finished else len(sample.text) - self._holdback(sample)
+            text = sample.text[sample.num_text_sent : max(text_end, sample.num_text_sent)]
+            token_ids = sample.token_ids[sample.num_tokens_sent :]
+            if logprobs is not None:
+                logprobs = logprobs[sample.num_tokens_sent :]
+            sample.num_text_sent += len(text)
+            sample.num_tokens_sent = len(sample.token_ids)
+        return CompletionOutput(
+            index=sample.index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=sample.finish_reason.value if finished else None,
+            stop_reason=sample.stop_reason,
+            cumulative_logprob=sample.cumulative_logprob,
+            logprobs=logprobs,
+        )
+
+    @staticmethod
+    def _holdback(sample: SampleState) -> int:
         """Characters withheld from a stream because they may be the start of a stop string."""
-        if not state.params.stop or state.params.include_stop_str_in_output:
+        if not sample.params.stop or sample.params.include_stop_str_in_output:
             return 0
-        return max(len(s) for s in state.params.stop) - 1
+        return max(len(s) for s in sample.params.stop) - 1

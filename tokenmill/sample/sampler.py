@@ -1,12 +1,22 @@
 """Sampler: logits -> one token per request, batched with per-request parameters.
 
-Order: temperature -> top-k -> top-p -> Gumbel-max draw (argmax of probs / Exp(1) noise, which
-needs no host sync). Greedy rows take the argmax of the raw logits; when every row is greedy
-the whole pipeline is skipped. Seeded requests draw their noise from their own generator, so a
-seed gives the same tokens whatever else is in the batch.
+The pipeline, in this fixed order (every stage is skipped when no row uses it):
+  1. logprobs are taken from the raw model distribution (log_softmax of the unprocessed logits,
+     as vLLM's default `raw_logprobs` mode), before anything below changes the logits;
+  2. per-request `logits_processors` (Python callables: the slow path);
+  3. the logit mask: `logit_bias`, `allowed_token_ids`, `bad_words`, and EOS/stop tokens while
+     fewer than `min_tokens` were generated;
+  4. penalties: repetition (transformers' rule over prompt and output tokens), then frequency
+     and presence (OpenAI's formula over output tokens);
+  5. greedy rows take the argmax here;
+  6. temperature, then min_p, top_k and top_p (one sort serves both);
+  7. a Gumbel-max draw (argmax of probs / Exp(1) noise): no host sync; seeded rows draw their
+     noise from their own generator.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,21 +24,80 @@ from torch import nn
 from tokenmill.sample.metadata import SamplingMetadata
 
 
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [num_reqs] int64
+    logprobs: LogprobsTensors | None = None
+
+
+@dataclass
+class LogprobsTensors:
+    token_ids: torch.Tensor  # [num_reqs, 1 + k] sampled token first, then the top k
+    logprobs: torch.Tensor  # [num_reqs, 1 + k] float32
+    sampled_ranks: torch.Tensor  # [num_reqs] int64, 1 = the most likely token
+
+
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """logits [num_reqs, vocab] -> token ids [num_reqs] int64."""
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits [num_reqs, vocab] -> one token id per row (and logprobs if asked)."""
         logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        logits = apply_logits_processors(logits, metadata)
         greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
-            return greedy
-        logits = logits / metadata.temperature.unsqueeze(1)
-        if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = logits.softmax(dim=-1)
-        sampled = (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
-        if metadata.is_greedy is not None:
-            sampled = torch.where(metadata.is_greedy, greedy, sampled)
-        return sampled
+            token_ids = greedy
+        else:
+            token_ids = sample(logits, metadata)
+            if metadata.is_greedy is not None:
+                token_ids = torch.where(metadata.is_greedy, greedy, token_ids)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids, metadata.max_num_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+
+def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Stages 2-4: everything that changes the distribution before temperature."""
+    if metadata.logits_processors:
+        logits = logits.clone()
+        for row, (processors, output_token_ids) in metadata.logits_processors.items():
+            for processor in processors:
+                logits[row] = processor(output_token_ids, logits[row])
+    if metadata.logit_mask is not None:
+        logits = logits + metadata.logit_mask
+    if metadata.output_counts is not None:
+        logits = apply_penalties(
+            logits, metadata.output_counts, metadata.prompt_mask, metadata.repetition_penalty,
+            metadata.frequency_penalty, metadata.presence_penalty,
+        )
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+) -> torch.Tensor:
+    seen = prompt_mask | (output_counts > 0)
+    penalty = repetition_penalty.unsqueeze(1)
+    repeated = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen, repeated, logits)
+    logits = logits - frequency_penalty.unsqueeze(1) * output_counts
+    return logits - presence_penalty.unsqueeze(1) * (output_counts > 0)
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Stages 6-7 for the non-greedy rows (greedy rows have temperature 1 and are replaced later)."""
+    logits = logits / metadata.temperature.unsqueeze(1)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = logits.softmax(dim=-1)
+    return (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
 
 
 def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -38,6 +107,12 @@ def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator
     return noise
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
@@ -45,7 +120,7 @@ def apply_top_k_top_p(
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab = logits.shape[-1]
     if top_k is not None:
-        # Keep the last top_k entries of the ascending sort.
+        # Keep the last top_k entries of the ascending sort (ties with the k-th are kept).
         kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
@@ -54,3 +129,15 @@ def apply_top_k_top_p(
         drop[:, -1] = False  # the most likely token always survives
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_reqs, 1]
+    ranks = (logprobs > sampled).sum(dim=-1) + 1
+    if num_top > 0:
+        top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+        ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
+        values = torch.cat([sampled, top_logprobs], dim=1)
+    else:
+        ids, values = token_ids.unsqueeze(1), sampled
+    return LogprobsTensors(ids, values, ranks)

@@ -23,6 +23,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     """Tokens whose KV is already in the cache (prefix-cache hit)."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """Masked while fewer than min_tokens were generated."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,22 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Log probabilities at one position: the chosen token first, then the top-k alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+    """Rank of the chosen token in the distribution (1 = most likely)."""
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     """The new token of each request whose scheduled tokens reached the end of its sequence;
     requests in the middle of a chunked prefill are absent."""
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    """For sampled requests that asked for logprobs."""
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """For requests that asked for prompt logprobs: one entry per prompt token computed this
+    step whose successor is a prompt token (the first prompt token never has one)."""

@@ -95,7 +95,10 @@ class Scheduler:
 
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else NO_HIT
+            # Prompt logprobs need the logits of every prompt position, so such requests skip the cache.
+            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+            use_cache = request.num_computed_tokens == 0 and not wants_prompt_logprobs
+            computed = self.kv.get_computed_blocks(request) if use_cache else NO_HIT
             num_new = request.num_tokens - request.num_computed_tokens - computed.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -116,6 +119,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    eos_token_ids=request.eos_token_ids,
                 )
             )
             num_scheduled[request.request_id] = num_new
@@ -192,6 +196,8 @@ class Scheduler:
                     finish_reason=finish_reason_of(request.status),
                     stop_reason=request.stop_token_id,
                     num_cached_tokens=request.num_cached_tokens or 0,
+                    new_logprobs=runner_output.logprobs.get(request_id),
+                    new_prompt_logprobs=runner_output.prompt_logprobs.get(request_id),
                 )
             )
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())

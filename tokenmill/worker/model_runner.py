@@ -13,11 +13,14 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.forward_context import forward_context
-from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.logprobs import PromptLogprobsCollector, to_token_logprobs
 from tokenmill.sample.sampler import Sampler
+from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
 from tokenmill.worker.request_state import RequestStates
+
+EMPTY_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
 
 
 class ModelRunner:
@@ -35,50 +38,77 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.device = device
         self.block_size = block_size
-        self.vocab_size = vocab_size
         max_blocks_per_req = -(-max_model_len // block_size)
         self.states = RequestStates(max_num_reqs, max_model_len, max_blocks_per_req)
         self.sampler = Sampler()
-        self._seeded_generators: dict[int, torch.Generator] = {}
+        self.sampling_state = SamplingState(max_num_reqs, vocab_size, device)
+        self.prompt_logprobs = PromptLogprobsCollector()
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.states.apply(scheduler_output)
+        for request_id in scheduler_output.finished_request_ids:
+            self.prompt_logprobs.drop(request_id)
+        for row, new in self.states.apply(scheduler_output):
+            self.sampling_state.add_request(
+                row, new.sampling_params, new.eos_token_ids, new.token_ids, new.num_prompt_tokens
+            )
+            # Only a fresh prompt yields prompt logprobs; a resumed request already returned them.
+            if new.sampling_params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
+                self.prompt_logprobs.start(new.request_id)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return EMPTY_OUTPUT
         batch = prepare_inputs(scheduler_output, self.states, self.block_size)
         hidden_states = self._forward(batch)
+        if self.prompt_logprobs.pending:
+            self._collect_prompt_logprobs(batch, hidden_states)
         if len(batch.sampled_rows) == 0:
-            return ModelRunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
-        token_ids = self.sampler(logits, self._sampling_metadata(batch.sampled_rows)).tolist()
-        sampled: dict[str, int] = {}
-        rows_to_ids = {row: rid for rid, row in zip(batch.request_ids, batch.rows.tolist())}
-        for row, token_id in zip(batch.sampled_rows.tolist(), token_ids):
-            self.states.append_token(row, token_id)
-            sampled[rows_to_ids[row]] = token_id
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+            return EMPTY_OUTPUT
+        return self._sample(batch, hidden_states)
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         metadata = self.attn_backend.build_metadata(batch.layout, self.device)
         with forward_context(self.attn_backend, metadata):
             return self.model(self._to_device(batch.input_ids), self._to_device(batch.positions))
 
+    def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> ModelRunnerOutput:
+        logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
+        metadata = self.sampling_state.build_metadata(batch.sampled_rows, self.states)
+        output = self.sampler(logits, metadata)
+        self.sampling_state.record_sampled(self._to_device(batch.sampled_rows), output.token_ids)
+        token_ids = output.token_ids.tolist()  # the step's one device-to-host copy
+        row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))
+        sampled_ids = [row_to_id[row] for row in batch.sampled_rows.tolist()]
+        for row, token_id in zip(batch.sampled_rows.tolist(), token_ids):
+            self.states.append_token(row, token_id)
+        logprobs = {}
+        if output.logprobs is not None:
+            params = [self.states.sampling_params[row] for row in batch.sampled_rows.tolist()]
+            entries = to_token_logprobs(output.logprobs, [p.logprobs or 0 for p in params])
+            logprobs = {rid: e for rid, e, p in zip(sampled_ids, entries, params) if p.logprobs is not None}
+        prompt_logprobs = {}
+        for rid in sampled_ids:
+            taken = self.prompt_logprobs.take(rid)
+            if taken is not None:
+                prompt_logprobs[rid] = taken
+        return ModelRunnerOutput(dict(zip(sampled_ids, token_ids)), logprobs, prompt_logprobs)
+
+    def _collect_prompt_logprobs(self, batch: InputBatch, hidden_states: torch.Tensor) -> None:
+        starts = batch.layout.query_start_loc
+        for i, (rid, row) in enumerate(zip(batch.request_ids, batch.rows.tolist())):
+            if rid not in self.prompt_logprobs.pending:
+                continue
+            first = int(batch.positions[starts[i]])
+            # Positions whose successor is still a prompt token.
+            last = min(int(batch.positions[starts[i + 1] - 1]) + 1, int(self.states.num_prompt_tokens[row]) - 1)
+            next_ids = self.states.token_ids[row, first + 1 : last + 1].tolist()
+            params = self.states.sampling_params[row]
+            self.prompt_logprobs.collect(
+                rid, hidden_states[starts[i] : starts[i] + len(next_ids)], next_ids, params.prompt_logprobs,
+                self.model.compute_logits,
+            )
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
-
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        params = [self.states.sampling_params[row] for row in rows.tolist()]
-        generators = {}
-        for i, (row, p) in enumerate(zip(rows.tolist(), params)):
-            if p.seed is not None and not p.is_greedy:
-                # Reseeded from (seed, position) every step: the draw depends on nothing else, so
-                # batch composition and preemption cannot change a seeded request's tokens.
-                generator = self._seeded_generators.setdefault(i, torch.Generator(self.device))
-                num_output = int(self.states.num_tokens[row] - self.states.num_prompt_tokens[row])
-                generator.manual_seed(hash((p.seed, num_output)) & ((1 << 63) - 1))
-                generators[i] = generator
-        return SamplingMetadata.build(params, generators, self.vocab_size, self.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.scheduler.output import NewRequestData, SchedulerOutput
 
 
 class RequestStates:
@@ -24,8 +24,10 @@ class RequestStates:
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def apply(self, scheduler_output: SchedulerOutput) -> None:
-        """Bring the rows up to date with what the scheduler decided for this step."""
+    def apply(self, scheduler_output: SchedulerOutput) -> list[tuple[int, NewRequestData]]:
+        """Bring the rows up to date with what the scheduler decided for this step; returns the
+        rows given to new requests."""
+        added = []
         for request_id in scheduler_output.finished_request_ids:
             row = self.row_of.pop(request_id, None)
             if row is not None:
@@ -42,10 +44,15 @@ class RequestStates:
             self.num_blocks[row] = 0
             self._append_blocks(row, new.block_ids)
             self.sampling_params[row] = new.sampling_params
+            added.append((row, new))
         for cached in scheduler_output.cached_requests:
             row = self.row_of[cached.request_id]
             self.num_computed_tokens[row] = cached.num_computed_tokens
             self._append_blocks(row, cached.new_block_ids)
+        return added
+
+    def output_token_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
 
     def append_token(self, row: int, token_id: int) -> None:
         self.token_ids[row, self.num_tokens[row]] = token_id

@@ -1,0 +1,148 @@
+"""The sampler's stages against transformers' logits processors, and its sampling distribution."""
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from tokenmill.sample.metadata import build_sampling_metadata
+from tokenmill.sample.sampler import (
+    Sampler,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    gather_logprobs,
+)
+from tokenmill.sampling_params import SamplingParams
+
+VOCAB = 50
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def logits():
+    return torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def same_mask(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    finite = ~torch.isinf(ours)
+    torch.testing.assert_close(ours[finite], theirs[finite])
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 49])
+def test_top_k_matches_transformers(logits, top_k):
+    ours = apply_top_k_top_p(logits, torch.full((4,), top_k), None)
+    same_mask(ours, TopKLogitsWarper(top_k)(None, logits.clone()))
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9])
+def test_top_p_matches_transformers(logits, top_p):
+    ours = apply_top_k_top_p(logits, None, torch.full((4,), top_p))
+    same_mask(ours, TopPLogitsWarper(top_p)(None, logits.clone()))
+
+
+def test_top_k_then_top_p_per_row_parameters(logits):
+    top_k, top_p = torch.tensor([3, 10, 50, 1]), torch.tensor([0.5, 0.9, 0.3, 1.0])
+    ours = apply_top_k_top_p(logits, top_k, top_p)
+    for row in range(4):
+        theirs = TopKLogitsWarper(int(top_k[row]))(None, logits[row : row + 1].clone())
+        if top_p[row] < 1:
+            theirs = TopPLogitsWarper(float(top_p[row]))(None, theirs)
+        same_mask(ours[row : row + 1], theirs)
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3])
+def test_min_p_matches_transformers(logits, min_p):
+    same_mask(apply_min_p(logits, torch.full((4,), min_p)), MinPLogitsWarper(min_p)(None, logits.clone()))
+
+
+def test_temperature_matches_transformers(logits):
+    meta = build_sampling_metadata([SamplingParams(temperature=0.7)] * 4, {}, VOCAB, CPU)
+    torch.testing.assert_close(logits / meta.temperature.unsqueeze(1), TemperatureLogitsWarper(0.7)(None, logits))
+
+
+def test_repetition_penalty_matches_transformers(logits):
+    history = torch.tensor([[1, 2, 3, 3], [4, 4, 4, 4], [0, 10, 20, 30], [49, 48, 1, 2]])
+    prompt_mask = torch.zeros(4, VOCAB, dtype=torch.bool)
+    prompt_mask.scatter_(1, history[:, :2], True)
+    counts = torch.zeros(4, VOCAB, dtype=torch.int32)
+    counts.scatter_add_(1, history[:, 2:], torch.ones(4, 2, dtype=torch.int32))
+    zeros = torch.zeros(4)
+    ours = apply_penalties(logits, counts, prompt_mask, torch.full((4,), 1.3), zeros, zeros)
+    torch.testing.assert_close(ours, RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone()))
+
+
+def test_frequency_and_presence_follow_the_openai_formula(logits):
+    counts = torch.zeros(4, VOCAB, dtype=torch.int32)
+    counts[0, 7] = 3
+    counts[1, 8] = 1
+    ours = apply_penalties(logits, counts, torch.zeros(4, VOCAB, dtype=torch.bool), torch.ones(4),
+                           torch.full((4,), 0.5), torch.full((4,), 0.25))
+    expected = logits - 0.5 * counts - 0.25 * (counts > 0)
+    torch.testing.assert_close(ours, expected)
+    assert ours[0, 7] == pytest.approx(float(logits[0, 7]) - 1.5 - 0.25)
+
+
+def test_logprobs_are_the_raw_log_softmax_with_ranks(logits):
+    logprobs = logits.log_softmax(-1)
+    chosen = torch.tensor([0, 1, 2, 3])
+    out = gather_logprobs(logprobs, chosen, 3)
+    torch.testing.assert_close(out.logprobs[:, 0], logprobs[torch.arange(4), chosen])
+    torch.testing.assert_close(out.logprobs[:, 1:], logprobs.topk(3).values)
+    expected_ranks = [int((logprobs[r] > logprobs[r, chosen[r]]).sum()) + 1 for r in range(4)]
+    assert out.sampled_ranks.tolist() == expected_ranks
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token with zero probability"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.6, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.1),
+    ],
+    ids=["plain", "top_k", "top_p", "min_p"],
+)
+def test_sampled_frequencies_match_the_processed_distribution(params):
+    vocab, num_samples = 8, 20000
+    torch.manual_seed(1234)  # unseeded rows draw from the global generator: fixed for determinism
+    row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    logits = row.expand(num_samples, vocab).clone()
+    meta = build_sampling_metadata([params] * num_samples, {}, vocab, CPU)
+    tokens = Sampler()(logits, meta).token_ids
+    counts = torch.bincount(tokens, minlength=vocab).float()
+    processed = row.unsqueeze(0) / params.temperature
+    if params.min_p:
+        processed = apply_min_p(processed, torch.tensor([params.min_p]))
+    if params.top_k or params.top_p < 1:
+        processed = apply_top_k_top_p(processed, torch.tensor([params.top_k or vocab]), torch.tensor([params.top_p]))
+    probs = processed.softmax(-1)[0]
+    support = int((probs > 0).sum())
+    # 99.9th percentile of chi-square with support-1 degrees of freedom (Wilson-Hilferty approximation).
+    df = support - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3 if df > 0 else 0.0
+    assert chi_square(counts, probs) < critical + 1e-6
+
+
+def test_greedy_rows_ignore_noise_and_seeded_rows_use_their_generator(logits):
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
+    gens = {1: torch.Generator().manual_seed(99)}
+    first = Sampler()(logits[:2], build_sampling_metadata(params, gens, VOCAB, CPU)).token_ids
+    gens = {1: torch.Generator().manual_seed(99)}
+    second = Sampler()(logits[:2], build_sampling_metadata(params, gens, VOCAB, CPU)).token_ids
+    assert first[0] == logits[0].argmax() and torch.equal(first, second)

@@ -1,0 +1,109 @@
+"""Per-request sampling state kept on the worker between steps.
+
+Penalty inputs are kept incrementally on the device: each row's output-token counts and the set
+of its prompt tokens, allocated the first time a request with penalties arrives and updated with
+one scatter per step. Everything else is rebuilt per step for the rows being sampled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.sample.metadata import SamplingMetadata, build_sampling_metadata
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.request_state import RequestStates
+
+
+class SamplingState:
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids: list[frozenset[int]] = [frozenset()] * max_num_reqs
+        self.output_counts: torch.Tensor | None = None  # [max_num_reqs, vocab] int32
+        self.prompt_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool
+        self._generator = torch.Generator(device)
+        self._seeded_generators: dict[int, torch.Generator] = {}
+
+    def add_request(self, row: int, params: SamplingParams, eos_token_ids: frozenset[int],
+                    token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.eos_token_ids[row] = eos_token_ids
+        if not params.has_penalties:
+            return
+        if self.output_counts is None:
+            self.output_counts = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.int32,
+                                             device=self.device)
+            self.prompt_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device)
+        prompt = torch.tensor(token_ids[:num_prompt_tokens], device=self.device)
+        output = torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.int64, device=self.device)
+        self.prompt_mask[row].zero_()
+        self.prompt_mask[row, prompt] = True
+        self.output_counts[row].zero_()
+        self.output_counts[row].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
+
+    def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count the new tokens (rows without penalties are counted too; nobody reads them)."""
+        if self.output_counts is not None:
+            self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
+                                          accumulate=True)
+
+    def build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:
+        params = [states.sampling_params[row] for row in rows.tolist()]
+        masked: dict[int, tuple[SamplingParams, list[int]]] = {}
+        processors: dict[int, tuple[list, list[int]]] = {}
+        generators: dict[int, torch.Generator] = {}
+        for i, (row, p) in enumerate(zip(rows.tolist(), params)):
+            num_output = int(states.num_tokens[row] - states.num_prompt_tokens[row])
+            if p.seed is not None and not p.is_greedy:
+                generators[i] = self._seeded_generator(i, p.seed, num_output)
+            needs_output = p.bad_words_token_ids or p.logits_processors
+            output_ids = states.output_token_ids(row) if needs_output else []
+            banned = self._banned_tokens(p, row, num_output, output_ids)
+            if banned or p.allowed_token_ids is not None or p.logit_bias:
+                masked[i] = (p, banned)
+            if p.logits_processors:
+                processors[i] = (p.logits_processors, output_ids)
+        penalties = None
+        if self.output_counts is not None and any(p.has_penalties for p in params):
+            index = torch.from_numpy(rows).to(self.device)
+            penalties = (self.output_counts[index], self.prompt_mask[index])
+        return build_sampling_metadata(
+            params, generators, self.vocab_size, self.device,
+            logit_mask=self._make_mask(len(params), masked), penalty_tensors=penalties,
+            logits_processors=processors,
+        )
+
+    def _seeded_generator(self, index: int, seed: int, num_output: int) -> torch.Generator:
+        # Reseeded from (seed, position) every step: the draw depends on nothing else, so batch
+        # composition and preemption cannot change a seeded request's tokens.
+        generator = self._seeded_generators.setdefault(index, torch.Generator(self.device))
+        generator.manual_seed(hash((seed, num_output)) & ((1 << 63) - 1))
+        return generator
+
+    def _banned_tokens(self, p: SamplingParams, row: int, num_output: int, output_ids: list[int]) -> list[int]:
+        banned = []
+        for word in p.bad_words_token_ids:
+            # A word's last token is banned once the output ends with the rest of the word.
+            if len(word) == 1 or output_ids[len(output_ids) - len(word) + 1 :] == word[:-1]:
+                banned.append(word[-1])
+        if num_output < p.min_tokens:
+            banned += p.stop_token_ids
+            if not p.ignore_eos:
+                banned += self.eos_token_ids[row]
+        return banned
+
+    def _make_mask(self, num_rows: int, masked: dict[int, tuple[SamplingParams, list[int]]]) -> torch.Tensor | None:
+        if not masked:
+            return None
+        mask = torch.zeros(num_rows, self.vocab_size, dtype=torch.float32)
+        for i, (p, banned) in masked.items():
+            if p.allowed_token_ids is not None:
+                mask[i].fill_(float("-inf"))
+                mask[i, p.allowed_token_ids] = 0.0
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+                mask[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
+            if banned:
+                mask[i, banned] = float("-inf")
+        return mask.to(self.device, non_blocking=True)
