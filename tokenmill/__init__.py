@@ -7,7 +7,7 @@ configure_package_logger()
 from tokenmill.config import EngineConfig  # noqa: E402
 from tokenmill.engine.llm import LLM  # noqa: E402
 from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from tokenmill.sampling_params import SamplingParams  # noqa: E402
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -8,10 +8,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -78,6 +79,25 @@ class LLM:
             # The template already holds the special tokens (BOS) it wants.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Best `beam_width` sequences per prompt; see tokenmill/engine/beam_search.py."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        token_prompts = [self.engine.input_processor.tokenize_prompt(p)[1] for p in prompts]
+        outputs = beam_search(
+            lambda batch, sp: self.generate(batch, sp, use_tqdm=False),
+            token_prompts, params, self.engine.input_processor.tokenizer_info.eos_token_ids,
+            self.engine.max_model_len,
+        )
+        tokenizer = self.engine.tokenizer
+        if tokenizer is not None:
+            for prompt, output in zip(token_prompts, outputs):
+                for seq in output.sequences:
+                    seq.text = tokenizer.decode(seq.tokens[len(prompt):], skip_special_tokens=True)
+        return outputs
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

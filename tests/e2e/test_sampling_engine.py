@@ -1,0 +1,157 @@
+"""Sampling through the whole engine on a tiny random Llama, checked against transformers."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(20, 57)), [8, 9]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=255, bos_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return str(path), model
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny[0], skip_tokenizer_init=True, kv_cache_space=0.01, max_num_batched_tokens=16)
+
+
+def run(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def hf_logprobs(model, token_ids):
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+def test_seeded_sampling_is_independent_of_batch_and_preemption(tiny, llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
+    alone = run(llm, [PROMPTS[0]], params)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    batched = run(llm, PROMPTS, [params, others, others])[0].outputs[0].token_ids
+    tight = LLM(tiny[0], skip_tokenizer_init=True, num_gpu_blocks_override=6, max_model_len=64,
+                max_num_batched_tokens=16)
+    preempted = run(tight, PROMPTS, [params, others, others])
+    assert tight.engine.last_stats.num_preemptions > 0
+    assert alone == batched == preempted[0].outputs[0].token_ids
+    other_seed = SamplingParams(temperature=1.0, seed=43, max_tokens=24, ignore_eos=True)
+    assert run(llm, [PROMPTS[0]], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_logprobs_equal_transformers_log_softmax(tiny, llm):
+    _, model = tiny
+    outs = run(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        completion = out.outputs[0]
+        reference = hf_logprobs(model, prompt + completion.token_ids)
+        assert len(completion.logprobs) == 6
+        total = 0.0
+        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            expected = reference[len(prompt) - 1 + step]
+            assert entry[token].logprob == pytest.approx(float(expected[token]), abs=1e-4)
+            assert entry[token].rank == 1  # greedy picks the most likely token
+            top = expected.topk(3)
+            assert [entry[t].logprob for t in top.indices.tolist()] == pytest.approx(top.values.tolist(), abs=1e-4)
+            total += entry[token].logprob
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_prompt_logprobs_across_prefill_chunks(tiny, llm):
+    _, model = tiny
+    prompt = PROMPTS[1]  # 37 tokens, prefilled in 16-token chunks
+    out = run(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
+    reference = hf_logprobs(model, prompt)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry, token = out.prompt_logprobs[pos], prompt[pos]
+        assert entry[token].logprob == pytest.approx(float(reference[pos - 1, token]), abs=1e-4)
+        assert entry[token].rank == int((reference[pos - 1] > reference[pos - 1, token]).sum()) + 1
+
+
+def test_n_samples_share_the_prompt_and_best_of_ranks_by_cumulative_logprob(llm):
+    out = run(llm, [PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert out.outputs[0].cumulative_logprob is None  # not asked for
+    best = run(llm, [PROMPTS[1]], SamplingParams(n=2, best_of=5, temperature=1.0, seed=7, max_tokens=8,
+                                                  ignore_eos=True))[0]
+    scores = [c.cumulative_logprob for c in best.outputs]
+    assert len(scores) == 2 and scores[0] >= scores[1]
+    every = run(llm, [PROMPTS[1]], SamplingParams(n=5, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True,
+                                                   logprobs=0))[0]
+    assert scores == pytest.approx(sorted((c.cumulative_logprob for c in every.outputs), reverse=True)[:2])
+
+
+def test_min_tokens_masks_eos_and_logit_bias_and_allowed_tokens(tiny, llm):
+    greedy = run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    first = greedy.outputs[0].token_ids[0]
+    # Make the greedy first token the end of sequence: it must not end the output before min_tokens.
+    stop_early = run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[first]))[0]
+    assert stop_early.outputs[0].token_ids == [first] and stop_early.outputs[0].finish_reason == "stop"
+    held = run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[first],
+                                                 min_tokens=3))[0]
+    assert held.outputs[0].token_ids[0] != first and len(held.outputs[0].token_ids) >= 3
+    biased = run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3, logit_bias={77: 100.0},
+                                                   ignore_eos=True))[0]
+    assert biased.outputs[0].token_ids == [77, 77, 77]
+    allowed = run(llm, [PROMPTS[0]], SamplingParams(temperature=1.0, seed=1, max_tokens=10, ignore_eos=True,
+                                                    allowed_token_ids=[3, 4, 5]))[0]
+    assert set(allowed.outputs[0].token_ids) <= {3, 4, 5}
+
+
+def test_penalties_change_greedy_output_only_when_set(llm):
+    base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = run(llm, [PROMPTS[2]], base)[0].outputs[0].token_ids
+    again = run(llm, [PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                  repetition_penalty=1.0, presence_penalty=0.0))[0]
+    assert again.outputs[0].token_ids == plain
+    penalized = run(llm, [PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                      frequency_penalty=2.0))[0].outputs[0].token_ids
+    assert penalized != plain
+    assert max(penalized.count(t) for t in set(penalized)) <= max(plain.count(t) for t in set(plain))
+
+
+def test_logits_processors_run_per_request(llm):
+    def only_token_9(output_token_ids, logits):
+        logits[:] = float("-inf")
+        logits[9] = 0.0
+        return logits
+
+    outs = run(llm, [PROMPTS[0], PROMPTS[0]], [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logits_processors=[only_token_9]),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    ])
+    assert outs[0].outputs[0].token_ids == [9, 9, 9] and outs[1].outputs[0].token_ids != [9, 9, 9]
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_matches_transformers(tiny, llm, width):
+    from tokenmill import BeamSearchParams
+
+    _, model = tiny
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    ours = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=width, max_tokens=6, ignore_eos=True))
+    for prompt, out in zip(prompts, ours):
+        with torch.no_grad():
+            # No EOS on the reference side either, so both explore the same beams for all 6 steps.
+            reference = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
+                                       do_sample=False, max_new_tokens=6, min_new_tokens=6, eos_token_id=None,
+                                       pad_token_id=0, length_penalty=1.0, early_stopping=False,
+                                       output_scores=True, return_dict_in_generate=True)
+        expected = [seq[len(prompt):].tolist() for seq in reference.sequences]
+        assert [seq.tokens[len(prompt):] for seq in out.sequences] == expected
+        # transformers' beam scores are cumulative logprob / generated length
+        scores = reference.sequences_scores.tolist()
+        assert [s.cum_logprob / 6 for s in out.sequences] == pytest.approx(scores, abs=1e-4)
