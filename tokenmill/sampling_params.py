@@ -66,7 +66,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Likewise for each prompt token (the first has none)."""
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logits_processors: list[LogitsProcessor] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -116,18 +116,26 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus; one sort serves both."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus.
+
+    top-k alone needs no sort: the k-th largest value of each row comes from one topk over the
+    largest k in the batch. top-p sorts once and serves top-k from the same sort.
+    """
     vocab = logits.shape[-1]
+    if top_p is None:
+        assert top_k is not None
+        largest = logits.topk(int(top_k.max()), dim=-1).values
+        kth = largest.gather(1, (top_k - 1).clamp(0, vocab - 1).unsqueeze(1))
+        return logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th are kept
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:
         # Keep the last top_k entries of the ascending sort (ties with the k-th are kept).
         kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False  # the most likely token always survives
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
