@@ -1,7 +1,8 @@
 """PyTorch attention over the paged KV pool: the CPU backend and the reference for GPU kernels.
 
-Each request's K/V is gathered from its blocks and attended with a causal mask offset by the
-tokens already in the cache (so chunked prefill and decode are the same code).
+Single-token (decode) requests are attended together in one batched matmul over their gathered,
+padded K/V. Requests with several new tokens (prefill chunks) are attended one by one with a causal
+mask offset by the tokens already in the cache.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ class TorchAttentionMetadata:
     query_start_loc: list[int]  # [num_reqs + 1], host side: the per-request loop needs no sync
     seq_lens: list[int]  # [num_reqs]
     block_size: int
+    decode_token_ids: torch.Tensor  # [num_decodes] flat index of each single-token request's query
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64
+    decode_block_table: torch.Tensor  # [num_decodes, max_decode_blocks] int64
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -38,7 +42,10 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    skip_decodes: bool = False,
 ) -> torch.Tensor:
+    """Attention for every request, one at a time; `skip_decodes` leaves single-token requests'
+    rows unwritten for the batched decode path to fill."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     num_heads = query.shape[1]
     groups = num_heads // num_kv_heads
@@ -47,6 +54,8 @@ def paged_attention_ref(
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         num_queries = end - start
+        if skip_decodes and num_queries == 1:
+            continue
         blocks = block_table[i, : -(-seq_len // block_size)]
         # index_select: plain advanced indexing on the pool is orders of magnitude slower on CPU.
         k = key_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
@@ -78,21 +87,69 @@ def paged_attention_ref(
     return out
 
 
+def batched_decode_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], decode rows written in place
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    token_ids: torch.Tensor,  # [num_decodes]
+    seq_lens: torch.Tensor,  # [num_decodes]
+    block_table: torch.Tensor,  # [num_decodes, max_blocks]
+    scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> None:
+    num_decodes, max_blocks = block_table.shape
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    groups = query.shape[1] // num_kv_heads
+    length = max_blocks * block_size
+    flat_blocks = block_table.reshape(-1)
+    # [num_decodes, num_kv_heads, length, head_dim]
+    k = kv_cache[0].index_select(0, flat_blocks).view(num_decodes, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = kv_cache[1].index_select(0, flat_blocks).view(num_decodes, length, num_kv_heads, head_dim).transpose(1, 2)
+    q = query.index_select(0, token_ids).view(num_decodes, num_kv_heads, groups, head_dim)
+    scores = torch.matmul(q, k.to(q.dtype).transpose(2, 3)).float() * scale  # [n, kv_heads, groups, length]
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    positions = torch.arange(length, device=query.device)
+    visible = positions[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        visible &= positions[None, :] >= (seq_lens - sliding_window)[:, None]
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v.to(q.dtype))  # [n, kv_heads, groups, head_dim]
+    out.index_copy_(0, token_ids, o.reshape(num_decodes, -1, head_dim))
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
+        qsl = layout.query_start_loc
+        is_decode = (qsl[1:] - qsl[:-1]) == 1
+        decode_seq_lens = layout.seq_lens[is_decode]
+        max_decode_blocks = -(-int(decode_seq_lens.max()) // layout.block_size) if len(decode_seq_lens) else 0
+        decode_block_table = layout.block_table[is_decode, :max_decode_blocks]
+        to_device = lambda array: torch.from_numpy(array).to(device, torch.int64)
         return TorchAttentionMetadata(
-            slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
-            block_table=torch.from_numpy(layout.block_table).to(device, torch.int64),
-            query_start_loc=layout.query_start_loc.tolist(),
+            slot_mapping=to_device(layout.slot_mapping),
+            block_table=to_device(layout.block_table),
+            query_start_loc=qsl.tolist(),
             seq_lens=layout.seq_lens.tolist(),
             block_size=layout.block_size,
+            decode_token_ids=to_device(qsl[:-1][is_decode]),
+            decode_seq_lens=to_device(decode_seq_lens),
+            decode_block_table=to_device(decode_block_table),
         )
 
     def forward(self, layer, query, key, value, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, key, value, metadata.slot_mapping)
-        return paged_attention_ref(
+        num_decodes = len(metadata.decode_token_ids)
+        out = paged_attention_ref(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
-            layer.scale, layer.sliding_window, layer.logits_soft_cap,
+            layer.scale, layer.sliding_window, layer.logits_soft_cap, skip_decodes=num_decodes > 0,
         )
+        if num_decodes:
+            batched_decode_attention(
+                out, query, kv_cache, metadata.decode_token_ids, metadata.decode_seq_lens,
+                metadata.decode_block_table, layer.scale, layer.sliding_window, layer.logits_soft_cap,
+            )
+        return out
