@@ -134,16 +134,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
+        self.model = self.make_model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def make_model(self, config: PretrainedConfig) -> nn.Module:
+        """The decoder stack; families that share this wrapper (e.g. Gemma 2) override it."""
         attention_bias = getattr(config, "attention_bias", False)
-        self.model = LlamaModel(
+        return LlamaModel(
             config,
             qkv_bias=attention_bias if self.qkv_bias is None else self.qkv_bias,
             o_bias=attention_bias if self.o_bias is None else self.o_bias,
             qk_norm=self.qk_norm,
         )
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -8,8 +8,10 @@ from torch import nn
 
 # architecture -> (module under tokenmill.model, class name); imported on first use.
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
 }
