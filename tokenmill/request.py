@@ -59,7 +59,7 @@ class Request:
     """Prompt tokens served by the prefix cache at first scheduling; None until scheduled."""
     num_preemptions: int = 0
     stop_token_id: int | None = None
-    """The EOS or stop token id that finished the request, if any."""
+    """The stop_token_ids entry that finished the request, if any (not set for EOS)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of this request's full blocks, kept by the KV-cache manager."""
 

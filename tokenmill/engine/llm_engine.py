@@ -12,6 +12,7 @@ from tokenmill.engine.input_processor import InputProcessor, PromptType
 from tokenmill.engine.output_processor import OutputKind, OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer, make_tokenizer_info
 from tokenmill.model.loader import load_hf_config
+from tokenmill.model.registry import get_model_class
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import SchedulerStats
 from tokenmill.request import RequestStatus
@@ -36,8 +37,9 @@ class LLMEngine:
         self.config = config
         model_config = config.model_config
         self.hf_config = load_hf_config(model_config)
+        get_model_class(self.hf_config.architectures)  # fail fast: before the tokenizer and weights load
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
-        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
+        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config, self.hf_config)
         tokenizer_info = make_tokenizer_info(self.tokenizer, self.hf_config, model_config)
         self.input_processor = InputProcessor(
             self.tokenizer, tokenizer_info, self.max_model_len, self.hf_config.vocab_size

@@ -124,7 +124,10 @@ class OutputProcessor:
             if out.new_logprobs is not None:
                 self._append_logprobs(sample, out.new_logprobs)
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            if sample.detokenizer is not None and self._update_text(sample, out.new_token_ids):
+            # A stop token's own text is left out unless include_stop_str_in_output asks for it.
+            stopped_by_token = isinstance(out.stop_reason, int) and not sample.params.include_stop_str_in_output
+            text_ids = out.new_token_ids[:-1] if stopped_by_token else out.new_token_ids
+            if sample.detokenizer is not None and self._update_text(sample, text_ids):
                 to_abort.append(out.request_id)
             result = self._make_output(sample, now)
             if result is not None:
@@ -154,7 +157,9 @@ class OutputProcessor:
         assert sample.detokenizer is not None
         delta = sample.detokenizer.update(new_token_ids)
         sample.text += delta
-        if not delta or not sample.params.stop or sample.finish_reason is not None:
+        # Checked even when this token also ended the sample (max_tokens, stop token): a stop string
+        # it completes must still cut the text.
+        if not delta or not sample.params.stop:
             return False
         hit = find_stop_string(sample.text, len(delta), sample.params.stop)
         if hit is None:

@@ -5,23 +5,46 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.loader import is_gguf
 
 
-def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_config: ModelConfig, hf_config: PretrainedConfig | None = None) -> PreTrainedTokenizerBase:
+    """`hf_config` (the model's) spares a GGUF tokenizer from re-parsing the file's metadata."""
     path = model_config.tokenizer or model_config.model
     if is_gguf(path):
         folder, name = os.path.split(os.path.abspath(path))
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        if hf_config is not None and path == model_config.model:
+            tokenizer = _gguf_tokenizer_class(hf_config).from_pretrained(folder, gguf_file=name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
     if model_config.chat_template is not None:
         with open(model_config.chat_template) as f:
             tokenizer.chat_template = f.read()
     return tokenizer
+
+
+def _gguf_tokenizer_class(hf_config: PretrainedConfig) -> type[PreTrainedTokenizerBase]:
+    """The class AutoTokenizer picks for a GGUF of this model type: the family's own, else the
+    generic fast one. NOTE: AutoTokenizer would first rebuild the config from the GGUF metadata, which
+    is most of a GGUF tokenizer's load time (~3 s for SmolLM2), for a config we already have."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    name = TOKENIZER_MAPPING_NAMES.get(hf_config.model_type)
+    # MistralCommonBackend reads Mistral's own tokenizer files, which a GGUF does not carry.
+    if name is None or name == "MistralCommonBackend":
+        return PreTrainedTokenizerFast
+    return tokenizer_class_from_name(name) or PreTrainedTokenizerFast
 
 
 @dataclass(frozen=True)

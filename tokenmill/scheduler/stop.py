@@ -13,8 +13,10 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens:
         last = request.output_token_ids[-1]
-        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
-            request.stop_token_id = last
+        if last in params.stop_token_ids:
+            request.stop_token_id = last  # reported as stop_reason; EOS leaves it None, as in vLLM
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and last in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
     if request.num_output_tokens >= max_tokens or request.num_tokens >= max_model_len:

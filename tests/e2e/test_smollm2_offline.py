@@ -1,0 +1,224 @@
+"""The offline LLM API on the real SmolLM2-135M-Instruct GGUF, on CPU: exact greedy tokens against
+transformers, chat, every way a request stops, errors before scheduling, seeds, token-id prompts."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Hello, my name is",
+    # Long enough to fill several KV blocks of 16 tokens.
+    "A long time ago, in a small village at the edge of a great forest, there lived an old clockmaker. "
+    "Every morning he opened his shop, wound each of the hundred clocks on the walls, and waited for "
+    "customers who rarely came. One winter evening, a girl knocked on the door holding a broken pocket "
+    "watch that had belonged to her grandmother. The clockmaker looked at it for a long time and said",
+]
+NUM_TOKENS = 24
+
+
+def greedy(max_tokens: int = NUM_TOKENS, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def generate_one(llm: LLM, prompt, params: SamplingParams):
+    [output] = llm.generate(prompt, params, use_tqdm=False)
+    return output.outputs[0]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_llm):
+    """Greedy continuation of PROMPTS[0] from tokenmill: the base of the stop-condition tests."""
+    return generate_one(smollm2_llm, PROMPTS[0], greedy())
+
+
+# ---- (a) exact greedy tokens against transformers on the same GGUF -------------------------------
+
+
+@torch.no_grad()
+def test_greedy_batch_equals_transformers_on_the_same_gguf(smollm2_llm, smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    outputs = smollm2_llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    folder, name = os.path.split(smollm2_path)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    for prompt, output in zip(PROMPTS, outputs):
+        ids = torch.tensor([output.prompt_token_ids])
+        assert output.prompt_token_ids == smollm2_llm.get_tokenizer().encode(prompt)
+        # One prompt at a time: padding would change transformers' numerics. EOS ends both.
+        expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=NUM_TOKENS)[0, ids.shape[1]:].tolist()
+        assert output.outputs[0].token_ids == expected, prompt
+    # The prompts are chosen so that none ends early: all 24 tokens are compared.
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [NUM_TOKENS] * len(PROMPTS)
+
+
+# ---- (b) chat ------------------------------------------------------------------------------------
+
+
+def test_chat_answers_the_capital_of_france(smollm2_llm):
+    [output] = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                greedy(max_tokens=32), use_tqdm=False)
+    assert "Paris" in output.outputs[0].text
+    assert "<|im_start|>" in output.prompt and output.prompt.rstrip().endswith("assistant")
+
+
+# ---- (c) how requests stop -----------------------------------------------------------------------
+
+
+def test_stop_string_truncates_text_before_it(smollm2_llm, reference):
+    stop = reference.text[9:15]  # well inside the reference text, and split across tokens:
+    assert not any(stop in smollm2_llm.get_tokenizer().decode(t) for t in reference.token_ids)
+    cut = reference.text.index(stop)
+    out = generate_one(smollm2_llm, PROMPTS[0], greedy(stop=[stop]))
+    assert (out.text, out.finish_reason, out.stop_reason) == (reference.text[:cut], "stop", stop)
+    # Generation really stopped: the tokens are the reference's, up to the one completing the stop.
+    assert len(out.token_ids) < NUM_TOKENS and out.token_ids == reference.token_ids[: len(out.token_ids)]
+    assert stop in smollm2_llm.get_tokenizer().decode(out.token_ids)
+
+    kept = generate_one(smollm2_llm, PROMPTS[0], greedy(stop=[stop], include_stop_str_in_output=True))
+    assert (kept.text, kept.stop_reason) == (reference.text[: cut + len(stop)], stop)
+
+
+def test_earliest_of_several_stop_strings_wins(smollm2_llm, reference):
+    early, late = reference.text[9:15], reference.text[20:26]
+    out = generate_one(smollm2_llm, PROMPTS[0], greedy(stop=[late, early]))
+    assert (out.text, out.stop_reason) == (reference.text[: reference.text.index(early)], early)
+
+
+def test_stop_string_in_the_last_allowed_token_still_stops(smollm2_llm, reference):
+    # The token that hits max_tokens also completes the stop string: the stop string must win.
+    decode = smollm2_llm.get_tokenizer().decode
+    ids = reference.token_ids
+
+    def is_first_occurrence(k: int) -> bool:  # token k's text first appears in the text at token k
+        piece = decode(ids[k])
+        return len(piece) >= 2 and reference.text.find(piece) == len(decode(ids[:k]))
+
+    k = next(k for k in range(3, NUM_TOKENS) if is_first_occurrence(k))
+    out = generate_one(smollm2_llm, PROMPTS[0], greedy(max_tokens=k + 1, stop=[decode(ids[k])]))
+    assert (out.text, out.finish_reason, out.stop_reason) == (decode(ids[:k]), "stop", decode(ids[k]))
+
+
+def test_stop_token_ids_end_generation_with_that_token(smollm2_llm, reference):
+    ids = reference.token_ids
+    k = next(i for i in range(3, NUM_TOKENS) if ids[i] not in ids[:i])
+    out = generate_one(smollm2_llm, PROMPTS[0], greedy(stop_token_ids=[ids[k]]))
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[: k + 1], "stop", ids[k])
+    decode = smollm2_llm.get_tokenizer().decode
+    assert out.text == decode(ids[:k])  # the stop token's own text is left out, as in vLLM
+    kept = generate_one(smollm2_llm, PROMPTS[0], greedy(stop_token_ids=[ids[k]], include_stop_str_in_output=True))
+    assert kept.text == decode(ids[: k + 1])
+
+
+def test_max_tokens_ends_with_length(smollm2_llm, reference):
+    out = generate_one(smollm2_llm, PROMPTS[0], greedy(max_tokens=5))
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (reference.token_ids[:5], "length", None)
+    assert out.text == smollm2_llm.get_tokenizer().decode(reference.token_ids[:5])
+
+
+def test_eos_ends_with_stop_and_is_not_in_the_text(smollm2_llm):
+    eos = smollm2_llm.get_tokenizer().eos_token_id
+    [output] = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                greedy(max_tokens=200), use_tqdm=False)
+    out = output.outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == eos and eos not in out.token_ids[:-1]
+    assert out.stop_reason is None  # EOS is not a stop_token_ids entry (vLLM reports None too)
+    assert "<|im_end|>" not in out.text and out.text.strip()
+    # ignore_eos runs past it, to max_tokens.
+    n = len(out.token_ids)
+    [longer] = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                greedy(max_tokens=n + 3, ignore_eos=True), use_tqdm=False)
+    assert longer.outputs[0].token_ids[:n] == out.token_ids
+    assert (len(longer.outputs[0].token_ids), longer.outputs[0].finish_reason) == (n + 3, "length")
+
+
+# ---- (d) errors before anything is scheduled -----------------------------------------------------
+
+
+def invalid_params(**fields) -> SamplingParams:
+    """Params made invalid after construction, so that only the engine's own check can catch them."""
+    params = greedy()
+    for key, value in fields.items():
+        setattr(params, key, value)
+    return params
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", greedy(), "empty"),
+        ({"prompt_token_ids": []}, greedy(), "empty"),
+        ({"prompt_token_ids": [42] * 2048}, greedy(), "max_model_len"),
+        ("hello " * 2100, greedy(), "max_model_len"),
+        ({"prompt_token_ids": [1, 10**6]}, greedy(), "prompt token ids"),
+        ("Hi", invalid_params(temperature=-1.0), "temperature"),
+        ("Hi", invalid_params(top_p=0.0), "top_p"),
+    ],
+    ids=["empty-text", "empty-ids", "ids-too-long", "text-too-long", "id-out-of-vocab",
+         "negative-temperature", "zero-top-p"],
+)
+def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match):
+    scheduler = smollm2_llm.engine.core.scheduler
+    with pytest.raises(ValueError, match=match):
+        # A valid request ahead of the bad one must not be left queued either.
+        smollm2_llm.generate(["Hi", prompt], [greedy(), params], use_tqdm=False)
+    assert not smollm2_llm.engine.has_unfinished_requests() and not scheduler.has_requests()
+    # The same engine still serves.
+    assert generate_one(smollm2_llm, PROMPTS[0], greedy(max_tokens=3)).finish_reason == "length"
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0)])
+def test_invalid_sampling_params_are_rejected_on_construction(fields):
+    with pytest.raises(ValueError):
+        SamplingParams(**fields)
+
+
+def test_unsupported_architecture_is_named_in_the_error(tmp_path):
+    config = {"architectures": ["FooForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # The folder has no tokenizer either: the architecture must be what is reported.
+    with pytest.raises(ValueError, match="FooForCausalLM.*not supported"):
+        LLM(str(tmp_path))
+
+
+# ---- (e) seeded sampling -------------------------------------------------------------------------
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(smollm2_llm):
+    prompt = "Write a short poem about the sea."
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = generate_one(smollm2_llm, prompt, seeded)
+    batch = smollm2_llm.generate(
+        [PROMPTS[2], prompt, PROMPTS[1], prompt],
+        [SamplingParams(temperature=1.0, max_tokens=14), seeded, greedy(),
+         SamplingParams(temperature=1.0, top_p=0.9, seed=4321, max_tokens=12, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone.token_ids and batch[1].outputs[0].text == alone.text
+    assert batch[3].outputs[0].token_ids != alone.token_ids  # another seed, another sample
+
+
+# ---- (f) priority, token-id prompts, metrics -----------------------------------------------------
+
+
+def test_priority_and_token_id_prompts(smollm2_llm, reference):
+    tokenizer = smollm2_llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(PROMPTS[0])}, PROMPTS[1],
+               {"prompt": PROMPTS[0], "prompt_token_ids": tokenizer.encode(PROMPTS[0])}]
+    outputs = smollm2_llm.generate(prompts, greedy(max_tokens=8), priority=[5, 0, 1], use_tqdm=False)
+    # In input order, each with its own prompt, whatever the priorities.
+    assert [o.prompt for o in outputs] == [None, PROMPTS[1], PROMPTS[0]]
+    assert outputs[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids == reference.token_ids[:8]
+    assert outputs[0].outputs[0].text == tokenizer.decode(reference.token_ids[:8])
+    assert outputs[1].prompt_token_ids == tokenizer.encode(PROMPTS[1])
+    for output in outputs:
+        m = output.metrics
+        assert output.finished
+        assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time

@@ -1,0 +1,93 @@
+"""IncrementalDetokenizer on a real byte-level BPE tokenizer (SmolLM2's), and find_stop_string."""
+
+import random
+
+import pytest
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+
+# Accents, CJK, emoji and a ZWJ sequence: byte-level BPE cuts many of these inside a character.
+MULTIBYTE = "Café naïve 日本語のテキスト 🚀🔥 👩\u200d👩\u200d👧 ∑∫ Ελληνικά, done."
+
+
+def feed(detokenizer: IncrementalDetokenizer, token_ids: list[int], chunk: int = 1) -> list[str]:
+    return [detokenizer.update(token_ids[i : i + chunk]) for i in range(0, len(token_ids), chunk)]
+
+
+def test_the_text_really_splits_characters_across_tokens(smollm2_tokenizer):
+    # Precondition of the tests below: decoding some tokens alone gives half a character.
+    ids = smollm2_tokenizer.encode(MULTIBYTE)
+    assert sum("\ufffd" in smollm2_tokenizer.decode([t]) for t in ids) >= 10
+
+
+@pytest.mark.parametrize("prompt", ["", "Translate this:"])
+def test_one_token_at_a_time_never_emits_half_a_character(smollm2_tokenizer, prompt):
+    tok = smollm2_tokenizer
+    prompt_ids, ids = tok.encode(prompt), tok.encode(MULTIBYTE)
+    deltas = feed(IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=True), ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == MULTIBYTE
+    # No lag either: after each token, the text of every token up to the last one that ends on a
+    # character boundary is out.
+    for i in range(1, len(ids) + 1):
+        last_whole = max(j for j in range(i + 1) if not tok.decode(ids[:j]).endswith("\ufffd"))
+        assert "".join(deltas[:i]) == tok.decode(ids[:last_whole])
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 7])
+def test_several_tokens_per_step_give_the_same_text(smollm2_tokenizer, chunk):
+    tok = smollm2_tokenizer
+    ids = tok.encode(MULTIBYTE)
+    deltas = feed(IncrementalDetokenizer(tok, tok.encode("Hi"), skip_special_tokens=True), ids, chunk)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == MULTIBYTE
+
+
+def test_output_continues_the_prompt_text(smollm2_tokenizer):
+    # The prompt ends mid-word; the output's first token must join it without an extra space.
+    tok = smollm2_tokenizer
+    ids = tok.encode("The capital of France is Paris, a city of lights.")
+    prompt_ids, output_ids = ids[:6], ids[6:]
+    deltas = feed(IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=True), output_ids)
+    assert tok.decode(prompt_ids) + "".join(deltas) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("skip, expected", [(True, " bye"), (False, " bye<|im_end|>")])
+def test_special_tokens_follow_skip_special_tokens(smollm2_tokenizer, skip, expected):
+    tok = smollm2_tokenizer
+    ids = tok.encode(" bye") + [tok.eos_token_id]
+    assert "".join(feed(IncrementalDetokenizer(tok, tok.encode("Say"), skip_special_tokens=skip), ids)) == expected
+
+
+@pytest.mark.parametrize(
+    "text, num_new, stops, expected",
+    [
+        ("abcSTOP", 4, ["STOP"], ("STOP", 3)),  # entirely in the new characters
+        ("hello world", 2, ["world"], ("world", 6)),  # straddles old and new text
+        ("STOP and more", 4, ["STOP"], None),  # only in old text: it was seen (and acted on) before
+        ("STOP..STOP", 4, ["STOP"], ("STOP", 6)),  # the occurrence that ends in the new text
+        ("xx ab cd", 5, ["cd", "ab"], ("ab", 3)),  # several: the earliest start wins, not list order
+        ("STOP", 10, ["STOP"], ("STOP", 0)),  # num_new beyond the text's start
+        ("ab", 2, ["abc"], None),  # longer than the text
+        ("abSTOP", 0, ["STOP"], None),  # nothing new, nothing found
+        ("aaab", 1, ["aab"], ("aab", 1)),  # self-overlapping prefix
+        ("liftoff 🚀!", 2, ["🚀"], ("🚀", 8)),  # a multi-byte character as the stop string
+    ],
+)
+def test_find_stop_string(text, num_new, stops, expected):
+    assert find_stop_string(text, num_new, stops) == expected
+
+
+def test_find_stop_string_on_streamed_text_matches_a_full_search():
+    # Text arriving in random pieces: the first piece that completes a stop string must report the
+    # earliest occurrence in the whole text, exactly as a search of the finished text would.
+    rng = random.Random(0)
+    stops = ["ab", "bba", "aaa", "abab"]
+    for _ in range(500):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 30)))
+        end, hit = 0, None
+        while end < len(text) and hit is None:
+            start, end = end, min(end + rng.randint(1, 5), len(text))
+            hit = find_stop_string(text[:end], end - start, stops)
+        starts = [text.find(s) for s in stops if s in text]
+        assert (hit[1] if hit else None) == (min(starts) if starts else None), text
