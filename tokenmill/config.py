@@ -112,3 +112,33 @@ class EngineConfig:
             raise ValueError(f"unsupported dtype {self.model_config.dtype!r}")
         if self.model_config.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"unsupported load_format {self.model_config.load_format!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server around an engine (`tokenmill serve`)."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on; loopback by default, so nothing is exposed by accident."""
+    port: int = 8000
+    """TCP port to listen on."""
+    api_key: str | None = None
+    """Bearer key every route but /health and /version requires (default: $TOKENMILL_API_KEY)."""
+    served_model_name: str | None = None
+    """The model name clients pass and responses carry; defaults to the model argument."""
+    max_waiting_requests: int | None = None
+    """Answer 503 (with Retry-After) to requests that would make more than this many wait; None: no limit."""
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    """Larger request bodies are refused with 413."""
+    metrics_no_auth: bool = False
+    """Serve /metrics without the API key (for scrapers that cannot send one)."""
+    uvicorn_log_level: str = "info"
+    """Log level of the HTTP server: critical | error | warning | info | debug | trace."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be non-negative, got {self.max_waiting_requests}")
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")

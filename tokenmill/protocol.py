@@ -46,6 +46,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    queue_times: list[float] = field(default_factory=list)
+    """Seconds from arrival to first scheduling, of each request first scheduled since the last stats."""
 
 
 @dataclass

@@ -8,11 +8,9 @@ from dataclasses import replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.input_processor import InputProcessor, PromptType
-from tokenmill.engine.output_processor import OutputKind, OutputProcessor
-from tokenmill.engine.tokenizer import load_tokenizer, make_tokenizer_info
-from tokenmill.model.loader import load_hf_config
-from tokenmill.model.registry import get_model_class
+from tokenmill.engine.frontend import load_frontend
+from tokenmill.engine.input_processor import PromptType
+from tokenmill.engine.output_processor import OutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import SchedulerStats
 from tokenmill.request import RequestStatus
@@ -21,30 +19,13 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def resolve_max_model_len(requested: int | None, hf_config) -> int:
-    model_max = getattr(hf_config, "max_position_embeddings", None)
-    if requested is None:
-        if model_max is None:
-            raise ValueError("the model config has no max_position_embeddings: pass max_model_len")
-        return model_max
-    if model_max is not None and requested > model_max:
-        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={model_max}")
-    return requested
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_config = config.model_config
-        self.hf_config = load_hf_config(model_config)
-        get_model_class(self.hf_config.architectures)  # fail fast: before the tokenizer and weights load
-        self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.hf_config)
-        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config, self.hf_config)
-        tokenizer_info = make_tokenizer_info(self.tokenizer, self.hf_config, model_config)
-        self.input_processor = InputProcessor(
-            self.tokenizer, tokenizer_info, self.max_model_len, self.hf_config.vocab_size
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        frontend = load_frontend(config.model_config)
+        self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len
+        self.tokenizer = frontend.tokenizer
+        self.input_processor, self.output_processor = frontend.input_processor, frontend.output_processor
         self.core = EngineCore(config, self.hf_config, self.max_model_len)
         self._request_counter = itertools.count()
         self.last_stats: SchedulerStats | None = None

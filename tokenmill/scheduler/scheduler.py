@@ -12,6 +12,8 @@ own modules and touch it in a few lines at most.
 
 from __future__ import annotations
 
+import time
+
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.manager import NO_HIT, KVCacheManager
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
@@ -37,6 +39,8 @@ class Scheduler:
         self.finished_request_ids: set[str] = set()
         """Requests that left since the last schedule(); the worker must drop their state."""
         self.num_preemptions = 0
+        self.queue_times: list[float] = []
+        """Arrival-to-first-scheduling seconds not yet reported in stats."""
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -110,6 +114,7 @@ class Scheduler:
             request.num_computed_tokens += computed.num_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = computed.num_tokens
+                self.queue_times.append(time.time() - request.arrival_time)
             self.running.append(request)
             new_requests.append(
                 NewRequestData(
@@ -209,6 +214,8 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def make_stats(self) -> SchedulerStats:
+        """Current gauges and counters, and the queue times gathered since the last call (cleared)."""
+        queue_times, self.queue_times = self.queue_times, []
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -216,4 +223,5 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_stats.queries,
             prefix_cache_hits=self.kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
+            queue_times=queue_times,
         )

@@ -1,0 +1,140 @@
+"""AsyncEngine over its engine-core process, on a tiny random Llama: same tokens as the offline LLM,
+aborts free the core's blocks, and a dead core fails open streams instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tokenmill import LLM, AsyncEngine, EngineConfig, SamplingParams
+from tokenmill.engine.async_engine import EngineDeadError
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(20, 57)), [8, 9]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ENGINE_ARGS = {"skip_tokenizer_init": True, "kv_cache_space": 0.01, "max_num_batched_tokens": 32}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+class FinishRecorder:
+    """A stat logger that keeps how each request finished."""
+
+    def __init__(self) -> None:
+        self.finish_reasons: dict[str, str | None] = {}
+
+    def record(self, outputs, stats) -> None:
+        for output in outputs:
+            if output.finished:
+                self.finish_reasons[output.request_id] = output.outputs[0].finish_reason
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    loop = asyncio.new_event_loop()  # one loop for the module: the engine's sockets belong to it
+    engine = AsyncEngine(EngineConfig.from_kwargs(tiny_llama, **ENGINE_ARGS), stat_logger=FinishRecorder())
+    loop.run_until_complete(engine.start())
+    yield engine, loop
+
+    async def shutdown():
+        engine.shutdown()
+        await asyncio.sleep(0)  # let the cancelled output task finish
+
+    loop.run_until_complete(shutdown())
+    loop.close()
+
+
+async def generate(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    token_ids = []
+    async for output in engine.add_request(request_id, {"prompt_token_ids": prompt}, params):
+        token_ids += output.outputs[0].token_ids
+    return token_ids
+
+
+async def wait_idle(engine: AsyncEngine, timeout: float = 10) -> None:
+    for _ in range(int(timeout / 0.05)):
+        stats = engine.last_stats
+        if stats is not None and stats.num_running_reqs == 0 and stats.kv_cache_usage == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the core still holds requests: {engine.last_stats}")
+
+
+def test_tokens_match_the_offline_engine(tiny_llama, engine):
+    engine, loop = engine
+    offline = LLM(tiny_llama, **ENGINE_ARGS).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                       use_tqdm=False)
+
+    async def run_all():
+        return await asyncio.gather(*(generate(engine, f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
+
+    assert loop.run_until_complete(run_all()) == [o.outputs[0].token_ids for o in offline]
+
+
+def test_bad_input_raises_at_once_and_harms_nothing(engine):
+    engine, loop = engine
+    with pytest.raises(ValueError):
+        engine.add_request("bad", {"prompt_token_ids": [10**6]}, GREEDY)
+    assert loop.run_until_complete(generate(engine, "good", PROMPTS[0], GREEDY))
+
+
+def test_leaving_a_stream_aborts_the_request(engine):
+    engine, loop = engine
+
+    async def leave_early():
+        stream = engine.add_request("long", {"prompt_token_ids": PROMPTS[1]},
+                                    SamplingParams(max_tokens=200, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await wait_idle(engine)
+
+    loop.run_until_complete(leave_early())
+    assert engine.get_num_unfinished_seqs() == 0
+    assert engine.stat_logger.finish_reasons["long"] == "abort"
+
+
+def test_abort_ends_a_waiting_consumer(engine):
+    engine, loop = engine
+
+    async def abort_from_outside():
+        stream = engine.add_request("other", {"prompt_token_ids": PROMPTS[0]},
+                                    SamplingParams(max_tokens=200, ignore_eos=True))
+        await anext(stream)
+        engine.abort(["other"])
+        outputs = [output async for output in stream]
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+        await wait_idle(engine)
+
+    loop.run_until_complete(abort_from_outside())
+
+
+def test_core_death_fails_open_streams(engine):
+    """Last: it kills the module's engine core."""
+    engine, loop = engine
+
+    async def kill_core_mid_stream():
+        stream = engine.add_request("doomed", {"prompt_token_ids": PROMPTS[0]},
+                                    SamplingParams(max_tokens=200, ignore_eos=True))
+        await anext(stream)
+        os.kill(engine.core.proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    loop.run_until_complete(asyncio.wait_for(kill_core_mid_stream(), timeout=20))
+    assert not engine.is_healthy
+    with pytest.raises(EngineDeadError):
+        engine.add_request("late", {"prompt_token_ids": PROMPTS[0]}, GREEDY)

@@ -1,0 +1,347 @@
+"""The OpenAI-compatible server end to end: a real `tokenmill serve` subprocess on SmolLM2, driven
+through the openai SDK and raw httpx (one server for the module; the last test stops it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import RemoteServer, descendants, is_alive
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key"
+MODEL = "smollm2"
+MAX_MODEL_LEN = 1024
+MAX_BODY_BYTES = 64 * 1024
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    server = RemoteServer(
+        smollm2_path, "--served-model-name", MODEL, "--kv-cache-space", "0.25",
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY_BYTES),
+        api_key=API_KEY,
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def post(server, path, body=None, headers=None, **kwargs):
+    return httpx.post(server.url(path), json=body, headers={**server.headers, **(headers or {})}, timeout=120,
+                      **kwargs)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The decoded `data:` payloads of a server-sent-events body, "[DONE]" kept as a string."""
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def metric_samples(server) -> dict[str, float]:
+    text = httpx.get(server.url("/metrics"), headers=server.headers).text
+    return {sample.name: sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if not sample.labels.keys() - {"model_name"}}
+
+
+# ---- the API -------------------------------------------------------------------------------------
+
+
+def test_models_health_version(server, client):
+    [card] = client.models.list().data
+    assert card.id == MODEL and card.max_model_len == MAX_MODEL_LEN
+    assert httpx.get(server.url("/health")).status_code == 200
+    assert httpx.get(server.url("/version")).json()["version"]
+
+
+def test_completion_streamed_and_not_agree_and_count_tokens(server, client, smollm2_tokenizer):
+    prompt = "The capital of France is"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, **GREEDY)
+    [choice] = full.choices
+    assert choice.finish_reason == "length" and choice.text
+    assert full.usage.prompt_tokens == len(smollm2_tokenizer.encode(prompt))
+    assert full.usage.completion_tokens == 6 and full.usage.total_tokens == full.usage.prompt_tokens + 6
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_chat_streamed_and_not_agree_and_count_tokens(server, client, smollm2_tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6, **GREEDY)
+    [choice] = full.choices
+    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    prompt_ids = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(prompt_ids, list):  # transformers 5 returns a BatchEncoding
+        prompt_ids = prompt_ids["input_ids"]
+    assert full.usage.prompt_tokens == len(prompt_ids) and full.usage.completion_tokens == 6
+
+    response = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 6,
+                                                     "temperature": 0, "ignore_eos": True, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    first, *middle, finish, usage = events[:-1]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == first["id"] for e in events[:-1])
+    assert "".join(e["choices"][0]["delta"]["content"] for e in middle) == choice.message.content
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["delta"] == {}
+    assert usage["choices"] == [] and usage["usage"] == full.usage.model_dump(exclude_none=True)
+
+
+def test_n_samples_are_seeded_and_distinct(client):
+    def sample():
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, seed=7,
+                                         temperature=1.0, extra_body={"ignore_eos": True})
+
+    first, again = sample(), sample()
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.choices[0].text != first.choices[1].text
+    assert first.usage.completion_tokens == 12
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=3, seed=3, temperature=1.0)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_stop_strings_end_text_streamed_or_not(client):
+    prompt = "Monday, Tuesday, Wednesday,"
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **GREEDY).choices[0].text
+    stop = text.strip()[2:5]  # from inside the greedy continuation
+    assert stop and stop in text
+    expected = text[: text.index(stop)]
+
+    [choice] = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stop=[stop], **GREEDY).choices
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (expected, "stop", stop)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stop=stop, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    kept = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stop=stop, temperature=0,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == expected + stop
+
+
+def test_prompt_forms_and_echo(client, smollm2_tokenizer):
+    prompts = ["Water boils at", "The sky is"]
+    ids = [smollm2_tokenizer.encode(p) for p in prompts]
+    by_text = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, **GREEDY)
+    single = client.completions.create(model=MODEL, prompt=ids[1], max_tokens=4, **GREEDY)
+    assert [c.index for c in by_text.choices] == [0, 1]
+    assert [c.text for c in by_text.choices] == [c.text for c in by_ids.choices]
+    assert by_text.choices[1].text == single.choices[0].text
+    assert by_text.usage.prompt_tokens == sum(map(len, ids)) and by_text.usage.completion_tokens == 8
+
+    echoed = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=4, echo=True, **GREEDY)
+    assert echoed.choices[0].text == prompts[0] + by_text.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=4, echo=True, stream=True,
+                                         **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+
+
+def test_logprobs_wire_format(client):
+    completion = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, logprobs=2, **GREEDY)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 3
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob <= 0 and 2 <= len(top) <= 3 and top[token] == logprob
+        assert max(top.values()) == logprob  # greedy picks the most likely token
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
+
+
+def test_tokenize_detokenize_roundtrip(server, smollm2_tokenizer):
+    text = "Hello, tokenmill!"
+    tokens = post(server, "/tokenize", {"prompt": text}).json()
+    assert tokens["tokens"] == smollm2_tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == text
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": text}]}).json()
+    assert chat["count"] > tokens["count"]
+
+
+def test_concurrent_streams_match_one_by_one(server, client):
+    """64 streamed requests at once give exactly the greedy text each prompt gives alone."""
+    # The shared preamble fills whole KV blocks, so the batch also exercises prefix-cache hits.
+    preamble = "Finish the sentence with a few words, as a helpful and knowledgeable assistant would do:\n"
+    endings = ["The capital of France is", "Water boils at", "The largest planet is", "One, two, three,",
+               "The opposite of hot is", "Monday, Tuesday,", "In 1492, Columbus", "My favourite colour is",
+               "The sun rises in the", "Cats like to", "The first letter of the alphabet is", "Paris is famous for",
+               "A square has", "Ice is made of", "The moon orbits", "Bread is baked in"]
+    prompts = [preamble + ending for ending in endings] * 4
+    alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, **GREEDY).choices[0].text
+             for p in prompts[: len(endings)]}
+    async_client = openai.AsyncOpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def streamed(prompt: str) -> str:
+        stream = await async_client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True,
+                                                       **GREEDY)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run_all() -> list[str]:
+        async with async_client:
+            return await asyncio.gather(*(streamed(p) for p in prompts))
+
+    assert asyncio.run(run_all()) == [alone[p] for p in prompts]
+
+
+# ---- auth, errors, limits --------------------------------------------------------------------------
+
+PROTECTED = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+             ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+             ("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+             ("GET", "/metrics", None)]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), PROTECTED, ids=[p for _, p, _ in PROTECTED])
+def test_protected_routes_need_the_key(server, method, path, body):
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY}):
+        response = httpx.request(method, server.url(path), json=body, headers=headers)
+        assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
+    response = httpx.request(method, server.url(path), json=body, headers=server.headers, timeout=60)
+    assert response.status_code == 200
+
+
+def test_open_routes_need_no_key(server):
+    for path in ("/health", "/version"):
+        assert httpx.get(server.url(path)).status_code == 200
+
+
+BAD_REQUESTS = [
+    ("invalid_json", "/v1/completions", b"{not json", 400),
+    ("missing_prompt", "/v1/completions", {"max_tokens": 3}, 400),
+    ("wrong_type", "/v1/completions", {"prompt": "Hi", "max_tokens": "many"}, 400),
+    ("negative_temperature", "/v1/completions", {"prompt": "Hi", "temperature": -1}, 400),
+    ("n_zero", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 0}, 400),
+    ("empty_prompt", "/v1/completions", {"prompt": []}, 400),
+    ("token_out_of_vocab", "/v1/completions", {"prompt": [10**9]}, 400),
+    ("too_many_logprobs", "/v1/completions", {"prompt": "Hi", "logprobs": 50}, 400),
+    ("stream_options_without_stream", "/v1/completions", {"prompt": "Hi", "stream_options": {}}, 400),
+    ("no_messages", "/v1/chat/completions", {"messages": []}, 400),
+    ("image_content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("continue_and_generation_prompt", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True}, 400),
+    ("unknown_model", "/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, 404),
+    ("body_too_large", "/v1/completions", {"prompt": "x" * (MAX_BODY_BYTES + 1)}, 413),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors(server, path, body, status):
+    if isinstance(body, bytes):
+        response = post(server, path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = post(server, path, body)
+    assert_openai_error(response, status)
+
+
+def test_context_overflow_names_both_numbers(server, client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt="Hello world", max_tokens=MAX_MODEL_LEN)
+    message = raised.value.body["message"]
+    assert str(MAX_MODEL_LEN) in message and "2 in the prompt" in message
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * MAX_MODEL_LEN}])
+    # None of the bad requests above disturbed the engine.
+    assert httpx.get(server.url("/health")).status_code == 200
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def finished_counts(server) -> dict[str, float]:
+    text = httpx.get(server.url("/metrics"), headers=server.headers).text
+    return {sample.labels["finished_reason"]: sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "tokenmill:request_success_total"}
+
+
+def wait_until_idle(server, timeout: float = 20) -> None:
+    """Until no request runs and no KV block is held (a request of max_tokens=1000 would take minutes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        samples = metric_samples(server)
+        if samples["tokenmill:num_requests_running"] == 0 and samples["tokenmill:kv_cache_usage_perc"] == 0:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"an abandoned request still runs or holds blocks: {samples}")
+
+
+LONG_REQUEST = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True}
+
+
+def test_client_leaving_a_stream_aborts_it_and_frees_its_blocks(server):
+    aborted_before = finished_counts(server).get("abort", 0)
+    with httpx.Client(timeout=120, headers=server.headers) as http:
+        with http.stream("POST", server.url("/v1/completions"), json={**LONG_REQUEST, "stream": True}) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            during = metric_samples(server)  # the stream is still open here
+    assert during["tokenmill:num_requests_running"] == 1 and during["tokenmill:kv_cache_usage_perc"] > 0
+    wait_until_idle(server)
+    assert finished_counts(server)["abort"] == aborted_before + 1
+
+
+def test_client_leaving_a_plain_request_aborts_it(server):
+    aborted_before = finished_counts(server).get("abort", 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), json=LONG_REQUEST, headers=server.headers, timeout=2)
+    wait_until_idle(server)
+    assert finished_counts(server)["abort"] == aborted_before + 1
+
+
+def test_metrics_parse_and_count(server):
+    samples = metric_samples(server)
+    for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count", "num_requests_waiting", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total"):
+        assert f"tokenmill:{name}" in samples, name
+    assert samples["tokenmill:generation_tokens_total"] >= 64 * 8
+    for histogram in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds"):
+        assert samples[f"tokenmill:{histogram}_count"] >= 64, histogram
+    # Identical prompts ran together in the concurrency test: some prefix blocks were reused.
+    assert samples["tokenmill:prefix_cache_hits_total"] > 0
+    finished = finished_counts(server)
+    assert finished["abort"] >= 2 and finished["length"] >= 64 and finished["stop"] >= 1
+
+
+def test_sigterm_stops_server_and_engine(server):
+    """Last in the module: it stops the shared server."""
+    children = descendants(server.proc.pid)
+    assert any(is_alive(pid) for pid in children)
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=15) == 0
+    assert time.monotonic() - start < 10
+    time.sleep(0.5)  # the resource tracker leaves once it sees its pipe closed
+    assert not [pid for pid in children if is_alive(pid)]

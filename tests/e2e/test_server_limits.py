@@ -1,0 +1,81 @@
+"""Server limits and failures: overload (503), /metrics without auth, the engine-core process dying,
+and shutdown after that. Dummy weights: these tests need tokens to flow, not good ones."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from server_harness import RemoteServer, descendants, is_alive
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "limits-key"
+MAX_NUM_SEQS = 2
+MAX_WAITING = 1
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    server = RemoteServer(
+        smollm2_path, "--load-format", "dummy", "--kv-cache-space", "0.1", "--max-model-len", "512",
+        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING), "--metrics-no-auth",
+        api_key=API_KEY,
+    )
+    yield server
+    server.stop()
+
+
+def long_stream(http: httpx.Client, server: RemoteServer):
+    body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    return http.stream("POST", server.url("/v1/completions"), json=body, headers=server.headers)
+
+
+def test_metrics_no_auth_opens_only_metrics(server):
+    assert httpx.get(server.url("/metrics")).status_code == 200
+    assert httpx.get(server.url("/v1/models")).status_code == 401
+
+
+def test_overload_answers_503_with_retry_after(server):
+    with httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
+        # Two requests run and one waits: the next would make two wait.
+        for _ in range(MAX_NUM_SEQS + MAX_WAITING):
+            assert streams.enter_context(long_stream(http, server)).status_code == 200
+        refused = http.post(server.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 2},
+                            headers=server.headers)
+        assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+        assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+    # Leaving the streams aborted them: there is room again.
+    deadline = time.monotonic() + 20
+    while True:
+        response = httpx.post(server.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 2},
+                              headers=server.headers, timeout=60)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert response.status_code == 200, response.text
+
+
+def test_engine_core_death_makes_server_unhealthy(server):
+    core_pid = server.engine_core_pid()
+    with httpx.Client(timeout=30) as http, long_stream(http, server) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # generating
+        os.kill(core_pid, signal.SIGKILL)
+        rest = [line for line in lines if line]  # the stream must end, not hang
+    assert any('"code":"engine_dead"' in line for line in rest) and rest[-1] == "data: [DONE]"
+    assert httpx.get(server.url("/health")).status_code == 503
+    refused = httpx.post(server.url("/v1/completions"), json={"prompt": "Hi"}, headers=server.headers, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_sigterm_after_core_death_exits_cleanly(server):
+    children = descendants(server.proc.pid)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=15) == 0
+    time.sleep(0.5)
+    assert not [pid for pid in children if is_alive(pid)]

@@ -1,0 +1,31 @@
+"""The `tokenmill` command: serve, generate, chat, bench. Each subcommand is a module with
+`register(subparsers)`; heavy imports happen in its handler, so `tokenmill --help` stays quick."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.cli import bench, chat, generate, serve
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from tokenmill import __version__
+
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference and serving")
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in (serve, generate, chat, bench):
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,131 @@
+"""argparse flags generated from config dataclasses: each field's name, type, default and docstring
+are the one source of truth for its flag. Flags default to "not given", so an omitted flag leaves
+the dataclass default in force."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+from typing import Any
+
+from tokenmill.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)
+
+FLAG_NAMES = {"policy": "scheduling-policy"}
+"""Fields whose vLLM flag is not simply the field name with dashes."""
+
+_SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (Python keeps them only in the source)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _flag_type(annotation: Any) -> tuple[type, bool] | None:
+    """(element type, is a list) for annotations a flag can express: 'int | None', 'str | list[str] | None'."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    parts = [p.strip() for p in text.split("|") if p.strip() != "None"]
+    lists = [p[len("list["):-1] for p in parts if p.startswith("list[") and p.endswith("]")]
+    if lists:
+        element = _SCALARS.get(lists[0])
+        return (element, True) if element in (str, int, float) else None
+    if len(parts) == 1 and parts[0] in _SCALARS:
+        return _SCALARS[parts[0]], False
+    return None
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def add_dataclass_args(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    skip: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """One flag per field; `defaults` replaces a field's own default for this command."""
+    defaults = defaults or {}
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or (only is not None and f.name not in only):
+            continue
+        flag_type = _flag_type(f.type)
+        if flag_type is None:
+            continue  # dicts, callables, enums: not for the command line
+        element, is_list = flag_type
+        default = defaults.get(f.name, _default_of(f))
+        doc = docs.get(f.name, "").replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default if f.name in defaults else argparse.SUPPRESS,
+                                  "help": f"{doc} (default: {default})" if doc else f"default: {default}"}
+        if element is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = element
+            if is_list:
+                kwargs["nargs"] = "+"
+        flag = FLAG_NAMES.get(f.name, f.name.replace("_", "-"))
+        if element is not bool:
+            kwargs["metavar"] = flag.upper().replace("-", "_")
+        parser.add_argument("--" + flag, **kwargs)
+
+
+def given_fields(
+    args: argparse.Namespace, cls: type, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The fields of `cls` set on the command line."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if f.name not in skip and (only is None or f.name in only) and hasattr(args, f.name)}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> None:
+    """Every engine flag; the model is `[MODEL]` (serve) or `--model` (generate, chat)."""
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    else:
+        parser.add_argument("--model", default=None,
+                            help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    for cls in ENGINE_CONFIGS:
+        group = parser.add_argument_group(f"engine: {cls.__name__}")
+        add_dataclass_args(group, cls, skip=("model",))
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from tokenmill.default_model import default_model_path
+
+    return default_model_path()
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The model path and the engine arguments given on the command line, as `LLM(model, **kwargs)` takes them."""
+    kwargs: dict[str, Any] = {}
+    for cls in ENGINE_CONFIGS:
+        kwargs.update(given_fields(args, cls, skip=("model",)))
+    return resolve_model(args.model), kwargs
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model, kwargs = engine_kwargs_from_args(args)
+    return EngineConfig.from_kwargs(model, **kwargs)

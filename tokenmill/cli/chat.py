@@ -1,0 +1,87 @@
+"""`tokenmill chat`: an interactive chat in the terminal, with a running server (through the openai
+client) or, with --local, a model loaded in this process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+from tokenmill.cli.args import add_engine_args, engine_kwargs_from_args
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+EXIT_COMMANDS = ("/exit", "/quit")
+
+Reply = Callable[[list[dict]], str]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("chat", help="chat in the terminal with a running server (or --local)")
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
+    parser.add_argument("--model-name", default=None, help="model to ask the server for (default: its first)")
+    parser.add_argument("--api-key", default=None, help=f"the server's API key (default: ${API_KEY_ENV})")
+    parser.add_argument("--system-prompt", default=None, help="a system message to start the conversation")
+    parser.add_argument("-q", "--quick", metavar="MESSAGE", default=None,
+                        help="send one message, print the reply, exit")
+    parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
+    parser.add_argument("--local", action="store_true", help="load the model here instead of calling a server")
+    add_engine_args(parser, model_positional=False)  # used with --local
+    parser.set_defaults(handler=run)
+
+
+def _server_reply(args: argparse.Namespace) -> Reply:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=args.url, api_key=args.api_key or os.environ.get(API_KEY_ENV) or "EMPTY")
+    model = args.model_name or client.models.list().data[0].id
+
+    def reply(conversation: list[dict]) -> str:
+        stream = client.chat.completions.create(
+            model=model, messages=conversation, max_tokens=args.max_tokens, temperature=args.temperature, stream=True
+        )
+        parts = []
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                print(parts[-1], end="", flush=True)
+        print()
+        return "".join(parts)
+
+    return reply
+
+
+def _local_reply(args: argparse.Namespace) -> Reply:
+    from tokenmill import LLM, SamplingParams
+
+    model, engine_kwargs = engine_kwargs_from_args(args)
+    llm = LLM(model, **engine_kwargs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+
+    def reply(conversation: list[dict]) -> str:
+        text = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+        print(text, flush=True)
+        return text
+
+    return reply
+
+
+def run(args: argparse.Namespace) -> int:
+    reply = _local_reply(args) if args.local else _server_reply(args)
+    conversation = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    if args.quick is not None:
+        reply(conversation + [{"role": "user", "content": args.quick}])
+        return 0
+    print(f"chatting ({'local model' if args.local else args.url}); {EXIT_COMMANDS[0]} or Ctrl-D to leave")
+    while True:
+        try:
+            message = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if message.strip() in EXIT_COMMANDS:
+            return 0
+        if not message.strip():
+            continue
+        conversation.append({"role": "user", "content": message})
+        conversation.append({"role": "assistant", "content": reply(conversation)})

@@ -1,0 +1,41 @@
+"""`tokenmill generate "prompt"`: one-shot generation with the offline engine, printed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.cli.args import add_dataclass_args, add_engine_args, engine_kwargs_from_args, given_fields
+from tokenmill.sampling_params import SamplingParams
+
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
+                  "ignore_eos", "min_tokens")
+"""The sampling fields offered as flags (--seed is the engine's: it seeds unseeded sampling)."""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text for prompts, offline (no server)")
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several run as one batch)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    # SamplingParams' 16 tokens are too few to try a model.
+    add_dataclass_args(parser.add_argument_group("sampling"), SamplingParams, only=SAMPLING_FLAGS,
+                       defaults={"max_tokens": 128})
+    add_engine_args(parser, model_positional=False)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenmill import LLM
+
+    model, engine_kwargs = engine_kwargs_from_args(args)
+    params = SamplingParams(**given_fields(args, SamplingParams, only=SAMPLING_FLAGS))
+    llm = LLM(model, **engine_kwargs)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for prompt, output in zip(args.prompts, outputs):
+        text = output.outputs[0].text
+        print(f"{prompt}\n{'-' * 8}\n{text}" if args.chat else prompt + text, flush=True)
+        if len(outputs) > 1:
+            print("=" * 40)
+    return 0

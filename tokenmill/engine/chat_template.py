@@ -1,0 +1,54 @@
+"""Conversations -> prompt text and token ids, through the model's Jinja chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages with text content only: a list of content parts becomes one string."""
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}]: only text content parts are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        conversation.append({**message, "content": content if content is not None else ""})
+    return conversation
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    **template_kwargs: Any,
+) -> tuple[str, list[int]]:
+    """The prompt text and its token ids; ValueError when the template cannot render the conversation."""
+    if chat_template is None and tokenizer.chat_template is None:
+        raise ValueError("the model has no chat template; pass one (--chat-template FILE)")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **template_kwargs,
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed: {e}") from e
+    # The rendered text already holds the special tokens (BOS) the template wants.
+    return text, tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,53 @@
+"""msgspec (msgpack) encoding of the messages between the frontend and the engine-core process.
+
+Frontend -> core messages are two frames, [kind, payload]; core -> frontend messages are one
+frame, an encoded EngineCoreOutputs. The protocol dataclasses are encoded as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from tokenmill.protocol import EngineCoreOutputs, EngineRequest
+
+
+class RequestKind(bytes, enum.Enum):
+    ADD = b"A"
+    """payload: EngineRequest"""
+    ABORT = b"X"
+    """payload: list of request ids"""
+
+
+def _enc_hook(obj: object) -> object:
+    # Only plain data crosses processes; Python callables (logits_processors) cannot.
+    raise TypeError(f"{obj!r} cannot be sent to the engine-core process (only the offline LLM accepts it)")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_request_decoder = msgspec.msgpack.Decoder(EngineRequest)
+_abort_decoder = msgspec.msgpack.Decoder(list[str])
+_outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+def encode_add(request: EngineRequest) -> list[bytes]:
+    return [RequestKind.ADD.value, _encoder.encode(request)]
+
+
+def encode_abort(request_ids: list[str]) -> list[bytes]:
+    return [RequestKind.ABORT.value, _encoder.encode(request_ids)]
+
+
+def decode_request(frames: list[bytes]) -> tuple[RequestKind, EngineRequest | list[str]]:
+    kind, payload = RequestKind(frames[0]), frames[1]
+    decoder = _request_decoder if kind == RequestKind.ADD else _abort_decoder
+    return kind, decoder.decode(payload)
+
+
+def encode_outputs(outputs: EngineCoreOutputs) -> bytes:
+    return _encoder.encode(outputs)
+
+
+def decode_outputs(payload: bytes) -> EngineCoreOutputs:
+    return _outputs_decoder.decode(payload)

@@ -1,0 +1,174 @@
+"""Runs an EngineCore in its own process: startup handshake, ZMQ input/output threads, busy loop.
+
+The frontend starts `run_engine_core` in a spawned child. The child loads the model, reports
+"ready" (or the startup error) through a pipe, then loops: take requests and aborts from the
+input thread, step the core, hand outputs to the output thread. The socket threads encode and
+decode while the main thread computes. It exits on SIGTERM, when its parent dies, or on a
+fatal error (the frontend notices the exit and reports itself unhealthy).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.codec import RequestKind, decode_request, encode_outputs
+from tokenmill.engine.core import EngineCore
+from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineRequest
+from tokenmill.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 1.0
+_RECV_POLL_MS = 100
+_SEND_LINGER_MS = 1000
+
+
+def run_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, ready: Connection, parent_pid: int
+) -> None:
+    """Entry point of the engine-core process."""
+    # Ctrl-C reaches the whole process group; the frontend owns it and stops us with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    try:
+        from tokenmill.engine.frontend import resolve_max_model_len
+        from tokenmill.model.loader import load_hf_config
+
+        _leave_a_cpu_for_the_frontend(config)
+        hf_config = load_hf_config(config.model_config)
+        max_model_len = resolve_max_model_len(config.model_config.max_model_len, hf_config)
+        proc = EngineCoreProc(EngineCore(config, hf_config, max_model_len), input_address, output_address)
+    except BaseException:
+        ready.send(("error", traceback.format_exc()))
+        ready.close()
+        raise SystemExit(1) from None
+    ready.send(("ready", None))
+    ready.close()
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        logger.info("engine core shutting down")
+    except Exception:
+        logger.exception("engine core failed; exiting")
+        raise SystemExit(1) from None
+    finally:
+        proc.close()
+
+
+def _leave_a_cpu_for_the_frontend(config: EngineConfig) -> None:
+    """On CPU, torch's intra-op threads spin on every core; the frontend process (HTTP, tokenizing,
+    detokenizing) then starves them and a step takes many times longer. Leave it one core, unless
+    the user chose the thread count (OMP_NUM_THREADS)."""
+    import torch
+
+    from tokenmill.worker.worker import resolve_device
+
+    num_cpus = len(os.sched_getaffinity(0))
+    if resolve_device(config.device_config.device).type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    if num_cpus > 1 and torch.get_num_threads() >= num_cpus:
+        torch.set_num_threads(num_cpus - 1)
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(0)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A frontend killed with SIGKILL cannot stop us; notice it and leave no orphan behind."""
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, input_address: str, output_address: str) -> None:
+        self.core = core
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+        self.context = zmq.Context()
+        self.stopping = threading.Event()
+        # Each socket lives in its own thread (ZMQ sockets are not thread-safe).
+        self.threads = [
+            threading.Thread(target=target, args=(address,), daemon=True, name=target.__name__)
+            for target, address in ((self._recv_loop, input_address), (self._send_loop, output_address))
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def run_busy_loop(self) -> None:
+        while True:
+            self._handle_inputs(block=not self.core.has_requests())
+            if self.core.has_requests():
+                self.outputs.put(self.core.step())
+
+    def _handle_inputs(self, block: bool) -> None:
+        messages = [self.inputs.get()] if block else []
+        while True:
+            try:
+                messages.append(self.inputs.get_nowait())
+            except queue.Empty:
+                break
+        rejected: list[EngineCoreOutput] = []
+        aborted = False
+        for kind, payload in messages:
+            if kind == RequestKind.ADD:
+                rejected += self._add(payload)
+            else:
+                self.core.abort_requests(payload)
+                aborted = True
+        if rejected or aborted:
+            # Aborts change the gauges even when no step follows (the engine may now be idle).
+            self.outputs.put(EngineCoreOutputs(rejected, self.core.scheduler.make_stats()))
+
+    def _add(self, request: EngineRequest) -> list[EngineCoreOutput]:
+        try:
+            self.core.add_request(request)
+            return []
+        except Exception as e:  # a bad request must not take the engine down
+            logger.error("rejected request %s: %s", request.request_id, e)
+            return [EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)]
+
+    def _recv_loop(self, address: str) -> None:
+        socket = self.context.socket(zmq.PULL)
+        socket.connect(address)
+        try:
+            while not self.stopping.is_set():
+                if not socket.poll(_RECV_POLL_MS):
+                    continue
+                frames = socket.recv_multipart()
+                try:
+                    self.inputs.put(decode_request(frames))
+                except Exception:
+                    logger.exception("dropped an undecodable message")
+        finally:
+            socket.close(linger=0)
+
+    def _send_loop(self, address: str) -> None:
+        socket = self.context.socket(zmq.PUSH)
+        socket.connect(address)
+        try:
+            while (outputs := self.outputs.get()) is not None:
+                socket.send(encode_outputs(outputs), copy=False)
+        finally:
+            socket.close(linger=_SEND_LINGER_MS)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.outputs.put(None)
+        for thread in self.threads:
+            thread.join(timeout=2.0)
+        if not any(thread.is_alive() for thread in self.threads):
+            self.context.term()  # would block on a socket still open; the process exits anyway

@@ -1,0 +1,45 @@
+"""What the frontend side of an engine loads of a model: config, context length, tokenizer and the
+input/output processors. The engine core loads the weights; this never touches them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from tokenmill.config import ModelConfig
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.tokenizer import load_tokenizer, make_tokenizer_info
+from tokenmill.model.loader import load_hf_config
+from tokenmill.model.registry import get_model_class
+
+
+def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -> int:
+    model_max = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        if model_max is None:
+            raise ValueError("the model config has no max_position_embeddings: pass max_model_len")
+        return model_max
+    if model_max is not None and requested > model_max:
+        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={model_max}")
+    return requested
+
+
+@dataclass
+class Frontend:
+    hf_config: PretrainedConfig
+    max_model_len: int
+    tokenizer: PreTrainedTokenizerBase | None
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+
+
+def load_frontend(model_config: ModelConfig) -> Frontend:
+    hf_config = load_hf_config(model_config)
+    get_model_class(hf_config.architectures)  # fail fast: before the tokenizer and weights load
+    max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
+    tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config, hf_config)
+    tokenizer_info = make_tokenizer_info(tokenizer, hf_config, model_config)
+    input_processor = InputProcessor(tokenizer, tokenizer_info, max_model_len, hf_config.vocab_size)
+    return Frontend(hf_config, max_model_len, tokenizer, input_processor, OutputProcessor(tokenizer))

@@ -1,0 +1,101 @@
+"""The FastAPI app: routes only. The work lives in serving_*.py; auth and limits in middleware.py."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+import tokenmill
+from tokenmill.server.errors import bad_request, error_response, install_error_handlers
+from tokenmill.server.middleware import ALWAYS_OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware
+from tokenmill.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokenmill.server.serving_chat import create_chat_completion, render_messages
+from tokenmill.server.serving_completion import create_completion
+from tokenmill.server.state import ServerState
+from tokenmill.server.streaming import ClientDisconnected
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
+
+
+def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
+    engine = state.engine
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            return error_response(503, f"the engine is not running: {engine.dead_reason}", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tokenmill.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
+                "root": engine.config.model_config.model, "parent": None, "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await create_completion(state, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(state, req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("pass exactly one of prompt and messages")
+        if req.messages is not None:
+            _, token_ids = render_messages(state, req)
+        elif engine.tokenizer is None:
+            raise bad_request("this server was started without a tokenizer")
+        else:
+            token_ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids})
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        state.check_model(req.model)
+        if engine.tokenizer is None:
+            raise bad_request("this server was started without a tokenizer")
+        vocab_size = engine.hf_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab_size})", param="tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+
+    # Added last, so it runs first: a request without the key is refused before its body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)
+    if state.config.api_key:
+        open_paths = ALWAYS_OPEN_PATHS | ({"/metrics"} if state.config.metrics_no_auth else set())
+        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key, open_paths=frozenset(open_paths))
+    return app

@@ -1,0 +1,79 @@
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, for every failure path."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.engine.async_engine import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, code: str | None = None, param: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422; OpenAI clients expect 400 for a malformed body.
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = "; ".join(_describe(e) for e in errors) or "invalid request"
+        return error_response(400, message, code=first.get("type"), param=".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"internal server error: {exc!r}", code="internal_error")
+
+
+def _describe(error: dict) -> str:
+    if error.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {error.get('ctx', {}).get('error', 'decode error')}"
+    loc = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+    return f"{loc}: {error.get('msg')}" if loc else str(error.get("msg"))

@@ -1,0 +1,67 @@
+"""Engine logprobs (per position: token id -> Logprob) in OpenAI's two wire formats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tokenmill.outputs import Logprob
+
+Decode = Callable[[int], str]
+"""One token id -> its text (for prompt tokens, which carry no decoded text of their own)."""
+
+
+def _token_text(token_id: int, logprob: Logprob | None, decode: Decode) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return decode(token_id)
+
+
+def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The `num` most likely alternatives of a position, most likely first."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
+    return ranked[:num]
+
+
+class CompletionLogprobs:
+    """The legacy completions format, {tokens, token_logprobs, top_logprobs, text_offset}, built across
+    stream chunks (text offsets run on from one chunk to the next)."""
+
+    def __init__(self, num_top: int, decode: Decode) -> None:
+        self.num_top, self.decode = num_top, decode
+        self.offset = 0
+
+    def format(self, token_ids: list[int], entries: list[dict[int, Logprob] | None]) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in zip(token_ids, entries):
+            chosen = entry.get(token_id) if entry is not None else None
+            text = _token_text(token_id, chosen, self.decode)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(chosen.logprob if chosen is not None else None)
+            if entry is None:
+                out["top_logprobs"].append(None)
+            else:
+                top = {_token_text(t, lp, self.decode): lp.logprob for t, lp in _top(entry, self.num_top)}
+                if chosen is not None:
+                    top.setdefault(text, chosen.logprob)
+                out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, decode: Decode) -> dict:
+    """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry.get(token_id)
+        content.append({
+            **_chat_entry(token_id, chosen, decode),
+            "top_logprobs": [_chat_entry(t, lp, decode) for t, lp in _top(entry, num_top)],
+        })
+    return {"content": content}
+
+
+def _chat_entry(token_id: int, logprob: Logprob | None, decode: Decode) -> dict:
+    text = _token_text(token_id, logprob, decode)
+    return {"token": text, "logprob": logprob.logprob if logprob is not None else None,
+            "bytes": list(text.encode("utf-8"))}

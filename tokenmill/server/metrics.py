@@ -1,0 +1,100 @@
+"""Prometheus metrics (prefix `tokenmill:`), fed by the AsyncEngine with every batch of outputs.
+
+Latencies come from the frontend's per-request timestamps; gauges and cache/preemption counters
+from the SchedulerStats the core sends with each step (its counters are cumulative, so they are
+turned into increments here).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmill.outputs import RequestOutput
+from tokenmill.protocol import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        labels = {"model_name": model_name}
+        self._model_name = model_name
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, list(labels), registry=registry).labels(**labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{name}", doc, list(labels), registry=registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, list(labels), buckets=buckets, registry=registry).labels(
+                **labels
+            )
+
+        self.request_success = Counter(
+            "tokenmill:request_success", "Finished sequences, by finish reason.",
+            ["model_name", "finished_reason"], registry=registry,
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a sequence.",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted to free KV-cache blocks.")
+        self._last_token_time: dict[str, dict[int, float]] = {}
+        """Per open request, per sample index: when its last token arrived."""
+        self._last_totals = SchedulerStats()
+
+    def record(self, outputs: list[RequestOutput], stats: SchedulerStats | None) -> None:
+        now = time.time()
+        for output in outputs:
+            self._record_output(output, now)
+        if stats is not None:
+            self._record_stats(stats)
+
+    def _record_output(self, output: RequestOutput, now: float) -> None:
+        metrics = output.metrics
+        last_times = self._last_token_time.get(output.request_id)
+        if last_times is None:
+            last_times = self._last_token_time[output.request_id] = {}
+            if metrics.first_token_time is not None:
+                self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        for completion in output.outputs:
+            if completion.token_ids:
+                self.generation_tokens.inc(len(completion.token_ids))
+                previous = last_times.get(completion.index)
+                if previous is not None:
+                    self.itl.observe((now - previous) / len(completion.token_ids))
+                last_times[completion.index] = now
+            if completion.finish_reason is not None:
+                self.request_success.labels(self._model_name, completion.finish_reason).inc()
+        if output.finished:
+            del self._last_token_time[output.request_id]
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.e2e.observe((metrics.finished_time or now) - metrics.arrival_time)
+
+    def _record_stats(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last_totals
+        for metric, new, old in (
+            (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+            (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            (self.preemptions, stats.num_preemptions, last.num_preemptions),
+        ):
+            if new > old:
+                metric.inc(new - old)
+        for seconds in stats.queue_times:
+            self.queue_time.observe(seconds)
+        self._last_totals = stats

@@ -1,0 +1,80 @@
+"""ASGI middleware: API-key check and request-body size limit.
+
+Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would buffer streamed responses and
+hide client disconnects from the routes.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenmill.server.errors import error_response
+
+ALWAYS_OPEN_PATHS = frozenset({"/health", "/version"})
+"""Routes the API key never protects: liveness probes and version checks carry no data."""
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        message = "missing API key" if not given else "invalid API key"
+        response = error_response(
+            401, f"{message}: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Reads the whole body first (the JSON routes need all of it anyway), answering 413 past the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_large = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected before the body was complete
+                return
+            size += len(message.get("body", b""))
+            too_large = too_large or size > self.max_bytes
+            if not too_large:
+                chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        if too_large:
+            # Answered only once the body is drained, so the client reads the 413, not a reset.
+            return await self._too_large(scope, receive, send)
+        body_sent = False
+
+        async def replay() -> Message:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # then only disconnect notices remain
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413, f"the request body exceeds the limit of {self.max_bytes} bytes", code="request_too_large"
+        )
+        await response(scope, receive, send)

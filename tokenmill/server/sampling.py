@@ -1,0 +1,79 @@
+"""OpenAI request fields -> SamplingParams, including the context-length check that names both numbers."""
+
+from __future__ import annotations
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import bad_request
+from tokenmill.server.openai_protocol import SamplingRequest
+
+MAX_LOGPROBS = 20
+"""Most alternatives per position a request may ask for (OpenAI allows 20 in chat)."""
+
+
+def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
+    """The output budget: what was asked for, if it fits the context, else a 400; all that fits if None."""
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        if room < 1:
+            raise bad_request(
+                f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
+                f"{prompt_len}: no room is left for output", param="messages", code="context_length_exceeded",
+            )
+        return room
+    if max_tokens > room:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, but {prompt_len + max_tokens} "
+            f"were requested ({prompt_len} in the prompt, {max_tokens} in {param}); reduce the prompt or {param}",
+            param=param, code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def to_sampling_params(
+    req: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > MAX_LOGPROBS:
+            raise bad_request(f"{name} must be at most {MAX_LOGPROBS}, got {value}", param=name)
+    try:
+        logit_bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids", param="logit_bias") from None
+    try:
+        return SamplingParams(
+            n=req.n,
+            best_of=req.best_of,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+
+
+def check_stream_options(req: SamplingRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise bad_request("best_of > n cannot be streamed: the best samples are known only at the end",
+                          param="best_of")

@@ -1,0 +1,127 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> chat.completion, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.chat_template import normalize_messages, render_chat
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.choices import collect, usage
+from tokenmill.server.errors import bad_request, error_body
+from tokenmill.server.logprobs import chat_logprobs
+from tokenmill.server.openai_protocol import ChatCompletionRequest
+from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, to_sampling_params
+from tokenmill.server.state import ServerState, make_request_id
+from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
+
+
+def render_messages(state: ServerState, req) -> tuple[str, list[int]]:
+    """The prompt of a chat request (also used by /tokenize); 400 for anything the template rejects."""
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("this server was started without a tokenizer: chat is unavailable")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
+                          "set add_generation_prompt to false", param="continue_final_message")
+    if not req.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    try:
+        return render_chat(
+            tokenizer,
+            normalize_messages(req.messages),
+            chat_template=getattr(req, "chat_template", None),
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            **(getattr(req, "chat_template_kwargs", None) or {}),
+        )
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e), param="messages") from e
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    if req.tools and req.tool_choice != "none":
+        raise bad_request("tools are not supported by this server yet", param="tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported yet", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    state.check_model(req.model)
+    check_stream_options(req)
+    _check_unsupported(req)
+    text, token_ids = render_messages(state, req)
+    engine = state.engine
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, param)
+    params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    state.check_capacity(params.num_samples)
+    request_id = make_request_id("chatcmpl")
+    prompt = {"prompt": text, "prompt_token_ids": token_ids}
+    [stream] = state.add_requests(request_id, [prompt], [params], req.priority, req.cache_salt)
+    responder = ChatResponder(state, req, request_id, len(token_ids))
+    if req.stream:
+        return SSEResponse(responder.stream(stream))
+    _, choices = await cancel_on_disconnect(raw, collect(stream, params))
+    return JSONResponse(responder.full(choices))
+
+
+class ChatResponder:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, num_prompt: int) -> None:
+        self.req, self.request_id, self.num_prompt = req, request_id, num_prompt
+        self.model_name = state.model_name
+        self.decode = state.decode_token
+        self.created = int(time.time())
+
+    def _logprobs(self, token_ids: list[int], entries) -> dict | None:
+        if not self.req.logprobs or entries is None:
+            return None
+        return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0, self.decode)
+
+    def full(self, choices: list) -> dict:
+        body = []
+        for index, choice in enumerate(choices):
+            body.append({
+                "index": index,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            })
+        num_completion = sum(len(c.token_ids) for c in choices)
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
+                "model": self.model_name, "choices": body, "usage": usage(self.num_prompt, num_completion)}
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        return sse({"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model_name, "choices": choices, **extra})
+
+    async def stream(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        req, num_completion = self.req, 0
+        try:
+            for index in range(req.n):
+                yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}])
+            async for output in stream:
+                for completion in output.outputs:
+                    num_completion += len(completion.token_ids)
+                    logprobs = self._logprobs(completion.token_ids, completion.logprobs)
+                    if completion.text or logprobs is not None:
+                        yield self._chunk([{"index": completion.index, "delta": {"content": completion.text},
+                                            "logprobs": logprobs, "finish_reason": None}])
+                    if completion.finish_reason is not None:
+                        yield self._chunk([{"index": completion.index, "delta": {}, "logprobs": None,
+                                            "finish_reason": completion.finish_reason,
+                                            "stop_reason": completion.stop_reason}])
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield self._chunk([], usage=usage(self.num_prompt, num_completion))
+        except EngineDeadError as e:
+            yield sse(error_body(503, f"the engine is not running: {e}", code="engine_dead"))
+        yield DONE

@@ -1,0 +1,145 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either) -> text_completion, streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.choices import collect, usage
+from tokenmill.server.errors import bad_request, error_body
+from tokenmill.server.logprobs import CompletionLogprobs
+from tokenmill.server.openai_protocol import CompletionRequest
+from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, to_sampling_params
+from tokenmill.server.state import ServerState, make_request_id
+from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, merge_streams, sse
+
+
+def split_prompts(prompt: str | list) -> list[dict]:
+    """One engine prompt per entry: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    if isinstance(prompt[0], str):
+        return [{"prompt": p} for p in prompt]
+    return [{"prompt_token_ids": p} for p in prompt]
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
+    state.check_model(req.model)
+    check_stream_options(req)
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", param="suffix")
+    engine = state.engine
+    prompts = []
+    for prompt in split_prompts(req.prompt):
+        try:
+            text, token_ids = engine.input_processor.tokenize_prompt(prompt)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), param="prompt") from e
+        prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+    want_prompt_logprobs = req.echo and req.logprobs is not None
+    params = [
+        to_sampling_params(
+            req,
+            resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), engine.max_model_len, "max_tokens"),
+            logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
+        )
+        for p in prompts
+    ]
+    state.check_capacity(len(prompts) * params[0].num_samples)
+    request_id = make_request_id("cmpl")
+    streams = state.add_requests(request_id, prompts, params, req.priority, req.cache_salt)
+    response = CompletionResponder(state, req, request_id, prompts)
+    if req.stream:
+        return SSEResponse(response.stream(streams))
+    results = await cancel_on_disconnect(raw, asyncio.gather(*(collect(s, p) for s, p in zip(streams, params))))
+    return JSONResponse(response.full(results))
+
+
+class CompletionResponder:
+    def __init__(self, state: ServerState, req: CompletionRequest, request_id: str, prompts: list[dict]) -> None:
+        self.req, self.request_id, self.prompts = req, request_id, prompts
+        self.model_name = state.model_name
+        self.tokenizer = state.engine.tokenizer
+        self.decode = state.decode_token
+        self.created = int(time.time())
+
+    def _prompt_text(self, prompt: dict) -> str:
+        if prompt["prompt"] is not None:
+            return prompt["prompt"]
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=self.req.skip_special_tokens)
+
+    def _echo_logprobs(self, fmt: CompletionLogprobs, prompt: dict, output: RequestOutput) -> dict:
+        token_ids = prompt["prompt_token_ids"]
+        return fmt.format(token_ids, output.prompt_logprobs or [None] * len(token_ids))
+
+    def _body(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model_name, "choices": choices, **extra}
+
+    def full(self, results: list) -> dict:
+        req, choices, num_completion = self.req, [], 0
+        for prompt, (last, prompt_choices) in zip(self.prompts, results):
+            for choice in prompt_choices:
+                text, logprobs = choice.text, None
+                if req.logprobs is not None:
+                    fmt = CompletionLogprobs(req.logprobs, self.decode)
+                    logprobs = self._echo_logprobs(fmt, prompt, last) if req.echo else None
+                    generated = fmt.format(choice.token_ids, choice.logprobs or [None] * len(choice.token_ids))
+                    logprobs = _concat(logprobs, generated)
+                if req.echo:
+                    text = self._prompt_text(prompt) + text
+                num_completion += len(choice.token_ids)
+                choices.append({"index": len(choices), "text": text, "logprobs": logprobs,
+                                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+        num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
+        return self._body(choices, usage=usage(num_prompt, num_completion))
+
+    async def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        req, n = self.req, self.req.n
+        formats: dict[int, CompletionLogprobs] = {}
+        num_completion = 0
+        try:
+            async for prompt_index, output in merge_streams(streams):
+                prompt = self.prompts[prompt_index]
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    first = index not in formats
+                    fmt = formats.setdefault(index, CompletionLogprobs(req.logprobs or 0, self.decode))
+                    text, logprobs = completion.text, None
+                    if req.logprobs is not None:
+                        logprobs = self._echo_logprobs(fmt, prompt, output) if req.echo and first else None
+                        entries = completion.logprobs or [None] * len(completion.token_ids)
+                        logprobs = _concat(logprobs, fmt.format(completion.token_ids, entries))
+                    if req.echo and first:
+                        text = self._prompt_text(prompt) + text
+                    num_completion += len(completion.token_ids)
+                    if not text and completion.finish_reason is None and logprobs is None:
+                        continue  # held back (maybe a stop string's start): nothing to say yet
+                    yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
+                                           "finish_reason": completion.finish_reason,
+                                           "stop_reason": completion.stop_reason}]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
+                yield sse(self._body([], usage=usage(num_prompt, num_completion)))
+        except EngineDeadError as e:
+            yield sse(error_body(503, f"the engine is not running: {e}", code="engine_dead"))
+        yield DONE
+
+
+def _concat(first: dict | None, second: dict) -> dict:
+    if first is None:
+        return second
+    return {key: first[key] + second[key] for key in second}

@@ -1,0 +1,69 @@
+"""What every route shares: the engine, the server config, the served model name; the checks every
+generation request goes through before it reaches the engine (model name, overload)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.input_processor import PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError, bad_request
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    model_name: str
+    max_num_seqs: int
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           code="model_not_found", param="model")
+
+    def check_capacity(self, num_new_seqs: int) -> None:
+        """503 when admitting `num_new_seqs` more sequences would leave too many waiting."""
+        limit = self.config.max_waiting_requests
+        if limit is None:
+            return
+        engine = self.engine
+        # Beyond max_num_seqs sequences wait for sure; when the core already has some waiting (a
+        # full KV cache), new ones queue behind them.
+        waiting = engine.get_num_unfinished_seqs() + num_new_seqs - self.max_num_seqs
+        if engine.last_stats is not None and engine.last_stats.num_waiting_reqs > 0:
+            waiting = max(waiting, engine.last_stats.num_waiting_reqs + num_new_seqs)
+        if waiting > limit:
+            raise APIError(503, f"the server is overloaded ({limit} requests already wait); retry later",
+                           code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def add_requests(
+        self, request_id: str, prompts: list[PromptType], params: list[SamplingParams], priority: int,
+        cache_salt: str | None,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Enqueue one engine request per prompt, all or none (400 if the engine refuses one)."""
+        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                streams.append(self.engine.add_request(rid, prompt, p, priority, cache_salt))
+        except ValueError as e:
+            self.engine.abort(ids[: len(streams)])
+            raise bad_request(str(e)) from e
+        return streams
+
+
+    def decode_token(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def make_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
