@@ -35,6 +35,8 @@ class BatchLayout:
 
 class AttentionBackend(ABC):
     name: str
+    supports_cuda_graphs: bool = False
+    """Whether forward() is capturable: no host syncs, and copy_metadata() is implemented."""
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
@@ -51,6 +53,11 @@ class AttentionBackend(ABC):
         metadata: object,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store key/value into the pool at the step's slots, then attend."""
+
+    def copy_metadata(self, dst: object, src: object) -> None:
+        """Graph-capture hook: copy a step's metadata into a captured graph's static metadata
+        (both built by build_metadata for the same padded batch shape)."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:

@@ -6,9 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import use_triton
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        if use_triton(x):
+            from tokenmill.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

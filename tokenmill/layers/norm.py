@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels import use_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
@@ -26,6 +28,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x):
+            from tokenmill.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.offset, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

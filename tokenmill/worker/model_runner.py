@@ -17,6 +17,7 @@ from tokenmill.sample.logprobs import PromptLogprobsCollector, to_token_logprobs
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
 from tokenmill.worker.request_state import RequestStates
 
@@ -43,6 +44,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, device)
         self.prompt_logprobs = PromptLogprobsCollector()
+        self.cuda_graphs: CudaGraphRunner | None = None
+        """Decode graphs, set by the worker after the KV pool exists (None: always eager)."""
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -66,9 +69,14 @@ class ModelRunner:
         return self._sample(batch, hidden_states)
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
+        input_ids, positions = self._to_device(batch.input_ids), self._to_device(batch.positions)
+        if self.cuda_graphs is not None:
+            hidden_states = self.cuda_graphs.run(batch.layout, input_ids, positions)
+            if hidden_states is not None:
+                return hidden_states
         metadata = self.attn_backend.build_metadata(batch.layout, self.device)
         with forward_context(self.attn_backend, metadata):
-            return self.model(self._to_device(batch.input_ids), self._to_device(batch.positions))
+            return self.model(input_ids, positions)
 
     def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> ModelRunnerOutput:
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
@@ -78,8 +86,7 @@ class ModelRunner:
         token_ids = output.token_ids.tolist()  # the step's one device-to-host copy
         row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))
         sampled_ids = [row_to_id[row] for row in batch.sampled_rows.tolist()]
-        for row, token_id in zip(batch.sampled_rows.tolist(), token_ids):
-            self.states.append_token(row, token_id)
+        self.states.append_tokens(batch.sampled_rows, token_ids)
         logprobs = {}
         if output.logprobs is not None:
             params = [self.states.sampling_params[row] for row in batch.sampled_rows.tolist()]

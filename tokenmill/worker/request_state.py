@@ -58,6 +58,11 @@ class RequestStates:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
 
+    def append_tokens(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """append_token for many distinct rows at once."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         if block_ids:
             start = self.num_blocks[row]

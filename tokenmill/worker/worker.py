@@ -14,6 +14,7 @@ from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_ca
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class Worker:
         """Memory left for the KV pool after weights and the peak of a full-budget forward pass."""
         from tokenmill.worker.profiling import profile_peak_memory
 
+        start = time.perf_counter()
         total = torch.cuda.get_device_properties(self.device).total_memory
         peak = profile_peak_memory(self)
         budget = int(total * self.config.cache_config.gpu_memory_utilization)
-        logger.info("memory profile: peak %.2f GiB of %.2f GiB budget", peak / GiB, budget / GiB)
+        logger.info("memory profile: peak %.2f GiB of %.2f GiB budget (%.1f s)", peak / GiB, budget / GiB,
+                    time.perf_counter() - start)
         if budget <= peak:
             raise RuntimeError(
                 f"no memory left for the KV cache: the model needs {peak / GiB:.2f} GiB at peak, "
@@ -99,6 +102,18 @@ class Worker:
             max_model_len=self.max_model_len,
             vocab_size=self.hf_config.vocab_size,
         )
+        if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
+            self._capture_cuda_graphs(shape.block_size)
+
+    def _capture_cuda_graphs(self, block_size: int) -> None:
+        if not self.attn_backend.supports_cuda_graphs:
+            logger.info("attention backend %r cannot be captured: decode runs eagerly", self.attn_backend.name)
+            return
+        runner = CudaGraphRunner(self.model, self.attn_backend, self.device, block_size,
+                                 max_blocks_per_req=-(-self.max_model_len // block_size),
+                                 max_batch_size=self.config.scheduler_config.max_num_seqs)
+        runner.capture()
+        self.model_runner.cuda_graphs = runner
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None, "initialize_cache() must run first"

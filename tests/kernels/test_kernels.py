@@ -1,0 +1,75 @@
+"""Each Triton kernel against its float64 (attention) or same-dtype (elementwise) torch reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import cases  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (q_lens, context_lens): decode only, prefill only, chunked prefill after a cached prefix, and a mix.
+BATCHES = {
+    "decode": ([1, 1, 1, 1], [0, 17, 130, 301]),
+    "prefill": ([7, 64, 129], [0, 0, 0]),
+    "chunked": ([33, 1, 80], [48, 200, 17]),
+    "mixed": ([1, 19, 1, 1, 150, 2], [63, 0, 1, 400, 35, 16]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 1)], ids=["mha", "gqa4", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_paged_attention(device, dtype, batch, heads, head_dim):
+    if device == "cpu" and (dtype == torch.bfloat16 or head_dim > 64):
+        pytest.skip("the interpreter mishandles bfloat16 and is slow")
+    q_lens, context_lens = BATCHES[batch]
+    case = cases.make_paged_case(q_lens, context_lens, heads[0], heads[1], head_dim, 16, dtype, device, seed=0)
+    assert cases.run_paged_attention(case) < cases.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 37}, {"logits_soft_cap": 5.0},
+                                     {"sliding_window": 8, "logits_soft_cap": 1.0}], ids=str)
+def test_paged_attention_options(device, block_size, num_splits, options):
+    dtype = torch.float16
+    case = cases.make_paged_case([1, 40, 1, 3], [500, 70, 5, 90], 8, 2, 128 if device == "cuda" else 32,
+                                 block_size, dtype, device, seed=block_size + num_splits)
+    assert cases.run_paged_attention(case, num_splits=num_splits, **options) < cases.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 64), (37, 8, 128), (300, 4, 256)])
+def test_reshape_and_cache(device, dtype, shape):
+    assert cases.run_reshape_and_cache(*shape, 16, dtype, device, seed=0) == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm(device, dtype, residual, offset):
+    tol = 1e-6 if dtype == torch.float32 else cases.TOLERANCE[dtype]
+    assert cases.run_rms_norm(33, 1000, dtype, device, 0, residual, offset) < tol
+    assert cases.run_rms_norm(7, 128, dtype, device, 1, False, offset, heads=4) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary(device, dtype, rotary_dim):
+    tol = 1e-6 if dtype == torch.float32 else cases.TOLERANCE[dtype]
+    assert cases.run_rotary(19, 8, 2, 64, rotary_dim, dtype, device, 0) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul(device, dtype):
+    tol = 1e-6 if dtype == torch.float32 else cases.TOLERANCE[dtype]
+    assert cases.run_silu_and_mul(9, 1000, dtype, device, 0) < tol

@@ -1,0 +1,86 @@
+"""TritonAttentionBackend == TorchAttentionBackend on a mixed step, and graph-padded decode == unpadded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.attention.backend import BatchLayout
+from tokenmill.attention.torch_attn import TorchAttentionBackend
+from tokenmill.worker.cuda_graph import pad_layout
+
+pytestmark = pytest.mark.gpu
+
+
+class _Layer:
+    def __init__(self, scale, sliding_window=None, logits_soft_cap=None):
+        self.scale, self.sliding_window, self.logits_soft_cap = scale, sliding_window, logits_soft_cap
+
+
+def _make_step(q_lens, context_lens, block_size, num_blocks, rng):
+    seq_lens = np.array(context_lens) + np.array(q_lens)
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    block_table = rng.permutation(num_blocks)[: len(q_lens) * max_blocks].reshape(len(q_lens), max_blocks)
+    positions = np.concatenate([np.arange(c, c + q) for c, q in zip(context_lens, q_lens)])
+    rows = np.repeat(np.arange(len(q_lens)), q_lens)
+    slots = block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return BatchLayout(
+        query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=block_table.astype(np.int32),
+        slot_mapping=slots,
+        block_size=block_size,
+    )
+
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 20, "logits_soft_cap": 3.0}], ids=str)
+def test_mixed_step_matches_torch_backend(device, options):
+    from tokenmill.attention.triton_attn import TritonAttentionBackend
+
+    rng = np.random.default_rng(0)
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 64, 8, 2, 64
+    layout = _make_step([1, 30, 1, 5], [40, 0, 100, 20], block_size, num_blocks, rng)
+    num_tokens = int(layout.query_start_loc[-1])
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn((num_tokens, heads, head_dim), generator=g).to(device)
+    k = torch.randn((num_tokens, kv_heads, head_dim), generator=g).to(device)
+    v = torch.randn((num_tokens, kv_heads, head_dim), generator=g).to(device)
+    pool = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(device)
+    layer = _Layer(head_dim**-0.5, **options)
+    dev = torch.device(device)
+
+    torch_backend, triton_backend = TorchAttentionBackend(), TritonAttentionBackend()
+    pool_ref = pool.clone()
+    ref = torch_backend.forward(layer, q, k, v, pool_ref, torch_backend.build_metadata(layout, dev))
+    out = triton_backend.forward(layer, q, k, v, pool, triton_backend.build_metadata(layout, dev))
+    torch.testing.assert_close(pool, pool_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_decode_matches_unpadded(device):
+    from tokenmill.attention.triton_attn import TritonAttentionBackend
+
+    rng = np.random.default_rng(1)
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 64, 4, 4, 32
+    layout = _make_step([1, 1, 1], [40, 3, 100], block_size, num_blocks, rng)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn((3, heads, head_dim), generator=g).to(device)
+    k = torch.randn((3, kv_heads, head_dim), generator=g).to(device)
+    v = torch.randn((3, kv_heads, head_dim), generator=g).to(device)
+    pool = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(device)
+    layer, backend, dev = _Layer(head_dim**-0.5), TritonAttentionBackend(), torch.device(device)
+
+    pool_expected = pool.clone()
+    expected = backend.forward(layer, q, k, v, pool_expected, backend.build_metadata(layout, dev))
+    # Static metadata as a graph captures it (wide block table), then a step's copied into it.
+    static = backend.build_metadata(pad_layout(layout, 8, num_block_columns=20), dev)
+    backend.copy_metadata(static, backend.build_metadata(pad_layout(layout, 8), dev))
+    q_pad = torch.cat([q, torch.randn((5, heads, head_dim), generator=g).to(device)])
+    k_pad = torch.cat([k, torch.randn((5, kv_heads, head_dim), generator=g).to(device)])
+    v_pad = torch.cat([v, torch.randn((5, kv_heads, head_dim), generator=g).to(device)])
+    pool_padded = pool.clone()
+    out = backend.forward(layer, q_pad, k_pad, v_pad, pool_padded, static)
+    torch.testing.assert_close(out[:3], expected, rtol=1e-5, atol=1e-5)
+    assert torch.all(out[3:] == 0)  # padding requests attend to nothing...
+    torch.testing.assert_close(pool_padded, pool_expected, rtol=0, atol=0)  # ...and store nothing

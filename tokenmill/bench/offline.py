@@ -1,0 +1,76 @@
+"""What the offline benchmarks (throughput, latency) share: engine flags, the engine, random prompts."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import logging
+import platform
+import pstats
+import time
+
+import numpy as np
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.cli.args import add_engine_args as add_all_engine_args
+
+    add_all_engine_args(parser, model_positional=False)
+
+
+def make_llm(args: argparse.Namespace):
+    """An LLM from the engine flags, with no tokenizer (prompts are token ids); logs the start-up time."""
+    from tokenmill import LLM
+    from tokenmill.cli.args import engine_kwargs_from_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    model, kwargs = engine_kwargs_from_args(args)
+    kwargs.setdefault("skip_tokenizer_init", True)
+    start = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    print(f"engine start-up: {time.perf_counter() - start:.1f} s ({model}, {describe_device()})")
+    return llm
+
+
+def describe_device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}"
+
+
+def random_prompts(rng: np.random.Generator, lengths: np.ndarray, vocab_size: int) -> list[dict]:
+    """One prompt of random token ids per length (ids from 3 up: no pad/bos/eos)."""
+    return [{"prompt_token_ids": rng.integers(3, vocab_size, int(n)).tolist()} for n in lengths]
+
+
+def draw_lengths(rng: np.random.Generator, fixed: int, bounds: list[int] | None, count: int) -> np.ndarray:
+    """`count` lengths: all `fixed`, or uniform over the inclusive range `bounds`."""
+    if bounds is None:
+        return np.full(count, fixed, dtype=np.int64)
+    low, high = bounds
+    return rng.integers(low, high + 1, count)
+
+
+def vocab_size_of(llm) -> int:
+    return llm.engine.hf_config.vocab_size
+
+
+@contextlib.contextmanager
+def host_profile(enabled: bool, top: int = 30):
+    """cProfile the block and print its `top` functions by own time (where the host's time goes)."""
+    if not enabled:
+        yield
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+        print(text.getvalue())

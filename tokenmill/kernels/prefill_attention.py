@@ -1,0 +1,186 @@
+"""Paged attention for prefill and chunked prefill: varlen, causal, cached prefix before the new tokens.
+
+One program computes one tile of BLOCK_M query tokens of one request for one query head, streaming
+that request's K/V (cached prefix and this step's tokens alike, already in the pool) through its block
+table with an online softmax. The grid is (tiles of the longest request, requests, heads); tiles past a
+request's end return at once, and the heaviest (last) tiles are started first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at both ends (exp overflow gives 1, underflow -1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr,
+    sm_scale, softcap, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    head_dim,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    req = tl.load(req_ids_ptr + tl.program_id(1)).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < head_dim
+    q_pos = context_len + offs_m  # absolute position of each query token
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    kv_head = head // QUERIES_PER_KV
+    hi = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(0, context_len + tile * BLOCK_M - window + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    block_row = block_table_ptr + req * stride_bt
+    kv_offset = kv_head * stride_ch
+    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
+        k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        mask = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if USE_WINDOW:
+            mask = mask & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 attention runs in full float32 (no tf32); the option does not apply to 16-bit inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if dtype == torch.float32:
+        return (32, 32, 4, 1) if head_dim > 128 else (64, 32, 4, 1)
+    if head_dim > 128:
+        return 64, 32, 4, 2
+    return 128, 128, 8, 2  # H200, Llama-3.1-8B heads, 8 x 1024 causal: 226 TFLOP/s (128 x 64: 212)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; rows of the requests in req_ids are written
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    req_ids: torch.Tensor,  # [num_prefills] int32: the requests to compute
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> None:
+    """config: (BLOCK_M, BLOCK_N, num_warps, num_stages), to override the tuned choice (benchmarks)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if req_ids.numel() == 0 or max_query_len == 0:
+        return
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    block_m, block_n, num_warps, num_stages = config or _config(head_dim, query.dtype)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (triton.cdiv(max_query_len, block_m), req_ids.numel(), num_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_table, req_ids,
+        scale, logits_soft_cap or 1.0, sliding_window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        head_dim,
+        QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,  # [num_reqs, max_blocks]
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Dense per-request attention in `dtype` (float64 by default): the reference for both kernels."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    groups = query.shape[1] // num_kv_heads
+    out = torch.zeros(query.shape, dtype=dtype, device=query.device)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        if end == start:
+            continue
+        blocks = block_table[i, : math.ceil(seq_len / block_size)].long()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(dtype)
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(dtype)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        q = query[start:end].to(dtype)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out

@@ -1,0 +1,88 @@
+"""Fused RMSNorm (optionally with the residual add before it), one program per row.
+
+Rounding follows the torch layer (tokenmill/layers/norm.py) step by step: the residual sum is rounded
+to the input dtype and normalised from there, x * rstd is computed in float32 and rounded before the
+weight is applied (Gemma's offset variant multiplies in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_xt, stride_xh, num_heads, stride_r, stride_o, stride_ro,
+    hidden_size, eps, offset,
+    HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    x_row = (row // num_heads) * stride_xt + (row % num_heads) * stride_xh
+    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden_size + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        y = x * rstd * (offset + w)
+    else:
+        y = (x * rstd).to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + cols, y.to(dtype), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden_size]; 2-D or 3-D with a unit last stride
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+    offset: float = 0.0,
+    residual: torch.Tensor | None = None,  # same shape as x
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x) or, with a residual, (RMSNorm(x + residual), x + residual); outputs are new tensors."""
+    hidden_size = x.shape[-1]
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        x = x.reshape(-1, hidden_size).contiguous()
+    num_heads = x.shape[1] if x.dim() == 3 else 1
+    stride_xh = x.stride(1) if x.dim() == 3 else 0
+    num_rows = x.numel() // hidden_size
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        residual = residual.reshape(num_rows, hidden_size)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        residual_out = out
+    if num_rows == 0:
+        return out if residual is None else (out, residual_out)
+    block = triton.next_power_of_2(hidden_size)
+    _rms_norm_kernel[(num_rows,)](
+        x, residual if residual is not None else x, weight, out, residual_out,
+        x.stride(0), stride_xh, num_heads,
+        residual.stride(0) if residual is not None else 0, hidden_size, hidden_size,
+        hidden_size, eps, offset,
+        HAS_RESIDUAL=residual is not None, HAS_OFFSET=offset != 0.0, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out if residual is None else (out, residual_out)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    dtype = x.dtype
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = (h * (offset + weight.float())).to(dtype) if offset else weight * h.to(dtype)
+    return h if residual is None else (h, residual)

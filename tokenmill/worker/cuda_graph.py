@@ -1,0 +1,112 @@
+"""CUDA graphs for decode-only steps: captured once per padded batch size, replayed with static buffers.
+
+A decode step launches a few hundred small kernels; replaying them from a graph removes the launch
+cost. The batch is padded up to the nearest captured size: padding requests have no context and a
+negative slot, so they store nothing and read nothing. Every graph shares one memory pool, captured
+largest first. Only the forward pass is captured; logits and sampling run eagerly on its output.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.forward_context import forward_context
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch_size + 1, 16))
+    sizes = [s for s in sizes if s <= max_batch_size]
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+def pad_layout(layout: BatchLayout, size: int, num_block_columns: int | None = None) -> BatchLayout:
+    """A decode-only layout grown to `size` requests of one token each; the padding attends to nothing."""
+    num_reqs = len(layout.seq_lens)
+    num_pad = size - num_reqs
+    width = layout.block_table.shape[1] if num_block_columns is None else num_block_columns
+    block_table = np.zeros((size, width), dtype=np.int32)
+    block_table[:num_reqs, : layout.block_table.shape[1]] = layout.block_table
+    return BatchLayout(
+        query_start_loc=np.arange(size + 1, dtype=np.int32),
+        seq_lens=np.concatenate([layout.seq_lens, np.zeros(num_pad, dtype=np.int32)]),
+        block_table=block_table,
+        slot_mapping=np.concatenate([layout.slot_mapping, np.full(num_pad, -1, dtype=np.int64)]),
+        block_size=layout.block_size,
+    )
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        attn_backend: AttentionBackend,
+        device: torch.device,
+        block_size: int,
+        max_blocks_per_req: int,
+        max_batch_size: int,
+    ) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.device = device
+        self.block_size = block_size
+        self.max_blocks_per_req = max_blocks_per_req
+        self.sizes = capture_sizes(max_batch_size)
+        self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # [max_batch_size]
+        self.positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # [max_batch_size]
+        # size -> (graph, its static attention metadata, its output hidden states [size, hidden_size])
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = None
+        for size in reversed(self.sizes):
+            empty = BatchLayout(
+                query_start_loc=np.zeros(1, dtype=np.int32),
+                seq_lens=np.zeros(0, dtype=np.int32),
+                block_table=np.zeros((0, self.max_blocks_per_req), dtype=np.int32),
+                slot_mapping=np.zeros(0, dtype=np.int64),
+                block_size=self.block_size,
+            )
+            metadata = self.attn_backend.build_metadata(pad_layout(empty, size), self.device)
+            input_ids, positions = self.input_ids[:size], self.positions[:size]
+            with forward_context(self.attn_backend, metadata):
+                self.model(input_ids, positions)  # compiles kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), forward_context(self.attn_backend, metadata):
+                hidden_states = self.model(input_ids, positions)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = (graph, metadata, hidden_states)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured %d decode CUDA graphs (batch sizes %d-%d) in %.1f s, %.2f GiB",
+                    len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / GiB)
+
+    def run(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states [num_reqs, hidden_size] of a decode-only step, or None if no graph fits it."""
+        num_reqs = len(layout.seq_lens)
+        if len(layout.slot_mapping) != num_reqs or num_reqs > self.sizes[-1]:
+            return None
+        size = self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+        graph, static_metadata, hidden_states = self.graphs[size]
+        metadata = self.attn_backend.build_metadata(pad_layout(layout, size), self.device)
+        self.attn_backend.copy_metadata(static_metadata, metadata)
+        self.input_ids[:num_reqs].copy_(input_ids, non_blocking=True)
+        self.positions[:num_reqs].copy_(positions, non_blocking=True)
+        graph.replay()
+        return hidden_states[:num_reqs]
