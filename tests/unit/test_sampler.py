@@ -115,8 +115,9 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
         SamplingParams(temperature=0.6, top_k=5),
         SamplingParams(temperature=1.3, top_p=0.8),
         SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.9, top_k=6, top_p=0.85, min_p=0.05),
     ],
-    ids=["plain", "top_k", "top_p", "min_p"],
+    ids=["plain", "top_k", "top_p", "min_p", "top_k-candidates-with-top_p-min_p"],
 )
 def test_sampled_frequencies_match_the_processed_distribution(params):
     vocab, num_samples = 8, 20000
@@ -146,3 +147,15 @@ def test_greedy_rows_ignore_noise_and_seeded_rows_use_their_generator(logits):
     gens = {1: torch.Generator().manual_seed(99)}
     second = Sampler()(logits[:2], build_sampling_metadata(params, gens, VOCAB, CPU)).token_ids
     assert first[0] == logits[0].argmax() and torch.equal(first, second)
+
+
+def test_seeded_top_k_draw_does_not_depend_on_the_batch(logits):
+    seeded = SamplingParams(temperature=1.0, top_k=5, seed=11)
+    wide = SamplingParams(temperature=1.0, top_k=40)
+
+    def draw(params):
+        gens = {0: torch.Generator().manual_seed(5)}
+        return int(Sampler()(logits[: len(params)], build_sampling_metadata(params, gens, VOCAB, CPU)).token_ids[0])
+
+    alone = [draw([seeded]) for _ in range(3)]
+    assert alone == [draw([seeded, wide, wide]) for _ in range(3)]

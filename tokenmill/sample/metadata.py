@@ -1,16 +1,71 @@
 """SamplingMetadata: the sampled rows' parameters as batched tensors, None where no row needs a stage.
 
 Every stage the sampler can skip is None when no request in the batch uses it, so the common
-case (greedy or plain temperature sampling) pays for nothing else.
+case (greedy or plain temperature sampling) pays for nothing else. Per-request parameters live in
+numpy columns (`SamplingColumns`), so a step's metadata is a few array gathers and one copy to the
+device, not a Python loop over the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+
+# Candidates kept when top-k is set: top-k (and top-p, min-p) then work on a [num_reqs, k] slice
+# instead of sorting the whole vocabulary. Larger k falls back to the full sort.
+MAX_TOP_K_CANDIDATES = 1024
+
+
+@dataclass
+class SamplingColumns:
+    """One entry per request: the numeric sampling parameters, in numpy."""
+
+    temperature: np.ndarray  # float32; 1.0 for greedy rows (their draw is discarded)
+    is_greedy: np.ndarray  # bool
+    top_k: np.ndarray  # int64; vocab size where disabled
+    top_p: np.ndarray  # float32
+    min_p: np.ndarray  # float32
+    presence_penalty: np.ndarray  # float32
+    frequency_penalty: np.ndarray  # float32
+    repetition_penalty: np.ndarray  # float32
+    has_penalties: np.ndarray  # bool
+    logprobs: np.ndarray  # int64; -1 = none
+
+    @classmethod
+    def empty(cls, num_rows: int) -> SamplingColumns:
+        return cls(
+            temperature=np.ones(num_rows, np.float32), is_greedy=np.ones(num_rows, bool),
+            top_k=np.zeros(num_rows, np.int64), top_p=np.ones(num_rows, np.float32),
+            min_p=np.zeros(num_rows, np.float32), presence_penalty=np.zeros(num_rows, np.float32),
+            frequency_penalty=np.zeros(num_rows, np.float32), repetition_penalty=np.ones(num_rows, np.float32),
+            has_penalties=np.zeros(num_rows, bool), logprobs=np.full(num_rows, -1, np.int64),
+        )
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], vocab_size: int) -> SamplingColumns:
+        columns = cls.empty(len(params))
+        for row, p in enumerate(params):
+            columns.set_row(row, p, vocab_size)
+        return columns
+
+    def set_row(self, row: int, p: SamplingParams, vocab_size: int) -> None:
+        self.is_greedy[row] = p.is_greedy
+        self.temperature[row] = 1.0 if p.is_greedy else p.temperature
+        self.top_k[row] = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.has_penalties[row] = p.has_penalties
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+
+    def take(self, rows: np.ndarray) -> SamplingColumns:
+        return SamplingColumns(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
 
 @dataclass
@@ -18,6 +73,10 @@ class SamplingMetadata:
     all_greedy: bool
     temperature: torch.Tensor | None  # [num_reqs] float32; 1.0 in greedy rows
     top_k: torch.Tensor | None  # [num_reqs] int64; vocab size where disabled
+    top_k_candidates: int
+    """When every sampled row uses a top_k of at most MAX_TOP_K_CANDIDATES, the largest of them:
+    sampling then works on that many candidates per row. 0: the full-vocabulary path."""
+    top_k_host: np.ndarray  # [num_reqs] int64, the top_k column on the host (seeded rows' noise width)
     top_p: torch.Tensor | None  # [num_reqs] float32
     min_p: torch.Tensor | None  # [num_reqs] float32
     is_greedy: torch.Tensor | None  # [num_reqs] bool; None when no row or every row is greedy
@@ -37,13 +96,8 @@ class SamplingMetadata:
     """Row -> (the request's processors, its output token ids); the slow path."""
 
 
-def _tensor(values, dtype, device) -> torch.Tensor:
-    tensor = torch.tensor(values, dtype=dtype)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
-
-
 def build_sampling_metadata(
-    params: list[SamplingParams],
+    columns: SamplingColumns | list[SamplingParams],
     generators: dict[int, torch.Generator],
     vocab_size: int,
     device: torch.device,
@@ -51,32 +105,44 @@ def build_sampling_metadata(
     penalty_tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
     logits_processors: dict[int, tuple[list, list[int]]] | None = None,
 ) -> SamplingMetadata:
-    greedy = [p.is_greedy for p in params]
-    all_greedy = all(greedy)
-    sampled = [p for p, g in zip(params, greedy) if not g]
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    want_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    if isinstance(columns, list):
+        columns = SamplingColumns.from_params(columns, vocab_size)
+    c = columns
+    all_greedy = bool(c.is_greedy.all())
+    sampled = ~c.is_greedy
+    uses_top_k = sampled & (c.top_k < vocab_size)
+    uses_top_p = bool((sampled & (c.top_p < 1.0)).any())
+    uses_min_p = bool((sampled & (c.min_p > 0.0)).any())
     has_penalties = penalty_tensors is not None
+    # One host-to-device copy for every float column the step needs.
+    floats = torch.from_numpy(np.stack([c.temperature, c.top_p, c.min_p, c.presence_penalty,
+                                        c.frequency_penalty, c.repetition_penalty])).to(device, non_blocking=True)
+    temperature, top_p, min_p, presence, frequency, repetition = floats.unbind(0)
+    greedy_rows = torch.from_numpy(c.is_greedy).to(device, non_blocking=True)
+    wanted = c.logprobs[c.logprobs >= 0]
     return SamplingMetadata(
         all_greedy=all_greedy,
-        temperature=None if all_greedy else _tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device),
-        top_k=_tensor(top_k, torch.int64, device) if any(k < vocab_size for k in top_k) and sampled else None,
-        top_p=_tensor([p.top_p for p in params], torch.float32, device)
-        if any(p.top_p < 1.0 for p in sampled) else None,
-        min_p=_tensor([p.min_p for p in params], torch.float32, device)
-        if any(p.min_p > 0.0 for p in sampled) else None,
-        is_greedy=_tensor(greedy, torch.bool, device) if any(greedy) and not all_greedy else None,
+        temperature=None if all_greedy else temperature,
+        top_k=torch.from_numpy(c.top_k).to(device, non_blocking=True) if uses_top_k.any() else None,
+        top_k_candidates=_candidate_width(c, sampled, vocab_size),
+        top_k_host=c.top_k,
+        top_p=top_p if uses_top_p else None,
+        min_p=min_p if uses_min_p else None,
+        is_greedy=greedy_rows if c.is_greedy.any() and not all_greedy else None,
         generators=generators,
         logit_mask=logit_mask,
-        presence_penalty=_tensor([p.presence_penalty for p in params], torch.float32, device)
-        if has_penalties else None,
-        frequency_penalty=_tensor([p.frequency_penalty for p in params], torch.float32, device)
-        if has_penalties else None,
-        repetition_penalty=_tensor([p.repetition_penalty for p in params], torch.float32, device)
-        if has_penalties else None,
+        presence_penalty=presence if has_penalties else None,
+        frequency_penalty=frequency if has_penalties else None,
+        repetition_penalty=repetition if has_penalties else None,
         output_counts=penalty_tensors[0] if has_penalties else None,
         prompt_mask=penalty_tensors[1] if has_penalties else None,
-        max_num_logprobs=max(want_logprobs) if want_logprobs else None,
+        max_num_logprobs=int(wanted.max()) if len(wanted) else None,
         logits_processors=logits_processors or {},
     )
+
+
+def _candidate_width(c: SamplingColumns, sampled: np.ndarray, vocab_size: int) -> int:
+    if not sampled.any() or (c.top_k[sampled] >= vocab_size).any():
+        return 0  # some sampled row needs the whole vocabulary
+    width = int(c.top_k[sampled].max())
+    return width if width <= MAX_TOP_K_CANDIDATES else 0

@@ -9,7 +9,9 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
   4. penalties: repetition (transformers' rule over prompt and output tokens), then frequency
      and presence (OpenAI's formula over output tokens);
   5. greedy rows take the argmax here;
-  6. temperature, then min_p, top_k and top_p (one sort serves both);
+  6. temperature, then min_p, top_k and top_p: when every sampled row has a top_k (up to 1024),
+     on the top-k candidates only (a topk, no sort of the vocabulary; ties at the k-th value are
+     cut at k there), else with one full sort that serves top_k and top_p;
   7. a Gumbel-max draw (argmax of probs / Exp(1) noise): no host sync; seeded rows draw their
      noise from their own generator.
 """
@@ -92,6 +94,8 @@ def apply_penalties(
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Stages 6-7 for the non-greedy rows (greedy rows have temperature 1 and are replaced later)."""
     logits = logits / metadata.temperature.unsqueeze(1)
+    if metadata.top_k_candidates:
+        return sample_top_k_candidates(logits, metadata)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
     if metadata.top_k is not None or metadata.top_p is not None:
@@ -100,10 +104,40 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     return (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
 
 
-def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """min_p, top_k and top_p over each row's top-k candidates, then the draw among them.
+
+    Equivalent to the full-vocabulary path: min_p compares with the most likely token, and top_p
+    renormalises over the survivors, so neither needs the tokens outside the top k.
+    """
+    values, token_ids = logits.topk(metadata.top_k_candidates, dim=-1)  # [n, width], descending
+    positions = torch.arange(values.shape[1], device=values.device)
+    values = values.masked_fill(positions[None, :] >= metadata.top_k.unsqueeze(1), float("-inf"))
+    if metadata.min_p is not None:
+        # p / p_max < min_p  <=>  logit < max_logit + log(min_p)
+        values = values.masked_fill(values < values[:, :1] + metadata.min_p.log().unsqueeze(1), float("-inf"))
+    if metadata.top_p is not None:
+        probs = values.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely candidates
+        values = values.masked_fill(mass_before >= metadata.top_p.unsqueeze(1), float("-inf"))
+    probs = values.softmax(dim=-1)
+    noise = exponential_noise(probs, metadata.generators, metadata.top_k_host)
+    choice = (probs / noise).argmax(dim=-1, keepdim=True)
+    return token_ids.gather(1, choice).squeeze(1)
+
+
+def exponential_noise(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], widths=None
+) -> torch.Tensor:
+    """Exp(1) noise; a seeded row draws from its generator exactly as many values as its own
+    candidates (`widths`, else the whole row), so its draw does not depend on the batch."""
     noise = torch.empty_like(probs).exponential_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
+        if widths is None:
+            noise[row].exponential_(generator=generator)
+        else:
+            noise[row].fill_(float("inf"))
+            noise[row, : int(widths[row])].exponential_(generator=generator)
     return noise
 
 

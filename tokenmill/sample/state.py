@@ -2,7 +2,9 @@
 
 Penalty inputs are kept incrementally on the device: each row's output-token counts and the set
 of its prompt tokens, allocated the first time a request with penalties arrives and updated with
-one scatter per step. Everything else is rebuilt per step for the rows being sampled.
+one scatter per step. Numeric parameters sit in numpy columns filled when a request arrives; only
+rows with per-request work (seeds, bad words, logits processors, pending min_tokens, allowed ids,
+logit bias) are visited in Python each step.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.sample.metadata import SamplingMetadata, build_sampling_metadata
+from tokenmill.sample.metadata import SamplingColumns, SamplingMetadata, build_sampling_metadata
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import RequestStates
 
@@ -21,14 +23,21 @@ class SamplingState:
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_ids: list[frozenset[int]] = [frozenset()] * max_num_reqs
+        self.columns = SamplingColumns.empty(max_num_reqs)
+        self.needs_host_pass = np.zeros(max_num_reqs, dtype=bool)
         self.output_counts: torch.Tensor | None = None  # [max_num_reqs, vocab] int32
         self.prompt_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool
-        self._generator = torch.Generator(device)
         self._seeded_generators: dict[int, torch.Generator] = {}
 
     def add_request(self, row: int, params: SamplingParams, eos_token_ids: frozenset[int],
                     token_ids: list[int], num_prompt_tokens: int) -> None:
         self.eos_token_ids[row] = eos_token_ids
+        self.columns.set_row(row, params, self.vocab_size)
+        self.needs_host_pass[row] = bool(
+            (params.seed is not None and not params.is_greedy) or params.bad_words_token_ids
+            or params.logits_processors or params.min_tokens or params.allowed_token_ids is not None
+            or params.logit_bias
+        )
         if not params.has_penalties:
             return
         if self.output_counts is None:
@@ -49,11 +58,12 @@ class SamplingState:
                                           accumulate=True)
 
     def build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:
-        params = [states.sampling_params[row] for row in rows.tolist()]
         masked: dict[int, tuple[SamplingParams, list[int]]] = {}
         processors: dict[int, tuple[list, list[int]]] = {}
         generators: dict[int, torch.Generator] = {}
-        for i, (row, p) in enumerate(zip(rows.tolist(), params)):
+        for i in np.flatnonzero(self.needs_host_pass[rows]).tolist():
+            row = int(rows[i])
+            p = states.sampling_params[row]
             num_output = int(states.num_tokens[row] - states.num_prompt_tokens[row])
             if p.seed is not None and not p.is_greedy:
                 generators[i] = self._seeded_generator(i, p.seed, num_output)
@@ -64,13 +74,14 @@ class SamplingState:
                 masked[i] = (p, banned)
             if p.logits_processors:
                 processors[i] = (p.logits_processors, output_ids)
+        columns = self.columns.take(rows)
         penalties = None
-        if self.output_counts is not None and any(p.has_penalties for p in params):
+        if self.output_counts is not None and columns.has_penalties.any():
             index = torch.from_numpy(rows).to(self.device)
             penalties = (self.output_counts[index], self.prompt_mask[index])
         return build_sampling_metadata(
-            params, generators, self.vocab_size, self.device,
-            logit_mask=self._make_mask(len(params), masked), penalty_tensors=penalties,
+            columns, generators, self.vocab_size, self.device,
+            logit_mask=self._make_mask(len(rows), masked), penalty_tensors=penalties,
             logits_processors=processors,
         )
 

@@ -1,0 +1,131 @@
+"""What the sampler costs per decode step at batch 256 (Qwen3-0.6B, dummy weights), on the GPU.
+
+Runs 256 requests to steady-state decoding, then times engine steps (wall clock: each step ends with
+the device-to-host copy of the sampled tokens, so wall time is step time), the sampler's kernels
+(CUDA events around Sampler.forward) and the host-side build of its metadata.
+
+    python3 benchmarks/sampler_overhead.py [--model benchmarks/models/qwen3-0.6b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.sample.sampler import Sampler
+from tokenmill.sample.state import SamplingState
+
+CASES = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=1.0),
+    "top-k+top-p": dict(temperature=0.8, top_k=50, top_p=0.95),
+    "penalties+min_p": dict(temperature=0.8, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2),
+}
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_s: list[float] = []
+        self.cpu_ms: list[float] = []
+
+    def sampler_ms(self) -> float:
+        times = [s.elapsed_time(e) for s, e in self.events] or self.cpu_ms
+        return sum(times) / len(times)
+
+    def wrap(self) -> None:
+        sampler_forward, build = Sampler.forward, SamplingState.build_metadata
+
+        def timed_forward(sampler, logits, metadata):
+            if not logits.is_cuda:  # CPU dry run: wall time is the sampler's time
+                t = time.perf_counter()
+                out = sampler_forward(sampler, logits, metadata)
+                self.cpu_ms.append((time.perf_counter() - t) * 1e3)
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = sampler_forward(sampler, logits, metadata)
+            end.record()
+            self.events.append((start, end))
+            return out
+
+        def timed_build(state, rows, states):
+            t = time.perf_counter()
+            out = build(state, rows, states)
+            self.host_s.append(time.perf_counter() - t)
+            return out
+
+        Sampler.forward, SamplingState.build_metadata = timed_forward, timed_build
+
+    def reset(self) -> None:
+        self.events.clear()
+        self.host_s.clear()
+        self.cpu_ms.clear()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="benchmarks/models/qwen3-0.6b")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers, for a quick CPU dry run")
+    args = parser.parse_args()
+    model = args.model
+    if args.num_layers is not None:
+        import json
+        import os
+        import tempfile
+
+        with open(os.path.join(args.model, "config.json")) as f:
+            config = json.load(f)
+        config["num_hidden_layers"] = args.num_layers
+        model = tempfile.mkdtemp()
+        with open(os.path.join(model, "config.json"), "w") as f:
+            json.dump(config, f)
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=args.batch_size,
+              max_model_len=2048, max_num_batched_tokens=8192,
+              kv_cache_space=None if torch.cuda.is_available() else 1.0)
+    engine = llm.engine
+    timers = Timers()
+    timers.wrap()
+    rows = []
+    for name, extra in CASES.items():
+        params = SamplingParams(max_tokens=args.steps + 40, ignore_eos=True, seed=None, **extra)
+        for i in range(args.batch_size):
+            prompt = [(i * 131 + j * 7) % 150000 + 1 for j in range(128)]
+            engine.add_request(f"{name}-{i}", {"prompt_token_ids": prompt}, params)
+        while engine.core.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running
+        ):
+            engine.step()  # prefill
+        for _ in range(5):
+            engine.step()  # warm decode steps
+        timers.reset()
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        step_ms = (time.perf_counter() - start) / args.steps * 1e3
+        sync()
+        sampler_ms = timers.sampler_ms()
+        host_ms = sum(timers.host_s) / len(timers.host_s) * 1e3
+        engine.abort_request([f"{name}-{i}" for i in range(args.batch_size)])
+        rows.append((name, step_ms, sampler_ms, host_ms))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\nbatch {args.batch_size}, {args.model}, {device}")
+    print(f"{'case':<18}{'step ms':>9}{'sampler GPU ms':>16}{'metadata host ms':>18}{'sampler share':>15}")
+    for name, step_ms, sampler_ms, host_ms in rows:
+        share = (sampler_ms + host_ms) / step_ms
+        print(f"{name:<18}{step_ms:>9.2f}{sampler_ms:>16.3f}{host_ms:>18.3f}{share:>14.1%}")
+
+
+if __name__ == "__main__":
+    main()
