@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 
@@ -35,3 +37,27 @@ def smollm2_tokenizer(smollm2_path):
 
     folder, name = os.path.split(smollm2_path)
     return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+
+
+@dataclass
+class TinyModel:
+    path: str
+    """A folder with config.json and model.safetensors (no tokenizer)."""
+    model: object
+    """The transformers model it was saved from: the reference."""
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> TinyModel:
+    """A seeded random 2-layer Llama (vocab 256, GQA 4/2, 256 positions, EOS 255) for engine tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=255, bos_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return TinyModel(str(path), model)

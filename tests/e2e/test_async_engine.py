@@ -8,8 +8,6 @@ import os
 import signal
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenmill import LLM, AsyncEngine, EngineConfig, SamplingParams
 from tokenmill.engine.async_engine import EngineDeadError
@@ -17,16 +15,6 @@ from tokenmill.engine.async_engine import EngineDeadError
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(20, 57)), [8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ENGINE_ARGS = {"skip_tokenizer_init": True, "kv_cache_space": 0.01, "max_num_batched_tokens": 32}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
 
 
 class FinishRecorder:
@@ -44,7 +32,7 @@ class FinishRecorder:
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     loop = asyncio.new_event_loop()  # one loop for the module: the engine's sockets belong to it
-    engine = AsyncEngine(EngineConfig.from_kwargs(tiny_llama, **ENGINE_ARGS), stat_logger=FinishRecorder())
+    engine = AsyncEngine(EngineConfig.from_kwargs(tiny_llama.path, **ENGINE_ARGS), stat_logger=FinishRecorder())
     loop.run_until_complete(engine.start())
     yield engine, loop
 
@@ -74,7 +62,7 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 10) -> None:
 
 def test_tokens_match_the_offline_engine(tiny_llama, engine):
     engine, loop = engine
-    offline = LLM(tiny_llama, **ENGINE_ARGS).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+    offline = LLM(tiny_llama.path, **ENGINE_ARGS).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
                                                        use_tqdm=False)
 
     async def run_all():

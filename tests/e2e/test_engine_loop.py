@@ -1,21 +1,15 @@
 """LLMEngine stepped by hand on a tiny random Llama: abort, streaming deltas, request errors."""
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import RequestOutputKind
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return LLM(str(path), skip_tokenizer_init=True, kv_cache_space=0.01, max_num_batched_tokens=16).engine
+def engine(tiny_llama):
+    return LLM(tiny_llama.path, skip_tokenizer_init=True, kv_cache_space=0.01, max_num_batched_tokens=16,
+               max_model_len=128).engine
 
 
 def free_blocks(engine):

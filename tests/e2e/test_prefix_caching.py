@@ -1,26 +1,13 @@
 """Prefix caching through the whole engine on a tiny random Llama: fewer computed tokens, same output."""
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenmill import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
-
-
-def make_llm(path, **kwargs):
-    return LLM(path, skip_tokenizer_init=True, kv_cache_space=0.01, block_size=16, **kwargs)
+def make_llm(tiny, **kwargs):
+    return LLM(tiny.path, skip_tokenizer_init=True, kv_cache_space=0.01, block_size=16, **kwargs)
 
 
 def generate(llm, prompt, **kwargs):

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenmill import LLM, SamplingParams
 
@@ -10,15 +9,8 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(20, 57)), [8, 9]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=255, bos_token_id=1)
-    model = LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    return str(path), model
+def tiny(tiny_llama):
+    return tiny_llama.path, tiny_llama.model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
@@ -46,7 +45,7 @@ class AsyncEngine:
         # The core loads the weights while this process loads the tokenizer.
         self.core = CoreProcessClient(config)
         try:
-            frontend = load_frontend(config.model_config)
+            self.frontend = frontend = load_frontend(config.model_config)
             self.core.wait_ready()
         except BaseException:
             self.core.shutdown()
@@ -85,14 +84,11 @@ class AsyncEngine:
         """Validate and enqueue now (ValueError for bad input); iterate the result for DELTA outputs."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        text, request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
-        samples = self.output_processor.add_request(
-            request_id, text, request.prompt_token_ids, params, request.arrival_time, OutputKind.DELTA
-        )
+        requests = self.frontend.prepare(request_id, prompt, params, priority, cache_salt, OutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        for sample_id, sample_params in samples:
-            self.core.add_request(replace(request, request_id=sample_id, sampling_params=sample_params))
+        for request in requests:
+            self.core.add_request(request)
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:

@@ -3,16 +3,18 @@ input/output processors. The engine core loads the weights; this never touches t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from tokenmill.config import ModelConfig
-from tokenmill.engine.input_processor import InputProcessor
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.input_processor import InputProcessor, PromptType
+from tokenmill.engine.output_processor import OutputKind, OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer, make_tokenizer_info
 from tokenmill.model.loader import load_hf_config
 from tokenmill.model.registry import get_model_class
+from tokenmill.protocol import EngineRequest
+from tokenmill.sampling_params import SamplingParams
 
 
 def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -> int:
@@ -33,6 +35,23 @@ class Frontend:
     tokenizer: PreTrainedTokenizerBase | None
     input_processor: InputProcessor
     output_processor: OutputProcessor
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        output_kind: OutputKind | None = None,
+    ) -> list[EngineRequest]:
+        """Validate and tokenize, start tracking the outputs, and return the core request of each sample
+        (one, or n / best_of of them). Raises ValueError for bad input before anything is tracked."""
+        text, request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
+        samples = self.output_processor.add_request(
+            request_id, text, request.prompt_token_ids, params, request.arrival_time, output_kind
+        )
+        return [replace(request, request_id=sid, sampling_params=sparams) for sid, sparams in samples]
 
 
 def load_frontend(model_config: ModelConfig) -> Frontend:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
@@ -22,7 +21,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        frontend = load_frontend(config.model_config)
+        self.frontend = frontend = load_frontend(config.model_config)
         self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len
         self.tokenizer = frontend.tokenizer
         self.input_processor, self.output_processor = frontend.input_processor, frontend.output_processor
@@ -42,12 +41,8 @@ class LLMEngine:
         cache_salt: str | None = None,
         output_kind: OutputKind | None = None,
     ) -> None:
-        text, request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
-        samples = self.output_processor.add_request(
-            request_id, text, request.prompt_token_ids, params, request.arrival_time, output_kind
-        )
-        for sample_id, sample_params in samples:
-            self.core.add_request(replace(request, request_id=sample_id, sampling_params=sample_params))
+        for request in self.frontend.prepare(request_id, prompt, params, priority, cache_salt, output_kind):
+            self.core.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         self.core.abort_requests([sid for rid in request_ids for sid in self.output_processor.sample_ids(rid)])
