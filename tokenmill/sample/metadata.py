@@ -114,11 +114,13 @@ def build_sampling_metadata(
     uses_top_p = bool((sampled & (c.top_p < 1.0)).any())
     uses_min_p = bool((sampled & (c.min_p > 0.0)).any())
     has_penalties = penalty_tensors is not None
-    # One host-to-device copy for every float column the step needs.
-    floats = torch.from_numpy(np.stack([c.temperature, c.top_p, c.min_p, c.presence_penalty,
-                                        c.frequency_penalty, c.repetition_penalty])).to(device, non_blocking=True)
-    temperature, top_p, min_p, presence, frequency, repetition = floats.unbind(0)
-    greedy_rows = torch.from_numpy(c.is_greedy).to(device, non_blocking=True)
+    temperature = top_p = min_p = presence = frequency = repetition = None
+    if not all_greedy or has_penalties:
+        # One host-to-device copy for every float column the step needs.
+        floats = torch.from_numpy(np.stack([c.temperature, c.top_p, c.min_p, c.presence_penalty,
+                                            c.frequency_penalty, c.repetition_penalty]))
+        temperature, top_p, min_p, presence, frequency, repetition = floats.to(device, non_blocking=True).unbind(0)
+    mixed = c.is_greedy.any() and not all_greedy
     wanted = c.logprobs[c.logprobs >= 0]
     return SamplingMetadata(
         all_greedy=all_greedy,
@@ -128,7 +130,7 @@ def build_sampling_metadata(
         top_k_host=c.top_k,
         top_p=top_p if uses_top_p else None,
         min_p=min_p if uses_min_p else None,
-        is_greedy=greedy_rows if c.is_greedy.any() and not all_greedy else None,
+        is_greedy=torch.from_numpy(c.is_greedy).to(device, non_blocking=True) if mixed else None,
         generators=generators,
         logit_mask=logit_mask,
         presence_penalty=presence if has_penalties else None,
