@@ -6,7 +6,6 @@ Sockets are IPC files in a private temporary folder, so nothing listens on the n
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -53,8 +52,7 @@ class CoreProcessClient:
             name="tokenmill-engine-core",
             daemon=True,
         )
-        with _passive_openmp_wait():
-            self.proc.start()
+        self.proc.start()
         child_end.close()
 
     def wait_ready(self) -> None:
@@ -107,19 +105,3 @@ class CoreProcessClient:
         self._input.close(linger=0)
         self._context.term()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _passive_openmp_wait():
-    """Start the core with OMP_WAIT_POLICY=PASSIVE unless the user set it: torch's CPU threads then
-    sleep instead of spinning between parallel regions, so the frontend process (HTTP, tokenizing,
-    detokenizing) does not starve them. The variable is read once when OpenMP loads, so it must be
-    in the environment the child starts with."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        del os.environ["OMP_WAIT_POLICY"]
