@@ -45,13 +45,12 @@ class Sampler(nn.Module):
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         logits = apply_logits_processors(logits, metadata)
-        greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
-            token_ids = greedy
+            token_ids = logits.argmax(dim=-1)
         else:
             token_ids = sample(logits, metadata)
             if metadata.is_greedy is not None:
-                token_ids = torch.where(metadata.is_greedy, greedy, token_ids)
+                token_ids = torch.where(metadata.is_greedy, logits.argmax(dim=-1), token_ids)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, token_ids, metadata.max_num_logprobs)

@@ -51,10 +51,11 @@ class SamplingState:
         self.output_counts[row].zero_()
         self.output_counts[row].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
 
-    def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    def record_sampled(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
         """Count the new tokens (rows without penalties are counted too; nobody reads them)."""
         if self.output_counts is not None:
-            self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
+            index = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            self.output_counts.index_put_((index, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
                                           accumulate=True)
 
     def build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:

@@ -82,7 +82,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         metadata = self.sampling_state.build_metadata(batch.sampled_rows, self.states)
         output = self.sampler(logits, metadata)
-        self.sampling_state.record_sampled(self._to_device(batch.sampled_rows), output.token_ids)
+        self.sampling_state.record_sampled(batch.sampled_rows, output.token_ids)
         token_ids = output.token_ids.tolist()  # the step's one device-to-host copy
         row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))
         sampled_ids = [row_to_id[row] for row in batch.sampled_rows.tolist()]
