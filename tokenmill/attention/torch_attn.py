@@ -1,4 +1,5 @@
-"""PyTorch attention over the paged KV pool: the CPU backend and the reference for GPU kernels.
+"""PyTorch attention over the paged KV pool: the CPU backend (the GPU kernels' float64 reference is
+kernels.prefill_attention.paged_attention_ref).
 
 Single-token (decode) requests are attended together in one batched matmul over their gathered,
 padded K/V. Requests with several new tokens (prefill chunks) are attended one by one with a causal
@@ -33,7 +34,7 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def paged_attention_ref(
+def paged_attention_torch(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [num_reqs, max_blocks]
@@ -143,7 +144,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer, query, key, value, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         num_decodes = len(metadata.decode_token_ids)
-        out = paged_attention_ref(
+        out = paged_attention_torch(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             layer.scale, layer.sliding_window, layer.logits_soft_cap, skip_decodes=num_decodes > 0,
         )

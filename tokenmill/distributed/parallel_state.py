@@ -14,10 +14,6 @@ class TensorParallelGroup:
 _TP_GROUP = TensorParallelGroup()
 
 
-def get_tp_group() -> TensorParallelGroup:
-    return _TP_GROUP
-
-
 def get_tp_rank() -> int:
     return _TP_GROUP.rank
 

@@ -4,7 +4,7 @@ process; the EngineCore runs in its own process (core_proc.py) and exchanges mes
     engine = AsyncEngine(config)            # starts the core process, waits until it is ready
     await engine.start()                    # inside the event loop that serves requests
     async for output in engine.add_request("id", "Hello", SamplingParams()):
-        ...                                 # OutputKind.DELTA outputs, the last one finished
+        ...                                 # DELTA outputs, the last one finished
 
 Leaving the iteration early (a client disconnecting, a cancelled task) aborts the request in the
 core, which frees its KV blocks.
@@ -21,10 +21,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import CoreProcessClient
 from tokenmill.engine.frontend import load_frontend
 from tokenmill.engine.input_processor import PromptType
-from tokenmill.engine.output_processor import OutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import SchedulerStats
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class AsyncEngine:
         """Validate and enqueue now (ValueError for bad input); iterate the result for DELTA outputs."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        requests = self.frontend.prepare(request_id, prompt, params, priority, cache_salt, OutputKind.DELTA)
+        requests = self.frontend.prepare(request_id, prompt, params, priority, cache_salt, RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         for request in requests:

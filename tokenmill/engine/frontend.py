@@ -9,12 +9,12 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.input_processor import InputProcessor, PromptType
-from tokenmill.engine.output_processor import OutputKind, OutputProcessor
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer, make_tokenizer_info
 from tokenmill.model.loader import load_hf_config
 from tokenmill.model.registry import get_model_class
 from tokenmill.protocol import EngineRequest
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -> int:
@@ -43,7 +43,7 @@ class Frontend:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
-        output_kind: OutputKind | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> list[EngineRequest]:
         """Validate and tokenize, start tracking the outputs, and return the core request of each sample
         (one, or n / best_of of them). Raises ValueError for bad input before anything is tracked."""

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import itertools
-import logging
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.frontend import load_frontend
 from tokenmill.engine.input_processor import PromptType
-from tokenmill.engine.output_processor import OutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import SchedulerStats
 from tokenmill.request import RequestStatus
-from tokenmill.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLMEngine:
@@ -39,7 +35,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
-        output_kind: OutputKind | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
         for request in self.frontend.prepare(request_id, prompt, params, priority, cache_salt, output_kind):
             self.core.add_request(request)

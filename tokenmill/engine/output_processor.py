@@ -19,8 +19,6 @@ from tokenmill.request import FinishReason
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.scheduler.output import TokenLogprobs
 
-OutputKind = RequestOutputKind
-
 
 @dataclass
 class ParentRequest:
@@ -30,7 +28,7 @@ class ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    output_kind: OutputKind
+    output_kind: RequestOutputKind
     metrics: RequestMetrics
     samples: list[SampleState] = field(default_factory=list)
     prompt_logprobs: list | None = None
@@ -73,14 +71,14 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
-        output_kind: OutputKind | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> list[tuple[str, SamplingParams]]:
         """Track a request; returns the (core request id, params) of each sample to run."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         kind = output_kind or params.output_kind
         if params.num_samples > params.n:
-            kind = OutputKind.FINAL_ONLY  # the best n are known only at the end
+            kind = RequestOutputKind.FINAL_ONLY  # the best n are known only at the end
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, kind, RequestMetrics(arrival_time))
         self.parents[request_id] = parent
         single = params.num_samples == 1
@@ -197,11 +195,11 @@ class OutputProcessor:
         if finished:
             parent.metrics.finished_time = now
             del self.parents[parent.request_id]
-        if parent.output_kind == OutputKind.FINAL_ONLY:
+        if parent.output_kind == RequestOutputKind.FINAL_ONLY:
             if not finished:
                 return None
             completions = [self._completion(s, delta=False) for s in self._best(parent)]
-        elif parent.output_kind == OutputKind.DELTA:
+        elif parent.output_kind == RequestOutputKind.DELTA:
             completions = [self._completion(sample, delta=True)]
         else:
             completions = [self._completion(s, delta=False) for s in parent.samples]

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.prefill_attention import _tanh, dot_precision, paged_attention_ref
+from tokenmill.kernels.prefill_attention import _tanh, dot_precision
 
 MAX_SPLITS = 16
 
@@ -202,18 +202,3 @@ def decode_attention(
             SPLITS_PAD=MAX_SPLITS, HEAD_DIM_PAD=head_dim_pad,
             num_warps=4 if head_dim_pad >= 128 else 2,
         )
-
-
-def decode_attention_ref(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    block_table: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-) -> torch.Tensor:
-    """Float64 reference: decode is prefill with one query token per request."""
-    return paged_attention_ref(query, kv_cache, query_start_loc, seq_lens, block_table, scale,
-                               sliding_window, logits_soft_cap)

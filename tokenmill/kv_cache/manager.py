@@ -31,10 +31,6 @@ class PrefixCacheStats:
     hits: int = 0
     """Prompt tokens found in the cache."""
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -54,12 +54,8 @@ class RequestStates:
     def output_token_ids(self, row: int) -> list[int]:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
 
-    def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
-
     def append_tokens(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        """append_token for many distinct rows at once."""
+        """Append one sampled token to each of these (distinct) rows."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
