@@ -116,7 +116,10 @@ def batched_decode_attention(
     if sliding_window is not None:
         visible &= positions[None, :] >= (seq_lens - sliding_window)[:, None]
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-    o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v.to(q.dtype))  # [n, kv_heads, groups, head_dim]
+    # Slots past a request's length were never written (the pool is torch.empty): they may hold NaN,
+    # and a zero attention weight times NaN is still NaN.
+    v = v.to(q.dtype).masked_fill(~visible[:, None, :, None], 0.0)
+    o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [n, kv_heads, groups, head_dim]
     out.index_copy_(0, token_ids, o.reshape(num_decodes, -1, head_dim))
 
 
