@@ -157,6 +157,7 @@ def check_models() -> None:
         "graphs": {},
         "eager": {"enforce_eager": True},
         "chunked16": {"max_num_batched_tokens": 16},
+        "no-async": {"async_scheduling": False},
     }
     failures, total = [], 0
     for name, spec in mc.TINY_MODELS.items():
@@ -187,7 +188,7 @@ def check_models() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     # Five prompts decode in the size-8 graph: three padding rows.
-    note("tiny models float32 greedy == transformers (graphs, eager, chunked)",
+    note("tiny models float32 greedy == transformers (graphs+async, eager, chunked, no-async)",
          f"{total - len(failures)}/{total} ok" + (f"; FAILED {failures}" if failures else ""))
 
 

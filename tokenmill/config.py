@@ -59,6 +59,9 @@ class SchedulerConfig:
     """fcfs | priority (lower `priority` value runs first, as in vLLM)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
+    async_scheduling: bool | None = None
+    """Schedule step N+1 while the device runs step N (None: on for CUDA, off for the CPU, where the
+    same cores would do both)."""
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ class Request:
     """Tokens whose KV is in the cache (computed or taken from the prefix cache)."""
     num_cached_tokens: int | None = None
     """Prompt tokens served by the prefix cache at first scheduling; None until scheduled."""
+    num_output_placeholders: int = 0
+    """Tokens sampled in scheduled steps whose results the scheduler has not seen yet: with async
+    scheduling, step N+1 is scheduled while step N runs, assuming step N's token exists."""
     num_preemptions: int = 0
     stop_token_id: int | None = None
     """The stop_token_ids entry that finished the request, if any (not set for EOS)."""

@@ -1,5 +1,10 @@
 """EngineCore: the busy loop's body. step() = schedule -> execute -> update_from_output.
 
+With async scheduling one step stays in flight: step() schedules and queues step N+1, then waits
+for step N's tokens and updates the requests with them, so the host's work overlaps the device's.
+The scheduler counts the tokens in flight (`num_output_placeholders`) and the worker feeds them to
+step N+1 on the device; a request that stops at step N wastes one token of step N+1.
+
 This file must only contain what every model and request needs: no tokenizer, no HTTP, no
 model code. It runs in the caller's process (offline LLM) or in its own (server).
 """
@@ -13,7 +18,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.protocol import EngineCoreOutputs, EngineRequest
 from tokenmill.request import Request, RequestStatus
+from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -31,6 +38,9 @@ class EngineCore:
             enable_caching=config.cache_config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len)
+        async_scheduling = config.scheduler_config.async_scheduling
+        self.async_scheduling = self.worker.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingOutput | ReadyOutput] | None = None
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineRequest) -> None:
@@ -50,11 +60,24 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_requests():
+        launched = None
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            launched = scheduler_output, self.worker.execute_model(scheduler_output)
+        if self.async_scheduling:
+            finished, self._in_flight = self._in_flight, launched
+        else:
+            finished = launched
+        if finished is None:
             return EngineCoreOutputs()
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.worker.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        scheduler_output, pending = finished
+        outputs = self.scheduler.update_from_output(scheduler_output, pending.result())
+        if self._in_flight is not None and not self.scheduler.has_requests():
+            # Every request ended in the step just updated: the one in flight only holds their extra tokens.
+            scheduler_output, pending = self._in_flight
+            self.scheduler.update_from_output(scheduler_output, pending.result())
+            self._in_flight = None
+        return outputs

@@ -13,6 +13,7 @@ own modules and touch it in a few lines at most.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.manager import NO_HIT, KVCacheManager
@@ -38,6 +39,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_request_ids: set[str] = set()
         """Requests that left since the last schedule(); the worker must drop their state."""
+        self.steps_in_flight: deque[dict[str, Request]] = deque()
+        """The requests of each scheduled step not yet updated, oldest first. Their outputs go to
+        these objects: an id aborted while its step ran may already name a new request."""
         self.num_preemptions = 0
         self.queue_times: list[float] = []
         """Arrival-to-first-scheduling seconds not yet reported in stats."""
@@ -79,7 +83,9 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and self._will_reach_length(request):
+                continue  # the step in flight gives its last token; the update will finish it
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
             new_block_ids = self._allocate_or_preempt(request, num_new, num_scheduled, cached_requests)
             if new_block_ids is None:
                 continue
@@ -96,6 +102,9 @@ class Scheduler:
 
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            # A request preempted with a token in flight gets it back in update_from_output before
+            # the next schedule(): admission is closed in the step that preempted it.
+            assert request.num_output_placeholders == 0
             # Prompt logprobs need the logits of every prompt position, so such requests skip the cache.
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             use_cache = request.num_computed_tokens == 0 and not wants_prompt_logprobs
@@ -136,9 +145,21 @@ class Scheduler:
             finished_request_ids=self.finished_request_ids,
         )
         self.finished_request_ids = set()
+        self.steps_in_flight.append({request_id: self.requests[request_id] for request_id in num_scheduled})
         for request_id, num_new in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_new
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples the request's next token
         return output
+
+    def _will_reach_length(self, request: Request) -> bool:
+        """Whether the tokens already in flight bring the request to max_tokens or max_model_len."""
+        max_tokens = request.sampling_params.max_tokens
+        max_tokens = self.max_model_len if max_tokens is None else max_tokens
+        pending = request.num_output_placeholders
+        return (request.num_output_tokens + pending >= max_tokens
+                or request.num_tokens + pending >= self.max_model_len)
 
     def _allocate_or_preempt(
         self,
@@ -182,14 +203,20 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
+        scheduled = self.steps_in_flight.popleft() if self.steps_in_flight else {}
         for request_id, token_id in runner_output.sampled_token_ids.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            request = scheduled.get(request_id)
+            if request is None or request.is_finished:
+                continue  # finished or aborted while the step ran
+            # A request preempted while this step ran still gets the token: its KV was intact then.
+            request.num_output_placeholders -= 1
             request.output_token_ids.append(token_id)
             status = check_stop(request, self.max_model_len)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 self._finish(request, status)
             outputs.append(
                 EngineCoreOutput(

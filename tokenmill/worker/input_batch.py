@@ -20,6 +20,8 @@ class InputBatch:
     layout: BatchLayout
     logits_indices: np.ndarray  # [num_sampled] flat index of each sampled request's last token
     sampled_rows: np.ndarray  # [num_sampled] rows of the requests that get a new token
+    last_token_dst: np.ndarray  # flat indices of input tokens sampled by the last step...
+    last_token_src: np.ndarray  # ...and their indices in that step's sampled tokens (on the device)
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +40,9 @@ def prepare_inputs(scheduler_output: SchedulerOutput, states: RequestStates, blo
     offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], num_new)
     positions = np.repeat(num_computed, num_new) + offsets
     input_ids = states.token_ids[token_rows, positions]
+    # The last step's tokens may still be on their way to the host: those inputs are read on the device.
+    last_index = states.last_step_index[token_rows]
+    last_token_dst = np.flatnonzero((last_index >= 0) & (positions == states.num_tokens[token_rows] - 1))
     slot_mapping = states.block_table[token_rows, positions // block_size].astype(np.int64) * block_size
     slot_mapping += positions % block_size
 
@@ -59,4 +64,6 @@ def prepare_inputs(scheduler_output: SchedulerOutput, states: RequestStates, blo
         ),
         logits_indices=query_start_loc[1:][is_sampled] - 1,
         sampled_rows=rows[is_sampled],
+        last_token_dst=last_token_dst,
+        last_token_src=last_index[last_token_dst],
     )

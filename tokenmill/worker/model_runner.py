@@ -13,15 +13,16 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.forward_context import forward_context
-from tokenmill.sample.logprobs import PromptLogprobsCollector, to_token_logprobs
+from tokenmill.sample.logprobs import PromptLogprobsCollector
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
+from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.request_state import RequestStates
 
-EMPTY_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
+EMPTY_OUTPUT = ReadyOutput(ModelRunnerOutput(sampled_token_ids={}))
 
 
 class ModelRunner:
@@ -46,15 +47,25 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self.cuda_graphs: CudaGraphRunner | None = None
         """Decode graphs, set by the worker after the KV pool exists (None: always eager)."""
+        self.needs_output_ids = np.zeros(max_num_reqs, dtype=bool)
+        """Rows whose sampling reads their output token ids on the host (bad words, logits processors)."""
+        self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
+        self._last_pending: PendingOutput | None = None
+        # Pinned landing buffers for sampled tokens; two, since a step's copy may still be read
+        # while the next step is launched.
+        pinned = device.type == "cuda"
+        self._host_buffers = [torch.empty(max_num_reqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._num_launched = 0
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
+        """Queue one step on the device; the returned output's result() waits for its tokens."""
         for request_id in scheduler_output.finished_request_ids:
             self.prompt_logprobs.drop(request_id)
         for row, new in self.states.apply(scheduler_output):
-            self.sampling_state.add_request(
-                row, new.sampling_params, new.eos_token_ids, new.token_ids, new.num_prompt_tokens
-            )
+            params = new.sampling_params
+            self.sampling_state.add_request(row, params, new.eos_token_ids, new.token_ids, new.num_prompt_tokens)
+            self.needs_output_ids[row] = bool(params.bad_words_token_ids or params.logits_processors)
             # Only a fresh prompt yields prompt logprobs; a resumed request already returned them.
             if new.sampling_params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
                 self.prompt_logprobs.start(new.request_id)
@@ -70,6 +81,9 @@ class ModelRunner:
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         input_ids, positions = self._to_device(batch.input_ids), self._to_device(batch.positions)
+        if len(batch.last_token_dst):
+            dst, src = self._to_device(np.stack([batch.last_token_dst, batch.last_token_src]))
+            input_ids[dst] = self._last_sampled[src]
         if self.cuda_graphs is not None:
             hidden_states = self.cuda_graphs.run(batch.layout, input_ids, positions)
             if hidden_states is not None:
@@ -78,26 +92,33 @@ class ModelRunner:
         with forward_context(self.attn_backend, metadata):
             return self.model(input_ids, positions)
 
-    def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> PendingOutput:
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
-        metadata = self.sampling_state.build_metadata(batch.sampled_rows, self.states)
+        rows = batch.sampled_rows
+        if self._last_pending is not None and self.needs_output_ids[rows].any():
+            self._last_pending.result()  # the slow path reads the last step's tokens on the host
+        metadata = self.sampling_state.build_metadata(rows, self.states)
         output = self.sampler(logits, metadata)
-        self.sampling_state.record_sampled(batch.sampled_rows, output.token_ids)
-        token_ids = output.token_ids.tolist()  # the step's one device-to-host copy
+        self.sampling_state.record_sampled(rows, output.token_ids)
         row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))
-        sampled_ids = [row_to_id[row] for row in batch.sampled_rows.tolist()]
-        self.states.append_tokens(batch.sampled_rows, token_ids)
-        logprobs = {}
+        sampled_ids = [row_to_id[row] for row in rows.tolist()]
+        num_logprobs = None
         if output.logprobs is not None:
-            params = [self.states.sampling_params[row] for row in batch.sampled_rows.tolist()]
-            entries = to_token_logprobs(output.logprobs, [p.logprobs or 0 for p in params])
-            logprobs = {rid: e for rid, e, p in zip(sampled_ids, entries, params) if p.logprobs is not None}
+            num_logprobs = [self.states.sampling_params[row].logprobs for row in rows.tolist()]
         prompt_logprobs = {}
-        for rid in sampled_ids:
-            taken = self.prompt_logprobs.take(rid)
-            if taken is not None:
-                prompt_logprobs[rid] = taken
-        return ModelRunnerOutput(dict(zip(sampled_ids, token_ids)), logprobs, prompt_logprobs)
+        if self.prompt_logprobs.pending:
+            for rid in sampled_ids:
+                taken = self.prompt_logprobs.take(rid)
+                if taken is not None:
+                    prompt_logprobs[rid] = taken
+        positions = self.states.reserve_sampled_tokens(rows)
+        self._last_sampled = output.token_ids
+        self._num_launched += 1
+        self._last_pending = PendingOutput(
+            self.states, sampled_ids, rows, positions, output.token_ids, output.logprobs, num_logprobs,
+            prompt_logprobs, host_buffer=self._host_buffers[self._num_launched % 2],
+        )
+        return self._last_pending
 
     def _collect_prompt_logprobs(self, batch: InputBatch, hidden_states: torch.Tensor) -> None:
         starts = batch.layout.query_start_loc

@@ -16,6 +16,10 @@ class RequestStates:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        """Tokens of each row, counting the one a step still in flight is sampling for it."""
+        self.last_step_index = np.full(max_num_reqs, -1, dtype=np.int64)
+        """Index of each row in the last launched step's sampled tokens, -1 if not sampled there:
+        that token may not be on the host yet, so the next step reads it on the device."""
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
@@ -39,6 +43,7 @@ class RequestStates:
             n = len(new.token_ids)
             self.token_ids[row, :n] = new.token_ids
             self.num_tokens[row] = n
+            self.last_step_index[row] = -1
             self.num_prompt_tokens[row] = new.num_prompt_tokens
             self.num_computed_tokens[row] = new.num_computed_tokens
             self.num_blocks[row] = 0
@@ -54,10 +59,14 @@ class RequestStates:
     def output_token_ids(self, row: int) -> list[int]:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
 
-    def append_tokens(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        """Append one sampled token to each of these (distinct) rows."""
-        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+    def reserve_sampled_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """Count one token being sampled on the device for each of these (distinct) rows; returns
+        the positions where the host copies will go once they arrive."""
+        positions = self.num_tokens[rows].copy()
         self.num_tokens[rows] += 1
+        self.last_step_index.fill(-1)
+        self.last_step_index[rows] = np.arange(len(rows))
+        return positions
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         if block_ids:

@@ -13,9 +13,10 @@ from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_model, resolve_dtype
-from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Worker:
         runner.capture()
         self.model_runner.cuda_graphs = runner
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
+        """Queue the step on the device; result() on the return value waits for its output."""
         assert self.model_runner is not None, "initialize_cache() must run first"
         return self.model_runner.execute_model(scheduler_output)
