@@ -77,6 +77,12 @@ class KVCacheManager:
         """
         held = self.req_to_blocks.setdefault(request.request_id, [])
         num_tokens_after = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+        if not computed.blocks and num_tokens_after <= len(held) * self.block_size:
+            # The common decode step: the last block still has room, so only newly full blocks need caching.
+            num_cached = self.num_cached_blocks.get(request.request_id, 0)
+            if self.enable_caching and num_tokens_after // self.block_size > num_cached:
+                self._cache_full_blocks(request, held, min(num_tokens_after, request.num_tokens))
+            return []
         num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - len(held) - len(computed.blocks))
         # Hits sitting in the free queue stop being allocatable once we take them.
         num_free_hits = sum(1 for block in computed.blocks if block.ref_count == 0)
