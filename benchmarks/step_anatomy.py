@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
 import os
+import pstats
 import tempfile
 import time
 
@@ -42,7 +44,7 @@ def timed(cls, name: str, key: str) -> None:
     setattr(cls, name, wrapper)
 
 
-def instrument() -> None:
+def instrument(profile_admission: cProfile.Profile | None = None) -> None:
     timed(Scheduler, "schedule", "scheduler.schedule")
     timed(Scheduler, "update_from_output", "scheduler.update_from_output")
     timed(ModelRunner, "execute_model", "model_runner.execute_model (launch)")
@@ -54,7 +56,12 @@ def instrument() -> None:
         wait_before = STAGES["pending.result (wait + host copy-out)"]
         start = time.perf_counter()
         num_running = len(core.scheduler.running)
+        admitting = profile_admission is not None and len(core.scheduler.waiting) > 0
+        if admitting:
+            profile_admission.enable()
         out = original_step(core)
+        if admitting:
+            profile_admission.disable()
         so = core._in_flight[0] if core._in_flight is not None else None  # the step just launched
         STEPS.append(dict(
             wall=time.perf_counter() - start,
@@ -75,6 +82,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers, for a CPU dry run")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--profile-admission", action="store_true",
+                        help="cProfile the steps taken while requests still wait for admission (the prefills)")
     args = parser.parse_args()
     model = args.model
     if args.num_layers is not None:
@@ -100,7 +109,8 @@ def main() -> None:
         return prompts, params, int(out_lens.sum())
 
     llm.generate(*workload()[:2], use_tqdm=False)  # warm-up
-    instrument()
+    profiler = cProfile.Profile() if args.profile_admission else None
+    instrument(profiler)
     prompts, params, num_out = workload()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -125,7 +135,11 @@ def main() -> None:
         if mask.any():
             print(f"{name:>18s} {mask.sum():6d} {wall[mask].mean():8.2f} {wait[mask].mean():8.2f} "
                   f"{(wall[mask] - wait[mask]).mean():8.2f}")
+    if profiler is not None:
+        print("\nsteps while requests waited for admission, by cumulative time:")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
 
 
 if __name__ == "__main__":
     main()
+

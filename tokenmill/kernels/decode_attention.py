@@ -21,8 +21,9 @@ from tokenmill.kernels.prefill_attention import _tanh, dot_precision
 MAX_SPLITS = 16
 
 
-# num_splits changes with the batch size: one compiled variant for all its values.
-@triton.jit(do_not_specialize=["num_splits"])
+# num_splits and the block table's width change with the batch: one compiled variant for all their
+# values (Triton would otherwise compile one per divisibility class, mid-run, ~1 s each).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr,
