@@ -1,8 +1,8 @@
 """What the sampler costs per decode step at batch 256 (Qwen3-0.6B, dummy weights), on the GPU.
 
-Runs 256 requests to steady-state decoding, then times engine steps (wall clock: each step ends with
-the device-to-host copy of the sampled tokens, so wall time is step time), the sampler's kernels
-(CUDA events around Sampler.forward) and the host-side build of its metadata.
+Runs 256 requests to steady-state decoding, then times engine steps (wall clock over many steps: in
+steady state their mean is the step time, whether or not the engine overlaps scheduling with the GPU),
+the sampler's kernels (CUDA events around Sampler.forward) and the host-side build of its metadata.
 
     python3 benchmarks/sampler_overhead.py [--model benchmarks/models/qwen3-0.6b]
 """
@@ -21,6 +21,7 @@ from tokenmill.sample.state import SamplingState
 CASES = {
     "greedy": dict(temperature=0.0),
     "temperature": dict(temperature=1.0),
+    "top-p": dict(temperature=0.8, top_p=0.95),
     "top-k+top-p": dict(temperature=0.8, top_k=50, top_p=0.95),
     "penalties+min_p": dict(temperature=0.8, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2),
 }

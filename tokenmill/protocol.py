@@ -22,6 +22,8 @@ class EngineRequest:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    fork_of: str | None = None
+    """The first sample of the same n > 1 request: this one shares its prompt's KV blocks."""
 
 
 @dataclass

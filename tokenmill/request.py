@@ -51,6 +51,9 @@ class Request:
     cache_salt: str | None = None
     """Isolates this request's prefix-cache entries from requests with another salt."""
 
+    fork_of: str | None = None
+    """Another sample of the same n > 1 request, whose prompt KV this one shares (scheduler/forks.py)."""
+
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -24,7 +24,7 @@ def ban_last_output_token(output_token_ids, logits):
 
 
 def workload():
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(5 + 9 * i)]} for i in range(8)]
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(5 + 9 * i)]} for i in range(9)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=1),
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
@@ -35,6 +35,7 @@ def workload():
         SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=18, logits_processors=[ban_last_output_token], ignore_eos=True),
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11, max_tokens=40),
+        SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True),  # forked samples
     ]
     return prompts, params
 
@@ -58,6 +59,8 @@ def test_async_scheduling_gives_the_synchronous_tokens(tiny_llama, engine):
     if engine == "preempting":
         assert sync_preemptions > 0 and async_preemptions > 0
     for want, got in zip(expected, actual):
+        assert len(got.outputs) == len(want.outputs)
+        assert [c.token_ids for c in got.outputs[1:]] == [c.token_ids for c in want.outputs[1:]]
         w, g = want.outputs[0], got.outputs[0]
         assert g.token_ids == w.token_ids, want.request_id
         assert (g.finish_reason, g.stop_reason) == (w.finish_reason, w.stop_reason)

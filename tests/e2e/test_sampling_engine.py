@@ -71,6 +71,14 @@ def test_prompt_logprobs_across_prefill_chunks(tiny, llm):
         assert entry[token].rank == int((reference[pos - 1] > reference[pos - 1, token]).sum()) + 1
 
 
+def test_seeded_top_k_draw_is_the_same_on_the_candidate_and_the_full_vocabulary_path(llm):
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    alone = run(llm, [PROMPTS[0]], params)[0].outputs[0].token_ids  # every row has a top_k: candidate path
+    unfiltered = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)  # forces the full path
+    batched = run(llm, PROMPTS[:2], [params, unfiltered])[0].outputs[0].token_ids
+    assert alone == batched
+
+
 def test_n_samples_share_the_prompt_and_best_of_ranks_by_cumulative_logprob(llm):
     out = run(llm, [PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]

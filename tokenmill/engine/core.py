@@ -53,6 +53,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                fork_of=request.fork_of,
             )
         )
 

@@ -51,7 +51,12 @@ class Frontend:
         samples = self.output_processor.add_request(
             request_id, text, request.prompt_token_ids, params, request.arrival_time, output_kind
         )
-        return [replace(request, request_id=sid, sampling_params=sparams) for sid, sparams in samples]
+        requests = [replace(request, request_id=sid, sampling_params=sparams) for sid, sparams in samples]
+        if len(requests) > 1 and params.prompt_logprobs is None:
+            # The samples after the first share its prompt's KV instead of computing it again
+            # (prompt logprobs need every prompt position's logits: such samples compute their own).
+            requests[1:] = [replace(r, fork_of=requests[0].request_id) for r in requests[1:]]
+        return requests
 
 
 def load_frontend(model_config: ModelConfig) -> Frontend:

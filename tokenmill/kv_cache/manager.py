@@ -102,6 +102,29 @@ class KVCacheManager:
             self._cache_full_blocks(request, held, min(num_tokens_after, request.num_tokens))
         return [block.block_id for block in computed.blocks + new_blocks]
 
+    def can_fork(self, num_tokens: int) -> bool:
+        return num_tokens % self.block_size == 0 or self.pool.num_free_blocks > 0
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> tuple[int, int] | None:
+        """Give `child` the parent's KV for its first `num_tokens` tokens: full blocks are shared
+        (one more reference each), a partial last block is copied into a new block of the child's
+        (copy-on-write, done at once since the child's next token goes there). Needs can_fork().
+
+        Returns the (source, destination) block ids the worker must copy before the child's first
+        step, or None when every shared block is full.
+        """
+        parent_blocks = self.req_to_blocks[parent.request_id]
+        num_full, partial = divmod(num_tokens, self.block_size)
+        shared = parent_blocks[:num_full]
+        self.pool.touch(shared)
+        held = self.req_to_blocks[child.request_id] = list(shared)
+        child.block_hashes = parent.block_hashes[:num_full]
+        self.num_cached_blocks[child.request_id] = num_full
+        if not partial:
+            return None
+        held.extend(self.pool.get_new_blocks(1))
+        return parent_blocks[num_full].block_id, held[-1].block_id
+
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)

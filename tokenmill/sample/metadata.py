@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from tokenmill.kernels import triton_available
 from tokenmill.sampling_params import SamplingParams
 
 # Candidates kept when top-k is set: top-k (and top-p, min-p) then work on a [num_reqs, k] slice
@@ -76,12 +77,21 @@ class SamplingMetadata:
     top_k_candidates: int
     """When every sampled row uses a top_k of at most MAX_TOP_K_CANDIDATES, the largest of them:
     sampling then works on that many candidates per row. 0: the full-vocabulary path."""
-    top_k_host: np.ndarray  # [num_reqs] int64, the top_k column on the host (seeded rows' noise width)
     top_p: torch.Tensor | None  # [num_reqs] float32
     min_p: torch.Tensor | None  # [num_reqs] float32
-    is_greedy: torch.Tensor | None  # [num_reqs] bool; None when no row or every row is greedy
+    is_greedy: torch.Tensor | None  # [num_reqs] bool; None unless the torch draw serves greedy and sampled rows
     generators: dict[int, torch.Generator]
     """Row -> the request's own generator, for seeded requests."""
+    seeds: torch.Tensor | None
+    """[num_reqs] int64 Philox seeds of the fused Triton draw (kernels/sampling.py), which serves the
+    greedy rows and the sampled rows without top_k or min_p; None: the torch draw serves all."""
+    draw_temperature: torch.Tensor | None  # [num_reqs] float32, 0 in greedy rows: the fused draw's input
+    nucleus_top_p: torch.Tensor | None
+    """[num_reqs] float32: top_p of the rows whose nucleus the fused draw samples, 1.0 elsewhere; None
+    when no such row (then the draw needs no per-row program)."""
+    filtered: torch.Tensor | None
+    """[num_reqs] bool, the rows with top_k or min_p, which take the torch draw; set only when the
+    fused draw runs too."""
     logit_mask: torch.Tensor | None
     """[num_reqs, vocab] float32 added to the logits: logit_bias, -inf outside allowed_token_ids,
     on bad words and, before min_tokens, on EOS and stop tokens."""
@@ -104,7 +114,11 @@ def build_sampling_metadata(
     logit_mask: torch.Tensor | None = None,
     penalty_tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
     logits_processors: dict[int, tuple[list, list[int]]] | None = None,
+    row_seeds: dict[int, int] | None = None,
+    use_kernel: bool | None = None,
 ) -> SamplingMetadata:
+    """`row_seeds`: row -> this step's seed of a seeded request (the fused draw's key for that row).
+    `use_kernel`: whether the fused Triton draw may run; None = on CUDA where triton imports."""
     if isinstance(columns, list):
         columns = SamplingColumns.from_params(columns, vocab_size)
     c = columns
@@ -113,25 +127,45 @@ def build_sampling_metadata(
     uses_top_k = sampled & (c.top_k < vocab_size)
     uses_top_p = bool((sampled & (c.top_p < 1.0)).any())
     uses_min_p = bool((sampled & (c.min_p > 0.0)).any())
+    # The fused draw serves top_p alone (rejection sampling); top_k and min_p need the torch draw.
+    filtered = sampled & ((c.top_k < vocab_size) | (c.min_p > 0.0))
+    if use_kernel is None:
+        use_kernel = device.type == "cuda" and triton_available()
+    fused = use_kernel and bool((sampled & ~filtered).any())
+    nucleus = sampled & ~filtered & (c.top_p < 1.0)
     has_penalties = penalty_tensors is not None
-    temperature = top_p = min_p = presence = frequency = repetition = None
+    mixed = c.is_greedy.any() and not all_greedy and not fused
+    host: dict[str, np.ndarray] = {}  # every host column the step needs, copied to the device together
     if not all_greedy or has_penalties:
-        # One host-to-device copy for every float column the step needs.
-        floats = torch.from_numpy(np.stack([c.temperature, c.top_p, c.min_p, c.presence_penalty,
-                                            c.frequency_penalty, c.repetition_penalty]))
-        temperature, top_p, min_p, presence, frequency, repetition = floats.to(device, non_blocking=True).unbind(0)
-    mixed = c.is_greedy.any() and not all_greedy
+        host["floats"] = np.stack([
+            c.temperature, c.top_p, c.min_p, c.presence_penalty, c.frequency_penalty, c.repetition_penalty,
+            np.where(c.is_greedy, np.float32(0.0), c.temperature), np.where(nucleus, c.top_p, np.float32(1.0)),
+        ])
+    if uses_top_k.any():
+        host["top_k"] = c.top_k
+    if mixed:
+        host["is_greedy"] = c.is_greedy
+    if fused:
+        host["seeds"] = _make_seeds(len(c.is_greedy), row_seeds or {})
+        if filtered.any():
+            host["filtered"] = filtered
+    on_device = _to_device(host, device)
+    floats = on_device["floats"].unbind(0) if "floats" in on_device else (None,) * 8
+    temperature, top_p, min_p, presence, frequency, repetition, draw_temperature, nucleus_top_p = floats
     wanted = c.logprobs[c.logprobs >= 0]
     return SamplingMetadata(
         all_greedy=all_greedy,
         temperature=None if all_greedy else temperature,
-        top_k=torch.from_numpy(c.top_k).to(device, non_blocking=True) if uses_top_k.any() else None,
-        top_k_candidates=_candidate_width(c, sampled, vocab_size),
-        top_k_host=c.top_k,
+        top_k=on_device.get("top_k"),
+        top_k_candidates=_candidate_width(c, filtered if fused else sampled, vocab_size),
         top_p=top_p if uses_top_p else None,
         min_p=min_p if uses_min_p else None,
-        is_greedy=torch.from_numpy(c.is_greedy).to(device, non_blocking=True) if mixed else None,
+        is_greedy=on_device.get("is_greedy"),
         generators=generators,
+        seeds=on_device.get("seeds"),
+        draw_temperature=draw_temperature if fused else None,
+        nucleus_top_p=nucleus_top_p if fused and nucleus.any() else None,
+        filtered=on_device.get("filtered"),
         logit_mask=logit_mask,
         presence_penalty=presence if has_penalties else None,
         frequency_penalty=frequency if has_penalties else None,
@@ -143,8 +177,41 @@ def build_sampling_metadata(
     )
 
 
-def _candidate_width(c: SamplingColumns, sampled: np.ndarray, vocab_size: int) -> int:
-    if not sampled.any() or (c.top_k[sampled] >= vocab_size).any():
-        return 0  # some sampled row needs the whole vocabulary
-    width = int(c.top_k[sampled].max())
+def _candidate_width(c: SamplingColumns, rows: np.ndarray, vocab_size: int) -> int:
+    """`rows`: the rows whose draw the torch path must get right."""
+    if not rows.any() or (c.top_k[rows] >= vocab_size).any():
+        return 0  # some row needs the whole vocabulary
+    width = int(c.top_k[rows].max())
     return width if width <= MAX_TOP_K_CANDIDATES else 0
+
+
+def _make_seeds(num_rows: int, row_seeds: dict[int, int]) -> np.ndarray:
+    # Fresh keys from torch's host generator (so torch.manual_seed repeats a run), seeded rows' own
+    # keys over them: no device work, so no sync.
+    seeds = torch.randint(0, 2**63 - 1, (num_rows,), dtype=torch.int64).numpy()
+    if row_seeds:
+        seeds[list(row_seeds)] = list(row_seeds.values())
+    return seeds
+
+
+def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """One host-to-device copy for several arrays: their bytes packed into one buffer, each part 8-byte
+    aligned so that it can be viewed back in its dtype on the device."""
+    if not arrays:
+        return {}
+    starts, size = {}, 0
+    for name, array in arrays.items():
+        starts[name] = size
+        size += -(-array.nbytes // 8) * 8
+    buffer = np.empty(size, np.uint8)
+    for name, array in arrays.items():
+        buffer[starts[name] : starts[name] + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    packed = torch.from_numpy(buffer)
+    if device.type == "cuda":
+        packed = packed.pin_memory()  # a truly asynchronous copy; the caching host allocator keeps it alive
+    packed = packed.to(device, non_blocking=True)
+    views = {}
+    for name, array in arrays.items():
+        part = packed[starts[name] : starts[name] + array.nbytes]
+        views[name] = part.view(torch.from_numpy(array[:0]).dtype).view(array.shape)  # the bytes in their dtype
+    return views

@@ -7,13 +7,19 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
   3. the logit mask: `logit_bias`, `allowed_token_ids`, `bad_words`, and EOS/stop tokens while
      fewer than `min_tokens` were generated;
   4. penalties: repetition (transformers' rule over prompt and output tokens), then frequency
-     and presence (OpenAI's formula over output tokens);
+     and presence (OpenAI's formula over output tokens); stages 2-4 compute in float32, and
+     without them the draw reads the model's logits in their own dtype;
   5. greedy rows take the argmax here;
-  6. temperature, then min_p, top_k and top_p: when every sampled row has a top_k (up to 1024),
-     on the top-k candidates only (a topk, no sort of the vocabulary; ties at the k-th value are
-     cut at k there), else with one full sort that serves top_k and top_p;
+  6. temperature, then min_p, top_k and top_p: when every such row has a top_k (up to 1024), on
+     the top-k candidates only (a topk, no sort of the vocabulary; ties at the k-th value are cut at
+     k there), else with one full sort that serves top_k and top_p;
   7. a Gumbel-max draw (argmax of probs / Exp(1) noise): no host sync; seeded rows draw their
      noise from their own generator.
+On CUDA with triton, stages 5-7 of the greedy rows and of the rows without min_p and top_k are
+fused Triton kernels (kernels/sampling.py): argmax of logits + T * Gumbel noise in one read of the
+logits, and rejection rounds instead of a sort for top_p; the noise is keyed by the row's seed, so a
+seeded row's token depends on nothing else. The other rows, if any, take the torch draw above; a
+row's path and tokens depend only on its own parameters.
 """
 
 from __future__ import annotations
@@ -42,13 +48,14 @@ class LogprobsTensors:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_reqs, vocab] -> one token id per row (and logprobs if asked)."""
-        logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        raw_logprobs = logits.float().log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         logits = apply_logits_processors(logits, metadata)
         if metadata.all_greedy:
             token_ids = logits.argmax(dim=-1)
+        elif metadata.seeds is not None:
+            token_ids = fused_draw(logits, metadata)
         else:
-            token_ids = sample(logits, metadata)
+            token_ids = sample(logits.float(), metadata)
             if metadata.is_greedy is not None:
                 token_ids = torch.where(metadata.is_greedy, logits.argmax(dim=-1), token_ids)
         logprobs = None
@@ -60,15 +67,15 @@ class Sampler(nn.Module):
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Stages 2-4: everything that changes the distribution before temperature."""
     if metadata.logits_processors:
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         for row, (processors, output_token_ids) in metadata.logits_processors.items():
             for processor in processors:
                 logits[row] = processor(output_token_ids, logits[row])
     if metadata.logit_mask is not None:
-        logits = logits + metadata.logit_mask
+        logits = logits.float() + metadata.logit_mask
     if metadata.output_counts is not None:
         logits = apply_penalties(
-            logits, metadata.output_counts, metadata.prompt_mask, metadata.repetition_penalty,
+            logits.float(), metadata.output_counts, metadata.prompt_mask, metadata.repetition_penalty,
             metadata.frequency_penalty, metadata.presence_penalty,
         )
     return logits
@@ -88,6 +95,20 @@ def apply_penalties(
     logits = torch.where(seen, repeated, logits)
     logits = logits - frequency_penalty.unsqueeze(1) * output_counts
     return logits - presence_penalty.unsqueeze(1) * (output_counts > 0)
+
+
+def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Stages 5-7 in Triton for every row; the rows with min_p or top_k then take the torch draw."""
+    # triton imports only where the metadata chose this path
+    from tokenmill.kernels.sampling import gumbel_argmax, top_p_draw
+
+    if metadata.nucleus_top_p is None:
+        token_ids = gumbel_argmax(logits, metadata.draw_temperature, metadata.seeds)
+    else:  # gumbel_argmax, then redraws of the top-p rows whose draw fell outside the nucleus
+        token_ids = top_p_draw(logits, metadata.draw_temperature, metadata.nucleus_top_p, metadata.seeds)
+    if metadata.filtered is not None:
+        token_ids = torch.where(metadata.filtered, sample(logits.float(), metadata), token_ids)
+    return token_ids
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -120,23 +141,30 @@ def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) ->
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely candidates
         values = values.masked_fill(mass_before >= metadata.top_p.unsqueeze(1), float("-inf"))
     probs = values.softmax(dim=-1)
-    noise = exponential_noise(probs, metadata.generators, metadata.top_k_host)
+    noise = exponential_noise(probs, metadata.generators, candidate_ids=token_ids, vocab_size=logits.shape[-1])
     choice = (probs / noise).argmax(dim=-1, keepdim=True)
     return token_ids.gather(1, choice).squeeze(1)
 
 
 def exponential_noise(
-    probs: torch.Tensor, generators: dict[int, torch.Generator], widths=None
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    candidate_ids: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """Exp(1) noise; a seeded row draws from its generator exactly as many values as its own
-    candidates (`widths`, else the whole row), so its draw does not depend on the batch."""
+    """Exp(1) noise for probs [n, vocab], or for [n, k] candidates whose token ids are `candidate_ids`.
+
+    A seeded row draws one value per vocabulary token from its generator, and its candidates take the
+    values of their token ids: whether the batch sends it down the full or the candidate path, its
+    draw is the same, so its tokens do not depend on the batch.
+    """
     noise = torch.empty_like(probs).exponential_()
     for row, generator in generators.items():
-        if widths is None:
+        if candidate_ids is None:
             noise[row].exponential_(generator=generator)
         else:
-            noise[row].fill_(float("inf"))
-            noise[row, : int(widths[row])].exponential_(generator=generator)
+            per_token = torch.empty(vocab_size, dtype=probs.dtype, device=probs.device)
+            noise[row] = per_token.exponential_(generator=generator)[candidate_ids[row]]
     return noise
 
 

@@ -44,8 +44,9 @@ class SamplingState:
             self.output_counts = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.int32,
                                              device=self.device)
             self.prompt_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device)
-        prompt = torch.tensor(token_ids[:num_prompt_tokens], device=self.device)
-        output = torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.int64, device=self.device)
+        # Built on the host, then copied without blocking: a blocking copy would wait for the GPU.
+        prompt = torch.tensor(token_ids[:num_prompt_tokens], dtype=torch.int64).to(self.device, non_blocking=True)
+        output = torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.int64).to(self.device, non_blocking=True)
         self.prompt_mask[row].zero_()
         self.prompt_mask[row, prompt] = True
         self.output_counts[row].zero_()
@@ -62,12 +63,16 @@ class SamplingState:
         masked: dict[int, tuple[SamplingParams, list[int]]] = {}
         processors: dict[int, tuple[list, list[int]]] = {}
         generators: dict[int, torch.Generator] = {}
+        row_seeds: dict[int, int] = {}
         for i in np.flatnonzero(self.needs_host_pass[rows]).tolist():
             row = int(rows[i])
             p = states.sampling_params[row]
             num_output = int(states.num_tokens[row] - states.num_prompt_tokens[row])
             if p.seed is not None and not p.is_greedy:
-                generators[i] = self._seeded_generator(i, p.seed, num_output)
+                # Reseeded from (seed, position) every step: the draw depends on nothing else, so batch
+                # composition and preemption cannot change a seeded request's tokens.
+                row_seeds[i] = hash((p.seed, num_output)) & ((1 << 63) - 1)
+                generators[i] = self._seeded_generator(i, row_seeds[i])
             needs_output = p.bad_words_token_ids or p.logits_processors
             output_ids = states.output_token_ids(row) if needs_output else []
             banned = self._banned_tokens(p, row, num_output, output_ids)
@@ -78,19 +83,17 @@ class SamplingState:
         columns = self.columns.take(rows)
         penalties = None
         if self.output_counts is not None and columns.has_penalties.any():
-            index = torch.from_numpy(rows).to(self.device)
+            index = torch.from_numpy(rows).to(self.device, non_blocking=True)  # blocking would wait for the GPU
             penalties = (self.output_counts[index], self.prompt_mask[index])
         return build_sampling_metadata(
             columns, generators, self.vocab_size, self.device,
             logit_mask=self._make_mask(len(rows), masked), penalty_tensors=penalties,
-            logits_processors=processors,
+            logits_processors=processors, row_seeds=row_seeds,
         )
 
-    def _seeded_generator(self, index: int, seed: int, num_output: int) -> torch.Generator:
-        # Reseeded from (seed, position) every step: the draw depends on nothing else, so batch
-        # composition and preemption cannot change a seeded request's tokens.
+    def _seeded_generator(self, index: int, step_seed: int) -> torch.Generator:
         generator = self._seeded_generators.setdefault(index, torch.Generator(self.device))
-        generator.manual_seed(hash((seed, num_output)) & ((1 << 63) - 1))
+        generator.manual_seed(step_seed)
         return generator
 
     def _banned_tokens(self, p: SamplingParams, row: int, num_output: int, output_ids: list[int]) -> list[int]:

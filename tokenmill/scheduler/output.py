@@ -45,6 +45,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests finished, aborted or preempted since the last step: the worker drops their state."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks to copy before this step's forward pass (forked samples)."""
 
     @property
     def is_empty(self) -> bool:

@@ -19,6 +19,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.manager import NO_HIT, KVCacheManager
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.request import Request, RequestStatus, finish_reason_of
+from tokenmill.scheduler.forks import PendingForks
 from tokenmill.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -39,6 +40,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_request_ids: set[str] = set()
         """Requests that left since the last schedule(); the worker must drop their state."""
+        self.forks = PendingForks(kv_cache_manager)
         self.steps_in_flight: deque[dict[str, Request]] = deque()
         """The requests of each scheduled step not yet updated, oldest first. Their outputs go to
         these objects: an id aborted while its step ran may already name a new request."""
@@ -52,7 +54,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        leader = self.requests.get(request.fork_of) if request.fork_of is not None else None
+        if not self.forks.hold(request, leader):
+            self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); unknown ids are ignored."""
@@ -62,7 +66,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif not self.forks.is_held(request):
                 self.waiting.remove(request)
             self._finish(request, status)
 
@@ -73,6 +77,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        block_copies = self.forks.take_block_copies()  # forks made last time: after that step's KV writes
         num_scheduled: dict[str, int] = {}
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
@@ -119,7 +124,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens += computed.num_tokens
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = computed.num_tokens
+                request.num_cached_tokens = request.num_computed_tokens  # prefix-cache hit or forked prompt
                 self.queue_times.append(time.time() - request.arrival_time)
             self.running.append(request)
             new_requests.append(
@@ -143,6 +148,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_request_ids=self.finished_request_ids,
+            block_copies=block_copies,
         )
         self.finished_request_ids = set()
         self.steps_in_flight.append({request_id: self.requests[request_id] for request_id in num_scheduled})
@@ -151,6 +157,8 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples the request's next token
+            for follower in self.forks.fork_ready(request):
+                self.waiting.add_preempted(follower)  # to the front: each has one token to compute
         return output
 
     def _will_reach_length(self, request: Request) -> bool:
@@ -234,6 +242,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        for follower in self.forks.release(request):
+            self.waiting.add(follower)
         self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
 

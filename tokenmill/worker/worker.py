@@ -119,4 +119,13 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
         """Queue the step on the device; result() on the return value waits for its output."""
         assert self.model_runner is not None, "initialize_cache() must run first"
+        if scheduler_output.block_copies:
+            self._copy_blocks(scheduler_output.block_copies)
         return self.model_runner.execute_model(scheduler_output)
+
+    @torch.inference_mode()
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks in every layer (a forked sample's own copy of its parent's partial block)."""
+        src, dst = torch.tensor(copies, dtype=torch.int64).T.to(self.device)
+        for layer in self.attn_layers:
+            layer.kv_cache[:, dst] = layer.kv_cache[:, src]

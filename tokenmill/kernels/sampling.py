@@ -1,0 +1,367 @@
+"""Temperature + Gumbel-max draw over the whole vocabulary: one read of the logits, no [n, vocab] noise.
+
+A draw from softmax(x / T) is argmax(x / T + G) with G i.i.d. standard Gumbel. The kernel takes
+argmax(x + T * G), the same argmax for T > 0, so a row with T = 0 is the plain argmax: greedy and
+sampled rows share one launch, and large logits never overflow a division by a tiny T.
+
+Pass 1, grid (rows, splits): each program scans a contiguous run of tiles of its row and writes its
+best (score, token) to a [rows, splits] buffer. Pass 2, one program per row: the best split. Ties
+go to the lowest token id, as torch.argmax, so greedy rows equal torch.argmax exactly (NaN logits
+aside: they never win here).
+
+Noise: a tile is 4 * `lanes` tokens; Philox4x32-10 (triton's `randint4x`) keyed by the row's seed,
+at counter (tile * lanes + lane, row offset), gives the 4 values of one lane: tokens
+tile * 4 * lanes + k * lanes + lane for k = 0..3. So a token's noise depends only on (seed, offset,
+token id), not on the split layout or the batch: a seeded request draws the same token in any batch.
+
+top_p_draw samples the top-p nucleus without sorting, by rejection: gumbel_argmax's draw, a split
+pass for the softmax mass and the mass above the drawn token, then per-row redraws for the rows whose
+draw fell outside the nucleus (see its docstring).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+LANES = 256
+"""Philox counters per tile (each yields 4 noise values): a token's noise depends on it, keep it fixed."""
+TARGET_PROGRAMS = 4096
+"""Programs wanted in pass 1: enough to fill a large GPU several times over, with little tail."""
+MAX_DRAWS = 64
+"""Rejection rounds before top_p_draw gives up and takes the argmax (each rejection at least halves,
+on average, the candidates' mass outside the nucleus)."""
+U_MIN, U_MAX = tl.constexpr(1e-10), tl.constexpr(1.0 - 2.0**-24)
+"""Uniforms are clamped into (0, 1) so that -log(-log(u)) is finite."""
+
+
+@triton.jit
+def _lane_argmax(best, best_index):
+    """Best value over the lanes, and the lowest token id that has it."""
+    value = tl.max(best, 0)
+    return value, tl.min(tl.where(best == value, best_index, 2147483647), 0)
+
+
+@triton.jit
+def _greedy_best(row_ptr, vocab_size, first_tile, last_tile, TILE: tl.constexpr):
+    cols = tl.arange(0, TILE)
+    best = tl.full([TILE], float("-inf"), tl.float32)
+    best_index = first_tile * TILE + cols
+    for tile in range(first_tile, last_tile):
+        token = tile * TILE + cols
+        x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
+        better = x > best  # strict: the earliest token keeps a tie
+        best = tl.where(better, x, best)
+        best_index = tl.where(better, token, best_index)
+    return _lane_argmax(best, best_index)
+
+
+@triton.jit
+def _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, pivot, bits):
+    x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
+    x = tl.where(x > pivot, x, float("-inf"))  # only tokens more likely than the pivot compete
+    u = tl.clamp(tl.random.uint_to_uniform_float(bits), U_MIN, U_MAX)
+    score = x + temperature * -tl.log(-tl.log(u))
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, token, best_index)
+
+
+@triton.jit
+def _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature, seed, counter_hi, pivot,
+                  LANES: tl.constexpr):
+    lanes = tl.arange(0, LANES)
+    best = tl.full([LANES], float("-inf"), tl.float32)
+    best_index = first_tile * 4 * LANES + lanes
+    for tile in range(first_tile, last_tile):
+        r0, r1, r2, r3 = tl.randint4x(seed, counter_hi + tile * LANES + lanes)
+        token = tile * 4 * LANES + lanes
+        best, best_index = _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, pivot, r0)
+        best, best_index = _gumbel_update(best, best_index, row_ptr, token + LANES, vocab_size, temperature,
+                                          pivot, r1)
+        best, best_index = _gumbel_update(best, best_index, row_ptr, token + 2 * LANES, vocab_size, temperature,
+                                          pivot, r2)
+        best, best_index = _gumbel_update(best, best_index, row_ptr, token + 3 * LANES, vocab_size, temperature,
+                                          pivot, r3)
+    return _lane_argmax(best, best_index)
+
+
+@triton.jit
+def _gumbel_argmax_split_kernel(
+    logits_ptr, stride_row, temperature_ptr, seed_ptr, offset_ptr, value_ptr, index_ptr,
+    vocab_size, num_tiles, tiles_per_split, num_splits,
+    HAS_OFFSETS: tl.constexpr, LANES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    first_tile = split * tiles_per_split
+    last_tile = first_tile + tiles_per_split
+    if last_tile > num_tiles:
+        last_tile = num_tiles
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0:
+        if HAS_OFFSETS:
+            # The row offset is the high word of the 64-bit Philox counter (randint4x's c1).
+            counter_hi = (tl.load(offset_ptr + row).to(tl.int64) & 0xFFFFFFFF) << 32
+        else:
+            counter_hi = 0
+        value, index = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature,
+                                     tl.load(seed_ptr + row), counter_hi, float("-inf"), LANES)
+    else:  # greedy rows skip the noise altogether
+        value, index = _greedy_best(row_ptr, vocab_size, first_tile, last_tile, 4 * LANES)
+    tl.store(value_ptr + row * num_splits + split, value)
+    tl.store(index_ptr + row * num_splits + split, index)
+
+
+@triton.jit
+def _best_split_kernel(value_ptr, index_ptr, out_ptr, num_splits, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, BLOCK)
+    mask = splits < num_splits
+    value = tl.load(value_ptr + row * num_splits + splits, mask=mask, other=float("-inf"))
+    index = tl.load(index_ptr + row * num_splits + splits, mask=mask, other=2147483647)
+    _, best = _lane_argmax(value, index)
+    tl.store(out_ptr + row, best.to(tl.int64))
+
+
+@triton.jit
+def _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, inv_temperature, pivot, TILE: tl.constexpr):
+    """Over the tiles: m = max(x / T), sum(exp(x / T - m)), and that sum over the tokens above `pivot`."""
+    cols = tl.arange(0, TILE)
+    top = tl.full([TILE], float("-inf"), tl.float32)
+    total = tl.zeros([TILE], tl.float32)
+    above = tl.zeros([TILE], tl.float32)
+    for tile in range(first_tile, last_tile):  # online per lane, as flash attention's softmax
+        token = tile * TILE + cols
+        x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
+        z = x * inv_temperature
+        new_top = tl.maximum(top, z)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # no NaN from -inf - -inf
+        scale = tl.exp(top - shift)
+        p = tl.exp(z - shift)
+        total = total * scale + p
+        above = above * scale + tl.where(x > pivot, p, 0.0)
+        top = new_top
+    m = tl.max(top, 0)
+    rescale = tl.exp(top - tl.where(m == float("-inf"), 0.0, m))
+    return m, tl.sum(total * rescale, 0), tl.sum(above * rescale, 0)
+
+
+@triton.jit
+def _mass_above(row_ptr, vocab_size, num_tiles, pivot, row_top, inv_temperature, TILE: tl.constexpr):
+    """sum(exp(x / T - row_top)) over the tokens above `pivot`."""
+    cols = tl.arange(0, TILE)
+    total = tl.zeros([TILE], tl.float32)
+    for tile in range(0, num_tiles):
+        token = tile * TILE + cols
+        x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
+        total += tl.where(x > pivot, tl.exp(x * inv_temperature - row_top), 0.0)
+    return tl.sum(total, 0)
+
+
+@triton.jit
+def _nucleus_split_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, token_ptr, stats_ptr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, TILE: tl.constexpr,
+):
+    """Per (row, split) of the top-p rows: the softmax max and mass, and the mass above the drawn token."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    if (temperature > 0) & (tl.load(top_p_ptr + row) < 1.0):
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
+        first_tile = split * tiles_per_split
+        last_tile = first_tile + tiles_per_split
+        if last_tile > num_tiles:
+            last_tile = num_tiles
+        top, total, above = _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, 1.0 / temperature, pivot, TILE)
+        out = stats_ptr + (row * num_splits + split) * 3
+        tl.store(out, top)
+        tl.store(out + 1, total)
+        tl.store(out + 2, above)
+
+
+@triton.jit
+def _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, seed, token, row_top, limit, mass,
+                    LANES: tl.constexpr, MAX_DRAWS: tl.constexpr):
+    """Rejection rounds after a first draw outside the nucleus (`mass`, above it, is >= `limit`).
+
+    Every token at most as likely as a rejected draw is outside the nucleus too, so the draw's logit
+    becomes the pivot and the next draw is among the tokens above it. The candidates always hold the
+    whole nucleus, so the accepted draw is exactly a draw from the renormalised nucleus.
+    """
+    inv_temperature = 1.0 / temperature
+    x_token = tl.load(row_ptr + token).to(tl.float32)
+    draws = tl.full([], 1, tl.int32)
+    while (mass >= limit) & (draws < MAX_DRAWS):
+        # Draw k has its own Philox stream: counter word c1 = k.
+        _, token = _sampled_best(row_ptr, vocab_size, 0, num_tiles, temperature, seed,
+                                 draws.to(tl.int64) << 32, x_token, LANES)
+        x_token = tl.load(row_ptr + token).to(tl.float32)
+        mass = _mass_above(row_ptr, vocab_size, num_tiles, x_token, row_top, inv_temperature, 4 * LANES)
+        draws += 1
+    if mass >= limit:  # out of draws (practically never): the most likely token is in every nucleus
+        _, token = _greedy_best(row_ptr, vocab_size, 0, num_tiles, 4 * LANES)
+    return token
+
+
+@triton.jit
+def _nucleus_finish_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, seed_ptr, token_ptr, stats_ptr,
+    vocab_size, num_tiles, num_splits, BLOCK: tl.constexpr, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr,
+):
+    """Per top-p row: accept the first draw, or redraw (the rare, serial case) until inside the nucleus."""
+    row = tl.program_id(0)
+    temperature = tl.load(temperature_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    if (temperature > 0) & (top_p < 1.0):
+        splits = tl.arange(0, BLOCK)
+        mask = splits < num_splits
+        stats = stats_ptr + (row * num_splits + splits) * 3
+        tops = tl.load(stats, mask=mask, other=float("-inf"))
+        row_top = tl.max(tops, 0)
+        scale = tl.exp(tops - row_top)  # an all -inf row gives NaN here: no redraw below
+        limit = top_p * tl.sum(tl.load(stats + 1, mask=mask, other=0.0) * scale, 0)
+        mass = tl.sum(tl.load(stats + 2, mask=mask, other=0.0) * scale, 0)
+        if mass >= limit:
+            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+            token = _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, tl.load(seed_ptr + row),
+                                    tl.load(token_ptr + row).to(tl.int32), row_top, limit, mass, LANES, MAX_DRAWS)
+            tl.store(token_ptr + row, token.to(tl.int64))
+
+
+def _split_layout(num_rows: int, vocab_size: int, lanes: int, tiles_per_split: int | None) -> tuple[int, int, int]:
+    """(num_tiles, tiles_per_split, num_splits) of the pass-1 grid."""
+    num_tiles = triton.cdiv(vocab_size, 4 * lanes)
+    if tiles_per_split is None:
+        tiles_per_split = max(1, num_rows * num_tiles // TARGET_PROGRAMS)
+    return num_tiles, tiles_per_split, triton.cdiv(num_tiles, tiles_per_split)
+
+
+def gumbel_argmax(
+    logits: torch.Tensor,  # [num_rows, vocab] float32/float16/bfloat16; any row stride
+    temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax)
+    seeds: torch.Tensor,  # [num_rows] int64 Philox key per row
+    offsets: torch.Tensor | None = None,  # [num_rows] int64 Philox stream per row (low 32 bits); None = 0
+    lanes: int = LANES,
+    tiles_per_split: int | None = None,
+) -> torch.Tensor:
+    """One token per row: argmax(logits + T * Gumbel noise), no host sync. Returns [num_rows] int64.
+
+    `lanes` changes the noise of every token (tests use small tiles); `tiles_per_split` only the
+    parallel layout, never the result.
+    """
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab_size = logits.shape
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    num_tiles, tiles_per_split, num_splits = _split_layout(num_rows, vocab_size, lanes, tiles_per_split)
+    values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    _gumbel_argmax_split_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), temperature, seeds, offsets if offsets is not None else seeds, values, indices,
+        vocab_size, num_tiles, tiles_per_split, num_splits,
+        HAS_OFFSETS=offsets is not None, LANES=lanes,
+    )
+    _best_split_kernel[(num_rows,)](values, indices, out, num_splits, BLOCK=triton.next_power_of_2(num_splits))
+    return out
+
+
+def top_p_draw(
+    logits: torch.Tensor,  # [num_rows, vocab] float32/float16/bfloat16; any row stride
+    temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax)
+    top_p: torch.Tensor,  # [num_rows] float32 in (0, 1]; 1 = the whole row
+    seeds: torch.Tensor,  # [num_rows] int64 Philox key per row
+    lanes: int = LANES,
+    tiles_per_split: int | None = None,
+) -> torch.Tensor:
+    """One token per row from softmax(logits / T) restricted to its top-p nucleus, without a sort; no host sync.
+
+    The nucleus is the set of tokens whose strictly more likely tokens hold less than top_p of the
+    probability, so tokens tied with its least likely member are all in it (a sort keeps an arbitrary
+    subset of them). Rejection sampling: gumbel_argmax's draw over the whole row (so rows with
+    top_p = 1 get its token), then a split pass for the softmax mass and the mass above the draw; a
+    draw with top_p or more above it is outside the nucleus (probability about 1 - top_p) and its row
+    redraws in one program per row, a draw pass and a mass pass per round.
+    """
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab_size = logits.shape
+    tokens = gumbel_argmax(logits, temperature, seeds, lanes=lanes, tiles_per_split=tiles_per_split)
+    if num_rows == 0:
+        return tokens
+    num_tiles, tiles_per_split, num_splits = _split_layout(num_rows, vocab_size, lanes, tiles_per_split)
+    stats = torch.empty(num_rows, num_splits, 3, dtype=torch.float32, device=logits.device)
+    _nucleus_split_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), temperature, top_p, tokens, stats, vocab_size, num_tiles, tiles_per_split,
+        num_splits, TILE=4 * lanes,
+    )
+    _nucleus_finish_kernel[(num_rows,)](
+        logits, logits.stride(0), temperature, top_p, seeds, tokens, stats, vocab_size, num_tiles, num_splits,
+        BLOCK=triton.next_power_of_2(num_splits), LANES=lanes, MAX_DRAWS=MAX_DRAWS, num_warps=8,
+    )
+    return tokens
+
+
+def philox_uniform_ref(seeds: np.ndarray, counters: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Triton's randint4x + uint_to_uniform_float in numpy: [rows] keys x [cols] counters -> [4, rows, cols]."""
+    mask = np.uint64(0xFFFFFFFF)
+    seeds = seeds.astype(np.uint64)[:, None]
+    k0, k1 = seeds & mask, seeds >> np.uint64(32)
+    c0 = np.broadcast_to(counters.astype(np.uint64)[None, :], (len(seeds), len(counters)))
+    c1 = np.broadcast_to(offsets.astype(np.uint64)[:, None] & mask, c0.shape)
+    c2 = c3 = np.zeros_like(c0)
+    round_a, round_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(10):
+        hi_b, hi_a = (round_b * c2) >> np.uint64(32), (round_a * c0) >> np.uint64(32)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, (round_b * c2) & mask, hi_a ^ c3 ^ k1, (round_a * c0) & mask
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    signed = np.stack([c0, c1, c2, c3]).astype(np.int64)
+    signed = np.where(signed >= 2**31, signed - 2**32, signed)  # the int32 bitcast
+    folded = np.where(signed < 0, -signed - 1, signed)
+    return folded.astype(np.float32) * np.float32(4.6566127342e-10)
+
+
+def gumbel_argmax_ref(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor | None = None,
+    lanes: int = LANES,
+) -> torch.Tensor:
+    """The kernel's draw in numpy, float32 throughout: the same noise for every token."""
+    x = logits.float().cpu().numpy()
+    num_rows, vocab_size = x.shape
+    token = np.arange(vocab_size)
+    tile, within = np.divmod(token, 4 * lanes)
+    k, lane = np.divmod(within, lanes)
+    offsets = np.zeros(num_rows, np.int64) if offsets is None else offsets.cpu().numpy()
+    uniforms = philox_uniform_ref(seeds.cpu().numpy(), tile * lanes + lane, offsets)
+    u = np.clip(uniforms[k, :, token].T, np.float32(U_MIN.value), np.float32(U_MAX.value))
+    gumbel = -np.log(-np.log(u))
+    t = temperature.cpu().numpy().astype(np.float32)[:, None]
+    scores = np.where(t > 0, x + t * gumbel, x)
+    return torch.from_numpy(scores.argmax(axis=1)).to(logits.device)
+
+
+def top_p_draw_ref(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, lanes: int = LANES
+) -> torch.Tensor:
+    """top_p_draw's rejection rounds on gumbel_argmax_ref (draw k: offset k), masses in float64."""
+    x = logits.float().cpu()
+    tokens = gumbel_argmax_ref(x, temperature, seeds, lanes=lanes)
+    for row in range(len(x)):
+        t, p = float(temperature[row]), float(top_p[row])
+        if t <= 0 or p >= 1:
+            continue
+        probs = (x[row].double() / t).softmax(-1)
+        for k in range(1, MAX_DRAWS + 1):
+            pivot = x[row, tokens[row]]
+            if probs[x[row] > pivot].sum() < p:
+                break
+            candidates = x[row : row + 1].masked_fill(x[row : row + 1] <= pivot, float("-inf"))
+            tokens[row] = gumbel_argmax_ref(candidates, temperature[row : row + 1].cpu(), seeds[row : row + 1].cpu(),
+                                            torch.tensor([k]), lanes=lanes)[0]
+    return tokens.to(logits.device)
