@@ -55,7 +55,7 @@ class Sampler(nn.Module):
         elif metadata.seeds is not None:
             token_ids = fused_draw(logits, metadata)
         else:
-            token_ids = sample(logits.float(), metadata)
+            token_ids = sample(logits, metadata)
             if metadata.is_greedy is not None:
                 token_ids = torch.where(metadata.is_greedy, logits.argmax(dim=-1), token_ids)
         logprobs = None
@@ -107,15 +107,19 @@ def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor
     else:  # gumbel_argmax, then redraws of the top-p rows whose draw fell outside the nucleus
         token_ids = top_p_draw(logits, metadata.draw_temperature, metadata.nucleus_top_p, metadata.seeds)
     if metadata.filtered is not None:
-        token_ids = torch.where(metadata.filtered, sample(logits.float(), metadata), token_ids)
+        token_ids = torch.where(metadata.filtered, sample(logits, metadata), token_ids)
     return token_ids
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Stages 6-7 for the non-greedy rows (greedy rows have temperature 1 and are replaced later)."""
-    logits = logits / metadata.temperature.unsqueeze(1)
+    """Stages 6-7 for the non-greedy rows (greedy rows have temperature 1 and are replaced later).
+
+    `logits` may be in the model's dtype: the candidate path takes its top k before any float32 pass
+    over the vocabulary (a positive temperature keeps the order).
+    """
     if metadata.top_k_candidates:
         return sample_top_k_candidates(logits, metadata)
+    logits = logits.float() / metadata.temperature.unsqueeze(1)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
     if metadata.top_k is not None or metadata.top_p is not None:
@@ -131,6 +135,7 @@ def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) ->
     renormalises over the survivors, so neither needs the tokens outside the top k.
     """
     values, token_ids = logits.topk(metadata.top_k_candidates, dim=-1)  # [n, width], descending
+    values = values.float() / metadata.temperature.unsqueeze(1)
     positions = torch.arange(values.shape[1], device=values.device)
     values = values.masked_fill(positions[None, :] >= metadata.top_k.unsqueeze(1), float("-inf"))
     if metadata.min_p is not None:
