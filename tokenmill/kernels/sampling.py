@@ -87,7 +87,9 @@ def _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature, seed,
     return _lane_argmax(best, best_index)
 
 
-@triton.jit
+# The split layout changes with the batch size: one compiled variant for all of it (Triton would
+# otherwise compile one per divisibility class of these ints, mid-run, ~1 s each).
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])
 def _gumbel_argmax_split_kernel(
     logits_ptr, stride_row, temperature_ptr, seed_ptr, offset_ptr, value_ptr, index_ptr,
     vocab_size, num_tiles, tiles_per_split, num_splits,
@@ -115,7 +117,7 @@ def _gumbel_argmax_split_kernel(
     tl.store(index_ptr + row * num_splits + split, index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _best_split_kernel(value_ptr, index_ptr, out_ptr, num_splits, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     splits = tl.arange(0, BLOCK)
@@ -161,7 +163,7 @@ def _mass_above(row_ptr, vocab_size, num_tiles, pivot, row_top, inv_temperature,
     return tl.sum(total, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])
 def _nucleus_split_kernel(
     logits_ptr, stride_row, temperature_ptr, top_p_ptr, token_ptr, stats_ptr,
     vocab_size, num_tiles, tiles_per_split, num_splits, TILE: tl.constexpr,
@@ -208,7 +210,7 @@ def _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, seed, token, ro
     return token
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _nucleus_finish_kernel(
     logits_ptr, stride_row, temperature_ptr, top_p_ptr, seed_ptr, token_ptr, stats_ptr,
     vocab_size, num_tiles, num_splits, BLOCK: tl.constexpr, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr,
@@ -268,7 +270,7 @@ def gumbel_argmax(
         vocab_size, num_tiles, tiles_per_split, num_splits,
         HAS_OFFSETS=offsets is not None, LANES=lanes,
     )
-    _best_split_kernel[(num_rows,)](values, indices, out, num_splits, BLOCK=triton.next_power_of_2(num_splits))
+    _best_split_kernel[(num_rows,)](values, indices, out, num_splits, BLOCK=triton.next_power_of_2(num_tiles))
     return out
 
 
@@ -303,7 +305,7 @@ def top_p_draw(
     )
     _nucleus_finish_kernel[(num_rows,)](
         logits, logits.stride(0), temperature, top_p, seeds, tokens, stats, vocab_size, num_tiles, num_splits,
-        BLOCK=triton.next_power_of_2(num_splits), LANES=lanes, MAX_DRAWS=MAX_DRAWS, num_warps=8,
+        BLOCK=triton.next_power_of_2(num_tiles), LANES=lanes, MAX_DRAWS=MAX_DRAWS, num_warps=8,
     )
     return tokens
 

@@ -14,8 +14,10 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.forward_context import forward_context
 from tokenmill.sample.logprobs import PromptLogprobsCollector
+from tokenmill.sample.metadata import build_sampling_metadata
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
@@ -78,6 +80,16 @@ class ModelRunner:
         if len(batch.sampled_rows) == 0:
             return EMPTY_OUTPUT
         return self._sample(batch, hidden_states)
+
+    @torch.inference_mode()
+    def warm_up_sampler(self, dtype: torch.dtype) -> None:
+        """Run the sampler once on greedy, temperature and top-p rows, so that its kernels compile at
+        start-up rather than in the first steps that need them."""
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                  SamplingParams(temperature=0.8, top_p=0.9)]
+        vocab_size = self.sampling_state.vocab_size
+        logits = torch.randn(len(params), vocab_size, device=self.device).to(dtype)
+        self.sampler(logits, build_sampling_metadata(params, {}, vocab_size, self.device))
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         input_ids, positions = self._to_device(batch.input_ids), self._to_device(batch.positions)

@@ -105,6 +105,8 @@ class Worker:
         )
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
             self._capture_cuda_graphs(shape.block_size)
+        if self.device.type == "cuda":
+            self.model_runner.warm_up_sampler(self.dtype)
 
     def _capture_cuda_graphs(self, block_size: int) -> None:
         if not self.attn_backend.supports_cuda_graphs:
