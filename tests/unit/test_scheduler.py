@@ -179,3 +179,55 @@ def test_prefix_caching_off_recomputes_everything():
     drain(s)
     s.add_request(make_request("b", 13, max_tokens=1))
     assert s.schedule().num_scheduled_tokens["b"] == 13
+
+
+def test_async_steps_are_scheduled_before_the_last_step_is_updated():
+    """Async scheduling: each decode is scheduled while the previous step's token is still in flight."""
+    s = make_scheduler()
+    s.add_request(make_request("a", 5, max_tokens=3))
+    first = s.schedule()  # the prompt; samples token 1
+    second = s.schedule()  # token 1 is in flight: its decode is scheduled anyway
+    assert second.num_scheduled_tokens == {"a": 1}
+    s.update_from_output(first, ModelRunnerOutput({"a": 11}))
+    third = s.schedule()  # token 2 in flight; token 3 will be the last
+    s.update_from_output(second, ModelRunnerOutput({"a": 12}))
+    fourth = s.schedule()  # the step in flight gives the last token: nothing more to schedule
+    assert fourth.num_scheduled_tokens == {}
+    outputs = s.update_from_output(third, ModelRunnerOutput({"a": 13})).outputs
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([13], "length")]
+    s.update_from_output(fourth, ModelRunnerOutput({}))
+    assert not s.has_requests() and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_a_token_in_flight_goes_to_the_request_that_was_scheduled_not_to_a_new_one_with_its_id():
+    s = make_scheduler()
+    s.add_request(make_request("a", 5, max_tokens=4))
+    first = s.schedule()
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # aborted while its step runs
+    s.add_request(make_request("a", 3, max_tokens=4, first_token=20))  # the id is free again
+    second = s.schedule()
+    assert s.update_from_output(first, ModelRunnerOutput({"a": 99})).outputs == []
+    outputs = s.update_from_output(second, ModelRunnerOutput({"a": 7})).outputs
+    assert [o.new_token_ids for o in outputs] == [[7]] and s.requests["a"].output_token_ids == [7]
+
+
+def test_forked_samples_share_the_prompt_blocks_and_compute_one_token_each():
+    s = make_scheduler(caching=False)
+    prompt = list(range(1, 11))  # 10 tokens: two full blocks of 4 and a partial one
+    s.add_request(Request("0_r", prompt, SamplingParams(max_tokens=2)))
+    for i in (1, 2):
+        s.add_request(Request(f"{i}_r", prompt, SamplingParams(max_tokens=2), fork_of="0_r"))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"0_r": 10}  # the followers wait for the leader's prompt
+    s.update_from_output(first, ModelRunnerOutput({"0_r": 5}))
+    second = s.schedule()
+    assert second.num_scheduled_tokens == {"0_r": 1, "1_r": 1, "2_r": 1}
+    leader_blocks = s.kv.get_block_ids("0_r")
+    copies = dict((dst, src) for src, dst in second.block_copies)
+    for follower in ("1_r", "2_r"):
+        blocks = s.kv.get_block_ids(follower)
+        assert blocks[:2] == leader_blocks[:2]  # full blocks shared
+        assert copies[blocks[2]] == leader_blocks[2]  # the partial one copied into a block of its own
+    s.update_from_output(second, ModelRunnerOutput({"0_r": 6, "1_r": 7, "2_r": 8}))
+    drain(s)
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks

@@ -42,8 +42,9 @@ class Scheduler:
         """Requests that left since the last schedule(); the worker must drop their state."""
         self.forks = PendingForks(kv_cache_manager)
         self.steps_in_flight: deque[dict[str, Request]] = deque()
-        """The requests of each scheduled step not yet updated, oldest first. Their outputs go to
-        these objects: an id aborted while its step ran may already name a new request."""
+        """The requests of each scheduled step not yet updated, oldest first: every schedule() gets
+        its update_from_output(), in order. Outputs go to these objects, since an id aborted while
+        its step ran may already name a new request."""
         self.num_preemptions = 0
         self.queue_times: list[float] = []
         """Arrival-to-first-scheduling seconds not yet reported in stats."""
