@@ -8,13 +8,16 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
   env          GPU, versions, measured copy bandwidth and bf16 matmul rate (the ceilings)
   kernels      pytest tests/kernels, then the worst paged-attention error against float64
   models       tiny random models of every architecture, float32: greedy tokens == transformers with CUDA
-               graphs, eager and chunked prefill
+               graphs + async scheduling, eager, chunked prefill, and async scheduling off
   kbench       decode / prefill attention timings (--sweep: several tile configurations)
   W1..W4       the workloads of BENCHMARKS.md, each `python -m tokenmill.bench.latency|throughput` in a
                subprocess (W5, start-up, is read from their logs)
-  anatomy8b, anatomy06b, w3breakdown
+  engine       the engine tests whose mechanisms differ on the GPU (async scheduling, forked samples)
+  sampler      benchmarks/sampler_overhead.py: the sampler's share of a decode step at batch 256
+  steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
+  anatomy8b, anatomy06b
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
-               cProfile of the host, and W3's per-stage wall time
+               and cProfile of the host
 The last lines printed are a table of everything measured; --out gets results.json. Everything takes more
 than one 10-minute device call: split the sections over calls.
 """
@@ -118,6 +121,30 @@ def check_kernels() -> None:
         rows.append((str(dtype).removeprefix("torch."), worst))
     note("paged attention max rel err vs float64",
          ", ".join(f"{d} {e:.1e} (tol {cases.TOLERANCE[getattr(torch, d)]:.0e})" for d, e in rows))
+
+
+def check_engine() -> None:
+    """The engine tests whose mechanisms differ on the GPU (async scheduling, forked samples' block copies,
+    the fused sampler), run on the GPU."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/e2e/test_async_scheduling.py", "tests/e2e/test_forked_samples.py"],
+                          cwd=ROOT, capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    if proc.returncode != 0:
+        print(proc.stdout[-6000:], proc.stderr[-3000:])
+    note("pytest engine tests on the GPU", f"{tail} (rc {proc.returncode}, {time.perf_counter() - start:.0f} s)")
+
+
+def run_script(path: str, timeout: float) -> None:
+    """A benchmark script of this folder in a subprocess; its last lines go to the summary."""
+    proc = subprocess.run([sys.executable, path], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    print("\n".join(lines[-20:]))
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:])
+    note(Path(path).stem, f"rc {proc.returncode}; " + " | ".join(lines[-6:]))
 
 
 # ---- tiny models against transformers ------------------------------------------------------------
@@ -297,80 +324,6 @@ def decode_anatomy(model: str, sizes: tuple[int, ...], num_prompts: int, input_l
     torch.cuda.empty_cache()
 
 
-def w3_breakdown() -> None:
-    """The W3 workload in process, with the wall time of each engine stage and the GPU span of each
-    forward + sample (CUDA events): where a step's time goes."""
-    import collections
-
-    import numpy as np
-
-    from tokenmill import LLM, SamplingParams
-    from tokenmill.bench.offline import draw_lengths, random_prompts
-
-    llm = LLM(QWEN3_06B, load_format="dummy", skip_tokenizer_init=True)
-    core, runner = llm.engine.core, llm.engine.core.worker.model_runner
-    wall: dict[str, float] = collections.defaultdict(float)
-    counts: dict[str, int] = collections.defaultdict(int)
-    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def timed(obj, attr, key, on_call=None):
-        fn = getattr(obj, attr)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            wall[key] += time.perf_counter() - t
-            if on_call:
-                on_call(out)
-            return out
-        setattr(obj, attr, wrapper)
-
-    forward = runner._forward
-
-    def forward_with_span(batch):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        out = forward(batch)
-        end.record()  # recorded again after sampling, when the step samples
-        spans.append((begin, end))
-        return out
-
-    def count_graph_use(out) -> None:
-        counts["graph" if out is not None else "eager"] += 1
-
-    runner._forward = forward_with_span
-    timed(core.scheduler, "schedule", "scheduler.schedule")
-    timed(core.scheduler, "update_from_output", "scheduler.update_from_output")
-    timed(llm.engine.output_processor, "process_outputs", "output_processor")
-    timed(runner.states, "apply", "runner.states.apply")
-    timed(runner, "_forward", "runner._forward (launch)")
-    timed(runner, "_sample", "runner._sample (incl. GPU wait)", lambda out: spans[-1][1].record())
-    if runner.cuda_graphs is not None:
-        timed(runner.cuda_graphs, "run", "cuda_graphs.run", count_graph_use)
-    timed(runner.sampling_state, "build_metadata", "sampling_state.build_metadata")
-    rng = np.random.default_rng(0)
-    input_lens = draw_lengths(rng, 0, [100, 1024], 256)
-    output_lens = draw_lengths(rng, 0, [100, 1024], 256)
-    prompts = random_prompts(rng, input_lens, llm.engine.hf_config.vocab_size)
-    params = [SamplingParams(temperature=1.0, max_tokens=int(n), ignore_eos=True) for n in output_lens]
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    total = time.perf_counter() - start
-    torch.cuda.synchronize()
-    gpu = sum(a.elapsed_time(b) for a, b in spans) / 1e3
-    steps = len(spans)
-    print(f"W3 in process: {total:.2f} s, {steps} steps ({dict(counts)}), "
-          f"{int(output_lens.sum()) / total:.0f} out tok/s")
-    print(f"  GPU span of forward+sample, summed: {gpu:.2f} s ({gpu / steps * 1e3:.2f} ms/step)")
-    for key, value in sorted(wall.items(), key=lambda kv: -kv[1]):
-        print(f"  {key:40s} {value:7.2f} s  {value / steps * 1e3:6.2f} ms/step")
-    note("W3 breakdown", f"{total:.1f} s for {steps} steps: GPU span {gpu:.1f} s; " + ", ".join(
-        f"{k} {v:.1f} s" for k, v in sorted(wall.items(), key=lambda kv: -kv[1])[:6]))
-    del llm, runner, core
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 # ---- workloads -------------------------------------------------------------------------------------
 
 
@@ -440,8 +393,12 @@ def main() -> int:
                 check_models()
             elif sec == "kbench":
                 bench_kernels(args)
-            elif sec == "w3breakdown":
-                w3_breakdown()
+            elif sec == "engine":
+                check_engine()
+            elif sec == "sampler":
+                run_script("benchmarks/sampler_overhead.py", timeout=150)
+            elif sec == "steps":
+                run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":
                 decode_anatomy(LLAMA_8B, (1, 8), 1, 128, 64)
             elif sec == "anatomy06b":
