@@ -231,3 +231,18 @@ def test_forked_samples_share_the_prompt_blocks_and_compute_one_token_each():
     s.update_from_output(second, ModelRunnerOutput({"0_r": 6, "1_r": 7, "2_r": 8}))
     drain(s)
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_a_follower_aborted_before_the_fork_never_runs():
+    s = make_scheduler(caching=False, budget=4)
+    prompt = list(range(1, 11))
+    s.add_request(Request("0_r", prompt, SamplingParams(max_tokens=2)))
+    for i in (1, 2):
+        s.add_request(Request(f"{i}_r", prompt, SamplingParams(max_tokens=2), fork_of="0_r"))
+    run_step(s)  # the leader's first 4-token chunk
+    s.finish_requests(["1_r"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in s.forks.followers["0_r"]] == ["2_r"]
+    outs = drain(s)
+    scheduled = {rid for out in outs for rid in out.num_scheduled_tokens}
+    assert scheduled == {"0_r", "2_r"} and not s.forks.followers
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks

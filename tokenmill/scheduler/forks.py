@@ -51,16 +51,17 @@ class PendingForks:
     def release(self, request: Request) -> list[Request]:
         """A request ended: drop it if it was a waiting follower; return its own followers, if any,
         which must now compute their prompt themselves."""
-        for leader_id, followers in list(self.followers.items()):
-            if request in followers:
-                followers.remove(request)
-                if not followers:
-                    del self.followers[leader_id]
+        if self.is_held(request):
+            held = [r for r in self.followers[request.fork_of] if r is not request]
+            if held:
+                self.followers[request.fork_of] = held
+            else:
+                del self.followers[request.fork_of]
         self.block_copies.pop(request.request_id, None)
         return self.followers.pop(request.request_id, [])
 
     def is_held(self, request: Request) -> bool:
-        return request.fork_of in self.followers and request in self.followers[request.fork_of]
+        return any(r is request for r in self.followers.get(request.fork_of, ()))
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self.block_copies = list(self.block_copies.values()), {}
