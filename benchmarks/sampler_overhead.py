@@ -15,6 +15,7 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.offline import with_num_layers
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
 
@@ -79,18 +80,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers, for a quick CPU dry run")
     args = parser.parse_args()
-    model = args.model
-    if args.num_layers is not None:
-        import json
-        import os
-        import tempfile
-
-        with open(os.path.join(args.model, "config.json")) as f:
-            config = json.load(f)
-        config["num_hidden_layers"] = args.num_layers
-        model = tempfile.mkdtemp()
-        with open(os.path.join(model, "config.json"), "w") as f:
-            json.dump(config, f)
+    model = with_num_layers(args.model, args.num_layers)
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=args.batch_size,
               max_model_len=2048, max_num_batched_tokens=8192,
               kv_cache_space=None if torch.cuda.is_available() else 1.0)

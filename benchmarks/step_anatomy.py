@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import json
-import os
 import pstats
-import tempfile
 import time
 
 import numpy as np
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.offline import draw_lengths, random_prompts, with_num_layers
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.scheduler.scheduler import Scheduler
@@ -85,14 +83,7 @@ def main() -> None:
     parser.add_argument("--profile-admission", action="store_true",
                         help="cProfile the steps taken while requests still wait for admission (the prefills)")
     args = parser.parse_args()
-    model = args.model
-    if args.num_layers is not None:
-        with open(os.path.join(model, "config.json")) as f:
-            config = json.load(f)
-        config["num_hidden_layers"] = args.num_layers
-        model = tempfile.mkdtemp()
-        with open(os.path.join(model, "config.json"), "w") as f:
-            json.dump(config, f)
+    model = with_num_layers(args.model, args.num_layers)
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -102,9 +93,9 @@ def main() -> None:
     vocab = llm.engine.hf_config.vocab_size
 
     def workload():
-        in_lens = rng.integers(args.min_len, args.max_len + 1, args.num_prompts)
-        out_lens = rng.integers(args.min_len, args.max_len + 1, args.num_prompts)
-        prompts = [{"prompt_token_ids": rng.integers(0, vocab, n).tolist()} for n in in_lens]
+        in_lens = draw_lengths(rng, 0, [args.min_len, args.max_len], args.num_prompts)
+        out_lens = draw_lengths(rng, 0, [args.min_len, args.max_len], args.num_prompts)
+        prompts = random_prompts(rng, in_lens, vocab)
         params = [SamplingParams(temperature=1.0, max_tokens=int(n), ignore_eos=True) for n in out_lens]
         return prompts, params, int(out_lens.sum())
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.device_copy import pack_to_device
 from tokenmill.kernels.decode_attention import decode_attention
 from tokenmill.kernels.prefill_attention import prefill_attention
 from tokenmill.kernels.reshape_and_cache import reshape_and_cache
@@ -29,7 +30,7 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     max_prefill_len: int
     packed: torch.Tensor
-    """int32: the five vectors above and their alignment padding, contiguous (one copy for graphs)."""
+    """The bytes of the five vectors above and their alignment padding, contiguous (one copy for graphs)."""
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -40,24 +41,13 @@ class TritonAttentionBackend(AttentionBackend):
         q_lens = np.diff(layout.query_start_loc)
         is_decode = q_lens == 1
         prefill_ids = np.flatnonzero(~is_decode)
-        block_table = layout.block_table
         parts = [layout.slot_mapping, layout.query_start_loc, layout.seq_lens, np.flatnonzero(is_decode),
-                 prefill_ids, block_table.reshape(-1)]
-        # NOTE: every part starts 16-byte aligned. Triton specialises kernels on pointer alignment, so
-        # parts at offsets that move with the batch size would compile new variants mid-run (~1 s each).
-        starts = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum([-(-len(p) // 4) * 4 for p in parts], out=starts[1:])
-        host = torch.empty(int(starts[-1]), dtype=torch.int32, pin_memory=device.type == "cuda")
-        buffer = host.numpy()
-        for part, start in zip(parts, starts):
-            buffer[start : start + len(part)] = part
-        flat = host.to(device, non_blocking=True)
-        views = [flat[start : start + len(part)] for part, start in zip(parts, starts)]
+                 prefill_ids, layout.block_table]
+        packed, starts, views = pack_to_device([part.astype(np.int32, copy=False) for part in parts], device)
         return TritonAttentionMetadata(
-            *views[:5],
-            block_table=views[5].view(block_table.shape),
+            *views,
             max_prefill_len=int(q_lens[prefill_ids].max()) if len(prefill_ids) else 0,
-            packed=flat[: starts[5]],
+            packed=packed[: starts[5]],
         )
 
     def forward(self, layer, query, key, value, kv_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:

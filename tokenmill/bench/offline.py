@@ -6,9 +6,12 @@ import argparse
 import contextlib
 import cProfile
 import io
+import json
 import logging
+import os
 import platform
 import pstats
+import tempfile
 import time
 
 import numpy as np
@@ -53,6 +56,20 @@ def draw_lengths(rng: np.random.Generator, fixed: int, bounds: list[int] | None,
         return np.full(count, fixed, dtype=np.int64)
     low, high = bounds
     return rng.integers(low, high + 1, count)
+
+
+def with_num_layers(model_dir: str, num_layers: int | None) -> str:
+    """A model folder whose config.json is `model_dir`'s with `num_layers` layers (for dummy weights: a
+    quick CPU dry run of a benchmark); `model_dir` itself when num_layers is None."""
+    if num_layers is None:
+        return model_dir
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_layers
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
 
 
 def vocab_size_of(llm) -> int:

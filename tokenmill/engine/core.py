@@ -68,17 +68,19 @@ class EngineCore:
         if self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
             launched = scheduler_output, self.worker.execute_model(scheduler_output)
-        if self.async_scheduling:
-            finished, self._in_flight = self._in_flight, launched
-        else:
-            finished = launched
-        if finished is None:
-            return EngineCoreOutputs()
-        scheduler_output, pending = finished
-        outputs = self.scheduler.update_from_output(scheduler_output, pending.result())
-        if self._in_flight is not None and not self.scheduler.has_requests():
+        if not self.async_scheduling:
+            return self._update(launched)
+        finished, self._in_flight = self._in_flight, launched
+        outputs = self._update(finished)
+        if not self.scheduler.has_requests():
             # Every request ended in the step just updated: the one in flight only holds their extra tokens.
-            scheduler_output, pending = self._in_flight
-            self.scheduler.update_from_output(scheduler_output, pending.result())
+            self._update(self._in_flight)
             self._in_flight = None
         return outputs
+
+    def _update(self, step: tuple[SchedulerOutput, PendingOutput | ReadyOutput] | None) -> EngineCoreOutputs:
+        """Wait for a launched step's tokens and hand them to the scheduler."""
+        if step is None:
+            return EngineCoreOutputs()
+        scheduler_output, pending = step
+        return self.scheduler.update_from_output(scheduler_output, pending.result())

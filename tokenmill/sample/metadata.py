@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from tokenmill.device_copy import pack_to_device
 from tokenmill.kernels import triton_available
 from tokenmill.sampling_params import SamplingParams
 
@@ -149,7 +150,7 @@ def build_sampling_metadata(
         host["seeds"] = _make_seeds(len(c.is_greedy), row_seeds or {})
         if filtered.any():
             host["filtered"] = filtered
-    on_device = _to_device(host, device)
+    on_device = dict(zip(host, pack_to_device(list(host.values()), device)[2])) if host else {}
     floats = on_device["floats"].unbind(0) if "floats" in on_device else (None,) * 8
     temperature, top_p, min_p, presence, frequency, repetition, draw_temperature, nucleus_top_p = floats
     wanted = c.logprobs[c.logprobs >= 0]
@@ -192,26 +193,3 @@ def _make_seeds(num_rows: int, row_seeds: dict[int, int]) -> np.ndarray:
     if row_seeds:
         seeds[list(row_seeds)] = list(row_seeds.values())
     return seeds
-
-
-def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """One host-to-device copy for several arrays: their bytes packed into one buffer, each part 8-byte
-    aligned so that it can be viewed back in its dtype on the device."""
-    if not arrays:
-        return {}
-    starts, size = {}, 0
-    for name, array in arrays.items():
-        starts[name] = size
-        size += -(-array.nbytes // 8) * 8
-    buffer = np.empty(size, np.uint8)
-    for name, array in arrays.items():
-        buffer[starts[name] : starts[name] + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    packed = torch.from_numpy(buffer)
-    if device.type == "cuda":
-        packed = packed.pin_memory()  # a truly asynchronous copy; the caching host allocator keeps it alive
-    packed = packed.to(device, non_blocking=True)
-    views = {}
-    for name, array in arrays.items():
-        part = packed[starts[name] : starts[name] + array.nbytes]
-        views[name] = part.view(torch.from_numpy(array[:0]).dtype).view(array.shape)  # the bytes in their dtype
-    return views

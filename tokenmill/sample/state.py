@@ -25,6 +25,8 @@ class SamplingState:
         self.eos_token_ids: list[frozenset[int]] = [frozenset()] * max_num_reqs
         self.columns = SamplingColumns.empty(max_num_reqs)
         self.needs_host_pass = np.zeros(max_num_reqs, dtype=bool)
+        self.needs_output_ids = np.zeros(max_num_reqs, dtype=bool)
+        """Rows whose sampling reads their output token ids on the host (bad words, logits processors)."""
         self.output_counts: torch.Tensor | None = None  # [max_num_reqs, vocab] int32
         self.prompt_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool
         self._seeded_generators: dict[int, torch.Generator] = {}
@@ -38,6 +40,7 @@ class SamplingState:
             or params.logits_processors or params.min_tokens or params.allowed_token_ids is not None
             or params.logit_bias
         )
+        self.needs_output_ids[row] = bool(params.bad_words_token_ids or params.logits_processors)
         if not params.has_penalties:
             return
         if self.output_counts is None:
@@ -73,8 +76,7 @@ class SamplingState:
                 # composition and preemption cannot change a seeded request's tokens.
                 row_seeds[i] = hash((p.seed, num_output)) & ((1 << 63) - 1)
                 generators[i] = self._seeded_generator(i, row_seeds[i])
-            needs_output = p.bad_words_token_ids or p.logits_processors
-            output_ids = states.output_token_ids(row) if needs_output else []
+            output_ids = states.output_token_ids(row) if self.needs_output_ids[row] else []
             banned = self._banned_tokens(p, row, num_output, output_ids)
             if banned or p.allowed_token_ids is not None or p.logit_bias:
                 masked[i] = (p, banned)

@@ -27,7 +27,7 @@ from tokenmill.scheduler.output import (
     SchedulerOutput,
 )
 from tokenmill.scheduler.request_queue import make_request_queue
-from tokenmill.scheduler.stop import check_stop
+from tokenmill.scheduler.stop import check_stop, reaches_length
 
 
 class Scheduler:
@@ -89,7 +89,9 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
-            if request.num_output_placeholders and self._will_reach_length(request):
+            if request.num_output_placeholders and reaches_length(
+                request, self.max_model_len, request.num_output_placeholders
+            ):
                 continue  # the step in flight gives its last token; the update will finish it
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
             new_block_ids = self._allocate_or_preempt(request, num_new, num_scheduled, cached_requests)
@@ -161,14 +163,6 @@ class Scheduler:
             for follower in self.forks.fork_ready(request):
                 self.waiting.add_preempted(follower)  # to the front: each has one token to compute
         return output
-
-    def _will_reach_length(self, request: Request) -> bool:
-        """Whether the tokens already in flight bring the request to max_tokens or max_model_len."""
-        max_tokens = request.sampling_params.max_tokens
-        max_tokens = self.max_model_len if max_tokens is None else max_tokens
-        pending = request.num_output_placeholders
-        return (request.num_output_tokens + pending >= max_tokens
-                or request.num_tokens + pending >= self.max_model_len)
 
     def _allocate_or_preempt(
         self,

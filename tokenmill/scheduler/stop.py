@@ -18,7 +18,15 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
             return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and last in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
-    if request.num_output_tokens >= max_tokens or request.num_tokens >= max_model_len:
+    if reaches_length(request, max_model_len):
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def reaches_length(request: Request, max_model_len: int, num_pending: int = 0) -> bool:
+    """Whether the request's tokens, with `num_pending` more still in flight, reach max_tokens or
+    max_model_len."""
+    max_tokens = request.sampling_params.max_tokens
+    max_tokens = max_model_len if max_tokens is None else max_tokens
+    return (request.num_output_tokens + num_pending >= max_tokens
+            or request.num_tokens + num_pending >= max_model_len)

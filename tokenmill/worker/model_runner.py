@@ -49,8 +49,6 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self.cuda_graphs: CudaGraphRunner | None = None
         """Decode graphs, set by the worker after the KV pool exists (None: always eager)."""
-        self.needs_output_ids = np.zeros(max_num_reqs, dtype=bool)
-        """Rows whose sampling reads their output token ids on the host (bad words, logits processors)."""
         self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
         self._last_pending: PendingOutput | None = None
         # Pinned landing buffers for sampled tokens; two, since a step's copy may still be read
@@ -65,9 +63,9 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             self.prompt_logprobs.drop(request_id)
         for row, new in self.states.apply(scheduler_output):
-            params = new.sampling_params
-            self.sampling_state.add_request(row, params, new.eos_token_ids, new.token_ids, new.num_prompt_tokens)
-            self.needs_output_ids[row] = bool(params.bad_words_token_ids or params.logits_processors)
+            self.sampling_state.add_request(
+                row, new.sampling_params, new.eos_token_ids, new.token_ids, new.num_prompt_tokens
+            )
             # Only a fresh prompt yields prompt logprobs; a resumed request already returned them.
             if new.sampling_params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
                 self.prompt_logprobs.start(new.request_id)
@@ -107,7 +105,7 @@ class ModelRunner:
     def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> PendingOutput:
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         rows = batch.sampled_rows
-        if self._last_pending is not None and self.needs_output_ids[rows].any():
+        if self._last_pending is not None and self.sampling_state.needs_output_ids[rows].any():
             self._last_pending.result()  # the slow path reads the last step's tokens on the host
         metadata = self.sampling_state.build_metadata(rows, self.states)
         output = self.sampler(logits, metadata)
