@@ -136,12 +136,12 @@ def check_engine() -> None:
     note("pytest engine tests on the GPU", f"{tail} (rc {proc.returncode}, {time.perf_counter() - start:.0f} s)")
 
 
-def run_script(path: str, timeout: float) -> None:
+def run_script(path: str, timeout: float, *args: str) -> None:
     """A benchmark script of this folder in a subprocess; its last lines go to the summary."""
-    proc = subprocess.run([sys.executable, path], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([sys.executable, path, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    print("\n".join(lines[-20:]))
+    print("\n".join(lines[-80:]))
     if proc.returncode != 0:
         print(proc.stderr[-3000:])
     note(Path(path).stem, f"rc {proc.returncode}; " + " | ".join(lines[-6:]))
@@ -396,7 +396,7 @@ def main() -> int:
             elif sec == "engine":
                 check_engine()
             elif sec == "sampler":
-                run_script("benchmarks/sampler_overhead.py", timeout=150)
+                run_script("benchmarks/sampler_overhead.py", 180, "--profile")
             elif sec == "steps":
                 run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":

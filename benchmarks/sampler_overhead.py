@@ -33,6 +33,7 @@ class Timers:
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.host_s: list[float] = []
         self.cpu_ms: list[float] = []
+        self.last_call: tuple | None = None  # (sampler, logits, metadata) of the last step, for --profile
 
     def sampler_ms(self) -> float:
         times = [s.elapsed_time(e) for s, e in self.events] or self.cpu_ms
@@ -42,6 +43,7 @@ class Timers:
         sampler_forward, build = Sampler.forward, SamplingState.build_metadata
 
         def timed_forward(sampler, logits, metadata):
+            self.last_call = (sampler, logits, metadata)
             if not logits.is_cuda:  # CPU dry run: wall time is the sampler's time
                 t = time.perf_counter()
                 out = sampler_forward(sampler, logits, metadata)
@@ -73,12 +75,28 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def profile_kernels(call: tuple, repeats: int = 5) -> None:
+    """GPU time per kernel of one Sampler.forward, averaged over `repeats` calls on a step's inputs."""
+    sampler, logits, metadata = call
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            Sampler.forward(sampler, logits, metadata)
+        sync()
+    times: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times.setdefault(event.name[:60], []).append(event.device_time / 1e3)
+    for name, values in sorted(times.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"    {sum(values) / repeats:8.3f} ms  x{len(values) // repeats:<3} {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="benchmarks/models/qwen3-0.6b")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers, for a quick CPU dry run")
+    parser.add_argument("--profile", action="store_true", help="print each case's sampler kernels (GPU)")
     args = parser.parse_args()
     model = with_num_layers(args.model, args.num_layers)
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=args.batch_size,
@@ -109,6 +127,9 @@ def main() -> None:
         sampler_ms = timers.sampler_ms()
         host_ms = sum(timers.host_s) / len(timers.host_s) * 1e3
         engine.abort_request([f"{name}-{i}" for i in range(args.batch_size)])
+        if args.profile and torch.cuda.is_available():
+            print(f"{name}: sampler kernels per step")
+            profile_kernels(timers.last_call)
         rows.append((name, step_ms, sampler_ms, host_ms))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\nbatch {args.batch_size}, {args.model}, {device}")

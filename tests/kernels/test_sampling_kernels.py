@@ -177,15 +177,15 @@ def test_top_p_draws_follow_the_renormalised_nucleus(device, case):
 
 
 def test_sampler_draws_each_row_by_its_own_parameters(device):
-    """A seeded row without top_k/min_p draws the same token alone, beside other rows, and beside top-p
-    rows (the per-row kernel) and top-k rows (the torch draw)."""
+    """A seeded row draws the same token alone, beside other rows, and beside top-p, top-k and min_p rows:
+    every row takes the fused draw, each by its own parameters."""
     from tokenmill.kernels.sampling import gumbel_argmax_ref
 
     vocab = 50
-    logits = (torch.randn(5, vocab, generator=torch.Generator().manual_seed(8)) * 2).to(device)
+    logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(8)) * 2).to(device)
     greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)
     nucleus, plain = SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.2)
-    top_k = SamplingParams(temperature=1.0, top_k=3)
+    top_k, min_p = SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, min_p=0.3)
     step_seed = 987654321
 
     def run(params, seeded_row, rows):
@@ -194,15 +194,14 @@ def test_sampler_draws_each_row_by_its_own_parameters(device):
         return meta, Sampler()(logits[rows], meta).token_ids.cpu()
 
     meta, alone = run([seeded], 0, [1])
-    assert meta.seeds is not None and meta.nucleus_top_p is None and meta.filtered is None
+    assert meta.seeds is not None and meta.top_p is None and meta.top_k is None and meta.min_p is None
     _, batched = run([greedy, seeded, plain], 1, [0, 1, 2])
-    meta, mixed = run([top_k, seeded, greedy, nucleus], 1, [4, 1, 0, 3])
-    assert meta.filtered.tolist() == [True, False, False, False]
-    assert meta.nucleus_top_p.tolist() == [1.0, 1.0, 1.0, 0.5]
+    meta, mixed = run([top_k, seeded, greedy, nucleus, min_p], 1, [4, 1, 0, 3, 5])
+    assert meta.top_k.tolist() == [3, vocab, vocab, vocab, vocab] and meta.top_k_candidates == 0
     expected = gumbel_argmax_ref(logits[1:2], torch.tensor([0.8]), torch.tensor([step_seed]))
     assert alone.tolist() == [int(expected)] and batched[1] == mixed[1] == expected
     assert batched[0] == mixed[2] == logits[0].argmax().cpu()
     assert nucleus_probs(logits[3].cpu(), 1.0, 0.5)[mixed[3]] > 0
     assert mixed[0] in logits[4].topk(3).indices.cpu()
-    all_top_k = build_sampling_metadata([top_k, greedy], {}, vocab, torch.device(device), use_kernel=True)
-    assert all_top_k.seeds is None  # no row for the kernel: the torch draw alone
+    probs = logits[5].softmax(-1).cpu()
+    assert probs[mixed[4]] >= 0.3 * probs.max()

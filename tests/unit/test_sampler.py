@@ -165,15 +165,14 @@ def test_metadata_routes_rows_to_the_fused_draw_only_when_asked():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
               SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=5, top_p=0.8)]
     torch_draw = build_sampling_metadata(params, {}, VOCAB, CPU)  # no CUDA: the torch draw serves every row
-    assert torch_draw.seeds is None and torch_draw.top_k_candidates == 0 and torch_draw.is_greedy is not None
+    assert torch_draw.seeds is None and not torch_draw.use_kernels and torch_draw.is_greedy is not None
+    assert torch_draw.top_k_candidates == 0  # a sampled row without top_k needs the whole vocabulary
     fused = build_sampling_metadata(params, {}, VOCAB, CPU, row_seeds={1: 2**62 + 7}, use_kernel=True)
-    assert fused.seeds.dtype == torch.int64 and int(fused.seeds[1]) == 2**62 + 7
+    assert fused.use_kernels and fused.seeds.dtype == torch.int64 and int(fused.seeds[1]) == 2**62 + 7
     assert fused.draw_temperature.tolist() == pytest.approx([0.0, 0.7, 1.0, 1.0])
-    assert fused.nucleus_top_p.tolist() == pytest.approx([1.0, 1.0, 0.9, 1.0])
-    assert fused.filtered.tolist() == [False, False, False, True]
-    # Only the top-k row takes the torch draw, so it can use the candidates; no greedy merge there.
-    assert fused.top_k_candidates == 5 and fused.is_greedy is None
-    assert fused.top_k.tolist() == [VOCAB, VOCAB, VOCAB, 5] and fused.temperature.tolist() == pytest.approx(
-        [1.0, 0.7, 1.0, 1.0])
-    only_top_k = build_sampling_metadata(params[3:], {}, VOCAB, CPU, use_kernel=True)
-    assert only_top_k.seeds is None and only_top_k.top_k_candidates == 5
+    assert fused.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9, 0.8])
+    assert fused.top_k.tolist() == [VOCAB, VOCAB, VOCAB, 5] and fused.min_p is None
+    assert fused.top_k_candidates == 0 and fused.is_greedy is None  # the kernels serve every row
+    assert build_sampling_metadata(params[3:], {}, VOCAB, CPU).top_k_candidates == 5
+    all_greedy = build_sampling_metadata(params[:1], {}, VOCAB, CPU, use_kernel=True)
+    assert all_greedy.all_greedy and all_greedy.seeds is None  # torch's argmax

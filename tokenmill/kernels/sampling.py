@@ -14,9 +14,10 @@ at counter (tile * lanes + lane, row offset), gives the 4 values of one lane: to
 tile * 4 * lanes + k * lanes + lane for k = 0..3. So a token's noise depends only on (seed, offset,
 token id), not on the split layout or the batch: a seeded request draws the same token in any batch.
 
-top_p_draw samples the top-p nucleus without sorting, by rejection: gumbel_argmax's draw, a split
-pass for the softmax mass and the mass above the drawn token, then per-row redraws for the rows whose
-draw fell outside the nucleus (see its docstring).
+A per-row floor (kernels/sampling_floor.py: top_k and min_p) limits a sampled row's candidates to
+the logits at or above it. top_p_draw samples the candidates' top-p nucleus without sorting, by
+rejection: gumbel_argmax's draw, a split pass for the softmax mass and the mass above the drawn token,
+then redraws for the rows whose draw fell outside the nucleus (see its docstring).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ TARGET_PROGRAMS = 4096
 MAX_DRAWS = 64
 """Rejection rounds before top_p_draw gives up and takes the argmax (each rejection at least halves,
 on average, the candidates' mass outside the nucleus)."""
+PARALLEL_ROUNDS = 2
+"""Redraws spread over vocabulary splits before the rows still rejected go on in one program each."""
 U_MIN, U_MAX = tl.constexpr(1e-10), tl.constexpr(1.0 - 2.0**-24)
 """Uniforms are clamped into (0, 1) so that -log(-log(u)) is finite."""
 
@@ -59,9 +62,10 @@ def _greedy_best(row_ptr, vocab_size, first_tile, last_tile, TILE: tl.constexpr)
 
 
 @triton.jit
-def _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, pivot, bits):
+def _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, floor, pivot, bits):
     x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
-    x = tl.where(x > pivot, x, float("-inf"))  # only tokens more likely than the pivot compete
+    # Only candidates compete: at least the row's floor (top_k, min_p) and above a rejected draw.
+    x = tl.where((x >= floor) & (x > pivot), x, float("-inf"))
     u = tl.clamp(tl.random.uint_to_uniform_float(bits), U_MIN, U_MAX)
     score = x + temperature * -tl.log(-tl.log(u))
     better = score > best
@@ -69,7 +73,7 @@ def _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, pi
 
 
 @triton.jit
-def _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature, seed, counter_hi, pivot,
+def _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature, seed, counter_hi, floor, pivot,
                   LANES: tl.constexpr):
     lanes = tl.arange(0, LANES)
     best = tl.full([LANES], float("-inf"), tl.float32)
@@ -77,31 +81,42 @@ def _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature, seed,
     for tile in range(first_tile, last_tile):
         r0, r1, r2, r3 = tl.randint4x(seed, counter_hi + tile * LANES + lanes)
         token = tile * 4 * LANES + lanes
-        best, best_index = _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, pivot, r0)
+        best, best_index = _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, floor,
+                                          pivot, r0)
         best, best_index = _gumbel_update(best, best_index, row_ptr, token + LANES, vocab_size, temperature,
-                                          pivot, r1)
+                                          floor, pivot, r1)
         best, best_index = _gumbel_update(best, best_index, row_ptr, token + 2 * LANES, vocab_size, temperature,
-                                          pivot, r2)
+                                          floor, pivot, r2)
         best, best_index = _gumbel_update(best, best_index, row_ptr, token + 3 * LANES, vocab_size, temperature,
-                                          pivot, r3)
+                                          floor, pivot, r3)
     return _lane_argmax(best, best_index)
+
+
+@triton.jit
+def _row_floor(floor_ptr, row, has_floor):
+    """The row's floor, or -inf without one (a runtime flag: one compiled variant serves both)."""
+    return tl.where(has_floor != 0, tl.load(floor_ptr + row), float("-inf"))
+
+
+@triton.jit
+def _split_tiles(split, tiles_per_split, num_tiles):
+    """The tiles [first, last) of a pass-1 program."""
+    first_tile = split * tiles_per_split
+    return first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)
 
 
 # The split layout changes with the batch size: one compiled variant for all of it (Triton would
 # otherwise compile one per divisibility class of these ints, mid-run, ~1 s each).
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor"])
 def _gumbel_argmax_split_kernel(
-    logits_ptr, stride_row, temperature_ptr, seed_ptr, offset_ptr, value_ptr, index_ptr,
-    vocab_size, num_tiles, tiles_per_split, num_splits,
+    logits_ptr, stride_row, temperature_ptr, seed_ptr, offset_ptr, floor_ptr, value_ptr, index_ptr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, has_floor,
     HAS_OFFSETS: tl.constexpr, LANES: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    first_tile = split * tiles_per_split
-    last_tile = first_tile + tiles_per_split
-    if last_tile > num_tiles:
-        last_tile = num_tiles
+    first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0:
         if HAS_OFFSETS:
@@ -110,27 +125,41 @@ def _gumbel_argmax_split_kernel(
         else:
             counter_hi = 0
         value, index = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature,
-                                     tl.load(seed_ptr + row), counter_hi, float("-inf"), LANES)
+                                     tl.load(seed_ptr + row), counter_hi, _row_floor(floor_ptr, row, has_floor),
+                                     float("-inf"), LANES)
     else:  # greedy rows skip the noise altogether
         value, index = _greedy_best(row_ptr, vocab_size, first_tile, last_tile, 4 * LANES)
     tl.store(value_ptr + row * num_splits + split, value)
     tl.store(index_ptr + row * num_splits + split, index)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _best_split_kernel(value_ptr, index_ptr, out_ptr, num_splits, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+@triton.jit
+def _best_split(value_ptr, index_ptr, row, num_splits, BLOCK: tl.constexpr):
+    """The token of the row's best pass-1 partial (the lowest token id among equals)."""
     splits = tl.arange(0, BLOCK)
     mask = splits < num_splits
     value = tl.load(value_ptr + row * num_splits + splits, mask=mask, other=float("-inf"))
     index = tl.load(index_ptr + row * num_splits + splits, mask=mask, other=2147483647)
     _, best = _lane_argmax(value, index)
-    tl.store(out_ptr + row, best.to(tl.int64))
+    return best
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _best_split_kernel(value_ptr, index_ptr, out_ptr, num_splits, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, _best_split(value_ptr, index_ptr, row, num_splits, BLOCK).to(tl.int64))
+
+
+# top-p. Per (row, split) the nucleus pass keeps 4 floats: the split's largest candidate logit / T
+# ("top"), its softmax mass relative to that top, and the mass above the row's current draw in two
+# slots, one per round parity, so that a round reads the last round's verdict while it writes its own.
+STATS = tl.constexpr(4)
 
 
 @triton.jit
-def _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, inv_temperature, pivot, TILE: tl.constexpr):
-    """Over the tiles: m = max(x / T), sum(exp(x / T - m)), and that sum over the tokens above `pivot`."""
+def _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, inv_temperature, floor, pivot, TILE: tl.constexpr):
+    """Over the candidates (x >= floor) of the tiles: m = max(x / T), sum(exp(x / T - m)), and that sum
+    over the tokens above `pivot`."""
     cols = tl.arange(0, TILE)
     top = tl.full([TILE], float("-inf"), tl.float32)
     total = tl.zeros([TILE], tl.float32)
@@ -138,7 +167,7 @@ def _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, inv_temperature, p
     for tile in range(first_tile, last_tile):  # online per lane, as flash attention's softmax
         token = tile * TILE + cols
         x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
-        z = x * inv_temperature
+        z = tl.where(x >= floor, x * inv_temperature, float("-inf"))
         new_top = tl.maximum(top, z)
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # no NaN from -inf - -inf
         scale = tl.exp(top - shift)
@@ -152,92 +181,148 @@ def _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, inv_temperature, p
 
 
 @triton.jit
-def _mass_above(row_ptr, vocab_size, num_tiles, pivot, row_top, inv_temperature, TILE: tl.constexpr):
-    """sum(exp(x / T - row_top)) over the tokens above `pivot`."""
+def _mass_above(row_ptr, vocab_size, first_tile, last_tile, pivot, top, inv_temperature, TILE: tl.constexpr):
+    """sum(exp(x / T - top)) over the tiles' tokens above `pivot`."""
     cols = tl.arange(0, TILE)
     total = tl.zeros([TILE], tl.float32)
-    for tile in range(0, num_tiles):
+    for tile in range(first_tile, last_tile):
         token = tile * TILE + cols
         x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
-        total += tl.where(x > pivot, tl.exp(x * inv_temperature - row_top), 0.0)
+        total += tl.where(x > pivot, tl.exp(x * inv_temperature - top), 0.0)
     return tl.sum(total, 0)
 
 
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])
+@triton.jit
+def _nucleus_verdict(stats_ptr, row, num_splits, top_p, slot, BLOCK: tl.constexpr):
+    """(rejected, row top, limit, mass) of the row's current draw: rejected when the mass above it is at
+    least top_p of the candidates' mass (the draw is outside the nucleus)."""
+    splits = tl.arange(0, BLOCK)
+    mask = splits < num_splits
+    stats = stats_ptr + (row * num_splits + splits) * STATS
+    tops = tl.load(stats, mask=mask, other=float("-inf"))
+    row_top = tl.max(tops, 0)
+    scale = tl.exp(tops - row_top)  # an all -inf row gives NaN here: never rejected
+    limit = top_p * tl.sum(tl.load(stats + 1, mask=mask, other=0.0) * scale, 0)
+    mass = tl.sum(tl.load(stats + 2 + slot, mask=mask, other=0.0) * scale, 0)
+    return mass >= limit, row_top, limit, mass
+
+
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor"])
 def _nucleus_split_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, token_ptr, stats_ptr,
-    vocab_size, num_tiles, tiles_per_split, num_splits, TILE: tl.constexpr,
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, token_ptr, stats_ptr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, has_floor, TILE: tl.constexpr,
 ):
-    """Per (row, split) of the top-p rows: the softmax max and mass, and the mass above the drawn token."""
+    """Per (row, split) of the top-p rows: the candidates' softmax max and mass, and the mass above the
+    first draw (slot 0)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     if (temperature > 0) & (tl.load(top_p_ptr + row) < 1.0):
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
-        first_tile = split * tiles_per_split
-        last_tile = first_tile + tiles_per_split
-        if last_tile > num_tiles:
-            last_tile = num_tiles
-        top, total, above = _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, 1.0 / temperature, pivot, TILE)
-        out = stats_ptr + (row * num_splits + split) * 3
+        first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
+        top, total, above = _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, 1.0 / temperature,
+                                          _row_floor(floor_ptr, row, has_floor), pivot, TILE)
+        out = stats_ptr + (row * num_splits + split) * STATS
         tl.store(out, top)
         tl.store(out + 1, total)
         tl.store(out + 2, above)
 
 
-@triton.jit
-def _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, seed, token, row_top, limit, mass,
-                    LANES: tl.constexpr, MAX_DRAWS: tl.constexpr):
-    """Rejection rounds after a first draw outside the nucleus (`mass`, above it, is >= `limit`).
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "draw", "has_floor"])
+def _redraw_split_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, seed_ptr, token_ptr, stats_ptr,
+    value_ptr, index_ptr, vocab_size, num_tiles, tiles_per_split, num_splits, draw, has_floor,
+    BLOCK: tl.constexpr, LANES: tl.constexpr,
+):
+    """Redraw `draw`, per (row, split) of the rows whose last draw was rejected: the best candidate
+    above the rejected token, with the draw's own Philox stream (counter word c1 = draw)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    if (temperature > 0) & (top_p < 1.0):
+        rejected, _, _, _ = _nucleus_verdict(stats_ptr, row, num_splits, top_p, (draw - 1) % 2, BLOCK)
+        if rejected:
+            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+            pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
+            first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
+            value, index = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature,
+                                         tl.load(seed_ptr + row), draw.to(tl.int64) << 32,
+                                         _row_floor(floor_ptr, row, has_floor), pivot, LANES)
+            tl.store(value_ptr + row * num_splits + split, value)
+            tl.store(index_ptr + row * num_splits + split, index)
 
-    Every token at most as likely as a rejected draw is outside the nucleus too, so the draw's logit
-    becomes the pivot and the next draw is among the tokens above it. The candidates always hold the
-    whole nucleus, so the accepted draw is exactly a draw from the renormalised nucleus.
-    """
+
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "draw"])
+def _redraw_mass_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, token_ptr, stats_ptr, value_ptr, index_ptr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, draw, BLOCK: tl.constexpr, TILE: tl.constexpr,
+):
+    """After redraw `draw`: its token becomes the row's draw, and each split's mass above it goes to the
+    round's slot. Accepted rows carry their verdict over to the slot unchanged."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    if (temperature > 0) & (top_p < 1.0):
+        entry = stats_ptr + (row * num_splits + split) * STATS
+        rejected, _, _, _ = _nucleus_verdict(stats_ptr, row, num_splits, top_p, (draw - 1) % 2, BLOCK)
+        if rejected:
+            token = _best_split(value_ptr, index_ptr, row, num_splits, BLOCK)
+            if split == 0:
+                tl.store(token_ptr + row, token.to(tl.int64))
+            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+            first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
+            above = _mass_above(row_ptr, vocab_size, first_tile, last_tile, tl.load(row_ptr + token).to(tl.float32),
+                                tl.load(entry), 1.0 / temperature, TILE)
+        else:
+            above = tl.load(entry + 2 + (draw - 1) % 2)
+        tl.store(entry + 2 + draw % 2, above)
+
+
+@triton.jit
+def _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, token, row_top, limit, mass, first_draw,
+                    LANES: tl.constexpr, MAX_DRAWS: tl.constexpr):
+    """The rejection rounds left after the parallel ones, in one program (`mass`, above `token`, is >= `limit`)."""
     inv_temperature = 1.0 / temperature
     x_token = tl.load(row_ptr + token).to(tl.float32)
-    draws = tl.full([], 1, tl.int32)
+    draws = first_draw
     while (mass >= limit) & (draws < MAX_DRAWS):
-        # Draw k has its own Philox stream: counter word c1 = k.
         _, token = _sampled_best(row_ptr, vocab_size, 0, num_tiles, temperature, seed,
-                                 draws.to(tl.int64) << 32, x_token, LANES)
+                                 draws.to(tl.int64) << 32, floor, x_token, LANES)
         x_token = tl.load(row_ptr + token).to(tl.float32)
-        mass = _mass_above(row_ptr, vocab_size, num_tiles, x_token, row_top, inv_temperature, 4 * LANES)
+        mass = _mass_above(row_ptr, vocab_size, 0, num_tiles, x_token, row_top, inv_temperature, 4 * LANES)
         draws += 1
     if mass >= limit:  # out of draws (practically never): the most likely token is in every nucleus
         _, token = _greedy_best(row_ptr, vocab_size, 0, num_tiles, 4 * LANES)
     return token
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "first_draw", "has_floor"])
 def _nucleus_finish_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, seed_ptr, token_ptr, stats_ptr,
-    vocab_size, num_tiles, num_splits, BLOCK: tl.constexpr, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr,
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, seed_ptr, token_ptr, stats_ptr,
+    vocab_size, num_tiles, num_splits, first_draw, has_floor,
+    BLOCK: tl.constexpr, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr,
 ):
-    """Per top-p row: accept the first draw, or redraw (the rare, serial case) until inside the nucleus."""
+    """Per top-p row: keep the current draw, or (rarely) go on redrawing in this one program."""
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
     top_p = tl.load(top_p_ptr + row)
     if (temperature > 0) & (top_p < 1.0):
-        splits = tl.arange(0, BLOCK)
-        mask = splits < num_splits
-        stats = stats_ptr + (row * num_splits + splits) * 3
-        tops = tl.load(stats, mask=mask, other=float("-inf"))
-        row_top = tl.max(tops, 0)
-        scale = tl.exp(tops - row_top)  # an all -inf row gives NaN here: no redraw below
-        limit = top_p * tl.sum(tl.load(stats + 1, mask=mask, other=0.0) * scale, 0)
-        mass = tl.sum(tl.load(stats + 2, mask=mask, other=0.0) * scale, 0)
-        if mass >= limit:
+        rejected, row_top, limit, mass = _nucleus_verdict(stats_ptr, row, num_splits, top_p, (first_draw - 1) % 2,
+                                                          BLOCK)
+        if rejected:
             row_ptr = logits_ptr + row.to(tl.int64) * stride_row
             token = _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, tl.load(seed_ptr + row),
-                                    tl.load(token_ptr + row).to(tl.int32), row_top, limit, mass, LANES, MAX_DRAWS)
+                                    _row_floor(floor_ptr, row, has_floor), tl.load(token_ptr + row).to(tl.int32),
+                                    row_top, limit, mass, first_draw, LANES, MAX_DRAWS)
             tl.store(token_ptr + row, token.to(tl.int64))
 
 
-def _split_layout(num_rows: int, vocab_size: int, lanes: int, tiles_per_split: int | None) -> tuple[int, int, int]:
-    """(num_tiles, tiles_per_split, num_splits) of the pass-1 grid."""
-    num_tiles = triton.cdiv(vocab_size, 4 * lanes)
+def split_layout(num_rows: int, vocab_size: int, tile: int, tiles_per_split: int | None = None) -> tuple[int, int, int]:
+    """(num_tiles, tiles_per_split, num_splits) of a pass over [num_rows, vocab_size] by `tile`-token tiles."""
+    num_tiles = triton.cdiv(vocab_size, tile)
     if tiles_per_split is None:
         tiles_per_split = max(1, num_rows * num_tiles // TARGET_PROGRAMS)
     return num_tiles, tiles_per_split, triton.cdiv(num_tiles, tiles_per_split)
@@ -248,6 +333,7 @@ def gumbel_argmax(
     temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax)
     seeds: torch.Tensor,  # [num_rows] int64 Philox key per row
     offsets: torch.Tensor | None = None,  # [num_rows] int64 Philox stream per row (low 32 bits); None = 0
+    floor: torch.Tensor | None = None,  # [num_rows] float32: sampled rows draw among logits >= floor
     lanes: int = LANES,
     tiles_per_split: int | None = None,
 ) -> torch.Tensor:
@@ -262,13 +348,13 @@ def gumbel_argmax(
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
-    num_tiles, tiles_per_split, num_splits = _split_layout(num_rows, vocab_size, lanes, tiles_per_split)
+    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, 4 * lanes, tiles_per_split)
     values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
     indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_split_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), temperature, seeds, offsets if offsets is not None else seeds, values, indices,
-        vocab_size, num_tiles, tiles_per_split, num_splits,
-        HAS_OFFSETS=offsets is not None, LANES=lanes,
+        logits, logits.stride(0), temperature, seeds, offsets if offsets is not None else seeds,
+        floor if floor is not None else temperature, values, indices, vocab_size, num_tiles, tiles_per_split,
+        num_splits, int(floor is not None), HAS_OFFSETS=offsets is not None, LANES=lanes,
     )
     _best_split_kernel[(num_rows,)](values, indices, out, num_splits, BLOCK=triton.next_power_of_2(num_tiles))
     return out
@@ -279,33 +365,53 @@ def top_p_draw(
     temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax)
     top_p: torch.Tensor,  # [num_rows] float32 in (0, 1]; 1 = the whole row
     seeds: torch.Tensor,  # [num_rows] int64 Philox key per row
+    floor: torch.Tensor | None = None,  # [num_rows] float32: the nucleus of the logits >= floor
     lanes: int = LANES,
     tiles_per_split: int | None = None,
+    parallel_rounds: int = PARALLEL_ROUNDS,
 ) -> torch.Tensor:
     """One token per row from softmax(logits / T) restricted to its top-p nucleus, without a sort; no host sync.
 
-    The nucleus is the set of tokens whose strictly more likely tokens hold less than top_p of the
-    probability, so tokens tied with its least likely member are all in it (a sort keeps an arbitrary
-    subset of them). Rejection sampling: gumbel_argmax's draw over the whole row (so rows with
-    top_p = 1 get its token), then a split pass for the softmax mass and the mass above the draw; a
-    draw with top_p or more above it is outside the nucleus (probability about 1 - top_p) and its row
-    redraws in one program per row, a draw pass and a mass pass per round.
+    The nucleus is the set of candidates whose strictly more likely candidates hold less than top_p of
+    the candidates' probability, so tokens tied with its least likely member are all in it (a sort keeps
+    an arbitrary subset of them). Rejection sampling: gumbel_argmax's draw over the candidates (so rows
+    with top_p = 1 get its token), then a split pass for the softmax mass and the mass above the draw.
+    A draw with top_p or more above it is outside the nucleus (probability about 1 - top_p), and so is
+    every token at most as likely: the row redraws among the tokens above it, until a draw is inside.
+    The candidates always hold the whole nucleus, so the accepted draw is exactly a draw from the
+    renormalised nucleus. The first `parallel_rounds` redraws run over vocabulary splits, two launches
+    each; rows still rejected after them (rare: each round leaves about 1 - top_p of the rows) go on in
+    one program per row. The draws are the same either way, only their layout differs.
     """
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
-    tokens = gumbel_argmax(logits, temperature, seeds, lanes=lanes, tiles_per_split=tiles_per_split)
+    tokens = gumbel_argmax(logits, temperature, seeds, floor=floor, lanes=lanes, tiles_per_split=tiles_per_split)
     if num_rows == 0:
         return tokens
-    num_tiles, tiles_per_split, num_splits = _split_layout(num_rows, vocab_size, lanes, tiles_per_split)
-    stats = torch.empty(num_rows, num_splits, 3, dtype=torch.float32, device=logits.device)
-    _nucleus_split_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), temperature, top_p, tokens, stats, vocab_size, num_tiles, tiles_per_split,
-        num_splits, TILE=4 * lanes,
+    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, 4 * lanes, tiles_per_split)
+    device, has_floor, block = logits.device, int(floor is not None), triton.next_power_of_2(num_tiles)
+    floor = floor if has_floor else temperature
+    stats = torch.empty(num_rows, num_splits, STATS.value, dtype=torch.float32, device=device)
+    grid = (num_rows, num_splits)
+    _nucleus_split_kernel[grid](
+        logits, logits.stride(0), temperature, top_p, floor, tokens, stats, vocab_size, num_tiles, tiles_per_split,
+        num_splits, has_floor, TILE=4 * lanes,
     )
+    values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
+    indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=device)
+    for draw in range(1, parallel_rounds + 1):
+        _redraw_split_kernel[grid](
+            logits, logits.stride(0), temperature, top_p, floor, seeds, tokens, stats, values, indices, vocab_size,
+            num_tiles, tiles_per_split, num_splits, draw, has_floor, BLOCK=block, LANES=lanes,
+        )
+        _redraw_mass_kernel[grid](
+            logits, logits.stride(0), temperature, top_p, tokens, stats, values, indices, vocab_size, num_tiles,
+            tiles_per_split, num_splits, draw, BLOCK=block, TILE=4 * lanes,
+        )
     _nucleus_finish_kernel[(num_rows,)](
-        logits, logits.stride(0), temperature, top_p, seeds, tokens, stats, vocab_size, num_tiles, num_splits,
-        BLOCK=triton.next_power_of_2(num_tiles), LANES=lanes, MAX_DRAWS=MAX_DRAWS, num_warps=8,
+        logits, logits.stride(0), temperature, top_p, floor, seeds, tokens, stats, vocab_size, num_tiles, num_splits,
+        parallel_rounds + 1, has_floor, BLOCK=block, LANES=lanes, MAX_DRAWS=MAX_DRAWS, num_warps=8,
     )
     return tokens
 
@@ -329,12 +435,21 @@ def philox_uniform_ref(seeds: np.ndarray, counters: np.ndarray, offsets: np.ndar
     return folded.astype(np.float32) * np.float32(4.6566127342e-10)
 
 
+def below_floor_ref(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
+    """float32 logits on the CPU, -inf where a sampled row's logit is below its floor (greedy rows keep theirs)."""
+    x = logits.float().cpu()
+    if floor is None:
+        return x
+    below = (x < floor.cpu()[:, None]) & (temperature.cpu() > 0)[:, None]
+    return x.masked_fill(below, float("-inf"))
+
+
 def gumbel_argmax_ref(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor | None = None,
-    lanes: int = LANES,
+    floor: torch.Tensor | None = None, lanes: int = LANES,
 ) -> torch.Tensor:
     """The kernel's draw in numpy, float32 throughout: the same noise for every token."""
-    x = logits.float().cpu().numpy()
+    x = below_floor_ref(logits, temperature, floor).numpy()
     num_rows, vocab_size = x.shape
     token = np.arange(vocab_size)
     tile, within = np.divmod(token, 4 * lanes)
@@ -349,10 +464,11 @@ def gumbel_argmax_ref(
 
 
 def top_p_draw_ref(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, lanes: int = LANES
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor,
+    floor: torch.Tensor | None = None, lanes: int = LANES,
 ) -> torch.Tensor:
     """top_p_draw's rejection rounds on gumbel_argmax_ref (draw k: offset k), masses in float64."""
-    x = logits.float().cpu()
+    x = below_floor_ref(logits, temperature, floor)
     tokens = gumbel_argmax_ref(x, temperature, seeds, lanes=lanes)
     for row in range(len(x)):
         t, p = float(temperature[row]), float(top_p[row])

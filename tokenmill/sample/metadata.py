@@ -73,34 +73,31 @@ class SamplingColumns:
 @dataclass
 class SamplingMetadata:
     all_greedy: bool
-    temperature: torch.Tensor | None  # [num_reqs] float32; 1.0 in greedy rows
+    use_kernels: bool
+    """Triton kernels (kernels/) apply the penalties and draw every sampled row; else torch does."""
+    temperature: torch.Tensor | None  # [num_reqs] float32; 1.0 in greedy rows (the torch draw's input)
     top_k: torch.Tensor | None  # [num_reqs] int64; vocab size where disabled
     top_k_candidates: int
-    """When every sampled row uses a top_k of at most MAX_TOP_K_CANDIDATES, the largest of them:
-    sampling then works on that many candidates per row. 0: the full-vocabulary path."""
+    """Torch draw only: when every sampled row uses a top_k of at most MAX_TOP_K_CANDIDATES, the largest
+    of them: sampling then works on that many candidates per row. 0: the full-vocabulary path."""
     top_p: torch.Tensor | None  # [num_reqs] float32
     min_p: torch.Tensor | None  # [num_reqs] float32
     is_greedy: torch.Tensor | None  # [num_reqs] bool; None unless the torch draw serves greedy and sampled rows
     generators: dict[int, torch.Generator]
-    """Row -> the request's own generator, for seeded requests."""
+    """Row -> the request's own generator, for seeded requests (the torch draw)."""
     seeds: torch.Tensor | None
-    """[num_reqs] int64 Philox seeds of the fused Triton draw (kernels/sampling.py), which serves the
-    greedy rows and the sampled rows without top_k or min_p; None: the torch draw serves all."""
+    """[num_reqs] int64 Philox seeds of the fused Triton draw (kernels/sampling.py), which serves every
+    row when it runs; None: the torch draw serves all."""
     draw_temperature: torch.Tensor | None  # [num_reqs] float32, 0 in greedy rows: the fused draw's input
-    nucleus_top_p: torch.Tensor | None
-    """[num_reqs] float32: top_p of the rows whose nucleus the fused draw samples, 1.0 elsewhere; None
-    when no such row (then the draw needs no per-row program)."""
-    filtered: torch.Tensor | None
-    """[num_reqs] bool, the rows with top_k or min_p, which take the torch draw; set only when the
-    fused draw runs too."""
     logit_mask: torch.Tensor | None
     """[num_reqs, vocab] float32 added to the logits: logit_bias, -inf outside allowed_token_ids,
     on bad words and, before min_tokens, on EOS and stop tokens."""
     presence_penalty: torch.Tensor | None  # [num_reqs] float32
     frequency_penalty: torch.Tensor | None  # [num_reqs] float32
     repetition_penalty: torch.Tensor | None  # [num_reqs] float32
-    output_counts: torch.Tensor | None  # [num_reqs, vocab] int32 occurrences in each row's output
-    prompt_mask: torch.Tensor | None  # [num_reqs, vocab] bool tokens present in each row's prompt
+    output_counts: torch.Tensor | None  # [max_num_reqs, vocab] int32 occurrences in each state row's output
+    prompt_mask: torch.Tensor | None  # [max_num_reqs, vocab] bool tokens present in each state row's prompt
+    penalty_rows: torch.Tensor | None  # [num_reqs] int64: each row's state row in the two tensors above
     max_num_logprobs: int | None
     """Largest `logprobs` among the rows; None when no row wants logprobs."""
     logits_processors: dict[int, tuple[list, list[int]]]
@@ -113,66 +110,64 @@ def build_sampling_metadata(
     vocab_size: int,
     device: torch.device,
     logit_mask: torch.Tensor | None = None,
-    penalty_tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    penalty_tensors: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None,
     logits_processors: dict[int, tuple[list, list[int]]] | None = None,
     row_seeds: dict[int, int] | None = None,
     use_kernel: bool | None = None,
 ) -> SamplingMetadata:
-    """`row_seeds`: row -> this step's seed of a seeded request (the fused draw's key for that row).
-    `use_kernel`: whether the fused Triton draw may run; None = on CUDA where triton imports."""
+    """`penalty_tensors`: (output counts, prompt mask, the batch rows' state rows in them).
+    `row_seeds`: row -> this step's seed of a seeded request (the fused draw's key for that row).
+    `use_kernel`: whether the Triton kernels may run; None = on CUDA where triton imports."""
     if isinstance(columns, list):
         columns = SamplingColumns.from_params(columns, vocab_size)
     c = columns
     all_greedy = bool(c.is_greedy.all())
     sampled = ~c.is_greedy
-    uses_top_k = sampled & (c.top_k < vocab_size)
+    uses_top_k = bool((sampled & (c.top_k < vocab_size)).any())
     uses_top_p = bool((sampled & (c.top_p < 1.0)).any())
     uses_min_p = bool((sampled & (c.min_p > 0.0)).any())
-    # The fused draw serves top_p alone (rejection sampling); top_k and min_p need the torch draw.
-    filtered = sampled & ((c.top_k < vocab_size) | (c.min_p > 0.0))
     if use_kernel is None:
         use_kernel = device.type == "cuda" and triton_available()
-    fused = use_kernel and bool((sampled & ~filtered).any())
-    nucleus = sampled & ~filtered & (c.top_p < 1.0)
+    fused = use_kernel and not all_greedy
     has_penalties = penalty_tensors is not None
     mixed = c.is_greedy.any() and not all_greedy and not fused
     host: dict[str, np.ndarray] = {}  # every host column the step needs, copied to the device together
     if not all_greedy or has_penalties:
         host["floats"] = np.stack([
             c.temperature, c.top_p, c.min_p, c.presence_penalty, c.frequency_penalty, c.repetition_penalty,
-            np.where(c.is_greedy, np.float32(0.0), c.temperature), np.where(nucleus, c.top_p, np.float32(1.0)),
+            np.where(c.is_greedy, np.float32(0.0), c.temperature),
         ])
-    if uses_top_k.any():
+    if uses_top_k:
         host["top_k"] = c.top_k
     if mixed:
         host["is_greedy"] = c.is_greedy
     if fused:
         host["seeds"] = _make_seeds(len(c.is_greedy), row_seeds or {})
-        if filtered.any():
-            host["filtered"] = filtered
+    if has_penalties:
+        host["penalty_rows"] = penalty_tensors[2].astype(np.int64)
     on_device = dict(zip(host, pack_to_device(list(host.values()), device)[2])) if host else {}
-    floats = on_device["floats"].unbind(0) if "floats" in on_device else (None,) * 8
-    temperature, top_p, min_p, presence, frequency, repetition, draw_temperature, nucleus_top_p = floats
+    floats = on_device["floats"].unbind(0) if "floats" in on_device else (None,) * 7
+    temperature, top_p, min_p, presence, frequency, repetition, draw_temperature = floats
     wanted = c.logprobs[c.logprobs >= 0]
     return SamplingMetadata(
         all_greedy=all_greedy,
+        use_kernels=use_kernel,
         temperature=None if all_greedy else temperature,
         top_k=on_device.get("top_k"),
-        top_k_candidates=_candidate_width(c, filtered if fused else sampled, vocab_size),
+        top_k_candidates=0 if fused else _candidate_width(c, sampled, vocab_size),
         top_p=top_p if uses_top_p else None,
         min_p=min_p if uses_min_p else None,
         is_greedy=on_device.get("is_greedy"),
         generators=generators,
         seeds=on_device.get("seeds"),
         draw_temperature=draw_temperature if fused else None,
-        nucleus_top_p=nucleus_top_p if fused and nucleus.any() else None,
-        filtered=on_device.get("filtered"),
         logit_mask=logit_mask,
         presence_penalty=presence if has_penalties else None,
         frequency_penalty=frequency if has_penalties else None,
         repetition_penalty=repetition if has_penalties else None,
         output_counts=penalty_tensors[0] if has_penalties else None,
         prompt_mask=penalty_tensors[1] if has_penalties else None,
+        penalty_rows=on_device.get("penalty_rows"),
         max_num_logprobs=int(wanted.max()) if len(wanted) else None,
         logits_processors=logits_processors or {},
     )

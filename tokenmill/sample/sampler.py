@@ -10,16 +10,18 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
      and presence (OpenAI's formula over output tokens); stages 2-4 compute in float32, and
      without them the draw reads the model's logits in their own dtype;
   5. greedy rows take the argmax here;
-  6. temperature, then min_p, top_k and top_p: when every such row has a top_k (up to 1024), on
-     the top-k candidates only (a topk, no sort of the vocabulary; ties at the k-th value are cut at
-     k there), else with one full sort that serves top_k and top_p;
-  7. a Gumbel-max draw (argmax of probs / Exp(1) noise): no host sync; seeded rows draw their
-     noise from their own generator.
-On CUDA with triton, stages 5-7 of the greedy rows and of the rows without min_p and top_k are
-fused Triton kernels (kernels/sampling.py): argmax of logits + T * Gumbel noise in one read of the
-logits, and rejection rounds instead of a sort for top_p; the noise is keyed by the row's seed, so a
-seeded row's token depends on nothing else. The other rows, if any, take the torch draw above; a
-row's path and tokens depend only on its own parameters.
+  6. temperature, then min_p, top_k and top_p (top_p renormalises over what min_p and top_k keep);
+  7. a Gumbel-max draw (argmax of probs / Exp(1) noise): no host sync.
+
+Two implementations, one per device kind, with the same distribution:
+- On CUDA with triton, Triton kernels (kernels/): the mask and penalties in one pass that reads each
+  row's counts in place; min_p and top_k as a per-row floor on the logits (a radix select for the
+  k-th largest value, no sort; ties with it are kept); argmax of logits + T * Gumbel noise over the
+  candidates in one read of the logits, greedy rows in the same launch; rejection rounds instead of a
+  sort for top_p. The noise is keyed by the row's seed, so a seeded row's token depends on nothing else.
+- Elsewhere, torch: when every sampled row has a top_k (up to 1024), on the top-k candidates only (a
+  topk, no sort; ties at the k-th value are cut at k), else with one full sort that serves top_k and
+  top_p; seeded rows draw their noise from their own generator, one value per token id on both paths.
 """
 
 from __future__ import annotations
@@ -71,11 +73,19 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
         for row, (processors, output_token_ids) in metadata.logits_processors.items():
             for processor in processors:
                 logits[row] = processor(output_token_ids, logits[row])
+    if metadata.output_counts is not None and metadata.use_kernels:
+        from tokenmill.kernels.penalties import apply_penalties_fused  # triton only where it runs
+
+        return apply_penalties_fused(
+            logits, metadata.logit_mask, metadata.penalty_rows, metadata.output_counts, metadata.prompt_mask,
+            metadata.repetition_penalty, metadata.frequency_penalty, metadata.presence_penalty,
+        )
     if metadata.logit_mask is not None:
         logits = logits.float() + metadata.logit_mask
     if metadata.output_counts is not None:
+        rows = metadata.penalty_rows
         logits = apply_penalties(
-            logits.float(), metadata.output_counts, metadata.prompt_mask, metadata.repetition_penalty,
+            logits.float(), metadata.output_counts[rows], metadata.prompt_mask[rows], metadata.repetition_penalty,
             metadata.frequency_penalty, metadata.presence_penalty,
         )
     return logits
@@ -98,17 +108,18 @@ def apply_penalties(
 
 
 def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Stages 5-7 in Triton for every row; the rows with min_p or top_k then take the torch draw."""
+    """Stages 5-7 in Triton for every row: the candidate floor (top_k, min_p), then the draw."""
     # triton imports only where the metadata chose this path
     from tokenmill.kernels.sampling import gumbel_argmax, top_p_draw
+    from tokenmill.kernels.sampling_floor import candidate_floor
 
-    if metadata.nucleus_top_p is None:
-        token_ids = gumbel_argmax(logits, metadata.draw_temperature, metadata.seeds)
-    else:  # gumbel_argmax, then redraws of the top-p rows whose draw fell outside the nucleus
-        token_ids = top_p_draw(logits, metadata.draw_temperature, metadata.nucleus_top_p, metadata.seeds)
-    if metadata.filtered is not None:
-        token_ids = torch.where(metadata.filtered, sample(logits, metadata), token_ids)
-    return token_ids
+    temperature, floor = metadata.draw_temperature, None
+    if metadata.top_k is not None or metadata.min_p is not None:
+        floor = candidate_floor(logits, temperature, metadata.top_k, metadata.min_p)
+    if metadata.top_p is None:
+        return gumbel_argmax(logits, temperature, metadata.seeds, floor=floor)
+    # gumbel_argmax, then redraws of the top-p rows whose draw fell outside the nucleus
+    return top_p_draw(logits, temperature, metadata.top_p, metadata.seeds, floor=floor)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

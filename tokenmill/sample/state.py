@@ -85,8 +85,7 @@ class SamplingState:
         columns = self.columns.take(rows)
         penalties = None
         if self.output_counts is not None and columns.has_penalties.any():
-            index = torch.from_numpy(rows).to(self.device, non_blocking=True)  # blocking would wait for the GPU
-            penalties = (self.output_counts[index], self.prompt_mask[index])
+            penalties = (self.output_counts, self.prompt_mask, rows)
         return build_sampling_metadata(
             columns, generators, self.vocab_size, self.device,
             logit_mask=self._make_mask(len(rows), masked), penalty_tensors=penalties,

@@ -7,6 +7,8 @@ features belong in their own modules behind these calls.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from torch import nn
@@ -81,13 +83,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_sampler(self, dtype: torch.dtype) -> None:
-        """Run the sampler once on greedy, temperature and top-p rows, so that its kernels compile at
-        start-up rather than in the first steps that need them."""
-        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-                  SamplingParams(temperature=0.8, top_p=0.9)]
-        vocab_size = self.sampling_state.vocab_size
-        logits = torch.randn(len(params), vocab_size, device=self.device).to(dtype)
-        self.sampler(logits, build_sampling_metadata(params, {}, vocab_size, self.device))
+        """Run every sampler kernel once, on the model's logits and on penalised (float32) ones, so that
+        they compile at start-up rather than in the first steps that need them."""
+        plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                 SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
+                 SamplingParams(temperature=0.8, min_p=0.1)]
+        penalised = [dataclasses.replace(p, repetition_penalty=1.1) for p in plain]
+        vocab_size, num_rows = self.sampling_state.vocab_size, len(plain)
+        logits = torch.randn(num_rows, vocab_size, device=self.device).to(dtype)
+        counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=self.device)
+        penalty_state = (counts, counts.bool(), np.arange(num_rows))
+        for params, penalties in ((plain, None), (penalised, penalty_state)):
+            self.sampler(logits, build_sampling_metadata(params, {}, vocab_size, self.device,
+                                                         penalty_tensors=penalties))
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         input_ids, positions = self._to_device(batch.input_ids), self._to_device(batch.positions)

@@ -1,0 +1,173 @@
+"""The candidate floor (kernels/sampling_floor.py: top_k by radix select, min_p), the draws among the
+candidates, and the fused mask + penalty pass (kernels/penalties.py), against torch.
+
+Under TRITON_INTERPRET=1 a program costs tens of milliseconds, so the cases stay small there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.kernels.test_sampling_kernels import DTYPES, chi_square_critical, make_seeds, nucleus_probs
+from tokenmill.sample.metadata import build_sampling_metadata
+from tokenmill.sample.sampler import Sampler, apply_penalties
+from tokenmill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def kept(logits: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    return logits.float().cpu() >= floor.cpu()[:, None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_top_k_floor_keeps_the_k_largest_and_their_ties(device, dtype):
+    from tokenmill.kernels.sampling_floor import candidate_floor, candidate_floor_ref
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 2500  # three 1024-token tiles, the last one partly masked
+    logits = torch.randn(8, vocab, generator=gen) * 3
+    logits[1] = torch.randint(-3, 4, (vocab,), generator=gen).float()  # seven values, each tied ~350 times
+    logits[2] = -logits[2].abs() - 1  # all negative: the floor sits below the k-th value
+    logits[3, :100] = float("-inf")
+    logits = logits.to(dtype)
+    top_k = torch.tensor([1, 5, 50, 1000, vocab - 1, vocab, 7, 3])
+    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 2.0, 1.0, 0.0, 0.5])
+    ref = candidate_floor_ref(logits, temperature, top_k, None)
+    sampled = temperature > 0
+    for tiles_per_split in (1, None):  # three splits per row, and one
+        floor = candidate_floor(logits.to(device), temperature.to(device), top_k.to(device), None,
+                                tiles_per_split=tiles_per_split).cpu()
+        assert torch.equal(kept(logits, floor)[sampled], kept(logits, ref)[sampled])
+        assert floor[5] == float("-inf")  # top_k = vocab: no floor
+        counts = kept(logits, floor).sum(-1)
+        assert counts[1] > 5  # row 1 keeps its ties
+        if dtype == torch.float32:  # no ties elsewhere (16-bit values may tie at the k-th)
+            assert counts[[0, 2, 3, 4]].tolist() == [1, 50, 1000, vocab - 1]
+
+
+def test_min_p_floor_alone_and_with_top_k(device):
+    from tokenmill.kernels.sampling_floor import candidate_floor, candidate_floor_ref
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 2
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 1.0, 0.0])
+    min_p = torch.tensor([0.1, 0.05, 0.3, 0.0, 0.2, 0.5])
+    top_k = torch.tensor([300, 300, 10, 5, 3, 300])
+    args = [t.to(device) for t in (logits, temperature)]
+    for k in (None, top_k):
+        floor = candidate_floor(*args, None if k is None else k.to(device), min_p.to(device)).cpu()
+        ref = candidate_floor_ref(logits, temperature, k, min_p)
+        torch.testing.assert_close(floor[:5], ref[:5], rtol=1e-6, atol=1e-6)
+        probs = (logits / temperature[:, None]).softmax(-1)
+        survivors = kept(logits, floor)
+        assert torch.equal(survivors[:3], (probs >= min_p[:, None] * probs.amax(-1, keepdim=True))[:3] & (
+            True if k is None else kept(logits, ref)[:3]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_draws_among_the_candidates_match_reference(device, dtype):
+    from tokenmill.kernels.sampling import gumbel_argmax, gumbel_argmax_ref, top_p_draw, top_p_draw_ref
+    from tokenmill.kernels.sampling_floor import candidate_floor_ref
+
+    gen = torch.Generator().manual_seed(12)
+    logits = (torch.randn(8, 64, generator=gen) * 2).to(dtype)[:, :50]
+    temperature = torch.tensor([0.0, 1.0, 0.5, 2.0, 1.0, 1.0, 0.7, 1.0])
+    top_p = torch.tensor([0.5, 1.0, 0.3, 0.9, 0.05, 0.5, 0.95, 0.8])
+    top_k = torch.tensor([3, 5, 50, 10, 2, 50, 20, 1])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.2, 0.0, 0.0])
+    floor = candidate_floor_ref(logits, temperature, top_k, min_p)
+    seeds = make_seeds(8, 13)
+    draw = gumbel_argmax_ref(logits, temperature, seeds, floor=floor, lanes=4)
+    nucleus = top_p_draw_ref(logits, temperature, top_p, seeds, floor=floor, lanes=4)
+    assert kept(logits, floor)[torch.arange(8)[1:], nucleus[1:]].all() and nucleus[7] == logits[7].float().argmax()
+    on = [t.to(device) for t in (logits, temperature, top_p, seeds, floor)]
+    for tiles_per_split in (1, 3, None):
+        assert torch.equal(gumbel_argmax(on[0], on[1], on[3], floor=on[4], lanes=4,
+                                         tiles_per_split=tiles_per_split).cpu(), draw)
+        for rounds in (0, 1, 2):  # redraws over splits, or in one program per row: the same draws
+            assert torch.equal(top_p_draw(*on[:4], floor=on[4], lanes=4, tiles_per_split=tiles_per_split,
+                                          parallel_rounds=rounds).cpu(), nucleus)
+
+
+def test_top_k_top_p_draws_follow_the_nucleus_of_the_top_k(device):
+    from tokenmill.kernels.sampling import top_p_draw, top_p_draw_ref
+    from tokenmill.kernels.sampling_floor import candidate_floor
+
+    row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 0.2, 1.2, -2.0, 0.8] * 2)
+    num_draws, temperature, top_p, top_k = 20000, 0.9, 0.8, 9
+    logits = row.expand(num_draws, len(row)).to(device)
+    temperatures = torch.full((num_draws,), temperature, device=device)
+    top_ps = torch.full((num_draws,), top_p, device=device)
+    floor = candidate_floor(logits[:1], temperatures[:1], torch.tensor([top_k], device=device), None)
+    floor = floor.expand(num_draws)
+    seeds = make_seeds(num_draws, 14).to(device)
+    draw = top_p_draw if device == "cuda" else top_p_draw_ref  # the interpreter is too slow for 20k rows
+    tokens = draw(logits, temperatures, top_ps, seeds, floor=floor, lanes=4).cpu()
+    top = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))  # 9 largest: ties at 1.0 make 10
+    probs = nucleus_probs(top, temperature, top_p)
+    counts = torch.bincount(tokens, minlength=len(row)).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs[probs > 0] * num_draws
+    df = int((probs > 0).sum()) - 1
+    assert float(((counts[probs > 0] - expected) ** 2 / expected).sum()) < chi_square_critical(df)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_penalties_equal_the_torch_reference(device, dtype):
+    from tokenmill.kernels.penalties import apply_penalties_fused
+
+    gen = torch.Generator().manual_seed(15)
+    max_reqs, vocab = 6, 1500  # two tiles
+    counts = torch.randint(0, 4, (max_reqs, vocab), generator=gen, dtype=torch.int32)
+    counts *= torch.rand(max_reqs, vocab, generator=gen) < 0.05
+    prompt_mask = torch.rand(max_reqs, vocab, generator=gen) < 0.1
+    state_rows = torch.tensor([4, 0, 2])
+    wide = (torch.randn(3, vocab + 20, generator=gen) * 3).to(dtype)
+    logits = wide[:, :vocab]  # a row stride wider than the vocabulary
+    repetition, frequency, presence = torch.tensor([1.3, 1.0, 0.8]), torch.tensor([0.5, 0.0, -0.2]), torch.tensor(
+        [0.1, 0.0, 0.3])  # row 1: no penalties, only the conversion (and mask)
+    mask = torch.zeros(3, vocab)
+    mask[0, :10] = float("-inf")
+    mask[2, 5] = 2.5
+    for logit_mask in (None, mask):
+        ref_in = logits.float() + (0 if logit_mask is None else logit_mask)
+        ref = apply_penalties(ref_in, counts[state_rows], prompt_mask[state_rows], repetition, frequency, presence)
+        out = apply_penalties_fused(
+            *[t.to(device) if t is not None else None for t in (logits, logit_mask, state_rows, counts, prompt_mask,
+                                                               repetition, frequency, presence)])
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.cpu(), ref, rtol=2e-6, atol=0)
+
+
+def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):
+    """Greedy rows after penalties and a mask: the kernels' tokens are torch's; sampled rows stay inside
+    their top_k and min_p."""
+    vocab, gen = 300, torch.Generator().manual_seed(16)
+    logits = torch.randn(4, vocab, generator=gen) * 2
+    counts = (torch.rand(4, vocab, generator=gen) < 0.3).to(torch.int32) * 2
+    prompt_mask = torch.rand(4, vocab, generator=gen) < 0.3
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.0,
+              frequency_penalty=1.0, presence_penalty=0.5), SamplingParams(temperature=0.0)]
+    mask = torch.zeros(3, vocab)
+    mask[2, logits[1].argmax()] = float("-inf")
+    rows = np.array([3, 1, 0])
+    tokens = {}
+    for use_kernel in (False, True):
+        on = device if use_kernel else "cpu"
+        state = (counts.to(on), prompt_mask.to(on), rows)
+        meta = build_sampling_metadata(params, {}, vocab, torch.device(on), logit_mask=mask.to(on),
+                                       penalty_tensors=state, use_kernel=use_kernel)
+        tokens[use_kernel] = Sampler()(logits[:3].to(on), meta).token_ids.cpu()
+    assert torch.equal(tokens[False], tokens[True])
+    sampled = [SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2), SamplingParams(temperature=1.0,
+               min_p=0.5, frequency_penalty=0.3)]
+    state = (counts.to(device), prompt_mask.to(device), rows[:2])
+    meta = build_sampling_metadata(sampled, {}, vocab, torch.device(device), penalty_tensors=state, use_kernel=True)
+    out = Sampler()(logits[:2].to(device), meta).token_ids.cpu()
+    penalised = apply_penalties(logits[:2], counts[rows[:2]], prompt_mask[rows[:2]], torch.tensor([1.2, 1.0]),
+                                torch.tensor([0.0, 0.3]), torch.zeros(2))
+    assert out[0] in penalised[0].topk(4).indices
+    probs = penalised[1].softmax(-1)
+    assert probs[out[1]] >= 0.5 * probs.max()

@@ -1,0 +1,74 @@
+"""Logit mask and penalties in one pass: model logits in, float32 logits out.
+
+Each row reads its output-token counts and prompt-token mask straight from the sampling state's
+[max_num_reqs, vocab] tensors through its state row, so nothing is gathered per step; rows without
+penalties only convert (and add the mask). The arithmetic is the sampler's torch reference
+(sample/sampler.py::apply_penalties): repetition (transformers' rule over prompt and output tokens),
+then frequency and presence (OpenAI's formula over output tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.sampling import LANES, split_layout
+
+TILE = 4 * LANES
+
+
+@triton.jit(do_not_specialize=["tiles_per_split"])
+def _penalty_kernel(
+    logits_ptr, stride_row, mask_ptr, out_ptr, state_row_ptr, counts_ptr, prompt_ptr, stride_state,
+    repetition_ptr, frequency_ptr, presence_ptr, vocab_size, num_tiles, tiles_per_split,
+    HAS_MASK: tl.constexpr, TILE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    repetition = tl.load(repetition_ptr + row)
+    frequency = tl.load(frequency_ptr + row)
+    presence = tl.load(presence_ptr + row)
+    penalized = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
+    state = tl.load(state_row_ptr + row).to(tl.int64) * stride_state
+    cols = tl.arange(0, TILE)
+    first_tile = split * tiles_per_split
+    for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
+        token = tile * TILE + cols
+        valid = token < vocab_size
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token, mask=valid).to(tl.float32)
+        if HAS_MASK:
+            x += tl.load(mask_ptr + row.to(tl.int64) * vocab_size + token, mask=valid)
+        if penalized:
+            count = tl.load(counts_ptr + state + token, mask=valid, other=0)
+            seen = (tl.load(prompt_ptr + state + token, mask=valid, other=0) != 0) | (count > 0)
+            x = tl.where(seen, tl.where(x > 0, x / repetition, x * repetition), x)
+            x = x - frequency * count.to(tl.float32)
+            x = x - presence * (count > 0).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * vocab_size + token, x, mask=valid)
+
+
+def apply_penalties_fused(
+    logits: torch.Tensor,  # [num_rows, vocab] any float dtype; any row stride
+    logit_mask: torch.Tensor | None,  # [num_rows, vocab] float32 added first, or None
+    state_rows: torch.Tensor,  # [num_rows] int64: each row's row in the state tensors
+    output_counts: torch.Tensor,  # [max_num_reqs, vocab] int32
+    prompt_mask: torch.Tensor,  # [max_num_reqs, vocab] bool
+    repetition_penalty: torch.Tensor,  # [num_rows] float32
+    frequency_penalty: torch.Tensor,  # [num_rows] float32
+    presence_penalty: torch.Tensor,  # [num_rows] float32
+) -> torch.Tensor:
+    """[num_rows, vocab] float32: (logits + mask) with each row's penalties."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab_size = logits.shape
+    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return out
+    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE)
+    _penalty_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), logit_mask if logit_mask is not None else out, out, state_rows, output_counts,
+        prompt_mask.view(torch.uint8), output_counts.stride(0), repetition_penalty, frequency_penalty,
+        presence_penalty, vocab_size, num_tiles, tiles_per_split, HAS_MASK=logit_mask is not None, TILE=TILE,
+    )
+    return out

@@ -1,0 +1,170 @@
+"""Each sampled row's candidate floor: the smallest logit its top_k and min_p keep, without a sort.
+
+min_p keeps p >= min_p * p_max, that is x >= max(x) + T * log(min_p). top_k keeps the logits at least
+as large as the k-th largest (ties with it are kept, as the torch full-vocabulary path does). The
+draw kernels (kernels/sampling.py) then sample among the logits >= floor.
+
+The k-th largest logit comes from a radix select on an order-preserving integer key of each logit
+(float32 bits, sign-folded): round by round, a histogram of the next 8 bits of the keys that share
+the prefix found so far, over vocabulary splits in parallel; then one program per row sums the
+splits and picks the digit at which the count from the top reaches k. The keys of bfloat16 and float16
+logits differ only in their high 16 and 19 bits, so 2 and 3 rounds find the exact value; float32 takes 4.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.sampling import LANES, split_layout
+
+DIGIT_BITS = tl.constexpr(8)
+NUM_BINS = tl.constexpr(256)
+ROUNDS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}
+"""Radix rounds by logits dtype: enough digits to cover every bit in which two of its values differ."""
+
+
+@triton.jit
+def _order_key(x):
+    """float32 -> int64 in [0, 2^32) with the floats' order (NaN above +inf)."""
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+    return tl.where(bits < 0, -1 - bits, bits + 2147483648)
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 whose key is `key` (the inverse of _order_key)."""
+    bits = tl.where(key >= 2147483648, key - 2147483648, -1 - key)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "shift", "first_round"])
+def _radix_histogram_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_k_ptr, prefix_ptr, hist_ptr, max_ptr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, shift, first_round, TILE: tl.constexpr,
+):
+    """Per (row, split): counts of the next digit (bits shift .. shift + 7 of the key) among the keys whose
+    higher bits equal the row's prefix; in the first round also the split's largest logit, for min_p."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    if tl.load(temperature_ptr + row) > 0:
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        selects = tl.load(top_k_ptr + row) < vocab_size
+        prefix = tl.where(first_round != 0, 0, tl.load(prefix_ptr + row))  # the buffer is unset before round 1
+        cols = tl.arange(0, TILE)
+        top = tl.full([TILE], float("-inf"), tl.float32)
+        counts = tl.zeros([NUM_BINS], tl.int32)
+        first_tile = split * tiles_per_split
+        for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
+            token = tile * TILE + cols
+            valid = token < vocab_size
+            x = tl.load(row_ptr + token, mask=valid, other=float("-inf")).to(tl.float32)
+            top = tl.maximum(top, x)
+            if selects:
+                key = _order_key(x)
+                match = valid & ((key >> (shift + DIGIT_BITS)) == prefix)
+                counts += tl.histogram(((key >> shift) & (NUM_BINS - 1)).to(tl.int32), NUM_BINS, mask=match)
+        if selects:
+            tl.store(hist_ptr + (row * num_splits + split) * NUM_BINS + tl.arange(0, NUM_BINS), counts)
+        if first_round != 0:
+            tl.store(max_ptr + row * num_splits + split, tl.max(top, 0))
+
+
+@triton.jit(do_not_specialize=["num_splits", "shift", "first_round", "last_round", "has_min_p"])
+def _radix_select_kernel(
+    temperature_ptr, top_k_ptr, min_p_ptr, prefix_ptr, remaining_ptr, hist_ptr, max_ptr, floor_ptr,
+    vocab_size, num_splits, shift, first_round, last_round, has_min_p, BLOCK: tl.constexpr,
+):
+    """Per row: the next digit of the k-th largest key; after the last round, the row's floor."""
+    row = tl.program_id(0)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0:
+        k = tl.load(top_k_ptr + row)
+        floor = tl.full([], float("-inf"), tl.float32)
+        if k < vocab_size:
+            if first_round != 0:
+                prefix = tl.zeros([], tl.int64)
+                wanted = k.to(tl.int32)
+            else:
+                prefix = tl.load(prefix_ptr + row)
+                wanted = tl.load(remaining_ptr + row)
+            # Digits from the top down: counts[i] is the count of digit 255 - i.
+            down = NUM_BINS - 1 - tl.arange(0, NUM_BINS)
+            counts = tl.zeros([NUM_BINS], tl.int32)
+            for split in range(num_splits):
+                counts += tl.load(hist_ptr + (row * num_splits + split) * NUM_BINS + down)
+            at_or_above = tl.cumsum(counts, 0)
+            i = tl.min(tl.where(at_or_above >= wanted, tl.arange(0, NUM_BINS), NUM_BINS), 0)
+            above = tl.sum(tl.where(tl.arange(0, NUM_BINS) == i, at_or_above - counts, 0), 0)
+            prefix = (prefix << DIGIT_BITS) | (NUM_BINS - 1 - i)
+            tl.store(prefix_ptr + row, prefix)
+            tl.store(remaining_ptr + row, wanted - above)
+            # Lower bits zero: for a negative value the key's zeros are the float's trailing ones, so the
+            # floor lies between the k-th value and the next lower value of the logits' dtype.
+            floor = _key_value(prefix << shift)
+        if last_round != 0:
+            if has_min_p != 0:
+                min_p = tl.load(min_p_ptr + row)
+                if min_p > 0:
+                    splits = tl.arange(0, BLOCK)
+                    row_max = tl.max(tl.load(max_ptr + row * num_splits + splits, mask=splits < num_splits,
+                                             other=float("-inf")), 0)
+                    floor = tl.maximum(floor, row_max + temperature * tl.log(min_p))
+            tl.store(floor_ptr + row, floor)
+
+
+def candidate_floor(
+    logits: torch.Tensor,  # [num_rows, vocab] float32/float16/bfloat16; any row stride
+    temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (no floor)
+    top_k: torch.Tensor | None,  # [num_rows] int64; >= vocab = no top_k
+    min_p: torch.Tensor | None,  # [num_rows] float32; 0 = no min_p
+    tiles_per_split: int | None = None,
+) -> torch.Tensor:
+    """[num_rows] float32: the sampled rows' smallest kept logit (-inf: all kept; undefined in greedy rows)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    floor = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if num_rows == 0:
+        return floor
+    tile = 4 * LANES
+    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, tile, tiles_per_split)
+    rounds = ROUNDS[logits.dtype] if top_k is not None else 1  # min_p alone: one pass for the row maxima
+    if top_k is None:
+        top_k = torch.full((num_rows,), vocab_size, dtype=torch.int64, device=device)
+    prefix = torch.empty(num_rows, dtype=torch.int64, device=device)
+    remaining = torch.empty(num_rows, dtype=torch.int32, device=device)
+    hist = torch.empty(num_rows, num_splits, NUM_BINS.value, dtype=torch.int32, device=device)
+    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
+    for r in range(rounds):
+        shift = 32 - DIGIT_BITS.value * (r + 1)
+        _radix_histogram_kernel[(num_rows, num_splits)](
+            logits, logits.stride(0), temperature, top_k, prefix, hist, maxima, vocab_size, num_tiles,
+            tiles_per_split, num_splits, shift, int(r == 0), TILE=tile,
+        )
+        _radix_select_kernel[(num_rows,)](
+            temperature, top_k, min_p if min_p is not None else temperature, prefix, remaining, hist, maxima, floor,
+            vocab_size, num_splits, shift, int(r == 0), int(r == rounds - 1), int(min_p is not None),
+            BLOCK=triton.next_power_of_2(num_splits),
+        )
+    return floor
+
+
+def candidate_floor_ref(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, min_p: torch.Tensor | None
+) -> torch.Tensor:
+    """The floors in torch, from a sort and a softmax-free min_p bound (float32)."""
+    x = logits.float().cpu()
+    t = temperature.float().cpu()
+    floor = torch.full((len(x),), float("-inf"))
+    if top_k is not None:
+        k = top_k.cpu()
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (k.clamp(max=x.shape[1]) - 1).unsqueeze(1)).squeeze(1)
+        floor = torch.where(k < x.shape[1], kth, floor)
+    if min_p is not None:
+        p = min_p.float().cpu()
+        bound = x.amax(dim=-1) + t * p.clamp(min=1e-30).log()
+        floor = torch.where(p > 0, torch.maximum(floor, bound), floor)
+    return torch.where(t > 0, floor, float("-inf"))
