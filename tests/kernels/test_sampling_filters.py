@@ -37,9 +37,9 @@ def test_top_k_floor_keeps_the_k_largest_and_their_ties(device, dtype):
     temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 2.0, 1.0, 0.0, 0.5])
     ref = candidate_floor_ref(logits, temperature, top_k, None)
     sampled = temperature > 0
-    for tiles_per_split in (1, None):  # three splits per row, and one
+    for tiles_per_split, digit_bits in ((1, 4), (None, 4), (1, 8)):  # three splits per row, and one
         floor = candidate_floor(logits.to(device), temperature.to(device), top_k.to(device), None,
-                                tiles_per_split=tiles_per_split).cpu()
+                                tiles_per_split=tiles_per_split, digit_bits=digit_bits).cpu()
         assert torch.equal(kept(logits, floor)[sampled], kept(logits, ref)[sampled])
         assert floor[5] == float("-inf")  # top_k = vocab: no floor
         counts = kept(logits, floor).sum(-1)
@@ -101,7 +101,7 @@ def test_top_k_top_p_draws_follow_the_nucleus_of_the_top_k(device):
     temperatures = torch.full((num_draws,), temperature, device=device)
     top_ps = torch.full((num_draws,), top_p, device=device)
     floor = candidate_floor(logits[:1], temperatures[:1], torch.tensor([top_k], device=device), None)
-    floor = floor.expand(num_draws)
+    floor = floor.expand(num_draws).contiguous()
     seeds = make_seeds(num_draws, 14).to(device)
     draw = top_p_draw if device == "cuda" else top_p_draw_ref  # the interpreter is too slow for 20k rows
     tokens = draw(logits, temperatures, top_ps, seeds, floor=floor, lanes=4).cpu()

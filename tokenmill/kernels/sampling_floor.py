@@ -5,10 +5,12 @@ as large as the k-th largest (ties with it are kept, as the torch full-vocabular
 draw kernels (kernels/sampling.py) then sample among the logits >= floor.
 
 The k-th largest logit comes from a radix select on an order-preserving integer key of each logit
-(float32 bits, sign-folded): round by round, a histogram of the next 8 bits of the keys that share
-the prefix found so far, over vocabulary splits in parallel; then one program per row sums the
-splits and picks the digit at which the count from the top reaches k. The keys of bfloat16 and float16
-logits differ only in their high 16 and 19 bits, so 2 and 3 rounds find the exact value; float32 takes 4.
+(float32 bits, sign-folded): round by round, a histogram of the next digit (DIGIT_BITS bits) of the
+keys that share the prefix found so far, over vocabulary splits in parallel; then one program per row
+sums the splits and picks the digit at which the count from the top reaches k. The keys of bfloat16
+and float16 logits differ only in their high 16 and 19 bits, so fewer rounds find the exact value
+than for float32. Small digits keep the histogram cheap (Triton builds it from one warp ballot per
+bit, and per bin) and tiles without a key of the prefix skip it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ import triton.language as tl
 
 from tokenmill.kernels.sampling import LANES, split_layout
 
-DIGIT_BITS = tl.constexpr(8)
-NUM_BINS = tl.constexpr(256)
-ROUNDS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}
-"""Radix rounds by logits dtype: enough digits to cover every bit in which two of its values differ."""
+DIGIT_BITS = 4
+KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
+"""The high bits of the float32 key in which two values of the logits dtype can differ."""
 
 
 @triton.jit
@@ -42,7 +43,8 @@ def _key_value(key):
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "shift", "first_round"])
 def _radix_histogram_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, prefix_ptr, hist_ptr, max_ptr,
-    vocab_size, num_tiles, tiles_per_split, num_splits, shift, first_round, TILE: tl.constexpr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, shift, first_round,
+    DIGIT_BITS: tl.constexpr, TILE: tl.constexpr,
 ):
     """Per (row, split): counts of the next digit (bits shift .. shift + 7 of the key) among the keys whose
     higher bits equal the row's prefix; in the first round also the split's largest logit, for min_p."""
@@ -54,6 +56,7 @@ def _radix_histogram_kernel(
         prefix = tl.where(first_round != 0, 0, tl.load(prefix_ptr + row))  # the buffer is unset before round 1
         cols = tl.arange(0, TILE)
         top = tl.full([TILE], float("-inf"), tl.float32)
+        NUM_BINS: tl.constexpr = 1 << DIGIT_BITS
         counts = tl.zeros([NUM_BINS], tl.int32)
         first_tile = split * tiles_per_split
         for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
@@ -64,7 +67,8 @@ def _radix_histogram_kernel(
             if selects:
                 key = _order_key(x)
                 match = valid & ((key >> (shift + DIGIT_BITS)) == prefix)
-                counts += tl.histogram(((key >> shift) & (NUM_BINS - 1)).to(tl.int32), NUM_BINS, mask=match)
+                if tl.max(match.to(tl.int32), 0) > 0:
+                    counts += tl.histogram(((key >> shift) & (NUM_BINS - 1)).to(tl.int32), NUM_BINS, mask=match)
         if selects:
             tl.store(hist_ptr + (row * num_splits + split) * NUM_BINS + tl.arange(0, NUM_BINS), counts)
         if first_round != 0:
@@ -74,7 +78,8 @@ def _radix_histogram_kernel(
 @triton.jit(do_not_specialize=["num_splits", "shift", "first_round", "last_round", "has_min_p"])
 def _radix_select_kernel(
     temperature_ptr, top_k_ptr, min_p_ptr, prefix_ptr, remaining_ptr, hist_ptr, max_ptr, floor_ptr,
-    vocab_size, num_splits, shift, first_round, last_round, has_min_p, BLOCK: tl.constexpr,
+    vocab_size, num_splits, shift, first_round, last_round, has_min_p,
+    DIGIT_BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Per row: the next digit of the k-th largest key; after the last round, the row's floor."""
     row = tl.program_id(0)
@@ -89,7 +94,8 @@ def _radix_select_kernel(
             else:
                 prefix = tl.load(prefix_ptr + row)
                 wanted = tl.load(remaining_ptr + row)
-            # Digits from the top down: counts[i] is the count of digit 255 - i.
+            # Digits from the top down: counts[i] is the count of digit NUM_BINS - 1 - i.
+            NUM_BINS: tl.constexpr = 1 << DIGIT_BITS
             down = NUM_BINS - 1 - tl.arange(0, NUM_BINS)
             counts = tl.zeros([NUM_BINS], tl.int32)
             for split in range(num_splits):
@@ -120,6 +126,7 @@ def candidate_floor(
     top_k: torch.Tensor | None,  # [num_rows] int64; >= vocab = no top_k
     min_p: torch.Tensor | None,  # [num_rows] float32; 0 = no min_p
     tiles_per_split: int | None = None,
+    digit_bits: int = DIGIT_BITS,
 ) -> torch.Tensor:
     """[num_rows] float32: the sampled rows' smallest kept logit (-inf: all kept; undefined in greedy rows)."""
     if logits.stride(-1) != 1:
@@ -131,23 +138,24 @@ def candidate_floor(
         return floor
     tile = 4 * LANES
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, tile, tiles_per_split)
-    rounds = ROUNDS[logits.dtype] if top_k is not None else 1  # min_p alone: one pass for the row maxima
+    # min_p alone: one pass for the row maxima
+    rounds = -(-KEY_BITS[logits.dtype] // digit_bits) if top_k is not None else 1
     if top_k is None:
         top_k = torch.full((num_rows,), vocab_size, dtype=torch.int64, device=device)
     prefix = torch.empty(num_rows, dtype=torch.int64, device=device)
     remaining = torch.empty(num_rows, dtype=torch.int32, device=device)
-    hist = torch.empty(num_rows, num_splits, NUM_BINS.value, dtype=torch.int32, device=device)
+    hist = torch.empty(num_rows, num_splits, 1 << digit_bits, dtype=torch.int32, device=device)
     maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
     for r in range(rounds):
-        shift = 32 - DIGIT_BITS.value * (r + 1)
+        shift = 32 - digit_bits * (r + 1)
         _radix_histogram_kernel[(num_rows, num_splits)](
             logits, logits.stride(0), temperature, top_k, prefix, hist, maxima, vocab_size, num_tiles,
-            tiles_per_split, num_splits, shift, int(r == 0), TILE=tile,
+            tiles_per_split, num_splits, shift, int(r == 0), DIGIT_BITS=digit_bits, TILE=tile,
         )
         _radix_select_kernel[(num_rows,)](
             temperature, top_k, min_p if min_p is not None else temperature, prefix, remaining, hist, maxima, floor,
             vocab_size, num_splits, shift, int(r == 0), int(r == rounds - 1), int(min_p is not None),
-            BLOCK=triton.next_power_of_2(num_splits),
+            DIGIT_BITS=digit_bits, BLOCK=triton.next_power_of_2(num_splits),
         )
     return floor
 

@@ -1,0 +1,88 @@
+"""Each sampler kernel alone at batch 256 over Qwen3's 151,936-token vocabulary (GPU), with layout variants.
+
+    python3 benchmarks/sampler_kernels.py
+
+Times are medians of CUDA-event timings after a warm-up; the logits are random (scale 3), so the
+top-p redraw rounds see a flat-ish distribution, as dummy-weight models give.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+
+import torch
+import triton
+
+from tokenmill.kernels import sampling
+from tokenmill.kernels.penalties import apply_penalties_fused
+from tokenmill.kernels.sampling_floor import candidate_floor
+
+ROWS, VOCAB = 256, 151936
+
+
+def time_ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gumbel_split_variant(logits, temperature, seeds, lanes: int, num_warps: int):
+    """The draw's pass 1 alone, with another tile width or warp count."""
+    num_tiles, tiles_per_split, num_splits = sampling.split_layout(ROWS, VOCAB, 4 * lanes)
+    values = torch.empty(ROWS, num_splits, device="cuda")
+    indices = torch.empty(ROWS, num_splits, dtype=torch.int32, device="cuda")
+    return lambda: sampling._gumbel_argmax_split_kernel[(ROWS, num_splits)](
+        logits, logits.stride(0), temperature, seeds, seeds, temperature, values, indices, VOCAB, num_tiles,
+        tiles_per_split, num_splits, 0, HAS_OFFSETS=False, LANES=lanes, num_warps=num_warps)
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[tuple[str, float]] = []
+    bf16 = (torch.randn(ROWS, VOCAB, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    fp32 = bf16.float()
+    seeds = torch.randint(0, 2**62, (ROWS,), device="cuda", generator=gen)
+    zeros, ones = torch.zeros(ROWS, device="cuda"), torch.full((ROWS,), 0.8, device="cuda")
+    top_p = torch.full((ROWS,), 0.95, device="cuda")
+    top_k = torch.full((ROWS,), 50, dtype=torch.int64, device="cuda")
+    min_p = torch.full((ROWS,), 0.05, device="cuda")
+    bytes_bf16 = ROWS * VOCAB * 2
+    rows.append(("copy of the bf16 logits (bandwidth reference)", time_ms(lambda: bf16.clone())))
+    rows.append(("torch argmax bf16", time_ms(lambda: bf16.argmax(-1))))
+    rows.append(("torch topk(50) bf16", time_ms(lambda: bf16.topk(50, dim=-1))))
+    for name, logits in (("bf16", bf16), ("fp32", fp32)):
+        for label, temperature in (("greedy rows", zeros), ("T=0.8", ones)):
+            draw = functools.partial(sampling.gumbel_argmax, logits, temperature, seeds)
+            rows.append((f"gumbel_argmax {name} {label}", time_ms(draw)))
+    for lanes in (128, 256, 512):
+        for num_warps in (2, 4, 8):
+            rows.append((f"  pass 1 bf16 T=0.8 lanes={lanes} warps={num_warps}",
+                         time_ms(gumbel_split_variant(bf16, ones, seeds, lanes, num_warps))))
+    rows.append(("top_p_draw bf16 T=0.8 p=0.95", time_ms(lambda: sampling.top_p_draw(bf16, ones, top_p, seeds))))
+    for bits in (4, 8):
+        rows.append((f"candidate_floor bf16 top_k=50 digits of {bits} bits",
+                     time_ms(functools.partial(candidate_floor, bf16, ones, top_k, None, digit_bits=bits))))
+    rows.append(("candidate_floor fp32 top_k=50", time_ms(lambda: candidate_floor(fp32, ones, top_k, None))))
+    rows.append(("candidate_floor bf16 min_p", time_ms(lambda: candidate_floor(bf16, ones, None, min_p))))
+    counts = torch.randint(0, 2, (ROWS, VOCAB), dtype=torch.int32, device="cuda", generator=gen)
+    prompt_mask = counts.bool()
+    state_rows = torch.arange(ROWS, device="cuda")
+    penalty = torch.full((ROWS,), 1.1, device="cuda")
+    rows.append(("apply_penalties_fused bf16 -> fp32", time_ms(lambda: apply_penalties_fused(
+        bf16, None, state_rows, counts, prompt_mask, penalty, zeros, zeros))))
+    print(f"\n{ROWS} x {VOCAB}, {torch.cuda.get_device_name()}, triton {triton.__version__}")
+    for name, ms in rows:
+        print(f"{name:<52}{ms * 1e3:>9.1f} us   {bytes_bf16 / ms / 1e9:>7.2f} TB/s of bf16 logits")
+
+
+if __name__ == "__main__":
+    main()
