@@ -2,14 +2,13 @@
 
     python3 benchmarks/sampler_kernels.py
 
-Times are medians of CUDA-event timings after a warm-up; the logits are random (scale 3), so the
+Times are GPU kernel time per call (torch profiler), after a warm-up; the logits are random (scale 3), so the
 top-p redraw rounds see a flat-ish distribution, as dummy-weight models give.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
 
 import torch
 import triton
@@ -21,18 +20,18 @@ from tokenmill.kernels.sampling_floor import candidate_floor
 ROWS, VOCAB = 256, 151936
 
 
-def time_ms(fn, repeats: int = 20) -> float:
+def time_ms(fn, repeats: int = 10) -> float:
+    """GPU time of one call: the sum of its kernels' times (torch profiler), so that the host's launch
+    overhead, which CUDA events around a lone call would include, does not count."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / repeats / 1e3
 
 
 def gumbel_split_variant(logits, temperature, seeds, lanes: int, num_warps: int):

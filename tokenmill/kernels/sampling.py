@@ -22,6 +22,9 @@ then redraws for the rows whose draw fell outside the nucleus (see its docstring
 
 from __future__ import annotations
 
+import math
+import os
+
 import numpy as np
 import torch
 import triton
@@ -38,6 +41,26 @@ PARALLEL_ROUNDS = 2
 """Redraws spread over vocabulary splits before the rows still rejected go on in one program each."""
 U_MIN, U_MAX = tl.constexpr(1e-10), tl.constexpr(1.0 - 2.0**-24)
 """Uniforms are clamped into (0, 1) so that -log(-log(u)) is finite."""
+LN2, LOG2_LN2 = tl.constexpr(math.log(2.0)), tl.constexpr(math.log2(math.log(2.0)))
+FAST_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+"""On the GPU, log2 is the hardware's approximate instruction (relative error ~2^-22): libdevice's
+exact logarithm costs several times more instructions, and the draw computes two per token. The
+interpreter (CPU tests) has no inline assembly and takes tl.log2."""
+
+
+@triton.jit
+def _log2(x):
+    if FAST_LOG:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _gumbel(u):
+    """Standard Gumbel noise from a uniform: -ln(-ln(u)), in base-2 logarithms."""
+    return -LN2 * (_log2(-_log2(u)) + LOG2_LN2)
 
 
 @triton.jit
@@ -67,7 +90,7 @@ def _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, fl
     # Only candidates compete: at least the row's floor (top_k, min_p) and above a rejected draw.
     x = tl.where((x >= floor) & (x > pivot), x, float("-inf"))
     u = tl.clamp(tl.random.uint_to_uniform_float(bits), U_MIN, U_MAX)
-    score = x + temperature * -tl.log(-tl.log(u))
+    score = x + temperature * _gumbel(u)
     better = score > best
     return tl.where(better, score, best), tl.where(better, token, best_index)
 
@@ -457,7 +480,8 @@ def gumbel_argmax_ref(
     offsets = np.zeros(num_rows, np.int64) if offsets is None else offsets.cpu().numpy()
     uniforms = philox_uniform_ref(seeds.cpu().numpy(), tile * lanes + lane, offsets)
     u = np.clip(uniforms[k, :, token].T, np.float32(U_MIN.value), np.float32(U_MAX.value))
-    gumbel = -np.log(-np.log(u))
+    ln2, log2_ln2 = np.float32(LN2.value), np.float32(LOG2_LN2.value)
+    gumbel = -ln2 * (np.log2(-np.log2(u)) + log2_ln2)
     t = temperature.cpu().numpy().astype(np.float32)[:, None]
     scores = np.where(t > 0, x + t * gumbel, x)
     return torch.from_numpy(scores.argmax(axis=1)).to(logits.device)

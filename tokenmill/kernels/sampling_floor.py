@@ -28,14 +28,16 @@ KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
 
 @triton.jit
 def _order_key(x):
-    """float32 -> int64 in [0, 2^32) with the floats' order (NaN above +inf)."""
-    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
-    return tl.where(bits < 0, -1 - bits, bits + 2147483648)
+    """float32 -> uint32 with the floats' order (NaN above +inf): flip every bit of a negative, set the sign
+    bit of a positive."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return bits ^ tl.where((bits >> 31) != 0, tl.full(bits.shape, 0xFFFFFFFF, tl.uint32),
+                           tl.full(bits.shape, 0x80000000, tl.uint32))
 
 
 @triton.jit
 def _key_value(key):
-    """The float32 whose key is `key` (the inverse of _order_key)."""
+    """The float32 whose key is `key` (an int64 in [0, 2^32): the inverse of _order_key)."""
     bits = tl.where(key >= 2147483648, key - 2147483648, -1 - key)
     return bits.to(tl.int32).to(tl.float32, bitcast=True)
 
@@ -53,7 +55,7 @@ def _radix_histogram_kernel(
     if tl.load(temperature_ptr + row) > 0:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         selects = tl.load(top_k_ptr + row) < vocab_size
-        prefix = tl.where(first_round != 0, 0, tl.load(prefix_ptr + row))  # the buffer is unset before round 1
+        prefix = tl.where(first_round != 0, 0, tl.load(prefix_ptr + row)).to(tl.uint32)  # unset before round 1
         cols = tl.arange(0, TILE)
         top = tl.full([TILE], float("-inf"), tl.float32)
         NUM_BINS: tl.constexpr = 1 << DIGIT_BITS
@@ -66,7 +68,8 @@ def _radix_histogram_kernel(
             top = tl.maximum(top, x)
             if selects:
                 key = _order_key(x)
-                match = valid & ((key >> (shift + DIGIT_BITS)) == prefix)
+                # Two shifts: one by 32 (the first round's) is undefined for a 32-bit key.
+                match = valid & (((key >> (shift + DIGIT_BITS - 1)) >> 1) == prefix)
                 if tl.max(match.to(tl.int32), 0) > 0:
                     counts += tl.histogram(((key >> shift) & (NUM_BINS - 1)).to(tl.int32), NUM_BINS, mask=match)
         if selects:
