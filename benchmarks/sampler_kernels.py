@@ -40,7 +40,7 @@ def gumbel_split_variant(logits, temperature, seeds, lanes: int, num_warps: int)
     values = torch.empty(ROWS, num_splits, device="cuda")
     indices = torch.empty(ROWS, num_splits, dtype=torch.int32, device="cuda")
     return lambda: sampling._gumbel_argmax_split_kernel[(ROWS, num_splits)](
-        logits, logits.stride(0), temperature, seeds, seeds, temperature, values, indices, VOCAB, num_tiles,
+        logits, logits.stride(0), temperature, seeds, seeds, temperature, values, indices, values, VOCAB, num_tiles,
         tiles_per_split, num_splits, 0, HAS_OFFSETS=False, LANES=lanes, num_warps=num_warps)
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     bytes_bf16 = ROWS * VOCAB * 2
     rows.append(("copy of the bf16 logits (bandwidth reference)", time_ms(lambda: bf16.clone())))
     rows.append(("torch argmax bf16", time_ms(lambda: bf16.argmax(-1))))
+    rows.append(("greedy_argmax bf16", time_ms(lambda: sampling.greedy_argmax(bf16))))
     rows.append(("torch topk(50) bf16", time_ms(lambda: bf16.topk(50, dim=-1))))
     for name, logits in (("bf16", bf16), ("fp32", fp32)):
         for label, temperature in (("greedy rows", zeros), ("T=0.8", ones)):

@@ -85,34 +85,37 @@ def _greedy_best(row_ptr, vocab_size, first_tile, last_tile, TILE: tl.constexpr)
 
 
 @triton.jit
-def _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, floor, pivot, bits):
+def _gumbel_update(best, best_index, top, row_ptr, token, vocab_size, temperature, floor, pivot, bits):
     x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
     # Only candidates compete: at least the row's floor (top_k, min_p) and above a rejected draw.
     x = tl.where((x >= floor) & (x > pivot), x, float("-inf"))
     u = tl.clamp(tl.random.uint_to_uniform_float(bits), U_MIN, U_MAX)
     score = x + temperature * _gumbel(u)
     better = score > best
-    return tl.where(better, score, best), tl.where(better, token, best_index)
+    return tl.where(better, score, best), tl.where(better, token, best_index), tl.maximum(top, x)
 
 
 @triton.jit
 def _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature, seed, counter_hi, floor, pivot,
                   LANES: tl.constexpr):
+    """(best score, its token, the largest candidate logit) over the tiles."""
     lanes = tl.arange(0, LANES)
     best = tl.full([LANES], float("-inf"), tl.float32)
+    top = tl.full([LANES], float("-inf"), tl.float32)
     best_index = first_tile * 4 * LANES + lanes
     for tile in range(first_tile, last_tile):
         r0, r1, r2, r3 = tl.randint4x(seed, counter_hi + tile * LANES + lanes)
         token = tile * 4 * LANES + lanes
-        best, best_index = _gumbel_update(best, best_index, row_ptr, token, vocab_size, temperature, floor,
-                                          pivot, r0)
-        best, best_index = _gumbel_update(best, best_index, row_ptr, token + LANES, vocab_size, temperature,
-                                          floor, pivot, r1)
-        best, best_index = _gumbel_update(best, best_index, row_ptr, token + 2 * LANES, vocab_size, temperature,
-                                          floor, pivot, r2)
-        best, best_index = _gumbel_update(best, best_index, row_ptr, token + 3 * LANES, vocab_size, temperature,
-                                          floor, pivot, r3)
-    return _lane_argmax(best, best_index)
+        best, best_index, top = _gumbel_update(best, best_index, top, row_ptr, token, vocab_size, temperature,
+                                               floor, pivot, r0)
+        best, best_index, top = _gumbel_update(best, best_index, top, row_ptr, token + LANES, vocab_size,
+                                               temperature, floor, pivot, r1)
+        best, best_index, top = _gumbel_update(best, best_index, top, row_ptr, token + 2 * LANES, vocab_size,
+                                               temperature, floor, pivot, r2)
+        best, best_index, top = _gumbel_update(best, best_index, top, row_ptr, token + 3 * LANES, vocab_size,
+                                               temperature, floor, pivot, r3)
+    value, index = _lane_argmax(best, best_index)
+    return value, index, tl.max(top, 0)
 
 
 @triton.jit
@@ -132,7 +135,7 @@ def _split_tiles(split, tiles_per_split, num_tiles):
 # otherwise compile one per divisibility class of these ints, mid-run, ~1 s each).
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor"])
 def _gumbel_argmax_split_kernel(
-    logits_ptr, stride_row, temperature_ptr, seed_ptr, offset_ptr, floor_ptr, value_ptr, index_ptr,
+    logits_ptr, stride_row, temperature_ptr, seed_ptr, offset_ptr, floor_ptr, value_ptr, index_ptr, max_ptr,
     vocab_size, num_tiles, tiles_per_split, num_splits, has_floor,
     HAS_OFFSETS: tl.constexpr, LANES: tl.constexpr,
 ):
@@ -147,9 +150,10 @@ def _gumbel_argmax_split_kernel(
             counter_hi = (tl.load(offset_ptr + row).to(tl.int64) & 0xFFFFFFFF) << 32
         else:
             counter_hi = 0
-        value, index = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature,
-                                     tl.load(seed_ptr + row), counter_hi, _row_floor(floor_ptr, row, has_floor),
-                                     float("-inf"), LANES)
+        value, index, top = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature,
+                                          tl.load(seed_ptr + row), counter_hi, _row_floor(floor_ptr, row, has_floor),
+                                          float("-inf"), LANES)
+        tl.store(max_ptr + row * num_splits + split, top)  # the nucleus pass's softmax reference
     else:  # greedy rows skip the noise altogether
         value, index = _greedy_best(row_ptr, vocab_size, first_tile, last_tile, 4 * LANES)
     tl.store(value_ptr + row * num_splits + split, value)
@@ -180,27 +184,20 @@ STATS = tl.constexpr(4)
 
 
 @triton.jit
-def _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, inv_temperature, floor, pivot, TILE: tl.constexpr):
-    """Over the candidates (x >= floor) of the tiles: m = max(x / T), sum(exp(x / T - m)), and that sum
-    over the tokens above `pivot`."""
+def _candidate_mass(row_ptr, vocab_size, first_tile, last_tile, inv_temperature, floor, pivot, top,
+                    TILE: tl.constexpr):
+    """Over the candidates (x >= floor) of the tiles: sum(exp(x / T - top)), and that sum over the tokens
+    above `pivot`; `top` is their largest x / T (the draw pass found it), so one exp per token."""
     cols = tl.arange(0, TILE)
-    top = tl.full([TILE], float("-inf"), tl.float32)
     total = tl.zeros([TILE], tl.float32)
     above = tl.zeros([TILE], tl.float32)
-    for tile in range(first_tile, last_tile):  # online per lane, as flash attention's softmax
+    for tile in range(first_tile, last_tile):
         token = tile * TILE + cols
         x = tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
-        z = tl.where(x >= floor, x * inv_temperature, float("-inf"))
-        new_top = tl.maximum(top, z)
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # no NaN from -inf - -inf
-        scale = tl.exp(top - shift)
-        p = tl.exp(z - shift)
-        total = total * scale + p
-        above = above * scale + tl.where(x > pivot, p, 0.0)
-        top = new_top
-    m = tl.max(top, 0)
-    rescale = tl.exp(top - tl.where(m == float("-inf"), 0.0, m))
-    return m, tl.sum(total * rescale, 0), tl.sum(above * rescale, 0)
+        p = tl.where(x >= floor, tl.exp(x * inv_temperature - top), 0.0)  # a split without candidates: NaN unused
+        total += p
+        above += tl.where(x > pivot, p, 0.0)
+    return tl.sum(total, 0), tl.sum(above, 0)
 
 
 @triton.jit
@@ -232,7 +229,7 @@ def _nucleus_verdict(stats_ptr, row, num_splits, top_p, slot, BLOCK: tl.constexp
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor"])
 def _nucleus_split_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, token_ptr, stats_ptr,
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, token_ptr, max_ptr, stats_ptr,
     vocab_size, num_tiles, tiles_per_split, num_splits, has_floor, TILE: tl.constexpr,
 ):
     """Per (row, split) of the top-p rows: the candidates' softmax max and mass, and the mass above the
@@ -244,8 +241,10 @@ def _nucleus_split_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
         first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
-        top, total, above = _softmax_mass(row_ptr, vocab_size, first_tile, last_tile, 1.0 / temperature,
-                                          _row_floor(floor_ptr, row, has_floor), pivot, TILE)
+        inv_temperature = 1.0 / temperature
+        top = tl.load(max_ptr + row * num_splits + split) * inv_temperature
+        total, above = _candidate_mass(row_ptr, vocab_size, first_tile, last_tile, inv_temperature,
+                                       _row_floor(floor_ptr, row, has_floor), pivot, top, TILE)
         out = stats_ptr + (row * num_splits + split) * STATS
         tl.store(out, top)
         tl.store(out + 1, total)
@@ -270,8 +269,8 @@ def _redraw_split_kernel(
             row_ptr = logits_ptr + row.to(tl.int64) * stride_row
             pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
             first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
-            value, index = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature,
-                                         tl.load(seed_ptr + row), draw.to(tl.int64) << 32,
+            value, index, _ = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature,
+                                            tl.load(seed_ptr + row), draw.to(tl.int64) << 32,
                                          _row_floor(floor_ptr, row, has_floor), pivot, LANES)
             tl.store(value_ptr + row * num_splits + split, value)
             tl.store(index_ptr + row * num_splits + split, index)
@@ -312,8 +311,8 @@ def _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, to
     x_token = tl.load(row_ptr + token).to(tl.float32)
     draws = first_draw
     while (mass >= limit) & (draws < MAX_DRAWS):
-        _, token = _sampled_best(row_ptr, vocab_size, 0, num_tiles, temperature, seed,
-                                 draws.to(tl.int64) << 32, floor, x_token, LANES)
+        _, token, _ = _sampled_best(row_ptr, vocab_size, 0, num_tiles, temperature, seed,
+                                    draws.to(tl.int64) << 32, floor, x_token, LANES)
         x_token = tl.load(row_ptr + token).to(tl.float32)
         mass = _mass_above(row_ptr, vocab_size, 0, num_tiles, x_token, row_top, inv_temperature, 4 * LANES)
         draws += 1
@@ -359,6 +358,7 @@ def gumbel_argmax(
     floor: torch.Tensor | None = None,  # [num_rows] float32: sampled rows draw among logits >= floor
     lanes: int = LANES,
     tiles_per_split: int | None = None,
+    maxima: torch.Tensor | None = None,  # [num_rows, num_splits] float32 out: each split's largest candidate
 ) -> torch.Tensor:
     """One token per row: argmax(logits + T * Gumbel noise), no host sync. Returns [num_rows] int64.
 
@@ -374,13 +374,22 @@ def gumbel_argmax(
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, 4 * lanes, tiles_per_split)
     values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
     indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    if maxima is None:
+        maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
     _gumbel_argmax_split_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), temperature, seeds, offsets if offsets is not None else seeds,
-        floor if floor is not None else temperature, values, indices, vocab_size, num_tiles, tiles_per_split,
+        floor if floor is not None else temperature, values, indices, maxima, vocab_size, num_tiles, tiles_per_split,
         num_splits, int(floor is not None), HAS_OFFSETS=offsets is not None, LANES=lanes,
     )
     _best_split_kernel[(num_rows,)](values, indices, out, num_splits, BLOCK=triton.next_power_of_2(num_tiles))
     return out
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over the last dimension (the lowest index among equal maxima; NaN never wins), through
+    gumbel_argmax's greedy path, which reads the logits once at full bandwidth."""
+    zeros = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    return gumbel_argmax(logits, zeros, zeros)
 
 
 def top_p_draw(
@@ -409,17 +418,19 @@ def top_p_draw(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
-    tokens = gumbel_argmax(logits, temperature, seeds, floor=floor, lanes=lanes, tiles_per_split=tiles_per_split)
+    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, 4 * lanes, tiles_per_split)
+    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    tokens = gumbel_argmax(logits, temperature, seeds, floor=floor, lanes=lanes, tiles_per_split=tiles_per_split,
+                           maxima=maxima)
     if num_rows == 0:
         return tokens
-    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, 4 * lanes, tiles_per_split)
     device, has_floor, block = logits.device, int(floor is not None), triton.next_power_of_2(num_tiles)
     floor = floor if has_floor else temperature
     stats = torch.empty(num_rows, num_splits, STATS.value, dtype=torch.float32, device=device)
     grid = (num_rows, num_splits)
     _nucleus_split_kernel[grid](
-        logits, logits.stride(0), temperature, top_p, floor, tokens, stats, vocab_size, num_tiles, tiles_per_split,
-        num_splits, has_floor, TILE=4 * lanes,
+        logits, logits.stride(0), temperature, top_p, floor, tokens, maxima, stats, vocab_size, num_tiles,
+        tiles_per_split, num_splits, has_floor, TILE=4 * lanes,
     )
     values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
     indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=device)
