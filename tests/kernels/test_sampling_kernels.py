@@ -28,7 +28,7 @@ def make_seeds(num_rows: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_greedy_rows_are_torch_argmax(device, dtype):
-    from tokenmill.kernels.sampling import gumbel_argmax
+    from tokenmill.kernels.sampling import greedy_argmax, gumbel_argmax
 
     # Integer logits tie often, within a tile and across splits; the view's rows are 130 apart.
     wide = torch.randint(-4, 5, (6, 130), generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -40,6 +40,7 @@ def test_greedy_rows_are_torch_argmax(device, dtype):
     for tiles_per_split in (1, 3, None):
         out = gumbel_argmax(logits, zeros, make_seeds(6, 1).to(device), lanes=4, tiles_per_split=tiles_per_split)
         assert out.dtype == torch.int64 and torch.equal(out.cpu(), expected)
+    assert torch.equal(greedy_argmax(logits).cpu(), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -388,8 +388,9 @@ def gumbel_argmax(
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax over the last dimension (the lowest index among equal maxima; NaN never wins), through
     gumbel_argmax's greedy path, which reads the logits once at full bandwidth."""
-    zeros = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-    return gumbel_argmax(logits, zeros, zeros)
+    num_rows, device = logits.shape[0], logits.device
+    zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
+    return gumbel_argmax(logits, zeros, torch.zeros(num_rows, dtype=torch.int64, device=device))
 
 
 def top_p_draw(
