@@ -56,8 +56,9 @@ def test_min_p_floor_alone_and_with_top_k(device):
     min_p = torch.tensor([0.1, 0.05, 0.3, 0.0, 0.2, 0.5])
     top_k = torch.tensor([300, 300, 10, 5, 3, 300])
     args = [t.to(device) for t in (logits, temperature)]
-    for k in (None, top_k):
-        floor = candidate_floor(*args, None if k is None else k.to(device), min_p.to(device)).cpu()
+    given = logits.amax(-1, keepdim=True).to(device)  # one split per row here
+    for k, maxima in ((None, None), (None, given), (top_k, None), (top_k, given)):
+        floor = candidate_floor(*args, None if k is None else k.to(device), min_p.to(device), maxima=maxima).cpu()
         ref = candidate_floor_ref(logits, temperature, k, min_p)
         torch.testing.assert_close(floor[:5], ref[:5], rtol=1e-6, atol=1e-6)
         probs = (logits / temperature[:, None]).softmax(-1)
@@ -134,11 +135,14 @@ def test_fused_penalties_equal_the_torch_reference(device, dtype):
     for logit_mask in (None, mask):
         ref_in = logits.float() + (0 if logit_mask is None else logit_mask)
         ref = apply_penalties(ref_in, counts[state_rows], prompt_mask[state_rows], repetition, frequency, presence)
-        out = apply_penalties_fused(
+        out, maxima = apply_penalties_fused(
             *[t.to(device) if t is not None else None for t in (logits, logit_mask, state_rows, counts, prompt_mask,
                                                                repetition, frequency, presence)])
         assert out.dtype == torch.float32
         torch.testing.assert_close(out.cpu(), ref, rtol=2e-6, atol=0)
+        # the maxima of candidate_floor's splits: one 1024-token tile each here
+        expected = torch.stack([ref[:, :1024].amax(-1), ref[:, 1024:].amax(-1)], dim=1)
+        torch.testing.assert_close(maxima.cpu(), expected, rtol=2e-6, atol=0)
 
 
 def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):

@@ -15,13 +15,13 @@ import triton.language as tl
 
 from tokenmill.kernels.sampling import LANES, split_layout
 
-TILE = 4 * LANES
+TILE = 4 * LANES  # the tiles of candidate_floor, whose split layout the maxima follow
 
 
 @triton.jit(do_not_specialize=["tiles_per_split"])
 def _penalty_kernel(
     logits_ptr, stride_row, mask_ptr, out_ptr, state_row_ptr, counts_ptr, prompt_ptr, stride_state,
-    repetition_ptr, frequency_ptr, presence_ptr, vocab_size, num_tiles, tiles_per_split,
+    repetition_ptr, frequency_ptr, presence_ptr, max_ptr, vocab_size, num_tiles, tiles_per_split, num_splits,
     HAS_MASK: tl.constexpr, TILE: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -32,6 +32,7 @@ def _penalty_kernel(
     penalized = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
     state = tl.load(state_row_ptr + row).to(tl.int64) * stride_state
     cols = tl.arange(0, TILE)
+    top = tl.full([TILE], float("-inf"), tl.float32)
     first_tile = split * tiles_per_split
     for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
         token = tile * TILE + cols
@@ -46,6 +47,8 @@ def _penalty_kernel(
             x = x - frequency * count.to(tl.float32)
             x = x - presence * (count > 0).to(tl.float32)
         tl.store(out_ptr + row.to(tl.int64) * vocab_size + token, x, mask=valid)
+        top = tl.maximum(top, tl.where(valid, x, float("-inf")))
+    tl.store(max_ptr + row * num_splits + split, tl.max(top, 0))  # for min_p (kernels/sampling_floor.py)
 
 
 def apply_penalties_fused(
@@ -57,18 +60,21 @@ def apply_penalties_fused(
     repetition_penalty: torch.Tensor,  # [num_rows] float32
     frequency_penalty: torch.Tensor,  # [num_rows] float32
     presence_penalty: torch.Tensor,  # [num_rows] float32
-) -> torch.Tensor:
-    """[num_rows, vocab] float32: (logits + mask) with each row's penalties."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_rows, vocab] float32: (logits + mask) with each row's penalties; and [num_rows, num_splits]
+    float32, the largest of each split of the candidate_floor layout (min_p needs the row maxima)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
-    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
-    if num_rows == 0:
-        return out
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE)
+    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
+    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return out, maxima
     _penalty_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), logit_mask if logit_mask is not None else out, out, state_rows, output_counts,
         prompt_mask.view(torch.uint8), output_counts.stride(0), repetition_penalty, frequency_penalty,
-        presence_penalty, vocab_size, num_tiles, tiles_per_split, HAS_MASK=logit_mask is not None, TILE=TILE,
+        presence_penalty, maxima, vocab_size, num_tiles, tiles_per_split, num_splits,
+        HAS_MASK=logit_mask is not None, TILE=TILE,
     )
-    return out
+    return out, maxima

@@ -130,8 +130,13 @@ def candidate_floor(
     min_p: torch.Tensor | None,  # [num_rows] float32; 0 = no min_p
     tiles_per_split: int | None = None,
     digit_bits: int = DIGIT_BITS,
+    maxima: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[num_rows] float32: the sampled rows' smallest kept logit (-inf: all kept; undefined in greedy rows)."""
+    """[num_rows] float32: the sampled rows' smallest kept logit (-inf: all kept; undefined in greedy rows).
+
+    `maxima`: [num_rows, num_splits] of this layout, each split's largest logit, when a pass that wrote
+    the logits found them (kernels/penalties.py): min_p alone then reads no logit.
+    """
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
@@ -141,20 +146,23 @@ def candidate_floor(
         return floor
     tile = 4 * LANES
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, tile, tiles_per_split)
-    # min_p alone: one pass for the row maxima
+    # min_p alone: one pass for the row maxima, or none when they are given
     rounds = -(-KEY_BITS[logits.dtype] // digit_bits) if top_k is not None else 1
     if top_k is None:
         top_k = torch.full((num_rows,), vocab_size, dtype=torch.int64, device=device)
     prefix = torch.empty(num_rows, dtype=torch.int64, device=device)
     remaining = torch.empty(num_rows, dtype=torch.int32, device=device)
     hist = torch.empty(num_rows, num_splits, 1 << digit_bits, dtype=torch.int32, device=device)
-    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
+    histograms = rounds > 1 or maxima is None
+    if maxima is None:
+        maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
     for r in range(rounds):
         shift = 32 - digit_bits * (r + 1)
-        _radix_histogram_kernel[(num_rows, num_splits)](
-            logits, logits.stride(0), temperature, top_k, prefix, hist, maxima, vocab_size, num_tiles,
-            tiles_per_split, num_splits, shift, int(r == 0), DIGIT_BITS=digit_bits, TILE=tile,
-        )
+        if histograms:
+            _radix_histogram_kernel[(num_rows, num_splits)](
+                logits, logits.stride(0), temperature, top_k, prefix, hist, maxima, vocab_size, num_tiles,
+                tiles_per_split, num_splits, shift, int(r == 0), DIGIT_BITS=digit_bits, TILE=tile,
+            )
         _radix_select_kernel[(num_rows,)](
             temperature, top_k, min_p if min_p is not None else temperature, prefix, remaining, hist, maxima, floor,
             vocab_size, num_splits, shift, int(r == 0), int(r == rounds - 1), int(min_p is not None),

@@ -51,11 +51,11 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_reqs, vocab] -> one token id per row (and logprobs if asked)."""
         raw_logprobs = logits.float().log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
-        logits = apply_logits_processors(logits, metadata)
+        logits, row_maxima = apply_logits_processors(logits, metadata)
         if metadata.all_greedy:
             token_ids = greedy_argmax(logits) if metadata.use_kernels else logits.argmax(dim=-1)
         elif metadata.seeds is not None:
-            token_ids = fused_draw(logits, metadata)
+            token_ids = fused_draw(logits, metadata, row_maxima)
         else:
             token_ids = sample(logits, metadata)
             if metadata.is_greedy is not None:
@@ -66,8 +66,11 @@ class Sampler(nn.Module):
         return SamplerOutput(token_ids, logprobs)
 
 
-def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Stages 2-4: everything that changes the distribution before temperature."""
+def apply_logits_processors(
+    logits: torch.Tensor, metadata: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stages 2-4: everything that changes the distribution before temperature. Also returns the
+    per-split maxima of the new logits when the fused penalty pass found them (for min_p), else None."""
     if metadata.logits_processors:
         logits = logits.to(torch.float32, copy=True)
         for row, (processors, output_token_ids) in metadata.logits_processors.items():
@@ -88,7 +91,7 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
             logits.float(), metadata.output_counts[rows], metadata.prompt_mask[rows], metadata.repetition_penalty,
             metadata.frequency_penalty, metadata.presence_penalty,
         )
-    return logits
+    return logits, None
 
 
 def apply_penalties(
@@ -113,7 +116,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return greedy_argmax(logits)
 
 
-def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: torch.Tensor | None) -> torch.Tensor:
     """Stages 5-7 in Triton for every row: the candidate floor (top_k, min_p), then the draw."""
     # triton imports only where the metadata chose this path
     from tokenmill.kernels.sampling import gumbel_argmax, top_p_draw
@@ -121,7 +124,7 @@ def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor
 
     temperature, floor = metadata.draw_temperature, None
     if metadata.top_k is not None or metadata.min_p is not None:
-        floor = candidate_floor(logits, temperature, metadata.top_k, metadata.min_p)
+        floor = candidate_floor(logits, temperature, metadata.top_k, metadata.min_p, maxima=row_maxima)
     if metadata.top_p is None:
         return gumbel_argmax(logits, temperature, metadata.seeds, floor=floor)
     # gumbel_argmax, then redraws of the top-p rows whose draw fell outside the nucleus
