@@ -68,9 +68,13 @@ def main() -> None:
             rows.append((f"  pass 1 bf16 T=0.8 lanes={lanes} warps={num_warps}",
                          time_ms(gumbel_split_variant(bf16, ones, seeds, lanes, num_warps))))
     rows.append(("top_p_draw bf16 T=0.8 p=0.95", time_ms(lambda: sampling.top_p_draw(bf16, ones, top_p, seeds))))
+    rows.append(("candidate_floor bf16 top_k=50", time_ms(lambda: candidate_floor(bf16, ones, top_k, None))))
+    for k in (1000, 1024):
+        rows.append((f"candidate_floor bf16 top_k={k}", time_ms(
+            functools.partial(candidate_floor, bf16, ones, torch.full_like(top_k, k), None))))
     for bits in (4, 8):
-        rows.append((f"candidate_floor bf16 top_k=50 digits of {bits} bits",
-                     time_ms(functools.partial(candidate_floor, bf16, ones, top_k, None, digit_bits=bits))))
+        rows.append((f"candidate_floor bf16 top_k=50, radix only, {bits}-bit digits", time_ms(
+            functools.partial(candidate_floor, bf16, ones, top_k, None, digit_bits=bits, fast_top_k=False))))
     rows.append(("candidate_floor fp32 top_k=50", time_ms(lambda: candidate_floor(fp32, ones, top_k, None))))
     rows.append(("candidate_floor bf16 min_p", time_ms(lambda: candidate_floor(bf16, ones, None, min_p))))
     counts = torch.randint(0, 2, (ROWS, VOCAB), dtype=torch.int32, device="cuda", generator=gen)

@@ -37,9 +37,11 @@ def test_top_k_floor_keeps_the_k_largest_and_their_ties(device, dtype):
     temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 2.0, 1.0, 0.0, 0.5])
     ref = candidate_floor_ref(logits, temperature, top_k, None)
     sampled = temperature > 0
-    for tiles_per_split, digit_bits in ((1, 4), (None, 4), (1, 8)):  # three splits per row, and one
+    # Three splits per row, and one; the lane-maxima path for k <= 1024 (row 3's candidates overflow), or
+    # the radix select for every row.
+    for tiles_per_split, digit_bits, fast in ((1, 4, True), (None, 4, True), (1, 8, False), (None, 4, False)):
         floor = candidate_floor(logits.to(device), temperature.to(device), top_k.to(device), None,
-                                tiles_per_split=tiles_per_split, digit_bits=digit_bits).cpu()
+                                tiles_per_split=tiles_per_split, digit_bits=digit_bits, fast_top_k=fast).cpu()
         assert torch.equal(kept(logits, floor)[sampled], kept(logits, ref)[sampled])
         assert floor[5] == float("-inf")  # top_k = vocab: no floor
         counts = kept(logits, floor).sum(-1)

@@ -4,13 +4,19 @@ min_p keeps p >= min_p * p_max, that is x >= max(x) + T * log(min_p). top_k keep
 as large as the k-th largest (ties with it are kept, as the torch full-vocabulary path does). The
 draw kernels (kernels/sampling.py) then sample among the logits >= floor.
 
-The k-th largest logit comes from a radix select on an order-preserving integer key of each logit
-(float32 bits, sign-folded): round by round, a histogram of the next digit (DIGIT_BITS bits) of the
-keys that share the prefix found so far, over vocabulary splits in parallel; then one program per row
-sums the splits and picks the digit at which the count from the top reaches k. The keys of bfloat16
-and float16 logits differ only in their high 16 and 19 bits, so fewer rounds find the exact value
-than for float32. Small digits keep the histogram cheap (Triton builds it from one warp ballot per
-bit, and per bin) and tiles without a key of the prefix skip it.
+The k-th largest logit, for k up to MAX_FAST_K, takes three passes:
+  1. per (row, split), the k-th largest of the split's lane maxima (a sort of TILE values): the split
+     has k distinct tokens at least that large, so the largest of these over the splits, L, is at most
+     the row's k-th largest;
+  2. the tokens >= L (typically a few times k) are gathered into CANDIDATES slots per row;
+  3. one program per row sorts them: the k-th is exact.
+Rows whose candidates overflow, and larger k, take a radix select on an order-preserving integer key
+of each logit (float32 bits, sign-folded): round by round, a histogram of the next digit (DIGIT_BITS
+bits) of the keys that share the prefix found so far, over vocabulary splits in parallel; then one
+program per row sums the splits and picks the digit at which the count from the top reaches k.
+The keys of bfloat16 and float16 logits differ only in their high 16 and 19 bits, so fewer rounds
+find the exact value than for float32. Its launches run for every batch with a top_k; rows that do
+not need them leave at once.
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ import triton.language as tl
 
 from tokenmill.kernels.sampling import LANES, split_layout
 
+TILE = 4 * LANES  # tokens per tile, as in the draw kernels
+
 DIGIT_BITS = 4
+MAX_FAST_K = TILE
+"""Largest k of the three-pass path: the lane maxima of a split are one tile (TILE values) to sort."""
+CANDIDATES = 2048
+"""Slots per row for the tokens >= L; a row with more takes the radix select."""
+BOUND_SPLITS = 4
+"""Splits per row in pass 1. Fewer splits, looser L: about BOUND_SPLITS * k candidates."""
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
 """The high bits of the float32 key in which two values of the logits dtype can differ."""
 
@@ -42,20 +56,22 @@ def _key_value(key):
     return bits.to(tl.int32).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "shift", "first_round"])
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "shift", "has_select", "need_max"])
 def _radix_histogram_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_k_ptr, prefix_ptr, hist_ptr, max_ptr,
-    vocab_size, num_tiles, tiles_per_split, num_splits, shift, first_round,
+    logits_ptr, stride_row, temperature_ptr, select_ptr, prefix_ptr, hist_ptr, max_ptr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, shift, has_select, need_max,
     DIGIT_BITS: tl.constexpr, TILE: tl.constexpr,
 ):
-    """Per (row, split): counts of the next digit (bits shift .. shift + 7 of the key) among the keys whose
-    higher bits equal the row's prefix; in the first round also the split's largest logit, for min_p."""
+    """Per (row, split) of the rows flagged in `select_ptr`: counts of the next digit (bits shift ..
+    shift + DIGIT_BITS - 1 of the key) among the keys whose higher bits equal the row's prefix; with
+    `need_max` (the first round) the split's largest logit too, for min_p."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    if tl.load(temperature_ptr + row) > 0:
+    selects = (has_select != 0) & (tl.load(select_ptr + row) != 0)
+    if (tl.load(temperature_ptr + row) > 0) & (selects | (need_max != 0)):
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        selects = tl.load(top_k_ptr + row) < vocab_size
-        prefix = tl.where(first_round != 0, 0, tl.load(prefix_ptr + row)).to(tl.uint32)  # unset before round 1
+        first_round = shift == 32 - DIGIT_BITS
+        prefix = tl.where(first_round, 0, tl.load(prefix_ptr + row)).to(tl.uint32)  # unset before round 1
         cols = tl.arange(0, TILE)
         top = tl.full([TILE], float("-inf"), tl.float32)
         NUM_BINS: tl.constexpr = 1 << DIGIT_BITS
@@ -74,24 +90,24 @@ def _radix_histogram_kernel(
                     counts += tl.histogram(((key >> shift) & (NUM_BINS - 1)).to(tl.int32), NUM_BINS, mask=match)
         if selects:
             tl.store(hist_ptr + (row * num_splits + split) * NUM_BINS + tl.arange(0, NUM_BINS), counts)
-        if first_round != 0:
+        if need_max != 0:
             tl.store(max_ptr + row * num_splits + split, tl.max(top, 0))
 
 
-@triton.jit(do_not_specialize=["num_splits", "shift", "first_round", "last_round", "has_min_p"])
+@triton.jit(do_not_specialize=["num_splits", "shift", "has_select", "last_round", "has_min_p"])
 def _radix_select_kernel(
-    temperature_ptr, top_k_ptr, min_p_ptr, prefix_ptr, remaining_ptr, hist_ptr, max_ptr, floor_ptr,
-    vocab_size, num_splits, shift, first_round, last_round, has_min_p,
-    DIGIT_BITS: tl.constexpr, BLOCK: tl.constexpr,
+    temperature_ptr, top_k_ptr, select_ptr, min_p_ptr, prefix_ptr, remaining_ptr, hist_ptr, max_ptr, floor_ptr,
+    num_splits, shift, has_select, last_round, has_min_p, DIGIT_BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Per row: the next digit of the k-th largest key; after the last round, the row's floor."""
+    """Per row: the next digit of the k-th largest key (rows flagged in `select_ptr`); after the last round,
+    the row's floor: the k-th largest (or the floor the fast path left), raised to min_p's bound."""
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0:
-        k = tl.load(top_k_ptr + row)
-        floor = tl.full([], float("-inf"), tl.float32)
-        if k < vocab_size:
-            if first_round != 0:
+        floor = tl.load(floor_ptr + row)
+        if (has_select != 0) & (tl.load(select_ptr + row) != 0):
+            k = tl.load(top_k_ptr + row)
+            if shift == 32 - DIGIT_BITS:  # the first round
                 prefix = tl.zeros([], tl.int64)
                 wanted = k.to(tl.int32)
             else:
@@ -123,6 +139,83 @@ def _radix_select_kernel(
             tl.store(floor_ptr + row, floor)
 
 
+@triton.jit
+def _fast_path_row(temperature_ptr, top_k_ptr, row, vocab_size, MAX_K: tl.constexpr):
+    k = tl.load(top_k_ptr + row)
+    return (tl.load(temperature_ptr + row) > 0) & (k < vocab_size) & (k <= MAX_K), k
+
+
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])
+def _lane_bound_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_k_ptr, bound_ptr, vocab_size, num_tiles, tiles_per_split,
+    num_splits, TILE: tl.constexpr,
+):
+    """Pass 1, per (row, split): the k-th largest of the split's lane maxima."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    fast, k = _fast_path_row(temperature_ptr, top_k_ptr, row, vocab_size, TILE)
+    if fast:
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        cols = tl.arange(0, TILE)
+        lane_top = tl.full([TILE], float("-inf"), tl.float32)
+        first_tile = split * tiles_per_split
+        for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
+            token = tile * TILE + cols
+            lane_top = tl.maximum(lane_top, tl.load(row_ptr + token, mask=token < vocab_size,
+                                                    other=float("-inf")).to(tl.float32))
+        ordered = tl.sort(lane_top, descending=True)
+        tl.store(bound_ptr + row * num_splits + split, tl.max(tl.where(cols == k - 1, ordered, float("-inf")), 0))
+
+
+@triton.jit(do_not_specialize=["tiles_per_split", "bound_splits"])
+def _gather_candidates_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_k_ptr, bound_ptr, count_ptr, candidate_ptr, vocab_size,
+    num_tiles, tiles_per_split, bound_splits, TILE: tl.constexpr, BLOCK: tl.constexpr, CAPACITY: tl.constexpr,
+):
+    """Pass 2, per (row, split): the logits >= L into the row's slots (in any order; a count past CAPACITY
+    marks an overflow)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    fast, _ = _fast_path_row(temperature_ptr, top_k_ptr, row, vocab_size, TILE)
+    if fast:
+        splits = tl.arange(0, BLOCK)
+        bound = tl.max(tl.load(bound_ptr + row * bound_splits + splits, mask=splits < bound_splits,
+                               other=float("-inf")), 0)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        cols = tl.arange(0, TILE)
+        first_tile = split * tiles_per_split
+        for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
+            token = tile * TILE + cols
+            valid = token < vocab_size
+            x = tl.load(row_ptr + token, mask=valid, other=float("-inf")).to(tl.float32)
+            kept = (valid & (x >= bound)).to(tl.int32)
+            num_kept = tl.sum(kept, 0)
+            if num_kept > 0:
+                slot = tl.atomic_add(count_ptr + row, num_kept) + tl.cumsum(kept, 0) - 1
+                tl.store(candidate_ptr + row * CAPACITY + slot, x, mask=(kept != 0) & (slot < CAPACITY))
+
+
+@triton.jit
+def _select_candidates_kernel(
+    temperature_ptr, top_k_ptr, count_ptr, candidate_ptr, floor_ptr, select_ptr, vocab_size,
+    MAX_K: tl.constexpr, CAPACITY: tl.constexpr,
+):
+    """Pass 3, per row: the k-th largest candidate is the floor; rows that overflowed (or have a k above
+    MAX_K) are flagged for the radix select."""
+    row = tl.program_id(0)
+    fast, k = _fast_path_row(temperature_ptr, top_k_ptr, row, vocab_size, MAX_K)
+    radix = ((tl.load(temperature_ptr + row) > 0) & (k < vocab_size)).to(tl.int32)
+    if fast:
+        count = tl.load(count_ptr + row)
+        if count <= CAPACITY:
+            slots = tl.arange(0, CAPACITY)
+            values = tl.load(candidate_ptr + row * CAPACITY + slots, mask=slots < count, other=float("-inf"))
+            ordered = tl.sort(values, descending=True)
+            tl.store(floor_ptr + row, tl.max(tl.where(slots == k - 1, ordered, float("-inf")), 0))
+            radix = radix * 0
+    tl.store(select_ptr + row, radix)
+
+
 def candidate_floor(
     logits: torch.Tensor,  # [num_rows, vocab] float32/float16/bfloat16; any row stride
     temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (no floor)
@@ -131,44 +224,81 @@ def candidate_floor(
     tiles_per_split: int | None = None,
     digit_bits: int = DIGIT_BITS,
     maxima: torch.Tensor | None = None,
+    fast_top_k: bool = True,
 ) -> torch.Tensor:
     """[num_rows] float32: the sampled rows' smallest kept logit (-inf: all kept; undefined in greedy rows).
 
     `maxima`: [num_rows, num_splits] of this layout, each split's largest logit, when a pass that wrote
-    the logits found them (kernels/penalties.py): min_p alone then reads no logit.
+    the logits found them (kernels/penalties.py): min_p alone then reads no logit. `fast_top_k=False`
+    sends every top_k row to the radix select (tests and benchmarks).
     """
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
     device = logits.device
-    floor = torch.empty(num_rows, dtype=torch.float32, device=device)
+    floor = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=device)
     if num_rows == 0:
         return floor
-    tile = 4 * LANES
-    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, tile, tiles_per_split)
-    # min_p alone: one pass for the row maxima, or none when they are given
-    rounds = -(-KEY_BITS[logits.dtype] // digit_bits) if top_k is not None else 1
-    if top_k is None:
-        top_k = torch.full((num_rows,), vocab_size, dtype=torch.int64, device=device)
+    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE, tiles_per_split)
     prefix = torch.empty(num_rows, dtype=torch.int64, device=device)
     remaining = torch.empty(num_rows, dtype=torch.int32, device=device)
-    hist = torch.empty(num_rows, num_splits, 1 << digit_bits, dtype=torch.int32, device=device)
-    histograms = rounds > 1 or maxima is None
+    # Without a top_k, placeholders of the same dtypes: one compiled variant of each kernel.
+    select, top_k_or_placeholder = remaining, prefix
+    if top_k is not None:
+        top_k_or_placeholder = top_k
+        if fast_top_k:
+            select = _fast_top_k(logits, temperature, top_k, floor, num_tiles, tiles_per_split, num_splits)
+        else:
+            select = ((top_k < vocab_size) & (temperature > 0)).to(torch.int32)
+    need_max = min_p is not None and maxima is None
     if maxima is None:
         maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
+    rounds = -(-KEY_BITS[logits.dtype] // digit_bits) if top_k is not None else 1
+    hist = torch.empty(num_rows, num_splits, 1 << digit_bits, dtype=torch.int32, device=device)
+    has_select = int(top_k is not None)
     for r in range(rounds):
         shift = 32 - digit_bits * (r + 1)
-        if histograms:
+        if has_select or need_max:
             _radix_histogram_kernel[(num_rows, num_splits)](
-                logits, logits.stride(0), temperature, top_k, prefix, hist, maxima, vocab_size, num_tiles,
-                tiles_per_split, num_splits, shift, int(r == 0), DIGIT_BITS=digit_bits, TILE=tile,
+                logits, logits.stride(0), temperature, select, prefix, hist, maxima, vocab_size, num_tiles,
+                tiles_per_split, num_splits, shift, has_select, int(need_max and r == 0), DIGIT_BITS=digit_bits,
+                TILE=TILE,
             )
         _radix_select_kernel[(num_rows,)](
-            temperature, top_k, min_p if min_p is not None else temperature, prefix, remaining, hist, maxima, floor,
-            vocab_size, num_splits, shift, int(r == 0), int(r == rounds - 1), int(min_p is not None),
-            DIGIT_BITS=digit_bits, BLOCK=triton.next_power_of_2(num_splits),
+            temperature, top_k_or_placeholder, select, min_p if min_p is not None else temperature,
+            prefix, remaining, hist, maxima, floor, num_splits, shift, has_select, int(r == rounds - 1),
+            int(min_p is not None), DIGIT_BITS=digit_bits, BLOCK=triton.next_power_of_2(num_splits),
         )
     return floor
+
+
+def _fast_top_k(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, floor: torch.Tensor,
+    num_tiles: int, tiles_per_split: int, num_splits: int,
+) -> torch.Tensor:
+    """The three passes: the k-th largest into `floor` where they find it; returns [num_rows] int32, 1 for
+    the rows left to the radix select."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    bound_tiles = triton.cdiv(num_tiles, BOUND_SPLITS)
+    bound_splits = triton.cdiv(num_tiles, bound_tiles)
+    bounds = torch.empty(num_rows, bound_splits, dtype=torch.float32, device=device)
+    _lane_bound_kernel[(num_rows, bound_splits)](
+        logits, logits.stride(0), temperature, top_k, bounds, vocab_size, num_tiles, bound_tiles, bound_splits,
+        TILE=TILE,
+    )
+    counts = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    candidates = torch.empty(num_rows, CANDIDATES, dtype=torch.float32, device=device)
+    _gather_candidates_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), temperature, top_k, bounds, counts, candidates, vocab_size, num_tiles,
+        tiles_per_split, bound_splits, TILE=TILE, BLOCK=triton.next_power_of_2(bound_splits), CAPACITY=CANDIDATES,
+    )
+    select = torch.empty(num_rows, dtype=torch.int32, device=device)
+    _select_candidates_kernel[(num_rows,)](
+        temperature, top_k, counts, candidates, floor, select, vocab_size, MAX_K=MAX_FAST_K, CAPACITY=CANDIDATES,
+        num_warps=8,
+    )
+    return select
 
 
 def candidate_floor_ref(
