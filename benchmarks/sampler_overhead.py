@@ -1,7 +1,7 @@
 """What the sampler costs per decode step at batch 256 (Qwen3-0.6B, dummy weights), on the GPU.
 
-Runs 256 requests to steady-state decoding, then times engine steps (wall clock over many steps: in
-steady state their mean is the step time, whether or not the engine overlaps scheduling with the GPU),
+Runs 256 requests to steady-state decoding, then times engine steps (the median of their wall times: in
+steady state that is the step time, whether or not the engine overlaps scheduling with the GPU),
 the sampler's kernels (CUDA events around Sampler.forward) and the host-side build of its metadata.
 
     python3 benchmarks/sampler_overhead.py [--model benchmarks/models/qwen3-0.6b]
@@ -10,6 +10,7 @@ the sampler's kernels (CUDA events around Sampler.forward) and the host-side bui
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -119,10 +120,12 @@ def main() -> None:
             engine.step()  # warm decode steps
         timers.reset()
         sync()
-        start = time.perf_counter()
+        step_times = []
         for _ in range(args.steps):
+            start = time.perf_counter()
             engine.step()
-        step_ms = (time.perf_counter() - start) / args.steps * 1e3
+            step_times.append(time.perf_counter() - start)
+        step_ms = statistics.median(step_times) * 1e3  # the median: robust to a stray host pause
         sync()
         sampler_ms = timers.sampler_ms()
         host_ms = sum(timers.host_s) / len(timers.host_s) * 1e3

@@ -177,3 +177,32 @@ def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):
     assert out[0] in penalised[0].topk(4).indices
     probs = penalised[1].softmax(-1)
     assert probs[out[1]] >= 0.5 * probs.max()
+
+
+def test_rows_drawn_among_their_candidates_get_the_full_vocabulary_draw(device):
+    """candidate_floor's draw of the small-top_k rows equals top_p_draw over the whole row (same noise,
+    same rejection rounds); the other rows are left to it, with their temperature unchanged."""
+    from tokenmill.kernels.sampling import top_p_draw_ref
+    from tokenmill.kernels.sampling_floor import CandidateDraw, candidate_floor, candidate_floor_ref
+
+    vocab = 1500
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(17)) * 2
+    logits[5, :40] = 4.0  # ties across the k-th value
+    temperature = torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 1.0, 0.9])
+    top_k = torch.tensor([3, 10, 50, 5, 300, 20, 256])  # row 4: above MAX_FAST_K, the radix select's
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.5, 0.8, 0.3, 0.95])
+    min_p = torch.tensor([0.0, 0.0, 0.2, 0.0, 0.0, 0.1, 0.0])
+    seeds = make_seeds(7, 18)
+    floor_ref = candidate_floor_ref(logits, temperature, top_k, min_p)
+    expected = top_p_draw_ref(logits, temperature, top_p, seeds, floor=floor_ref)
+    on = [t.to(device) for t in (logits, temperature, top_k, min_p, top_p, seeds)]
+    tokens = torch.full((7,), -1, dtype=torch.int64, device=device)
+    draw = CandidateDraw(on[4], on[5], tokens, on[1].clone())
+    floor = candidate_floor(on[0], on[1], on[2], on[3], draw=draw).cpu()
+    drawn = torch.tensor([True, True, True, False, False, True, True])
+    assert torch.equal(draw.temperature.cpu() == -1, drawn)
+    assert torch.equal(draw.temperature.cpu()[~drawn], temperature[~drawn])
+    assert torch.equal(tokens.cpu()[drawn], expected[drawn])
+    assert (tokens.cpu()[~drawn] == -1).all()
+    sampled = temperature > 0
+    assert torch.equal(kept(logits, floor)[sampled], kept(logits, floor_ref)[sampled])

@@ -119,6 +119,42 @@ def _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature, seed,
 
 
 @triton.jit
+def _candidate_best(x, ids, seed, draw, temperature, pivot, LANES: tl.constexpr):
+    """_sampled_best over gathered candidates (x: their logits, -inf in empty slots; ids: their token ids),
+    with each token's noise from the same Philox counter as over the whole row: the same draw."""
+    tile = ids // (4 * LANES)
+    part = (ids - tile * 4 * LANES) // LANES
+    lane = ids - tile * 4 * LANES - part * LANES
+    r0, r1, r2, r3 = tl.randint4x(seed, (draw.to(tl.int64) << 32) + tile * LANES + lane)
+    bits = tl.where(part == 0, r0, tl.where(part == 1, r1, tl.where(part == 2, r2, r3)))
+    u = tl.clamp(tl.random.uint_to_uniform_float(bits), U_MIN, U_MAX)
+    score = tl.where(x > pivot, x, float("-inf")) + temperature * _gumbel(u)
+    return tl.min(tl.where(score == tl.max(score, 0), ids, 2147483647), 0)
+
+
+@triton.jit
+def candidate_draw(x, ids, seed, temperature, top_p, row_max, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr):
+    """top_p_draw's rejection rounds over gathered candidates (x: their logits, -inf in empty slots),
+    with its noise streams, in one program: its token, up to float rounding in the masses."""
+    draws = tl.zeros([], tl.int32)
+    token = _candidate_best(x, ids, seed, draws, temperature, float("-inf"), LANES)
+    if top_p < 1.0:
+        p = tl.exp((x - row_max) / temperature)
+        limit = top_p * tl.sum(p, 0)
+        pivot = tl.max(tl.where(ids == token, x, float("-inf")), 0)
+        mass = tl.sum(tl.where(x > pivot, p, 0.0), 0)
+        draws += 1
+        while (mass >= limit) & (draws < MAX_DRAWS):
+            token = _candidate_best(x, ids, seed, draws, temperature, pivot, LANES)
+            pivot = tl.max(tl.where(ids == token, x, float("-inf")), 0)
+            mass = tl.sum(tl.where(x > pivot, p, 0.0), 0)
+            draws += 1
+        if mass >= limit:  # out of draws: the most likely token, as top_p_draw
+            token = tl.min(tl.where(x == row_max, ids, 2147483647), 0)
+    return token
+
+
+@triton.jit
 def _row_floor(floor_ptr, row, has_floor):
     """The row's floor, or -inf without one (a runtime flag: one compiled variant serves both)."""
     return tl.where(has_floor != 0, tl.load(floor_ptr + row), float("-inf"))
@@ -154,10 +190,12 @@ def _gumbel_argmax_split_kernel(
                                           tl.load(seed_ptr + row), counter_hi, _row_floor(floor_ptr, row, has_floor),
                                           float("-inf"), LANES)
         tl.store(max_ptr + row * num_splits + split, top)  # the nucleus pass's softmax reference
-    else:  # greedy rows skip the noise altogether
+        tl.store(value_ptr + row * num_splits + split, value)
+        tl.store(index_ptr + row * num_splits + split, index)
+    elif temperature == 0:  # greedy rows skip the noise altogether
         value, index = _greedy_best(row_ptr, vocab_size, first_tile, last_tile, 4 * LANES)
-    tl.store(value_ptr + row * num_splits + split, value)
-    tl.store(index_ptr + row * num_splits + split, index)
+        tl.store(value_ptr + row * num_splits + split, value)
+        tl.store(index_ptr + row * num_splits + split, index)
 
 
 @triton.jit
@@ -172,9 +210,10 @@ def _best_split(value_ptr, index_ptr, row, num_splits, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _best_split_kernel(value_ptr, index_ptr, out_ptr, num_splits, BLOCK: tl.constexpr):
+def _best_split_kernel(temperature_ptr, value_ptr, index_ptr, out_ptr, num_splits, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    tl.store(out_ptr + row, _best_split(value_ptr, index_ptr, row, num_splits, BLOCK).to(tl.int64))
+    if tl.load(temperature_ptr + row) >= 0:  # a negative temperature: the row's token is already drawn
+        tl.store(out_ptr + row, _best_split(value_ptr, index_ptr, row, num_splits, BLOCK).to(tl.int64))
 
 
 # top-p. Per (row, split) the nucleus pass keeps 4 floats: the split's largest candidate logit / T
@@ -352,13 +391,14 @@ def split_layout(num_rows: int, vocab_size: int, tile: int, tiles_per_split: int
 
 def gumbel_argmax(
     logits: torch.Tensor,  # [num_rows, vocab] float32/float16/bfloat16; any row stride
-    temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax)
+    temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax); < 0: skip the row
     seeds: torch.Tensor,  # [num_rows] int64 Philox key per row
     offsets: torch.Tensor | None = None,  # [num_rows] int64 Philox stream per row (low 32 bits); None = 0
     floor: torch.Tensor | None = None,  # [num_rows] float32: sampled rows draw among logits >= floor
     lanes: int = LANES,
     tiles_per_split: int | None = None,
     maxima: torch.Tensor | None = None,  # [num_rows, num_splits] float32 out: each split's largest candidate
+    out: torch.Tensor | None = None,  # [num_rows] int64: the tokens go here (skipped rows keep theirs)
 ) -> torch.Tensor:
     """One token per row: argmax(logits + T * Gumbel noise), no host sync. Returns [num_rows] int64.
 
@@ -368,7 +408,8 @@ def gumbel_argmax(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, 4 * lanes, tiles_per_split)
@@ -381,7 +422,8 @@ def gumbel_argmax(
         floor if floor is not None else temperature, values, indices, maxima, vocab_size, num_tiles, tiles_per_split,
         num_splits, int(floor is not None), HAS_OFFSETS=offsets is not None, LANES=lanes,
     )
-    _best_split_kernel[(num_rows,)](values, indices, out, num_splits, BLOCK=triton.next_power_of_2(num_tiles))
+    _best_split_kernel[(num_rows,)](temperature, values, indices, out, num_splits,
+                                    BLOCK=triton.next_power_of_2(num_tiles))
     return out
 
 
@@ -395,13 +437,14 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def top_p_draw(
     logits: torch.Tensor,  # [num_rows, vocab] float32/float16/bfloat16; any row stride
-    temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax)
+    temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax); < 0: skip the row
     top_p: torch.Tensor,  # [num_rows] float32 in (0, 1]; 1 = the whole row
     seeds: torch.Tensor,  # [num_rows] int64 Philox key per row
     floor: torch.Tensor | None = None,  # [num_rows] float32: the nucleus of the logits >= floor
     lanes: int = LANES,
     tiles_per_split: int | None = None,
     parallel_rounds: int = PARALLEL_ROUNDS,
+    out: torch.Tensor | None = None,  # [num_rows] int64: the tokens go here (skipped rows keep theirs)
 ) -> torch.Tensor:
     """One token per row from softmax(logits / T) restricted to its top-p nucleus, without a sort; no host sync.
 
@@ -422,7 +465,7 @@ def top_p_draw(
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, 4 * lanes, tiles_per_split)
     maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
     tokens = gumbel_argmax(logits, temperature, seeds, floor=floor, lanes=lanes, tiles_per_split=tiles_per_split,
-                           maxima=maxima)
+                           maxima=maxima, out=out)
     if num_rows == 0:
         return tokens
     device, has_floor, block = logits.device, int(floor is not None), triton.next_power_of_2(num_tiles)
