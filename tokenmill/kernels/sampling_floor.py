@@ -33,8 +33,9 @@ from tokenmill.kernels.sampling import LANES, MAX_DRAWS, candidate_draw, split_l
 
 TILE = 4 * LANES  # tokens per tile, as in the draw kernels
 
-DIGIT_BITS = 4
-"""Radix digit: 16 bins (Triton's histogram costs a warp ballot per bin, so wider digits cost more)."""
+DIGIT_BITS = 8
+"""Radix digit: 8 bits, 2 rounds for 16-bit logits. 4-bit digits cost the same in all (a 16-bin round
+costs half a 256-bin one: Triton's histogram takes a warp ballot per bin) but need twice the launches."""
 CANDIDATES = 2048
 """Slots per row for the tokens >= L; a row with more takes the radix select."""
 BOUND_SPLITS = 4
