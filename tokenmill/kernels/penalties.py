@@ -18,7 +18,7 @@ from tokenmill.kernels.sampling import LANES, split_layout
 TILE = 4 * LANES  # the tiles of candidate_floor, whose split layout the maxima follow
 
 
-@triton.jit(do_not_specialize=["tiles_per_split"])
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])  # they change with the batch size
 def _penalty_kernel(
     logits_ptr, stride_row, mask_ptr, out_ptr, state_row_ptr, counts_ptr, prompt_ptr, stride_state,
     repetition_ptr, frequency_ptr, presence_ptr, max_ptr, vocab_size, num_tiles, tiles_per_split, num_splits,

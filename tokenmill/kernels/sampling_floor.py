@@ -303,10 +303,11 @@ def candidate_floor(
                 tiles_per_split, num_splits, shift, has_select, int(need_max and r == 0), DIGIT_BITS=digit_bits,
                 TILE=TILE,
             )
+        # BLOCK (>= the split count) from the tile count, which the batch size does not change: one variant.
         _radix_select_kernel[(num_rows,)](
             temperature, top_k_or_placeholder, select, min_p if min_p is not None else temperature,
             prefix, remaining, hist, maxima, floor, num_splits, shift, has_select, int(r == rounds - 1),
-            int(min_p is not None), DIGIT_BITS=digit_bits, BLOCK=triton.next_power_of_2(num_splits),
+            int(min_p is not None), DIGIT_BITS=digit_bits, BLOCK=triton.next_power_of_2(num_tiles),
         )
     return floor
 
