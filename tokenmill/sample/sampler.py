@@ -55,7 +55,7 @@ class Sampler(nn.Module):
         raw_logprobs = logits.float().log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         logits, row_maxima = apply_logits_processors(logits, metadata)
         if metadata.all_greedy:
-            token_ids = greedy_argmax(logits) if metadata.use_kernels else logits.argmax(dim=-1)
+            token_ids = kernel_argmax(logits) if metadata.use_kernels else logits.argmax(dim=-1)
         elif metadata.seeds is not None:
             token_ids = fused_draw(logits, metadata, row_maxima)
         else:
@@ -112,7 +112,7 @@ def apply_penalties(
     return logits - presence_penalty.unsqueeze(1) * (output_counts > 0)
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def kernel_argmax(logits: torch.Tensor) -> torch.Tensor:
     from tokenmill.kernels.sampling import greedy_argmax  # triton only where it runs
 
     return greedy_argmax(logits)
