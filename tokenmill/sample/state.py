@@ -55,10 +55,13 @@ class SamplingState:
         self.output_counts[row].zero_()
         self.output_counts[row].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
 
-    def record_sampled(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
-        """Count the new tokens (rows without penalties are counted too; nobody reads them)."""
+    def record_sampled(self, rows: np.ndarray, token_ids: torch.Tensor, rows_on_device: torch.Tensor | None) -> None:
+        """Count the new tokens (rows without penalties are counted too; nobody reads them).
+        `rows_on_device`: `rows` already copied to the device (the metadata's penalty_rows), if any."""
         if self.output_counts is not None:
-            index = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            index = rows_on_device
+            if index is None:
+                index = torch.from_numpy(rows).to(self.device, non_blocking=True)
             self.output_counts.index_put_((index, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
                                           accumulate=True)
 

@@ -117,7 +117,7 @@ class ModelRunner:
             self._last_pending.result()  # the slow path reads the last step's tokens on the host
         metadata = self.sampling_state.build_metadata(rows, self.states)
         output = self.sampler(logits, metadata)
-        self.sampling_state.record_sampled(rows, output.token_ids)
+        self.sampling_state.record_sampled(rows, output.token_ids, metadata.penalty_rows)
         row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))
         sampled_ids = [row_to_id[row] for row in rows.tolist()]
         num_logprobs = None
