@@ -206,3 +206,53 @@ def test_rows_drawn_among_their_candidates_get_the_full_vocabulary_draw(device):
     assert (tokens.cpu()[~drawn] == -1).all()
     sampled = temperature > 0
     assert torch.equal(kept(logits, floor)[sampled], kept(logits, floor_ref)[sampled])
+
+
+def test_rows_whose_candidates_overflow_take_one_program_each(device):
+    """With every top_k small, rows whose candidates overflow the slots (ties) get their floor and token from
+    the per-row program: the same as the reference, like the rows served by the three passes."""
+    from tokenmill.kernels.sampling import top_p_draw_ref
+    from tokenmill.kernels.sampling_floor import CANDIDATES, CandidateDraw, candidate_floor, candidate_floor_ref
+
+    vocab = 2500
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(19)) * 2
+    logits[0] = 1.5  # every logit tied: all are candidates
+    logits[1, : CANDIDATES + 50] = 6.0  # more ties at the top than slots
+    logits = logits.to(torch.bfloat16)
+    temperature = torch.tensor([1.0, 0.8, 1.0, 0.7])
+    top_k = torch.tensor([5, 10, 40, 3])
+    top_p = torch.tensor([0.5, 0.9, 0.7, 1.0])
+    min_p = torch.tensor([0.0, 0.1, 0.05, 0.0])
+    seeds = make_seeds(4, 20)
+    floor_ref = candidate_floor_ref(logits, temperature, top_k, min_p)
+    expected = top_p_draw_ref(logits, temperature, top_p, seeds, floor=floor_ref)
+    on = [t.to(device) for t in (logits, temperature, top_k, min_p, top_p, seeds)]
+    draw = CandidateDraw(on[4], on[5], torch.full((4,), -1, dtype=torch.int64, device=device), on[1].clone())
+    floor = candidate_floor(on[0], on[1], on[2], on[3], draw=draw, small_top_k=True).cpu()
+    assert torch.equal(kept(logits, floor), kept(logits, floor_ref))
+    assert (draw.temperature.cpu() == -1).all()
+    assert torch.equal(draw.tokens.cpu(), expected)
+    assert logits[1, expected[1]] == 6.0 and kept(logits, floor).sum(-1)[0] == vocab
+
+
+def test_sampler_with_small_top_k_in_every_row_draws_each_row_by_itself(device):
+    """Every row drawn among its candidates (no full-vocabulary pass): a seeded row's token is the reference's,
+    alone and beside another row."""
+    from tokenmill.kernels.sampling import top_p_draw_ref
+    from tokenmill.kernels.sampling_floor import candidate_floor_ref
+
+    vocab, step_seed = 300, 123456789
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(21)) * 2
+    seeded = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, seed=5)
+    other = SamplingParams(temperature=1.0, top_k=7, min_p=0.1)
+
+    def run(params, rows):
+        meta = build_sampling_metadata(params, {}, vocab, torch.device(device), row_seeds={0: step_seed},
+                                       use_kernel=True)
+        assert meta.max_top_k == max(p.top_k for p in params) and not meta.has_greedy_rows
+        return Sampler()(logits[rows].to(device), meta).token_ids.cpu()
+
+    t, k, p = torch.tensor([0.9]), torch.tensor([20]), torch.tensor([0.8])
+    expected = top_p_draw_ref(logits[:1], t, p, torch.tensor([step_seed]), floor=candidate_floor_ref(logits[:1], t, k,
+                                                                                                      None))
+    assert run([seeded], [0])[0] == expected[0] == run([seeded, other], [0, 1])[0]

@@ -360,6 +360,26 @@ def _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, to
     return token
 
 
+@triton.jit
+def row_draw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, top_p, LANES: tl.constexpr,
+             MAX_DRAWS: tl.constexpr):
+    """top_p_draw's whole algorithm for one row in one program (a slow path: the program reads the row a
+    few times): the first draw, the nucleus mass, the redraws. The same token as over vocabulary splits,
+    up to float rounding in the masses."""
+    _, token, top = _sampled_best(row_ptr, vocab_size, 0, num_tiles, temperature, seed, 0, floor, float("-inf"),
+                                  LANES)
+    if top_p < 1.0:
+        inv_temperature = 1.0 / temperature
+        row_top = top * inv_temperature
+        total, mass = _candidate_mass(row_ptr, vocab_size, 0, num_tiles, inv_temperature, floor,
+                                      tl.load(row_ptr + token).to(tl.float32), row_top, 4 * LANES)
+        limit = top_p * total
+        if mass >= limit:
+            token = _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, token, row_top, limit,
+                                    mass, tl.full([], 1, tl.int32), LANES, MAX_DRAWS)
+    return token
+
+
 @triton.jit(do_not_specialize=["num_splits", "first_draw", "has_floor"])
 def _nucleus_finish_kernel(
     logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, seed_ptr, token_ptr, stats_ptr,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.sampling import LANES, MAX_DRAWS, candidate_draw, split_layout
+from tokenmill.kernels.sampling import LANES, MAX_DRAWS, candidate_draw, row_draw, split_layout
 
 TILE = 4 * LANES  # tokens per tile, as in the draw kernels
 
@@ -60,6 +60,15 @@ def _key_value(key):
     """The float32 whose key is `key` (an int64 in [0, 2^32): the inverse of _order_key)."""
     bits = tl.where(key >= 2147483648, key - 2147483648, -1 - key)
     return bits.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pick_digit(counts, wanted, NUM_BINS: tl.constexpr):
+    """counts[i]: the keys whose digit is NUM_BINS - 1 - i. The digit at which the count from the top
+    reaches `wanted`, and how many keys have a larger digit."""
+    at_or_above = tl.cumsum(counts, 0)
+    i = tl.min(tl.where(at_or_above >= wanted, tl.arange(0, NUM_BINS), NUM_BINS), 0)
+    return NUM_BINS - 1 - i, tl.sum(tl.where(tl.arange(0, NUM_BINS) == i, at_or_above - counts, 0), 0)
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "shift", "has_select", "need_max"])
@@ -125,24 +134,28 @@ def _radix_select_kernel(
             counts = tl.zeros([NUM_BINS], tl.int32)
             for split in range(num_splits):
                 counts += tl.load(hist_ptr + (row * num_splits + split) * NUM_BINS + down)
-            at_or_above = tl.cumsum(counts, 0)
-            i = tl.min(tl.where(at_or_above >= wanted, tl.arange(0, NUM_BINS), NUM_BINS), 0)
-            above = tl.sum(tl.where(tl.arange(0, NUM_BINS) == i, at_or_above - counts, 0), 0)
-            prefix = (prefix << DIGIT_BITS) | (NUM_BINS - 1 - i)
+            digit, above = _pick_digit(counts, wanted, NUM_BINS)
+            prefix = (prefix << DIGIT_BITS) | digit
             tl.store(prefix_ptr + row, prefix)
             tl.store(remaining_ptr + row, wanted - above)
             # Lower bits zero: for a negative value the key's zeros are the float's trailing ones, so the
             # floor lies between the k-th value and the next lower value of the logits' dtype.
             floor = _key_value(prefix << shift)
         if last_round != 0:
-            if has_min_p != 0:
-                min_p = tl.load(min_p_ptr + row)
-                if min_p > 0:
-                    splits = tl.arange(0, BLOCK)
-                    row_max = tl.max(tl.load(max_ptr + row * num_splits + splits, mask=splits < num_splits,
-                                             other=float("-inf")), 0)
-                    floor = tl.maximum(floor, row_max + temperature * tl.log(min_p))
-            tl.store(floor_ptr + row, floor)
+            splits = tl.arange(0, BLOCK)
+            row_max = tl.max(tl.load(max_ptr + row * num_splits + splits, mask=(splits < num_splits) & (has_min_p != 0),
+                                     other=float("-inf")), 0)
+            tl.store(floor_ptr + row, _with_min_p(floor, row_max, temperature, min_p_ptr, row, has_min_p))
+
+
+@triton.jit
+def _with_min_p(floor, row_max, temperature, min_p_ptr, row, has_min_p):
+    """The floor raised to min_p's bound, max(x) + T * log(min_p), where the row has a min_p."""
+    if has_min_p != 0:
+        min_p = tl.load(min_p_ptr + row)
+        if min_p > 0:
+            floor = tl.maximum(floor, row_max + temperature * tl.log(min_p))
+    return floor
 
 
 @triton.jit
@@ -222,15 +235,12 @@ def _select_candidates_kernel(
             slots = tl.arange(0, CAPACITY)
             values = tl.load(candidate_ptr + row * CAPACITY + slots, mask=slots < count, other=float("-inf"))
             ordered = tl.sort(values, descending=True)
-            floor = tl.max(tl.where(slots == k - 1, ordered, float("-inf")), 0)
+            floor = _with_min_p(tl.max(tl.where(slots == k - 1, ordered, float("-inf")), 0), tl.max(values, 0),
+                                temperature, min_p_ptr, row, has_min_p)
             tl.store(floor_ptr + row, floor)
             radix = radix * 0
             if draw_here != 0:
                 row_max = tl.max(values, 0)
-                if has_min_p != 0:
-                    min_p = tl.load(min_p_ptr + row)
-                    if min_p > 0:
-                        floor = tl.maximum(floor, row_max + temperature * tl.log(min_p))
                 top_p = tl.where(has_top_p != 0, tl.load(top_p_ptr + row), 1.0)
                 ids = tl.load(id_ptr + row * CAPACITY + slots, mask=slots < count, other=0)
                 token = candidate_draw(tl.where(values >= floor, values, float("-inf")), ids,
@@ -238,6 +248,59 @@ def _select_candidates_kernel(
                 tl.store(token_ptr + row, token.to(tl.int64))
                 tl.store(skip_ptr + row, -1.0)
     tl.store(select_ptr + row, radix)
+
+
+@triton.jit
+def _row_kth(row_ptr, vocab_size, num_tiles, k, ROUNDS: tl.constexpr, DIGIT_BITS: tl.constexpr, TILE: tl.constexpr):
+    """The radix select of one row in one program: (the floor of its k-th largest logit, its largest)."""
+    NUM_BINS: tl.constexpr = 1 << DIGIT_BITS
+    cols = tl.arange(0, TILE)
+    prefix = tl.zeros([], tl.int64)
+    wanted = k.to(tl.int32)
+    top = tl.full([TILE], float("-inf"), tl.float32)
+    for r in tl.static_range(ROUNDS):
+        shift: tl.constexpr = 32 - DIGIT_BITS * (r + 1)
+        counts = tl.zeros([NUM_BINS], tl.int32)
+        for tile in range(0, num_tiles):
+            token = tile * TILE + cols
+            valid = token < vocab_size
+            x = tl.load(row_ptr + token, mask=valid, other=float("-inf")).to(tl.float32)
+            if r == 0:
+                top = tl.maximum(top, x)
+            key = _order_key(x)
+            match = valid & (((key >> (shift + DIGIT_BITS - 1)) >> 1) == prefix.to(tl.uint32))
+            # Digits counted from the top: bin i holds digit NUM_BINS - 1 - i.
+            counts += tl.histogram((NUM_BINS - 1 - ((key >> shift) & (NUM_BINS - 1))).to(tl.int32), NUM_BINS,
+                                   mask=match)
+        digit, above = _pick_digit(counts, wanted, NUM_BINS)
+        prefix = (prefix << DIGIT_BITS) | digit
+        wanted = wanted - above
+    return _key_value(prefix << (32 - DIGIT_BITS * ROUNDS)), tl.max(top, 0)
+
+
+@triton.jit(do_not_specialize=["num_tiles", "has_min_p", "has_top_p", "draw_here"])
+def _overflow_rows_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_k_ptr, min_p_ptr, top_p_ptr, seed_ptr, select_ptr, floor_ptr,
+    token_ptr, skip_ptr, vocab_size, num_tiles, has_min_p, has_top_p, draw_here,
+    ROUNDS: tl.constexpr, DIGIT_BITS: tl.constexpr, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr,
+):
+    """Per row whose candidates overflowed (flagged by pass 3): the radix select over the whole row and the
+    row's draw, each in this one program. Slow for the row, rare, and one launch instead of the split
+    passes' several when every sampled row's top_k is small."""
+    row = tl.program_id(0)
+    if tl.load(select_ptr + row) != 0:
+        temperature = tl.load(temperature_ptr + row)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        floor, row_max = _row_kth(row_ptr, vocab_size, num_tiles, tl.load(top_k_ptr + row), ROUNDS, DIGIT_BITS,
+                                  4 * LANES)
+        floor = _with_min_p(floor, row_max, temperature, min_p_ptr, row, has_min_p)
+        tl.store(floor_ptr + row, floor)
+        if draw_here != 0:
+            top_p = tl.where(has_top_p != 0, tl.load(top_p_ptr + row), 1.0)
+            token = row_draw(row_ptr, vocab_size, num_tiles, temperature, tl.load(seed_ptr + row), floor, top_p,
+                             LANES, MAX_DRAWS)
+            tl.store(token_ptr + row, token.to(tl.int64))
+            tl.store(skip_ptr + row, -1.0)
 
 
 @dataclass
@@ -263,12 +326,15 @@ def candidate_floor(
     maxima: torch.Tensor | None = None,
     fast_top_k: bool = True,
     draw: CandidateDraw | None = None,
+    small_top_k: bool = False,
 ) -> torch.Tensor:
     """[num_rows] float32: the sampled rows' smallest kept logit (-inf: all kept; undefined in greedy rows).
 
     `maxima`: [num_rows, num_splits] of this layout, each split's largest logit, when a pass that wrote
     the logits found them (kernels/penalties.py): min_p alone then reads no logit. `fast_top_k=False`
-    sends every top_k row to the radix select (tests and benchmarks).
+    sends every top_k row to the radix select (tests and benchmarks). `small_top_k`: the caller knows
+    that every sampled row has a top_k of at most MAX_FAST_K; the rows whose candidates overflow then
+    take one program each (a single launch) instead of the radix select's split passes.
     """
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -287,6 +353,9 @@ def candidate_floor(
         if fast_top_k:
             select = _fast_top_k(logits, temperature, top_k, min_p, floor, num_tiles, tiles_per_split, num_splits,
                                  draw)
+            if small_top_k:
+                _overflow_rows(logits, temperature, top_k, min_p, select, floor, num_tiles, digit_bits, draw)
+                return floor
         else:
             select = ((top_k < vocab_size) & (temperature > 0)).to(torch.int32)
     need_max = min_p is not None and maxima is None
@@ -345,6 +414,22 @@ def _fast_top_k(
         MAX_K=MAX_FAST_K, CAPACITY=CANDIDATES, LANES=LANES, MAX_DRAWS=MAX_DRAWS, num_warps=8,
     )
     return select
+
+
+def _overflow_rows(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor | None,
+    select: torch.Tensor, floor: torch.Tensor, num_tiles: int, digit_bits: int, draw: CandidateDraw | None,
+) -> None:
+    num_rows, vocab_size = logits.shape
+    _overflow_rows_kernel[(num_rows,)](
+        logits, logits.stride(0), temperature, top_k, min_p if min_p is not None else temperature,
+        draw.top_p if draw is not None and draw.top_p is not None else temperature,
+        draw.seeds if draw is not None else top_k, select, floor, draw.tokens if draw is not None else top_k,
+        draw.temperature if draw is not None else floor, vocab_size, num_tiles, int(min_p is not None),
+        int(draw is not None and draw.top_p is not None), int(draw is not None),
+        ROUNDS=-(-KEY_BITS[logits.dtype] // digit_bits), DIGIT_BITS=digit_bits, LANES=LANES, MAX_DRAWS=MAX_DRAWS,
+        num_warps=8,
+    )
 
 
 def candidate_floor_ref(

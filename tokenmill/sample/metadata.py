@@ -77,6 +77,9 @@ class SamplingMetadata:
     """Triton kernels (kernels/) apply the penalties and draw every sampled row; else torch does."""
     temperature: torch.Tensor | None  # [num_reqs] float32; 1.0 in greedy rows (the torch draw's input)
     top_k: torch.Tensor | None  # [num_reqs] int64; vocab size where disabled
+    max_top_k: int
+    """The largest top_k of the sampled rows when every sampled row has one (< vocab size); else 0."""
+    has_greedy_rows: bool
     top_k_candidates: int
     """Torch draw only: when every sampled row uses a top_k of at most MAX_TOP_K_CANDIDATES, the largest
     of them: sampling then works on that many candidates per row. 0: the full-vocabulary path."""
@@ -154,6 +157,8 @@ def build_sampling_metadata(
         use_kernels=use_kernel,
         temperature=None if all_greedy else temperature,
         top_k=on_device.get("top_k"),
+        max_top_k=_max_top_k(c, sampled, vocab_size),
+        has_greedy_rows=bool(c.is_greedy.any()),
         top_k_candidates=0 if fused else _candidate_width(c, sampled, vocab_size),
         top_p=top_p if uses_top_p else None,
         min_p=min_p if uses_min_p else None,
@@ -173,11 +178,15 @@ def build_sampling_metadata(
     )
 
 
-def _candidate_width(c: SamplingColumns, rows: np.ndarray, vocab_size: int) -> int:
-    """`rows`: the rows whose draw the torch path must get right."""
+def _max_top_k(c: SamplingColumns, rows: np.ndarray, vocab_size: int) -> int:
     if not rows.any() or (c.top_k[rows] >= vocab_size).any():
         return 0  # some row needs the whole vocabulary
-    width = int(c.top_k[rows].max())
+    return int(c.top_k[rows].max())
+
+
+def _candidate_width(c: SamplingColumns, rows: np.ndarray, vocab_size: int) -> int:
+    """`rows`: the rows whose draw the torch path must get right."""
+    width = _max_top_k(c, rows, vocab_size)
     return width if width <= MAX_TOP_K_CANDIDATES else 0
 
 

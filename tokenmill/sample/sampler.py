@@ -124,15 +124,19 @@ def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: tor
     whole vocabulary."""
     # triton imports only where the metadata chose this path
     from tokenmill.kernels.sampling import gumbel_argmax, top_p_draw
-    from tokenmill.kernels.sampling_floor import CandidateDraw, candidate_floor
+    from tokenmill.kernels.sampling_floor import MAX_FAST_K, CandidateDraw, candidate_floor
 
     temperature, floor, tokens = metadata.draw_temperature, None, None
+    small_top_k = 0 < metadata.max_top_k <= MAX_FAST_K  # every sampled row is drawn among its candidates
     if metadata.top_k is not None or metadata.min_p is not None:
         draw = None
         if metadata.top_k is not None:
             tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
             draw = CandidateDraw(metadata.top_p, metadata.seeds, tokens, temperature.clone())
-        floor = candidate_floor(logits, temperature, metadata.top_k, metadata.min_p, maxima=row_maxima, draw=draw)
+        floor = candidate_floor(logits, temperature, metadata.top_k, metadata.min_p, maxima=row_maxima, draw=draw,
+                                small_top_k=small_top_k)
+        if small_top_k and not metadata.has_greedy_rows:
+            return tokens  # every row drawn: no full-vocabulary pass
         if draw is not None:
             temperature = draw.temperature  # -1 in the rows drawn already
     if metadata.top_p is None:
