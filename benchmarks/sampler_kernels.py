@@ -14,7 +14,7 @@ import torch
 import triton
 
 from tokenmill.kernels import sampling
-from tokenmill.kernels.penalties import apply_penalties_fused
+from tokenmill.kernels.penalties import PenaltyDraw, apply_penalties_fused, first_draw_tokens
 from tokenmill.kernels.sampling_floor import candidate_floor
 
 ROWS, VOCAB = 256, 151936
@@ -77,12 +77,29 @@ def main() -> None:
             functools.partial(candidate_floor, bf16, ones, top_k, None, digit_bits=bits, fast_top_k=False))))
     rows.append(("candidate_floor fp32 top_k=50", time_ms(lambda: candidate_floor(fp32, ones, top_k, None))))
     rows.append(("candidate_floor bf16 min_p", time_ms(lambda: candidate_floor(bf16, ones, None, min_p))))
-    counts = torch.randint(0, 2, (ROWS, VOCAB), dtype=torch.int32, device="cuda", generator=gen)
-    prompt_mask = counts.bool()
     state_rows = torch.arange(ROWS, device="cuda")
     penalty = torch.full((ROWS,), 1.1, device="cuda")
-    rows.append(("apply_penalties_fused bf16 -> fp32", time_ms(lambda: apply_penalties_fused(
-        bf16, None, state_rows, counts, prompt_mask, penalty, zeros, zeros))))
+    for seen_tokens in (VOCAB // 2, 2048):  # every other token seen (the worst case); a 2k-token context (kept)
+        seen_ids = torch.randint(0, VOCAB, (ROWS, seen_tokens), device="cuda", generator=gen)
+        counts = torch.zeros(ROWS, VOCAB, dtype=torch.int32, device="cuda").scatter_(1, seen_ids, 1)
+        seen_mask = counts.bool()
+        rows.append((f"apply_penalties_fused bf16 -> fp32, {seen_tokens} seen", time_ms(
+            functools.partial(apply_penalties_fused, bf16, None, state_rows, counts, seen_mask, penalty, zeros,
+                              zeros))))
+
+    def penalties_then_draw(draw_in_pass: bool) -> torch.Tensor:
+        """Penalties, T=0.8 and min_p 0.05: the draw inside the penalty pass, or after it."""
+        draw = PenaltyDraw(ones, seeds, min_p) if draw_in_pass else None
+        out, maxima, split_best = apply_penalties_fused(bf16, None, state_rows, counts, seen_mask, penalty, zeros,
+                                                        zeros, draw=draw)
+        floor = candidate_floor(out, ones, None, min_p, maxima=maxima)
+        if draw_in_pass:
+            return first_draw_tokens(out, draw, split_best, floor)
+        return sampling.gumbel_argmax(out, ones, seeds, floor=floor)
+
+    for draw_in_pass in (False, True):
+        rows.append((f"penalties + min_p, {'draw in the penalty pass' if draw_in_pass else 'then the draw'}",
+                     time_ms(functools.partial(penalties_then_draw, draw_in_pass))))
     print(f"\n{ROWS} x {VOCAB}, {torch.cuda.get_device_name()}, triton {triton.__version__}")
     for name, ms in rows:
         print(f"{name:<52}{ms * 1e3:>9.1f} us   {bytes_bf16 / ms / 1e9:>7.2f} TB/s of bf16 logits")

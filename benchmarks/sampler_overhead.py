@@ -26,6 +26,7 @@ CASES = {
     "top-p": dict(temperature=0.8, top_p=0.95),
     "top-k+top-p": dict(temperature=0.8, top_k=50, top_p=0.95),
     "penalties+min_p": dict(temperature=0.8, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2),
+    "penalties+top-p": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
 }
 
 

@@ -122,6 +122,18 @@ def test_penalties_change_greedy_output_only_when_set(llm):
     assert max(penalized.count(t) for t in set(penalized)) <= max(plain.count(t) for t in set(plain))
 
 
+def test_greedy_repetition_penalty_equals_transformers_generate(tiny, llm):
+    """The penalty state follows the tokens as they are sampled: each new output token is penalised from
+    the next step on, like every prompt token (transformers' rule over the whole sequence)."""
+    _, model = tiny
+    outs = run(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5))
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                                      repetition_penalty=1.5, pad_token_id=0)[0, len(prompt):]
+        assert out.outputs[0].token_ids == expected.tolist()
+
+
 def test_logits_processors_run_per_request(llm):
     def only_token_9(output_token_ids, logits):
         logits[:] = float("-inf")

@@ -125,7 +125,7 @@ def test_fused_penalties_equal_the_torch_reference(device, dtype):
     max_reqs, vocab = 6, 1500  # two tiles
     counts = torch.randint(0, 4, (max_reqs, vocab), generator=gen, dtype=torch.int32)
     counts *= torch.rand(max_reqs, vocab, generator=gen) < 0.05
-    prompt_mask = torch.rand(max_reqs, vocab, generator=gen) < 0.1
+    seen_mask = (torch.rand(max_reqs, vocab, generator=gen) < 0.1) | (counts > 0)  # prompt or output
     state_rows = torch.tensor([4, 0, 2])
     wide = (torch.randn(3, vocab + 20, generator=gen) * 3).to(dtype)
     logits = wide[:, :vocab]  # a row stride wider than the vocabulary
@@ -136,9 +136,9 @@ def test_fused_penalties_equal_the_torch_reference(device, dtype):
     mask[2, 5] = 2.5
     for logit_mask in (None, mask):
         ref_in = logits.float() + (0 if logit_mask is None else logit_mask)
-        ref = apply_penalties(ref_in, counts[state_rows], prompt_mask[state_rows], repetition, frequency, presence)
-        out, maxima = apply_penalties_fused(
-            *[t.to(device) if t is not None else None for t in (logits, logit_mask, state_rows, counts, prompt_mask,
+        ref = apply_penalties(ref_in, counts[state_rows], seen_mask[state_rows], repetition, frequency, presence)
+        out, maxima, _ = apply_penalties_fused(
+            *[t.to(device) if t is not None else None for t in (logits, logit_mask, state_rows, counts, seen_mask,
                                                                repetition, frequency, presence)])
         assert out.dtype == torch.float32
         torch.testing.assert_close(out.cpu(), ref, rtol=2e-6, atol=0)
@@ -147,13 +147,88 @@ def test_fused_penalties_equal_the_torch_reference(device, dtype):
         torch.testing.assert_close(maxima.cpu(), expected, rtol=2e-6, atol=0)
 
 
+def penalty_inputs(num_rows: int, vocab: int, gen: torch.Generator):
+    counts = (torch.rand(num_rows, vocab, generator=gen) < 0.05).to(torch.int32) * 2
+    seen_mask = (torch.rand(num_rows, vocab, generator=gen) < 0.1) | (counts > 0)
+    return counts, seen_mask, torch.arange(num_rows)
+
+
+def test_penalty_pass_draw_equals_the_draw_over_its_output(device):
+    """The first draw made inside the penalty pass is gumbel_argmax's over the penalised logits, min_p
+    floor included, also in rows whose lanes' lower floors let a token below the row's floor win."""
+    from tokenmill.kernels.penalties import PenaltyDraw, apply_penalties_fused, first_draw_tokens
+    from tokenmill.kernels.sampling import gumbel_argmax
+    from tokenmill.kernels.sampling_floor import candidate_floor
+
+    vocab, num_rows, gen = 5000, 6, torch.Generator().manual_seed(21)  # five 1024-token splits per row
+    logits = torch.randn(num_rows, vocab, generator=gen)
+    logits[:3, -10] = 6.0  # the row's maximum in its last split: earlier splits' lanes use lower floors
+    # Row 5: every lane of every split sees the maximum first, and most of the mass sits just above
+    # min_p's floor (2 + 0.9 * log(0.5) = 1.376): a lane floor slightly too high would change most draws.
+    logits[5] = 1.39
+    for split_start in range(0, vocab, 1024):
+        logits[5, split_start:split_start + 256] = 2.0
+    counts, seen_mask, state_rows = penalty_inputs(num_rows, vocab, gen)
+    repetition = torch.tensor([1.0, 1.3, 1.1, 1.0, 1.2, 1.0])
+    temperature = torch.tensor([1.0, 0.7, 1.0, 0.0, 1.5, 0.9])
+    min_p = torch.tensor([0.5, 0.3, 0.0, 0.5, 0.05, 0.5])
+    mask = torch.zeros(num_rows, vocab)
+    mask[4, :3000] = float("-inf")
+    on = [t.to(device) for t in (logits, mask, state_rows, counts, seen_mask, repetition, temperature, min_p)]
+    logits, mask, state_rows, counts, seen_mask, repetition, temperature, min_p = on
+    zeros = torch.zeros_like(repetition)
+    retried = 0
+    for trial in range(4):
+        seeds = make_seeds(num_rows, 100 + trial).to(device)
+        for row_min_p in (min_p, None):
+            draw = PenaltyDraw(temperature, seeds, row_min_p)
+            out, maxima, split_best = apply_penalties_fused(logits, mask, state_rows, counts, seen_mask, repetition,
+                                                            zeros, zeros, draw=draw)
+            plain, plain_maxima, _ = apply_penalties_fused(logits, mask, state_rows, counts, seen_mask, repetition,
+                                                           zeros, zeros)
+            assert torch.equal(out, plain) and torch.equal(maxima, plain_maxima)
+            floor = None
+            if row_min_p is not None:
+                floor = candidate_floor(out, temperature, None, row_min_p, maxima=maxima)
+                values, indices = split_best
+                best = indices.gather(1, values.argmax(1, keepdim=True)).squeeze(1).long()
+                retried += int((out.gather(1, best[:, None]).squeeze(1) < floor)[temperature > 0].sum())
+            tokens = first_draw_tokens(out, draw, split_best, floor)
+            assert torch.equal(tokens, gumbel_argmax(out, temperature, seeds, floor=floor))
+    assert retried > 0  # the redraw path ran
+
+
+def test_sampler_draws_in_the_penalty_pass_as_after_it(device):
+    """Without top_k the sampler draws in the penalty pass: the tokens of the separate floor and draw."""
+    from tokenmill.kernels.penalties import apply_penalties_fused
+    from tokenmill.kernels.sampling import top_p_draw
+    from tokenmill.kernels.sampling_floor import candidate_floor
+
+    vocab, gen = 3000, torch.Generator().manual_seed(22)
+    params = [SamplingParams(temperature=0.8, min_p=0.2, top_p=0.6, repetition_penalty=1.2),
+              SamplingParams(temperature=0.0, frequency_penalty=0.5), SamplingParams(temperature=1.0, top_p=0.3),
+              SamplingParams(temperature=1.2, min_p=0.1, presence_penalty=0.4, seed=5)]
+    logits = (torch.randn(len(params), vocab, generator=gen) * 2).to(device)
+    counts, seen_mask, rows = penalty_inputs(len(params), vocab, gen)
+    state = (counts.to(device), seen_mask.to(device), rows.numpy())
+    for step in range(3):
+        meta = build_sampling_metadata(params, {}, vocab, torch.device(device), penalty_tensors=state,
+                                       row_seeds={3: 1000 + step}, use_kernel=True)
+        tokens = Sampler()(logits, meta).token_ids
+        out, maxima, _ = apply_penalties_fused(logits, None, meta.penalty_rows, meta.output_counts, meta.seen_mask,
+                                               meta.repetition_penalty, meta.frequency_penalty, meta.presence_penalty)
+        floor = candidate_floor(out, meta.draw_temperature, None, meta.min_p, maxima=maxima)
+        expected = top_p_draw(out, meta.draw_temperature, meta.top_p, meta.seeds, floor=floor)
+        assert torch.equal(tokens, expected)
+
+
 def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):
     """Greedy rows after penalties and a mask: the kernels' tokens are torch's; sampled rows stay inside
     their top_k and min_p."""
     vocab, gen = 300, torch.Generator().manual_seed(16)
     logits = torch.randn(4, vocab, generator=gen) * 2
     counts = (torch.rand(4, vocab, generator=gen) < 0.3).to(torch.int32) * 2
-    prompt_mask = torch.rand(4, vocab, generator=gen) < 0.3
+    seen_mask = (torch.rand(4, vocab, generator=gen) < 0.3) | (counts > 0)
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.0,
               frequency_penalty=1.0, presence_penalty=0.5), SamplingParams(temperature=0.0)]
     mask = torch.zeros(3, vocab)
@@ -162,17 +237,17 @@ def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):
     tokens = {}
     for use_kernel in (False, True):
         on = device if use_kernel else "cpu"
-        state = (counts.to(on), prompt_mask.to(on), rows)
+        state = (counts.to(on), seen_mask.to(on), rows)
         meta = build_sampling_metadata(params, {}, vocab, torch.device(on), logit_mask=mask.to(on),
                                        penalty_tensors=state, use_kernel=use_kernel)
         tokens[use_kernel] = Sampler()(logits[:3].to(on), meta).token_ids.cpu()
     assert torch.equal(tokens[False], tokens[True])
     sampled = [SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2), SamplingParams(temperature=1.0,
                min_p=0.5, frequency_penalty=0.3)]
-    state = (counts.to(device), prompt_mask.to(device), rows[:2])
+    state = (counts.to(device), seen_mask.to(device), rows[:2])
     meta = build_sampling_metadata(sampled, {}, vocab, torch.device(device), penalty_tensors=state, use_kernel=True)
     out = Sampler()(logits[:2].to(device), meta).token_ids.cpu()
-    penalised = apply_penalties(logits[:2], counts[rows[:2]], prompt_mask[rows[:2]], torch.tensor([1.2, 1.0]),
+    penalised = apply_penalties(logits[:2], counts[rows[:2]], seen_mask[rows[:2]], torch.tensor([1.2, 1.0]),
                                 torch.tensor([0.0, 0.3]), torch.zeros(2))
     assert out[0] in penalised[0].topk(4).indices
     probs = penalised[1].softmax(-1)

@@ -71,12 +71,11 @@ def test_temperature_matches_transformers(logits):
 
 def test_repetition_penalty_matches_transformers(logits):
     history = torch.tensor([[1, 2, 3, 3], [4, 4, 4, 4], [0, 10, 20, 30], [49, 48, 1, 2]])
-    prompt_mask = torch.zeros(4, VOCAB, dtype=torch.bool)
-    prompt_mask.scatter_(1, history[:, :2], True)
     counts = torch.zeros(4, VOCAB, dtype=torch.int32)
     counts.scatter_add_(1, history[:, 2:], torch.ones(4, 2, dtype=torch.int32))
+    seen_mask = torch.zeros(4, VOCAB, dtype=torch.bool).scatter_(1, history, True)  # prompt and output
     zeros = torch.zeros(4)
-    ours = apply_penalties(logits, counts, prompt_mask, torch.full((4,), 1.3), zeros, zeros)
+    ours = apply_penalties(logits, counts, seen_mask, torch.full((4,), 1.3), zeros, zeros)
     torch.testing.assert_close(ours, RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone()))
 
 
@@ -84,7 +83,7 @@ def test_frequency_and_presence_follow_the_openai_formula(logits):
     counts = torch.zeros(4, VOCAB, dtype=torch.int32)
     counts[0, 7] = 3
     counts[1, 8] = 1
-    ours = apply_penalties(logits, counts, torch.zeros(4, VOCAB, dtype=torch.bool), torch.ones(4),
+    ours = apply_penalties(logits, counts, counts > 0, torch.ones(4),
                            torch.full((4,), 0.5), torch.full((4,), 0.25))
     expected = logits - 0.5 * counts - 0.25 * (counts > 0)
     torch.testing.assert_close(ours, expected)

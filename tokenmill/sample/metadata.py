@@ -99,7 +99,7 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None  # [num_reqs] float32
     repetition_penalty: torch.Tensor | None  # [num_reqs] float32
     output_counts: torch.Tensor | None  # [max_num_reqs, vocab] int32 occurrences in each state row's output
-    prompt_mask: torch.Tensor | None  # [max_num_reqs, vocab] bool tokens present in each state row's prompt
+    seen_mask: torch.Tensor | None  # [max_num_reqs, vocab] bool tokens in each state row's prompt or output
     penalty_rows: torch.Tensor | None  # [num_reqs] int64: each row's state row in the two tensors above
     max_num_logprobs: int | None
     """Largest `logprobs` among the rows; None when no row wants logprobs."""
@@ -118,7 +118,8 @@ def build_sampling_metadata(
     row_seeds: dict[int, int] | None = None,
     use_kernel: bool | None = None,
 ) -> SamplingMetadata:
-    """`penalty_tensors`: (output counts, prompt mask, the batch rows' state rows in them).
+    """`penalty_tensors`: (output counts, seen mask (prompt or output tokens; every counted
+    token is seen), the batch rows' state rows in them).
     `row_seeds`: row -> this step's seed of a seeded request (the fused draw's key for that row).
     `use_kernel`: whether the Triton kernels may run; None = on CUDA where triton imports."""
     if isinstance(columns, list):
@@ -171,7 +172,7 @@ def build_sampling_metadata(
         frequency_penalty=frequency if has_penalties else None,
         repetition_penalty=repetition if has_penalties else None,
         output_counts=penalty_tensors[0] if has_penalties else None,
-        prompt_mask=penalty_tensors[1] if has_penalties else None,
+        seen_mask=penalty_tensors[1] if has_penalties else None,
         penalty_rows=on_device.get("penalty_rows"),
         max_num_logprobs=int(wanted.max()) if len(wanted) else None,
         logits_processors=logits_processors or {},

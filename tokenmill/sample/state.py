@@ -1,7 +1,8 @@
 """Per-request sampling state kept on the worker between steps.
 
 Penalty inputs are kept incrementally on the device: each row's output-token counts and the set
-of its prompt tokens, allocated the first time a request with penalties arrives and updated with
+of tokens it has seen (prompt or output: the tokens repetition penalises, and the only ones whose
+counts the penalty kernel reads), allocated the first time a request with penalties arrives and updated with
 one scatter per step. Numeric parameters sit in numpy columns filled when a request arrives; only
 rows with per-request work (seeds, bad words, logits processors, pending min_tokens, allowed ids,
 logit bias) are visited in Python each step.
@@ -28,7 +29,7 @@ class SamplingState:
         self.needs_output_ids = np.zeros(max_num_reqs, dtype=bool)
         """Rows whose sampling reads their output token ids on the host (bad words, logits processors)."""
         self.output_counts: torch.Tensor | None = None  # [max_num_reqs, vocab] int32
-        self.prompt_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool
+        self.seen_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool: in the prompt or the output
         self._seeded_generators: dict[int, torch.Generator] = {}
 
     def add_request(self, row: int, params: SamplingParams, eos_token_ids: frozenset[int],
@@ -46,12 +47,12 @@ class SamplingState:
         if self.output_counts is None:
             self.output_counts = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.int32,
                                              device=self.device)
-            self.prompt_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device)
+            self.seen_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device)
         # Built on the host, then copied without blocking: a blocking copy would wait for the GPU.
-        prompt = torch.tensor(token_ids[:num_prompt_tokens], dtype=torch.int64).to(self.device, non_blocking=True)
+        seen = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         output = torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.int64).to(self.device, non_blocking=True)
-        self.prompt_mask[row].zero_()
-        self.prompt_mask[row, prompt] = True
+        self.seen_mask[row].zero_()
+        self.seen_mask[row, seen] = True
         self.output_counts[row].zero_()
         self.output_counts[row].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
 
@@ -64,6 +65,7 @@ class SamplingState:
                 index = torch.from_numpy(rows).to(self.device, non_blocking=True)
             self.output_counts.index_put_((index, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
                                           accumulate=True)
+            self.seen_mask[index, token_ids] = True
 
     def build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:
         masked: dict[int, tuple[SamplingParams, list[int]]] = {}
@@ -88,7 +90,7 @@ class SamplingState:
         columns = self.columns.take(rows)
         penalties = None
         if self.output_counts is not None and columns.has_penalties.any():
-            penalties = (self.output_counts, self.prompt_mask, rows)
+            penalties = (self.output_counts, self.seen_mask, rows)
         return build_sampling_metadata(
             columns, generators, self.vocab_size, self.device,
             logit_mask=self._make_mask(len(rows), masked), penalty_tensors=penalties,
