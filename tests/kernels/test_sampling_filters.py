@@ -6,6 +6,8 @@ Under TRITON_INTERPRET=1 a program costs tens of milliseconds, so the cases stay
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -163,11 +165,11 @@ def test_penalty_pass_draw_equals_the_draw_over_its_output(device):
     vocab, num_rows, gen = 5000, 6, torch.Generator().manual_seed(21)  # five 1024-token splits per row
     logits = torch.randn(num_rows, vocab, generator=gen)
     logits[:3, -10] = 6.0  # the row's maximum in its last split: earlier splits' lanes use lower floors
-    # Row 5: every lane of every split sees the maximum first, and most of the mass sits just above
-    # min_p's floor (2 + 0.9 * log(0.5) = 1.376): a lane floor slightly too high would change most draws.
+    # Row 5: the first tile holds the maximum, and most of the mass sits just above min_p's floor
+    # (2 + 0.9 * log(0.5) = 1.376): with one split per row, a lane floor slightly too high (after the
+    # first tile every lane has seen the maximum) would change most draws.
     logits[5] = 1.39
-    for split_start in range(0, vocab, 1024):
-        logits[5, split_start:split_start + 256] = 2.0
+    logits[5, :1024] = 2.0
     counts, seen_mask, state_rows = penalty_inputs(num_rows, vocab, gen)
     repetition = torch.tensor([1.0, 1.3, 1.1, 1.0, 1.2, 1.0])
     temperature = torch.tensor([1.0, 0.7, 1.0, 0.0, 1.5, 0.9])
@@ -178,23 +180,23 @@ def test_penalty_pass_draw_equals_the_draw_over_its_output(device):
     logits, mask, state_rows, counts, seen_mask, repetition, temperature, min_p = on
     zeros = torch.zeros_like(repetition)
     retried = 0
-    for trial in range(4):
+    for trial, tiles_per_split, row_min_p in itertools.product(range(3), (1, 5), (min_p, None)):
         seeds = make_seeds(num_rows, 100 + trial).to(device)
-        for row_min_p in (min_p, None):
-            draw = PenaltyDraw(temperature, seeds, row_min_p)
-            out, maxima, split_best = apply_penalties_fused(logits, mask, state_rows, counts, seen_mask, repetition,
-                                                            zeros, zeros, draw=draw)
-            plain, plain_maxima, _ = apply_penalties_fused(logits, mask, state_rows, counts, seen_mask, repetition,
-                                                           zeros, zeros)
-            assert torch.equal(out, plain) and torch.equal(maxima, plain_maxima)
-            floor = None
-            if row_min_p is not None:
-                floor = candidate_floor(out, temperature, None, row_min_p, maxima=maxima)
-                values, indices = split_best
-                best = indices.gather(1, values.argmax(1, keepdim=True)).squeeze(1).long()
-                retried += int((out.gather(1, best[:, None]).squeeze(1) < floor)[temperature > 0].sum())
-            tokens = first_draw_tokens(out, draw, split_best, floor)
-            assert torch.equal(tokens, gumbel_argmax(out, temperature, seeds, floor=floor))
+        draw = PenaltyDraw(temperature, seeds, row_min_p)
+        out, maxima, split_best = apply_penalties_fused(logits, mask, state_rows, counts, seen_mask, repetition,
+                                                        zeros, zeros, draw=draw, tiles_per_split=tiles_per_split)
+        plain, plain_maxima, _ = apply_penalties_fused(logits, mask, state_rows, counts, seen_mask, repetition,
+                                                       zeros, zeros, tiles_per_split=tiles_per_split)
+        assert torch.equal(out, plain) and torch.equal(maxima, plain_maxima)
+        floor = None
+        if row_min_p is not None:
+            floor = candidate_floor(out, temperature, None, row_min_p, maxima=maxima,
+                                    tiles_per_split=tiles_per_split)
+            values, indices = split_best
+            best = indices.gather(1, values.argmax(1, keepdim=True)).squeeze(1).long()
+            retried += int((out.gather(1, best[:, None]).squeeze(1) < floor)[temperature > 0].sum())
+        tokens = first_draw_tokens(out, draw, split_best, floor)
+        assert torch.equal(tokens, gumbel_argmax(out, temperature, seeds, floor=floor))
     assert retried > 0  # the redraw path ran
 
 

@@ -30,7 +30,6 @@ from tokenmill.kernels.sampling import (
     U_MIN,
     _best_split,
     _gumbel,
-    _lane_argmax,
     _split_tiles,
     gumbel_argmax,
     split_layout,
@@ -70,51 +69,40 @@ def _penalised(logits_ptr, mask_ptr, out_ptr, counts_ptr, seen_ptr, row, stride_
 
 
 @triton.jit
-def _draw_update(best, best_index, x, token, temperature, floor, bits, NOISE: tl.constexpr):
-    if NOISE:
-        u = tl.clamp(tl.random.uint_to_uniform_float(bits), U_MIN, U_MAX)
-        score = tl.where(x >= floor, x, float("-inf")) + temperature * _gumbel(u)
-    else:
-        score = x  # greedy: the plain argmax
-    better = score > best  # strict: the earliest token keeps a tie
-    return tl.where(better, score, best), tl.where(better, token, best_index)
-
-
-@triton.jit
 def _penalty_tiles(logits_ptr, mask_ptr, out_ptr, counts_ptr, seen_ptr, row, stride_row, state, vocab_size,
                    first_tile, last_tile, repetition, frequency, presence, penalized, temperature, seed, min_p_term,
                    HAS_MASK: tl.constexpr, DRAW: tl.constexpr, NOISE: tl.constexpr, LANES: tl.constexpr):
-    """(largest logit, best score, its token) over the tiles, each tile 4 runs of LANES tokens as in
+    """(largest logit, best score, its token) over the tiles. A tile is a [4, LANES] block of 4 * LANES
+    consecutive tokens: token part * LANES + lane takes value `part` of Philox counter `lane`, as in
     kernels/sampling.py::_sampled_best (the same noise per token)."""
     lanes = tl.arange(0, LANES)
-    top = tl.full([LANES], float("-inf"), tl.float32)
-    best = tl.full([LANES], float("-inf"), tl.float32)
-    best_index = first_tile * 4 * LANES + lanes
+    parts = tl.arange(0, 4)[:, None]
+    offsets = parts * LANES + lanes[None, :]
+    top = tl.full([4, LANES], float("-inf"), tl.float32)
+    best = tl.full([4, LANES], float("-inf"), tl.float32)
+    best_index = first_tile * 4 * LANES + offsets
     for tile in range(first_tile, last_tile):
-        token = tile * 4 * LANES + lanes
-        x0 = _penalised(logits_ptr, mask_ptr, out_ptr, counts_ptr, seen_ptr, row, stride_row, state, token,
-                        vocab_size, repetition, frequency, presence, penalized, HAS_MASK)
-        x1 = _penalised(logits_ptr, mask_ptr, out_ptr, counts_ptr, seen_ptr, row, stride_row, state, token + LANES,
-                        vocab_size, repetition, frequency, presence, penalized, HAS_MASK)
-        x2 = _penalised(logits_ptr, mask_ptr, out_ptr, counts_ptr, seen_ptr, row, stride_row, state,
-                        token + 2 * LANES, vocab_size, repetition, frequency, presence, penalized, HAS_MASK)
-        x3 = _penalised(logits_ptr, mask_ptr, out_ptr, counts_ptr, seen_ptr, row, stride_row, state,
-                        token + 3 * LANES, vocab_size, repetition, frequency, presence, penalized, HAS_MASK)
-        top = tl.maximum(tl.maximum(top, tl.maximum(x0, x1)), tl.maximum(x2, x3))
+        token = tile * 4 * LANES + offsets
+        x = _penalised(logits_ptr, mask_ptr, out_ptr, counts_ptr, seen_ptr, row, stride_row, state, token, vocab_size,
+                       repetition, frequency, presence, penalized, HAS_MASK)
+        top = tl.maximum(top, x)
         if DRAW:
             if NOISE:
                 r0, r1, r2, r3 = tl.randint4x(seed, tile * LANES + lanes)
-                # min_p's floor from the lane's largest logit so far (at most the row's): a superset
+                bits = tl.where(parts == 0, r0[None, :], tl.where(parts == 1, r1[None, :],
+                                                                  tl.where(parts == 2, r2[None, :], r3[None, :])))
+                u = tl.clamp(tl.random.uint_to_uniform_float(bits), U_MIN, U_MAX)
+                # min_p's floor from this slot's largest logit so far (at most the row's): a superset
                 floor = top + min_p_term - (tl.abs(top) + tl.abs(min_p_term)) * FLOOR_SLACK
+                score = tl.where(x >= floor, x, float("-inf")) + temperature * _gumbel(u)
             else:
-                r0 = lanes.to(tl.uint32)  # unused: no noise
-                r1, r2, r3, floor = r0, r0, r0, top
-            best, best_index = _draw_update(best, best_index, x0, token, temperature, floor, r0, NOISE)
-            best, best_index = _draw_update(best, best_index, x1, token + LANES, temperature, floor, r1, NOISE)
-            best, best_index = _draw_update(best, best_index, x2, token + 2 * LANES, temperature, floor, r2, NOISE)
-            best, best_index = _draw_update(best, best_index, x3, token + 3 * LANES, temperature, floor, r3, NOISE)
-    value, index = _lane_argmax(best, best_index)
-    return tl.max(top, 0), value, index
+                score = x  # greedy: the plain argmax
+            better = score > best  # strict: a slot keeps its earliest token on a tie
+            best = tl.where(better, score, best)
+            best_index = tl.where(better, token, best_index)
+    value = tl.max(tl.max(best, 1), 0)
+    index = tl.min(tl.min(tl.where(best == value, best_index, 2147483647), 1), 0)  # the lowest id among equals
+    return tl.max(tl.max(top, 1), 0), value, index
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_min_p"])  # they change with the batch
@@ -162,6 +150,7 @@ def apply_penalties_fused(
     frequency_penalty: torch.Tensor,  # [num_rows] float32
     presence_penalty: torch.Tensor,  # [num_rows] float32
     draw: PenaltyDraw | None = None,
+    tiles_per_split: int | None = None,  # the parallel layout (tests); never changes a token
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """[num_rows, vocab] float32: (logits + mask) with each row's penalties; [num_rows, num_splits] float32,
     the largest of each split of gumbel_argmax's layout (min_p and top_p need the row maxima); with `draw`,
@@ -169,7 +158,7 @@ def apply_penalties_fused(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
-    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE)
+    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE, tiles_per_split)
     device = logits.device
     out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
     maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)

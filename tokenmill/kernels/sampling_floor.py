@@ -259,7 +259,7 @@ def _row_kth(row_ptr, vocab_size, num_tiles, k, ROUNDS: tl.constexpr, DIGIT_BITS
     wanted = k.to(tl.int32)
     top = tl.full([TILE], float("-inf"), tl.float32)
     for r in tl.static_range(ROUNDS):
-        shift: tl.constexpr = 32 - DIGIT_BITS * (r + 1)
+        shift = 32 - DIGIT_BITS * (r + 1)  # constexpr: r is
         counts = tl.zeros([NUM_BINS], tl.int32)
         for tile in range(0, num_tiles):
             token = tile * TILE + cols
