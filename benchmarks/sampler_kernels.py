@@ -14,7 +14,7 @@ import torch
 import triton
 
 from tokenmill.kernels import sampling
-from tokenmill.kernels.penalties import PenaltyDraw, apply_penalties_fused, first_draw_tokens
+from tokenmill.kernels.penalties import apply_penalties_fused
 from tokenmill.kernels.sampling_floor import candidate_floor
 
 ROWS, VOCAB = 256, 151936
@@ -42,6 +42,19 @@ def gumbel_split_variant(logits, temperature, seeds, lanes: int, num_warps: int)
     return lambda: sampling._gumbel_argmax_split_kernel[(ROWS, num_splits)](
         logits, logits.stride(0), temperature, seeds, seeds, temperature, values, indices, values, VOCAB, num_tiles,
         tiles_per_split, num_splits, 0, HAS_OFFSETS=False, LANES=lanes, num_warps=num_warps)
+
+
+def penalty_variant(logits, counts, state_rows, penalty, num_warps: int):
+    """The penalty pass alone with another warp count."""
+    from tokenmill.kernels import penalties
+
+    num_tiles, tiles_per_split, num_splits = sampling.split_layout(ROWS, VOCAB, penalties.TILE)
+    out = torch.empty(ROWS, VOCAB, device="cuda")
+    maxima = torch.empty(ROWS, num_splits, device="cuda")
+    return lambda: penalties._penalty_kernel[(ROWS, num_splits)](
+        logits, logits.stride(0), out, out, state_rows, counts, counts.bool().view(torch.uint8), counts.stride(0),
+        penalty, penalty, penalty, maxima, VOCAB, num_tiles, tiles_per_split, num_splits, HAS_MASK=False,
+        TILE=penalties.TILE, num_warps=num_warps)
 
 
 def main() -> None:
@@ -79,27 +92,14 @@ def main() -> None:
     rows.append(("candidate_floor bf16 min_p", time_ms(lambda: candidate_floor(bf16, ones, None, min_p))))
     state_rows = torch.arange(ROWS, device="cuda")
     penalty = torch.full((ROWS,), 1.1, device="cuda")
-    for seen_tokens in (VOCAB // 2, 2048):  # every other token seen (the worst case); a 2k-token context (kept)
+    for seen_tokens in (2048, VOCAB // 2):  # a 2k-token context; every other token seen (the worst case)
         seen_ids = torch.randint(0, VOCAB, (ROWS, seen_tokens), device="cuda", generator=gen)
         counts = torch.zeros(ROWS, VOCAB, dtype=torch.int32, device="cuda").scatter_(1, seen_ids, 1)
-        seen_mask = counts.bool()
-        rows.append((f"apply_penalties_fused bf16 -> fp32, {seen_tokens} seen", time_ms(
-            functools.partial(apply_penalties_fused, bf16, None, state_rows, counts, seen_mask, penalty, zeros,
-                              zeros))))
-
-    def penalties_then_draw(draw_in_pass: bool) -> torch.Tensor:
-        """Penalties, T=0.8 and min_p 0.05: the draw inside the penalty pass, or after it."""
-        draw = PenaltyDraw(ones, seeds, min_p) if draw_in_pass else None
-        out, maxima, split_best = apply_penalties_fused(bf16, None, state_rows, counts, seen_mask, penalty, zeros,
-                                                        zeros, draw=draw)
-        floor = candidate_floor(out, ones, None, min_p, maxima=maxima)
-        if draw_in_pass:
-            return first_draw_tokens(out, draw, split_best, floor)
-        return sampling.gumbel_argmax(out, ones, seeds, floor=floor)
-
-    for draw_in_pass in (False, True):
-        rows.append((f"penalties + min_p, {'draw in the penalty pass' if draw_in_pass else 'then the draw'}",
-                     time_ms(functools.partial(penalties_then_draw, draw_in_pass))))
+        rows.append((f"apply_penalties_fused bf16 -> fp32, {seen_tokens} seen", time_ms(functools.partial(
+            apply_penalties_fused, bf16, None, state_rows, counts, counts.bool(), penalty, zeros, zeros))))
+        for num_warps in (2, 8):
+            rows.append((f"  penalty pass, {num_warps} warps", time_ms(
+                penalty_variant(bf16, counts, state_rows, penalty, num_warps))))
     print(f"\n{ROWS} x {VOCAB}, {torch.cuda.get_device_name()}, triton {triton.__version__}")
     for name, ms in rows:
         print(f"{name:<52}{ms * 1e3:>9.1f} us   {bytes_bf16 / ms / 1e9:>7.2f} TB/s of bf16 logits")

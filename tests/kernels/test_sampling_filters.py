@@ -6,8 +6,6 @@ Under TRITON_INTERPRET=1 a program costs tens of milliseconds, so the cases stay
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -139,7 +137,7 @@ def test_fused_penalties_equal_the_torch_reference(device, dtype):
     for logit_mask in (None, mask):
         ref_in = logits.float() + (0 if logit_mask is None else logit_mask)
         ref = apply_penalties(ref_in, counts[state_rows], seen_mask[state_rows], repetition, frequency, presence)
-        out, maxima, _ = apply_penalties_fused(
+        out, maxima = apply_penalties_fused(
             *[t.to(device) if t is not None else None for t in (logits, logit_mask, state_rows, counts, seen_mask,
                                                                repetition, frequency, presence)])
         assert out.dtype == torch.float32
@@ -147,81 +145,6 @@ def test_fused_penalties_equal_the_torch_reference(device, dtype):
         # the maxima of candidate_floor's splits: one 1024-token tile each here
         expected = torch.stack([ref[:, :1024].amax(-1), ref[:, 1024:].amax(-1)], dim=1)
         torch.testing.assert_close(maxima.cpu(), expected, rtol=2e-6, atol=0)
-
-
-def penalty_inputs(num_rows: int, vocab: int, gen: torch.Generator):
-    counts = (torch.rand(num_rows, vocab, generator=gen) < 0.05).to(torch.int32) * 2
-    seen_mask = (torch.rand(num_rows, vocab, generator=gen) < 0.1) | (counts > 0)
-    return counts, seen_mask, torch.arange(num_rows)
-
-
-def test_penalty_pass_draw_equals_the_draw_over_its_output(device):
-    """The first draw made inside the penalty pass is gumbel_argmax's over the penalised logits, min_p
-    floor included, also in rows whose lanes' lower floors let a token below the row's floor win."""
-    from tokenmill.kernels.penalties import PenaltyDraw, apply_penalties_fused, first_draw_tokens
-    from tokenmill.kernels.sampling import gumbel_argmax
-    from tokenmill.kernels.sampling_floor import candidate_floor
-
-    vocab, num_rows, gen = 5000, 6, torch.Generator().manual_seed(21)  # five 1024-token splits per row
-    logits = torch.randn(num_rows, vocab, generator=gen)
-    logits[:3, -10] = 6.0  # the row's maximum in its last split: earlier splits' lanes use lower floors
-    # Row 5: the first tile holds the maximum, and most of the mass sits just above min_p's floor
-    # (2 + 0.9 * log(0.5) = 1.376): with one split per row, a lane floor slightly too high (after the
-    # first tile every lane has seen the maximum) would change most draws.
-    logits[5] = 1.39
-    logits[5, :1024] = 2.0
-    counts, seen_mask, state_rows = penalty_inputs(num_rows, vocab, gen)
-    repetition = torch.tensor([1.0, 1.3, 1.1, 1.0, 1.2, 1.0])
-    temperature = torch.tensor([1.0, 0.7, 1.0, 0.0, 1.5, 0.9])
-    min_p = torch.tensor([0.5, 0.3, 0.0, 0.5, 0.05, 0.5])
-    mask = torch.zeros(num_rows, vocab)
-    mask[4, :3000] = float("-inf")
-    on = [t.to(device) for t in (logits, mask, state_rows, counts, seen_mask, repetition, temperature, min_p)]
-    logits, mask, state_rows, counts, seen_mask, repetition, temperature, min_p = on
-    zeros = torch.zeros_like(repetition)
-    retried = 0
-    for trial, tiles_per_split, row_min_p in itertools.product(range(3), (1, 5), (min_p, None)):
-        seeds = make_seeds(num_rows, 100 + trial).to(device)
-        draw = PenaltyDraw(temperature, seeds, row_min_p)
-        out, maxima, split_best = apply_penalties_fused(logits, mask, state_rows, counts, seen_mask, repetition,
-                                                        zeros, zeros, draw=draw, tiles_per_split=tiles_per_split)
-        plain, plain_maxima, _ = apply_penalties_fused(logits, mask, state_rows, counts, seen_mask, repetition,
-                                                       zeros, zeros, tiles_per_split=tiles_per_split)
-        assert torch.equal(out, plain) and torch.equal(maxima, plain_maxima)
-        floor = None
-        if row_min_p is not None:
-            floor = candidate_floor(out, temperature, None, row_min_p, maxima=maxima,
-                                    tiles_per_split=tiles_per_split)
-            values, indices = split_best
-            best = indices.gather(1, values.argmax(1, keepdim=True)).squeeze(1).long()
-            retried += int((out.gather(1, best[:, None]).squeeze(1) < floor)[temperature > 0].sum())
-        tokens = first_draw_tokens(out, draw, split_best, floor)
-        assert torch.equal(tokens, gumbel_argmax(out, temperature, seeds, floor=floor))
-    assert retried > 0  # the redraw path ran
-
-
-def test_sampler_draws_in_the_penalty_pass_as_after_it(device):
-    """Without top_k the sampler draws in the penalty pass: the tokens of the separate floor and draw."""
-    from tokenmill.kernels.penalties import apply_penalties_fused
-    from tokenmill.kernels.sampling import top_p_draw
-    from tokenmill.kernels.sampling_floor import candidate_floor
-
-    vocab, gen = 3000, torch.Generator().manual_seed(22)
-    params = [SamplingParams(temperature=0.8, min_p=0.2, top_p=0.6, repetition_penalty=1.2),
-              SamplingParams(temperature=0.0, frequency_penalty=0.5), SamplingParams(temperature=1.0, top_p=0.3),
-              SamplingParams(temperature=1.2, min_p=0.1, presence_penalty=0.4, seed=5)]
-    logits = (torch.randn(len(params), vocab, generator=gen) * 2).to(device)
-    counts, seen_mask, rows = penalty_inputs(len(params), vocab, gen)
-    state = (counts.to(device), seen_mask.to(device), rows.numpy())
-    for step in range(3):
-        meta = build_sampling_metadata(params, {}, vocab, torch.device(device), penalty_tensors=state,
-                                       row_seeds={3: 1000 + step}, use_kernel=True)
-        tokens = Sampler()(logits, meta).token_ids
-        out, maxima, _ = apply_penalties_fused(logits, None, meta.penalty_rows, meta.output_counts, meta.seen_mask,
-                                               meta.repetition_penalty, meta.frequency_penalty, meta.presence_penalty)
-        floor = candidate_floor(out, meta.draw_temperature, None, meta.min_p, maxima=maxima)
-        expected = top_p_draw(out, meta.draw_temperature, meta.top_p, meta.seeds, floor=floor)
-        assert torch.equal(tokens, expected)
 
 
 def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):

@@ -465,12 +465,8 @@ def top_p_draw(
     tiles_per_split: int | None = None,
     parallel_rounds: int = PARALLEL_ROUNDS,
     out: torch.Tensor | None = None,  # [num_rows] int64: the tokens go here (skipped rows keep theirs)
-    drawn_maxima: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row from softmax(logits / T) restricted to its top-p nucleus, without a sort; no host sync.
-
-    `drawn_maxima`: `out` already holds gumbel_argmax's draw (the penalty pass made it: kernels/penalties.py),
-    and these [num_rows, num_splits] are the largest logit of each split of its layout.
 
     The nucleus is the set of candidates whose strictly more likely candidates hold less than top_p of
     the candidates' probability, so tokens tied with its least likely member are all in it (a sort keeps
@@ -487,12 +483,9 @@ def top_p_draw(
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, 4 * lanes, tiles_per_split)
-    if drawn_maxima is not None:
-        maxima, tokens = drawn_maxima, out
-    else:
-        maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
-        tokens = gumbel_argmax(logits, temperature, seeds, floor=floor, lanes=lanes, tiles_per_split=tiles_per_split,
-                               maxima=maxima, out=out)
+    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    tokens = gumbel_argmax(logits, temperature, seeds, floor=floor, lanes=lanes, tiles_per_split=tiles_per_split,
+                           maxima=maxima, out=out)
     if num_rows == 0:
         return tokens
     device, has_floor, block = logits.device, int(floor is not None), triton.next_power_of_2(num_tiles)

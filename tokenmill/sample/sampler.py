@@ -15,8 +15,7 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
 
 Two implementations, one per device kind, with the same distribution:
 - On CUDA with triton, Triton kernels (kernels/): the mask and penalties in one pass that reads each
-  row's counts in place (and, when no row has a top_k, makes the draw below in the same pass, min_p's
-  floor checked after it); min_p and top_k as a per-row floor on the logits (the k-th largest value
+  row's counts in place; min_p and top_k as a per-row floor on the logits (the k-th largest value
   without a sort of the vocabulary; ties with it are kept); argmax of logits + T * Gumbel noise over
   the candidates in one read of the logits, greedy rows in the same launch; rejection rounds instead
   of a sort for top_p. A row with a top_k of at most 256 is drawn among its gathered candidates
@@ -54,11 +53,11 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_reqs, vocab] -> one token id per row (and logprobs if asked)."""
         raw_logprobs = logits.float().log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
-        logits, penalty_pass = apply_logits_processors(logits, metadata)
+        logits, row_maxima = apply_logits_processors(logits, metadata)
         if metadata.all_greedy:
             token_ids = kernel_argmax(logits) if metadata.use_kernels else logits.argmax(dim=-1)
         elif metadata.seeds is not None:
-            token_ids = fused_draw(logits, metadata, penalty_pass)
+            token_ids = fused_draw(logits, metadata, row_maxima)
         else:
             token_ids = sample(logits, metadata)
             if metadata.is_greedy is not None:
@@ -69,35 +68,23 @@ class Sampler(nn.Module):
         return SamplerOutput(token_ids, logprobs)
 
 
-@dataclass
-class PenaltyPass:
-    """What the fused penalty pass (kernels/penalties.py) leaves besides the logits."""
-    maxima: torch.Tensor  # [num_reqs, num_splits] float32: each vocabulary split's largest logit
-    first_draw: tuple | None  # (PenaltyDraw, each split's best): every row's first draw, made in the pass
-
-
 def apply_logits_processors(
     logits: torch.Tensor, metadata: SamplingMetadata
-) -> tuple[torch.Tensor, PenaltyPass | None]:
-    """Stages 2-4: everything that changes the distribution before temperature. With the kernels, the
-    penalty pass also records the maxima (min_p, top_p) and, when no row has a top_k (whose floor needs a
-    pass before the draw), makes the first draw while the penalised logits are in registers."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stages 2-4: everything that changes the distribution before temperature. Also returns the
+    per-split maxima of the new logits when the fused penalty pass found them (for min_p), else None."""
     if metadata.logits_processors:
         logits = logits.to(torch.float32, copy=True)
         for row, (processors, output_token_ids) in metadata.logits_processors.items():
             for processor in processors:
                 logits[row] = processor(output_token_ids, logits[row])
     if metadata.output_counts is not None and metadata.use_kernels:
-        from tokenmill.kernels.penalties import PenaltyDraw, apply_penalties_fused  # triton only where it runs
+        from tokenmill.kernels.penalties import apply_penalties_fused  # triton only where it runs
 
-        draw = None
-        if metadata.seeds is not None and metadata.top_k is None:
-            draw = PenaltyDraw(metadata.draw_temperature, metadata.seeds, metadata.min_p)
-        logits, maxima, split_best = apply_penalties_fused(
+        return apply_penalties_fused(
             logits, metadata.logit_mask, metadata.penalty_rows, metadata.output_counts, metadata.seen_mask,
-            metadata.repetition_penalty, metadata.frequency_penalty, metadata.presence_penalty, draw=draw,
+            metadata.repetition_penalty, metadata.frequency_penalty, metadata.presence_penalty,
         )
-        return logits, PenaltyPass(maxima, (draw, split_best) if draw is not None else None)
     if metadata.logit_mask is not None:
         logits = logits.float() + metadata.logit_mask
     if metadata.output_counts is not None:
@@ -130,26 +117,15 @@ def kernel_argmax(logits: torch.Tensor) -> torch.Tensor:
     return greedy_argmax(logits)
 
 
-def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, penalty_pass: PenaltyPass | None) -> torch.Tensor:
+def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: torch.Tensor | None) -> torch.Tensor:
     """Stages 5-7 in Triton for every row: the candidate floor (top_k, min_p), then the draw. Rows with a
     small top_k are drawn among their few candidates while the floor is found; the others over the
-    whole vocabulary (or the penalty pass drew them already)."""
+    whole vocabulary."""
     # triton imports only where the metadata chose this path
     from tokenmill.kernels.sampling import gumbel_argmax, top_p_draw
     from tokenmill.kernels.sampling_floor import MAX_FAST_K, CandidateDraw, candidate_floor
 
     temperature, floor, tokens = metadata.draw_temperature, None, None
-    row_maxima = penalty_pass.maxima if penalty_pass is not None else None
-    if penalty_pass is not None and penalty_pass.first_draw is not None:
-        from tokenmill.kernels.penalties import first_draw_tokens
-
-        if metadata.min_p is not None:
-            floor = candidate_floor(logits, temperature, None, metadata.min_p, maxima=row_maxima)
-        tokens = first_draw_tokens(logits, *penalty_pass.first_draw, floor)
-        if metadata.top_p is None:
-            return tokens
-        return top_p_draw(logits, temperature, metadata.top_p, metadata.seeds, floor=floor, out=tokens,
-                          drawn_maxima=row_maxima)
     small_top_k = 0 < metadata.max_top_k <= MAX_FAST_K  # every sampled row is drawn among its candidates
     if metadata.top_k is not None or metadata.min_p is not None:
         draw = None

@@ -85,13 +85,13 @@ class ModelRunner:
     def warm_up_sampler(self, dtype: torch.dtype) -> None:
         """Run every sampler kernel once, on the model's logits and on penalised (float32) ones, so that
         they compile at start-up rather than in the first steps that need them."""
-        no_top_k = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-                    SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, min_p=0.1)]
-        mixed = [*no_top_k, SamplingParams(temperature=0.8, top_k=20, top_p=0.9)]
+        mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                 SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
+                 SamplingParams(temperature=0.8, min_p=0.1)]
         # every row with a small top_k: drawn among candidates only, overflowing rows one program each
         small_top_k = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)]
         vocab_size = self.sampling_state.vocab_size
-        for plain in (no_top_k, mixed, small_top_k):
+        for plain in (mixed, small_top_k):
             num_rows = len(plain)
             logits = torch.randn(num_rows, vocab_size, device=self.device).to(dtype)
             counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=self.device)
