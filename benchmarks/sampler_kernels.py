@@ -44,19 +44,6 @@ def gumbel_split_variant(logits, temperature, seeds, lanes: int, num_warps: int)
         tiles_per_split, num_splits, 0, HAS_OFFSETS=False, LANES=lanes, num_warps=num_warps)
 
 
-def penalty_variant(logits, counts, state_rows, penalty, num_warps: int):
-    """The penalty pass alone with another warp count."""
-    from tokenmill.kernels import penalties
-
-    num_tiles, tiles_per_split, num_splits = sampling.split_layout(ROWS, VOCAB, penalties.TILE)
-    out = torch.empty(ROWS, VOCAB, device="cuda")
-    maxima = torch.empty(ROWS, num_splits, device="cuda")
-    return lambda: penalties._penalty_kernel[(ROWS, num_splits)](
-        logits, logits.stride(0), out, out, state_rows, counts, counts.bool().view(torch.uint8), counts.stride(0),
-        penalty, penalty, penalty, maxima, VOCAB, num_tiles, tiles_per_split, num_splits, HAS_MASK=False,
-        TILE=penalties.TILE, num_warps=num_warps)
-
-
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[tuple[str, float]] = []
@@ -97,9 +84,6 @@ def main() -> None:
         counts = torch.zeros(ROWS, VOCAB, dtype=torch.int32, device="cuda").scatter_(1, seen_ids, 1)
         rows.append((f"apply_penalties_fused bf16 -> fp32, {seen_tokens} seen", time_ms(functools.partial(
             apply_penalties_fused, bf16, None, state_rows, counts, counts.bool(), penalty, zeros, zeros))))
-        for num_warps in (2, 8):
-            rows.append((f"  penalty pass, {num_warps} warps", time_ms(
-                penalty_variant(bf16, counts, state_rows, penalty, num_warps))))
     print(f"\n{ROWS} x {VOCAB}, {torch.cuda.get_device_name()}, triton {triton.__version__}")
     for name, ms in rows:
         print(f"{name:<52}{ms * 1e3:>9.1f} us   {bytes_bf16 / ms / 1e9:>7.2f} TB/s of bf16 logits")
