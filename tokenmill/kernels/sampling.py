@@ -218,7 +218,9 @@ def _best_split_kernel(temperature_ptr, value_ptr, index_ptr, out_ptr, num_split
 
 # top-p. Per (row, split) the nucleus pass keeps 4 floats: the split's largest candidate logit / T
 # ("top"), its softmax mass relative to that top, and the mass above the row's current draw in two
-# slots, one per round parity, so that a round reads the last round's verdict while it writes its own.
+# slots, one per round parity. The verdict on a row's draw (rejected or not) is made once, by the last
+# of the row's split programs to store its statistics, and kept in a per-row flag: the next launch's
+# programs read one flag, and those of accepted rows exit at once.
 STATS = tl.constexpr(4)
 
 
@@ -258,25 +260,38 @@ def _nucleus_verdict(stats_ptr, row, num_splits, top_p, slot, BLOCK: tl.constexp
     splits = tl.arange(0, BLOCK)
     mask = splits < num_splits
     stats = stats_ptr + (row * num_splits + splits) * STATS
-    tops = tl.load(stats, mask=mask, other=float("-inf"))
+    # .cg (L2, not L1): in _arrive these are other programs' stores of the same launch
+    tops = tl.load(stats, mask=mask, other=float("-inf"), cache_modifier=".cg")
     row_top = tl.max(tops, 0)
     scale = tl.exp(tops - row_top)  # an all -inf row gives NaN here: never rejected
-    limit = top_p * tl.sum(tl.load(stats + 1, mask=mask, other=0.0) * scale, 0)
-    mass = tl.sum(tl.load(stats + 2 + slot, mask=mask, other=0.0) * scale, 0)
+    limit = top_p * tl.sum(tl.load(stats + 1, mask=mask, other=0.0, cache_modifier=".cg") * scale, 0)
+    mass = tl.sum(tl.load(stats + 2 + slot, mask=mask, other=0.0, cache_modifier=".cg") * scale, 0)
     return mass >= limit, row_top, limit, mass
+
+
+@triton.jit
+def _arrive(arrival_ptr, rejected_ptr, stats_ptr, row, num_splits, top_p, slot, BLOCK: tl.constexpr):
+    """After a split program stored its statistics: the row's last one to arrive judges the draw."""
+    arrived = tl.atomic_add(arrival_ptr + row, 1)  # acq_rel: the last one sees every program's stores
+    if arrived == num_splits - 1:
+        rejected, _, _, _ = _nucleus_verdict(stats_ptr, row, num_splits, top_p, slot, BLOCK)
+        tl.store(rejected_ptr + row, rejected.to(tl.int32))
+        tl.store(arrival_ptr + row, 0)  # the whole row has arrived: the counter serves the next round
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor"])
 def _nucleus_split_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, token_ptr, max_ptr, stats_ptr,
-    vocab_size, num_tiles, tiles_per_split, num_splits, has_floor, TILE: tl.constexpr,
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, token_ptr, max_ptr, stats_ptr, arrival_ptr,
+    rejected_ptr, vocab_size, num_tiles, tiles_per_split, num_splits, has_floor, BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """Per (row, split) of the top-p rows: the candidates' softmax max and mass, and the mass above the
-    first draw (slot 0)."""
+    first draw (slot 0); then the verdict on the first draw."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
-    if (temperature > 0) & (tl.load(top_p_ptr + row) < 1.0):
+    top_p = tl.load(top_p_ptr + row)
+    if (temperature > 0) & (top_p < 1.0):
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
         first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
@@ -288,58 +303,49 @@ def _nucleus_split_kernel(
         tl.store(out, top)
         tl.store(out + 1, total)
         tl.store(out + 2, above)
+        _arrive(arrival_ptr, rejected_ptr, stats_ptr, row, num_splits, top_p, 0, BLOCK)
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "draw", "has_floor"])
 def _redraw_split_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, seed_ptr, token_ptr, stats_ptr,
-    value_ptr, index_ptr, vocab_size, num_tiles, tiles_per_split, num_splits, draw, has_floor,
-    BLOCK: tl.constexpr, LANES: tl.constexpr,
+    logits_ptr, stride_row, temperature_ptr, floor_ptr, seed_ptr, token_ptr, rejected_ptr, value_ptr, index_ptr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, draw, has_floor, LANES: tl.constexpr,
 ):
     """Redraw `draw`, per (row, split) of the rows whose last draw was rejected: the best candidate
     above the rejected token, with the draw's own Philox stream (counter word c1 = draw)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    temperature = tl.load(temperature_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
-    if (temperature > 0) & (top_p < 1.0):
-        rejected, _, _, _ = _nucleus_verdict(stats_ptr, row, num_splits, top_p, (draw - 1) % 2, BLOCK)
-        if rejected:
-            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-            pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
-            first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
-            value, index, _ = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, temperature,
-                                            tl.load(seed_ptr + row), draw.to(tl.int64) << 32,
-                                         _row_floor(floor_ptr, row, has_floor), pivot, LANES)
-            tl.store(value_ptr + row * num_splits + split, value)
-            tl.store(index_ptr + row * num_splits + split, index)
+    if tl.load(rejected_ptr + row) != 0:
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
+        first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
+        value, index, _ = _sampled_best(row_ptr, vocab_size, first_tile, last_tile, tl.load(temperature_ptr + row),
+                                        tl.load(seed_ptr + row), draw.to(tl.int64) << 32,
+                                        _row_floor(floor_ptr, row, has_floor), pivot, LANES)
+        tl.store(value_ptr + row * num_splits + split, value)
+        tl.store(index_ptr + row * num_splits + split, index)
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "draw"])
 def _redraw_mass_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, token_ptr, stats_ptr, value_ptr, index_ptr,
-    vocab_size, num_tiles, tiles_per_split, num_splits, draw, BLOCK: tl.constexpr, TILE: tl.constexpr,
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, token_ptr, stats_ptr, arrival_ptr, rejected_ptr, value_ptr,
+    index_ptr, vocab_size, num_tiles, tiles_per_split, num_splits, draw, BLOCK: tl.constexpr, TILE: tl.constexpr,
 ):
-    """After redraw `draw`: its token becomes the row's draw, and each split's mass above it goes to the
-    round's slot. Accepted rows carry their verdict over to the slot unchanged."""
+    """After redraw `draw`, in the rows it served: its token becomes the row's draw, each split's mass
+    above it goes to the round's slot, and the row's last program judges it."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    temperature = tl.load(temperature_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
-    if (temperature > 0) & (top_p < 1.0):
+    if tl.load(rejected_ptr + row) != 0:  # read before this program arrives, so before the verdict changes
+        token = _best_split(value_ptr, index_ptr, row, num_splits, BLOCK)
+        if split == 0:
+            tl.store(token_ptr + row, token.to(tl.int64))
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
         entry = stats_ptr + (row * num_splits + split) * STATS
-        rejected, _, _, _ = _nucleus_verdict(stats_ptr, row, num_splits, top_p, (draw - 1) % 2, BLOCK)
-        if rejected:
-            token = _best_split(value_ptr, index_ptr, row, num_splits, BLOCK)
-            if split == 0:
-                tl.store(token_ptr + row, token.to(tl.int64))
-            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-            first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
-            above = _mass_above(row_ptr, vocab_size, first_tile, last_tile, tl.load(row_ptr + token).to(tl.float32),
-                                tl.load(entry), 1.0 / temperature, TILE)
-        else:
-            above = tl.load(entry + 2 + (draw - 1) % 2)
+        above = _mass_above(row_ptr, vocab_size, first_tile, last_tile, tl.load(row_ptr + token).to(tl.float32),
+                            tl.load(entry), 1.0 / tl.load(temperature_ptr + row), TILE)
         tl.store(entry + 2 + draw % 2, above)
+        _arrive(arrival_ptr, rejected_ptr, stats_ptr, row, num_splits, tl.load(top_p_ptr + row), draw % 2, BLOCK)
 
 
 @triton.jit
@@ -382,23 +388,21 @@ def row_draw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, top_p, LA
 
 @triton.jit(do_not_specialize=["num_splits", "first_draw", "has_floor"])
 def _nucleus_finish_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, seed_ptr, token_ptr, stats_ptr,
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, seed_ptr, token_ptr, stats_ptr, rejected_ptr,
     vocab_size, num_tiles, num_splits, first_draw, has_floor,
     BLOCK: tl.constexpr, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr,
 ):
     """Per top-p row: keep the current draw, or (rarely) go on redrawing in this one program."""
     row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
-    if (temperature > 0) & (top_p < 1.0):
-        rejected, row_top, limit, mass = _nucleus_verdict(stats_ptr, row, num_splits, top_p, (first_draw - 1) % 2,
-                                                          BLOCK)
-        if rejected:
-            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-            token = _nucleus_redraw(row_ptr, vocab_size, num_tiles, temperature, tl.load(seed_ptr + row),
-                                    _row_floor(floor_ptr, row, has_floor), tl.load(token_ptr + row).to(tl.int32),
-                                    row_top, limit, mass, first_draw, LANES, MAX_DRAWS)
-            tl.store(token_ptr + row, token.to(tl.int64))
+    if tl.load(rejected_ptr + row) != 0:
+        _, row_top, limit, mass = _nucleus_verdict(stats_ptr, row, num_splits, tl.load(top_p_ptr + row),
+                                                   (first_draw - 1) % 2, BLOCK)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        token = _nucleus_redraw(row_ptr, vocab_size, num_tiles, tl.load(temperature_ptr + row),
+                                tl.load(seed_ptr + row), _row_floor(floor_ptr, row, has_floor),
+                                tl.load(token_ptr + row).to(tl.int32), row_top, limit, mass, first_draw, LANES,
+                                MAX_DRAWS)
+        tl.store(token_ptr + row, token.to(tl.int64))
 
 
 def split_layout(num_rows: int, vocab_size: int, tile: int, tiles_per_split: int | None = None) -> tuple[int, int, int]:
@@ -491,25 +495,26 @@ def top_p_draw(
     device, has_floor, block = logits.device, int(floor is not None), triton.next_power_of_2(num_tiles)
     floor = floor if has_floor else temperature
     stats = torch.empty(num_rows, num_splits, STATS.value, dtype=torch.float32, device=device)
+    arrivals, rejected = torch.zeros(2, num_rows, dtype=torch.int32, device=device)  # rows skipped: never rejected
     grid = (num_rows, num_splits)
     _nucleus_split_kernel[grid](
-        logits, logits.stride(0), temperature, top_p, floor, tokens, maxima, stats, vocab_size, num_tiles,
-        tiles_per_split, num_splits, has_floor, TILE=4 * lanes,
+        logits, logits.stride(0), temperature, top_p, floor, tokens, maxima, stats, arrivals, rejected, vocab_size,
+        num_tiles, tiles_per_split, num_splits, has_floor, BLOCK=block, TILE=4 * lanes,
     )
     values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
     indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=device)
     for draw in range(1, parallel_rounds + 1):
         _redraw_split_kernel[grid](
-            logits, logits.stride(0), temperature, top_p, floor, seeds, tokens, stats, values, indices, vocab_size,
-            num_tiles, tiles_per_split, num_splits, draw, has_floor, BLOCK=block, LANES=lanes,
+            logits, logits.stride(0), temperature, floor, seeds, tokens, rejected, values, indices, vocab_size,
+            num_tiles, tiles_per_split, num_splits, draw, has_floor, LANES=lanes,
         )
         _redraw_mass_kernel[grid](
-            logits, logits.stride(0), temperature, top_p, tokens, stats, values, indices, vocab_size, num_tiles,
-            tiles_per_split, num_splits, draw, BLOCK=block, TILE=4 * lanes,
+            logits, logits.stride(0), temperature, top_p, tokens, stats, arrivals, rejected, values, indices,
+            vocab_size, num_tiles, tiles_per_split, num_splits, draw, BLOCK=block, TILE=4 * lanes,
         )
     _nucleus_finish_kernel[(num_rows,)](
-        logits, logits.stride(0), temperature, top_p, floor, seeds, tokens, stats, vocab_size, num_tiles, num_splits,
-        parallel_rounds + 1, has_floor, BLOCK=block, LANES=lanes, MAX_DRAWS=MAX_DRAWS, num_warps=8,
+        logits, logits.stride(0), temperature, top_p, floor, seeds, tokens, stats, rejected, vocab_size, num_tiles,
+        num_splits, parallel_rounds + 1, has_floor, BLOCK=block, LANES=lanes, MAX_DRAWS=MAX_DRAWS, num_warps=8,
     )
     return tokens
 
