@@ -61,8 +61,9 @@ def main() -> None:
     rows.append(("torch topk(50) bf16", time_ms(lambda: bf16.topk(50, dim=-1))))
     for name, logits in (("bf16", bf16), ("fp32", fp32)):
         for label, temperature in (("greedy rows", zeros), ("T=0.8", ones)):
-            draw = functools.partial(sampling.gumbel_argmax, logits, temperature, seeds)
-            rows.append((f"gumbel_argmax {name} {label}", time_ms(draw)))
+            for num_warps in (2, 4):
+                draw = functools.partial(sampling.gumbel_argmax, logits, temperature, seeds, num_warps=num_warps)
+                rows.append((f"gumbel_argmax {name} {label}, {num_warps} warps", time_ms(draw)))
     for lanes in (128, 256, 512):
         for num_warps in (2, 4, 8):
             rows.append((f"  pass 1 bf16 T=0.8 lanes={lanes} warps={num_warps}",
@@ -82,8 +83,14 @@ def main() -> None:
     for seen_tokens in (2048, VOCAB // 2):  # a 2k-token context; every other token seen (the worst case)
         seen_ids = torch.randint(0, VOCAB, (ROWS, seen_tokens), device="cuda", generator=gen)
         counts = torch.zeros(ROWS, VOCAB, dtype=torch.int32, device="cuda").scatter_(1, seen_ids, 1)
-        rows.append((f"apply_penalties_fused bf16 -> fp32, {seen_tokens} seen", time_ms(functools.partial(
-            apply_penalties_fused, bf16, None, state_rows, counts, counts.bool(), penalty, zeros, zeros))))
+        seen_mask = counts.bool()
+        reference = apply_penalties_fused(bf16, None, state_rows, counts, seen_mask, penalty, zeros, zeros)
+        for num_warps in (4, 2, 8):
+            run = functools.partial(apply_penalties_fused, bf16, None, state_rows, counts, seen_mask, penalty, zeros,
+                                    zeros, num_warps=num_warps)
+            same = all(torch.equal(a, b) for a, b in zip(run(), reference))
+            rows.append((f"apply_penalties_fused bf16 -> fp32, {seen_tokens} seen, {num_warps} warps"
+                         f"{'' if same else ' (OUTPUT DIFFERS)'}", time_ms(run)))
     print(f"\n{ROWS} x {VOCAB}, {torch.cuda.get_device_name()}, triton {triton.__version__}")
     for name, ms in rows:
         print(f"{name:<52}{ms * 1e3:>9.1f} us   {bytes_bf16 / ms / 1e9:>7.2f} TB/s of bf16 logits")

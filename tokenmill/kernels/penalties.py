@@ -64,6 +64,7 @@ def apply_penalties_fused(
     repetition_penalty: torch.Tensor,  # [num_rows] float32
     frequency_penalty: torch.Tensor,  # [num_rows] float32
     presence_penalty: torch.Tensor,  # [num_rows] float32
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[num_rows, vocab] float32: (logits + mask) with each row's penalties; and [num_rows, num_splits]
     float32, the largest of each split of the candidate_floor layout (min_p needs the row maxima)."""
@@ -79,6 +80,6 @@ def apply_penalties_fused(
         logits, logits.stride(0), logit_mask if logit_mask is not None else out, out, state_rows, output_counts,
         seen_mask.view(torch.uint8), output_counts.stride(0), repetition_penalty, frequency_penalty,
         presence_penalty, maxima, vocab_size, num_tiles, tiles_per_split, num_splits,
-        HAS_MASK=logit_mask is not None, TILE=TILE,
+        HAS_MASK=logit_mask is not None, TILE=TILE, num_warps=num_warps,
     )
     return out, maxima
