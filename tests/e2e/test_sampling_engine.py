@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
 from tokenmill import LLM, SamplingParams
 
@@ -124,14 +125,21 @@ def test_penalties_change_greedy_output_only_when_set(llm):
 
 def test_greedy_repetition_penalty_equals_transformers_generate(tiny, llm):
     """The penalty state follows the tokens as they are sampled: each new output token is penalised from
-    the next step on, like every prompt token (transformers' rule over the whole sequence)."""
+    the next step on, like every prompt token (transformers' rule over the whole sequence). A preempted
+    request gets it back with its output tokens when it resumes."""
     _, model = tiny
-    outs = run(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5))
-    for prompt, out in zip(PROMPTS, outs):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5)
+    tight = LLM(tiny[0], skip_tokenizer_init=True, num_gpu_blocks_override=6, max_model_len=64,
+                max_num_batched_tokens=16)
+    preempted = run(tight, PROMPTS, params)
+    assert tight.engine.last_stats.num_preemptions > 0
+    for prompt, out, again in zip(PROMPTS, run(llm, PROMPTS, params), preempted):
+        # transformers' processor in a plain greedy loop: generate() would stop at EOS (ignore_eos does not)
+        processor, ids = RepetitionPenaltyLogitsProcessor(1.5), torch.tensor([prompt])
         with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
-                                      repetition_penalty=1.5, pad_token_id=0)[0, len(prompt):]
-        assert out.outputs[0].token_ids == expected.tolist()
+            for _ in range(24):
+                ids = torch.cat([ids, processor(ids, model(ids).logits[:, -1]).argmax(-1, keepdim=True)], dim=1)
+        assert out.outputs[0].token_ids == again.outputs[0].token_ids == ids[0, len(prompt):].tolist()
 
 
 def test_logits_processors_run_per_request(llm):
