@@ -91,8 +91,7 @@ class ModelRunner:
         # every row with a small top_k: drawn among candidates only, overflowing rows one program each
         small_top_k = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)]
         vocab_size = self.sampling_state.vocab_size
-        all_greedy = [SamplingParams(temperature=0.0)]  # the plain argmax's launch configuration
-        for plain in (mixed, small_top_k, all_greedy):
+        for plain in (mixed, small_top_k):
             num_rows = len(plain)
             logits = torch.randn(num_rows, vocab_size, device=self.device).to(dtype)
             counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=self.device)
