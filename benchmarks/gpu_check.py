@@ -98,14 +98,19 @@ def check_env() -> None:
 # ---- kernels --------------------------------------------------------------------------------------
 
 
-def check_kernels() -> None:
+def run_pytest(label: str, *args: str) -> None:
+    """pytest in a subprocess; its last line goes to the summary, its output to the log when it fails."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "8", "-p", "no:cacheprovider",
-                           "tests/kernels"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                          capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
     if proc.returncode != 0:
         print(proc.stdout[-6000:], proc.stderr[-3000:])
-    note("pytest tests/kernels", f"{tail} (rc {proc.returncode}, {time.perf_counter() - start:.0f} s)")
+    note(label, f"{tail} (rc {proc.returncode}, {time.perf_counter() - start:.0f} s)")
+
+
+def check_kernels() -> None:
+    run_pytest("pytest tests/kernels", "-x", "-n", "8", "tests/kernels")
 
     import cases
 
@@ -126,14 +131,8 @@ def check_kernels() -> None:
 def check_engine() -> None:
     """The engine tests whose mechanisms differ on the GPU (async scheduling, forked samples' block copies,
     the fused sampler), run on the GPU."""
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/e2e/test_async_scheduling.py", "tests/e2e/test_forked_samples.py"],
-                          cwd=ROOT, capture_output=True, text=True)
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
-    if proc.returncode != 0:
-        print(proc.stdout[-6000:], proc.stderr[-3000:])
-    note("pytest engine tests on the GPU", f"{tail} (rc {proc.returncode}, {time.perf_counter() - start:.0f} s)")
+    run_pytest("pytest engine tests on the GPU", "tests/e2e/test_async_scheduling.py",
+               "tests/e2e/test_forked_samples.py")
 
 
 def run_script(path: str, timeout: float, *args: str) -> None:

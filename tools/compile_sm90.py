@@ -16,6 +16,7 @@ Needs triton next to the CPU torch. The whole of tests/kernels takes about 8 min
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -51,8 +52,6 @@ class LaunchRecorder:
         recorder = self
 
         def recording_call(executor, *args, **kwargs):
-            import inspect
-
             params = list(inspect.signature(executor.fn).parameters)
             bound = dict(zip(params, args))
             bound.update({k: v for k, v in kwargs.items() if k in params})

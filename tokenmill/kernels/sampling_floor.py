@@ -11,7 +11,9 @@ The k-th largest logit, for k up to MAX_FAST_K (256), takes three passes:
   2. the tokens >= L (typically a few times k) are gathered into CANDIDATES slots per row;
   3. one program per row sorts them: the k-th is exact. Asked to (`CandidateDraw`), it also draws the
      row's token among them, with the full-vocabulary draw's noise and rejection rounds.
-Rows whose candidates overflow, and larger k, take a radix select on an order-preserving integer key
+When the caller knows every sampled row's k is that small, the rows whose candidates overflow take one
+program each instead (the radix select below and the draw, whole-row). Otherwise, rows whose candidates
+overflow, and larger k, take a radix select on an order-preserving integer key
 of each logit (float32 bits, sign-folded): round by round, a histogram of the next digit (DIGIT_BITS
 bits) of the keys that share the prefix found so far, over vocabulary splits in parallel; then one
 program per row sums the splits and picks the digit at which the count from the top reaches k.
@@ -405,15 +407,22 @@ def _fast_top_k(
         CAPACITY=CANDIDATES,
     )
     select = torch.empty(num_rows, dtype=torch.int32, device=device)
-    top_p = draw.top_p if draw is not None and draw.top_p is not None else temperature
+    top_p, seeds, tokens, skip, has_top_p, draw_here = _draw_args(draw, temperature, top_k, floor)
     _select_candidates_kernel[(num_rows,)](
-        temperature, top_k, min_p if min_p is not None else temperature, top_p,
-        draw.seeds if draw is not None else top_k, counts, candidates, ids, floor, select,
-        draw.tokens if draw is not None else top_k, draw.temperature if draw is not None else floor, vocab_size,
-        int(min_p is not None), int(draw is not None and draw.top_p is not None), int(draw is not None),
+        temperature, top_k, min_p if min_p is not None else temperature, top_p, seeds, counts, candidates, ids,
+        floor, select, tokens, skip, vocab_size, int(min_p is not None), has_top_p, draw_here,
         MAX_K=MAX_FAST_K, CAPACITY=CANDIDATES, LANES=LANES, MAX_DRAWS=MAX_DRAWS, num_warps=8,
     )
     return select
+
+
+def _draw_args(draw: CandidateDraw | None, temperature: torch.Tensor, top_k: torch.Tensor, floor: torch.Tensor):
+    """A CandidateDraw as kernel arguments: (top_p, seeds, tokens, skip temperatures, has_top_p, draw_here),
+    with unused tensors of the right dtypes in place of what is missing (one compiled variant for all)."""
+    if draw is None:
+        return temperature, top_k, top_k, floor, 0, 0
+    has_top_p = draw.top_p is not None
+    return draw.top_p if has_top_p else temperature, draw.seeds, draw.tokens, draw.temperature, int(has_top_p), 1
 
 
 def _overflow_rows(
@@ -421,12 +430,10 @@ def _overflow_rows(
     select: torch.Tensor, floor: torch.Tensor, num_tiles: int, digit_bits: int, draw: CandidateDraw | None,
 ) -> None:
     num_rows, vocab_size = logits.shape
+    top_p, seeds, tokens, skip, has_top_p, draw_here = _draw_args(draw, temperature, top_k, floor)
     _overflow_rows_kernel[(num_rows,)](
-        logits, logits.stride(0), temperature, top_k, min_p if min_p is not None else temperature,
-        draw.top_p if draw is not None and draw.top_p is not None else temperature,
-        draw.seeds if draw is not None else top_k, select, floor, draw.tokens if draw is not None else top_k,
-        draw.temperature if draw is not None else floor, vocab_size, num_tiles, int(min_p is not None),
-        int(draw is not None and draw.top_p is not None), int(draw is not None),
+        logits, logits.stride(0), temperature, top_k, min_p if min_p is not None else temperature, top_p, seeds,
+        select, floor, tokens, skip, vocab_size, num_tiles, int(min_p is not None), has_top_p, draw_here,
         ROUNDS=-(-KEY_BITS[logits.dtype] // digit_bits), DIGIT_BITS=digit_bits, LANES=LANES, MAX_DRAWS=MAX_DRAWS,
         num_warps=8,
     )

@@ -2,8 +2,8 @@
 
 Penalty inputs are kept incrementally on the device: each row's output-token counts and the set
 of tokens it has seen (prompt or output: the tokens repetition penalises, and the only ones whose
-counts the penalty kernel reads), allocated the first time a request with penalties arrives and updated with
-one scatter per step. Numeric parameters sit in numpy columns filled when a request arrives; only
+counts the penalty kernel reads), allocated the first time a request with penalties arrives and
+updated with two scatters per step. Numeric parameters sit in numpy columns filled when a request arrives; only
 rows with per-request work (seeds, bad words, logits processors, pending min_tokens, allowed ids,
 logit bias) are visited in Python each step.
 """
@@ -50,7 +50,7 @@ class SamplingState:
             self.seen_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device)
         # Built on the host, then copied without blocking: a blocking copy would wait for the GPU.
         seen = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        output = torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.int64).to(self.device, non_blocking=True)
+        output = seen[num_prompt_tokens:]
         self.seen_mask[row].zero_()
         self.seen_mask[row, seen] = True
         self.output_counts[row].zero_()
