@@ -123,22 +123,29 @@ def test_penalties_change_greedy_output_only_when_set(llm):
     assert max(penalized.count(t) for t in set(penalized)) <= max(plain.count(t) for t in set(plain))
 
 
-def test_greedy_repetition_penalty_equals_transformers_generate(tiny, llm):
+@pytest.mark.parametrize("repetition, frequency, presence", [(1.5, 0.0, 0.0), (1.0, 0.4, 0.3)],
+                         ids=["repetition", "frequency+presence"])
+def test_greedy_penalties_equal_transformers_and_the_openai_formula(tiny, llm, repetition, frequency, presence):
     """The penalty state follows the tokens as they are sampled: each new output token is penalised from
-    the next step on, like every prompt token (transformers' rule over the whole sequence). A preempted
-    request gets it back with its output tokens when it resumes."""
+    the next step on (repetition: transformers' rule over the whole sequence; frequency and presence:
+    OpenAI's formula over the output). A preempted request gets it back with its output tokens when it
+    resumes."""
     _, model = tiny
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=repetition,
+                            frequency_penalty=frequency, presence_penalty=presence)
     tight = LLM(tiny[0], skip_tokenizer_init=True, num_gpu_blocks_override=6, max_model_len=64,
                 max_num_batched_tokens=16)
     preempted = run(tight, PROMPTS, params)
     assert tight.engine.last_stats.num_preemptions > 0
     for prompt, out, again in zip(PROMPTS, run(llm, PROMPTS, params), preempted):
-        # transformers' processor in a plain greedy loop: generate() would stop at EOS (ignore_eos does not)
-        processor, ids = RepetitionPenaltyLogitsProcessor(1.5), torch.tensor([prompt])
+        # a plain greedy loop: generate() would stop at EOS (ignore_eos does not)
+        processor, ids = RepetitionPenaltyLogitsProcessor(repetition), torch.tensor([prompt])
         with torch.no_grad():
             for _ in range(24):
-                ids = torch.cat([ids, processor(ids, model(ids).logits[:, -1]).argmax(-1, keepdim=True)], dim=1)
+                logits = processor(ids, model(ids).logits[:, -1])
+                counts = torch.bincount(ids[0, len(prompt):], minlength=logits.shape[-1])
+                logits = logits - frequency * counts - presence * (counts > 0)
+                ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
         assert out.outputs[0].token_ids == again.outputs[0].token_ids == ids[0, len(prompt):].tolist()
 
 
