@@ -7,8 +7,6 @@ features belong in their own modules behind these calls.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 from torch import nn
@@ -16,10 +14,8 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.forward_context import forward_context
 from tokenmill.sample.logprobs import PromptLogprobsCollector
-from tokenmill.sample.metadata import build_sampling_metadata
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
-from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
@@ -81,26 +77,6 @@ class ModelRunner:
             return EMPTY_OUTPUT
         return self._sample(batch, hidden_states)
 
-    @torch.inference_mode()
-    def warm_up_sampler(self, dtype: torch.dtype) -> None:
-        """Run every sampler kernel once, on the model's logits and on penalised (float32) ones, so that
-        they compile at start-up rather than in the first steps that need them."""
-        mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-                 SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
-                 SamplingParams(temperature=0.8, min_p=0.1)]
-        # every row with a small top_k: drawn among candidates only, overflowing rows one program each
-        small_top_k = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)]
-        vocab_size = self.sampling_state.vocab_size
-        for plain in (mixed, small_top_k):
-            num_rows = len(plain)
-            logits = torch.randn(num_rows, vocab_size, device=self.device).to(dtype)
-            counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=self.device)
-            penalty_state = (counts, counts.bool(), np.arange(num_rows))
-            penalised = [dataclasses.replace(p, repetition_penalty=1.1) for p in plain]
-            for params, penalties in ((plain, None), (penalised, penalty_state)):
-                self.sampler(logits, build_sampling_metadata(params, {}, vocab_size, self.device,
-                                                             penalty_tensors=penalties))
-
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         input_ids, positions = self._to_device(batch.input_ids), self._to_device(batch.positions)
         if len(batch.last_token_dst):
@@ -115,11 +91,12 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> PendingOutput:
-        logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         rows = batch.sampled_rows
         if self._last_pending is not None and self.sampling_state.needs_output_ids[rows].any():
             self._last_pending.result()  # the slow path reads the last step's tokens on the host
         metadata = self.sampling_state.build_metadata(rows, self.states)
+        logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)],
+                                           torch.float32 if metadata.float32_logits else None)
         output = self.sampler(logits, metadata)
         self.sampling_state.record_sampled(rows, output.token_ids, metadata.penalty_rows)
         row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))

@@ -17,6 +17,7 @@ from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
+from tokenmill.worker.sampler_warmup import warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class Worker:
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
             self._capture_cuda_graphs(shape.block_size)
         if self.device.type == "cuda":
-            self.model_runner.warm_up_sampler(self.dtype)
+            warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device)
 
     def _capture_cuda_graphs(self, block_size: int) -> None:
         if not self.attn_backend.supports_cuda_graphs:
