@@ -20,7 +20,7 @@ CHILD = """
 import sys, time, torch
 from tokenmill.sample.sampler import Sampler
 from tokenmill.worker import sampler_warmup as w
-mode, vocab_size, device = sys.argv[1], int(sys.argv[2]), torch.device("cuda")
+mode, vocab_size, device = sys.argv[1], int(sys.argv[2]), torch.device("cuda", 0)
 torch.zeros(1, device=device)  # CUDA initialised outside the timing
 start = time.perf_counter()
 if mode == "sequential":

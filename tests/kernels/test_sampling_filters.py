@@ -135,7 +135,8 @@ def test_penalties_in_place_equal_the_torch_reference(device):
     out = apply_penalties_in_place(
         on_device[:, :vocab], *[t.to(device) for t in (state_rows, counts, seen_mask, repetition, frequency, presence)])
     assert out.data_ptr() == on_device.data_ptr()
-    torch.testing.assert_close(on_device[:, :vocab].cpu(), expected, rtol=2e-6, atol=0)
+    # atol: x - f * count - p cancels to near 0 in places, and the GPU contracts it into an FMA
+    torch.testing.assert_close(on_device[:, :vocab].cpu(), expected, rtol=2e-6, atol=1e-6)
     assert torch.equal(on_device[:, vocab:].cpu(), wide[:, vocab:])  # past the vocabulary: untouched
     with pytest.raises(ValueError, match="float32"):
         apply_penalties_in_place(on_device.to(torch.bfloat16), *[t.to(device) for t in (

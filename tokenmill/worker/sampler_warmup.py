@@ -31,6 +31,9 @@ SMALL_TOP_K = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(tempera
 def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Run the sampler on each case, plain (logits in the model's dtype) and penalised (float32)."""
     cases = [(params, penalised) for params in (MIXED, SMALL_TOP_K) for penalised in (False, True)]
+    if device.type == "cuda" and device.index is None:
+        # the CUDA device is per thread, and a new thread starts on device 0: name this thread's
+        device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     with ThreadPoolExecutor(len(cases), thread_name_prefix="sampler-warmup") as pool:
         futures = [pool.submit(_run_case, sampler, params, penalised, vocab_size, dtype, device)
@@ -43,7 +46,7 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, devic
 def _run_case(sampler: Sampler, params: list[SamplingParams], penalised: bool, vocab_size: int,
               dtype: torch.dtype, device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # the CUDA device is per thread: a new thread starts on device 0
+        torch.cuda.set_device(device)
     with torch.inference_mode():  # so is inference mode
         num_rows = len(params)
         # as the model runner's: the LM head writes float32 for penalised batches
