@@ -14,9 +14,8 @@ import torch
 import triton
 
 from tokenmill.kernels import sampling
-from tokenmill.kernels.penalties import apply_penalties_in_place
+from tokenmill.kernels.penalties import apply_penalties_fused
 from tokenmill.kernels.sampling_floor import candidate_floor
-from tokenmill.sample.sampler import apply_penalties
 
 ROWS, VOCAB = 256, 151936
 
@@ -79,26 +78,19 @@ def main() -> None:
             functools.partial(candidate_floor, bf16, ones, top_k, None, digit_bits=bits, fast_top_k=False))))
     rows.append(("candidate_floor fp32 top_k=50", time_ms(lambda: candidate_floor(fp32, ones, top_k, None))))
     rows.append(("candidate_floor bf16 min_p", time_ms(lambda: candidate_floor(bf16, ones, None, min_p))))
-    # Penalised batches: the LM head writes float32 (the GEMM's own output; Qwen3-0.6B's 1024-wide hidden
-    # state), then the penalties change the seen tokens in place.
-    hidden = torch.randn(ROWS, 1024, device="cuda", generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(VOCAB, 1024, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    rows.append(("LM head, bf16 logits", time_ms(lambda: torch.nn.functional.linear(hidden, weight))))
-    rows.append(("LM head, float32 logits (mm out_dtype)",
-                 time_ms(lambda: torch.mm(hidden, weight.t(), out_dtype=torch.float32))))
-    rows.append(("bf16 -> float32 conversion of the logits", time_ms(lambda: bf16.float())))
     state_rows = torch.arange(ROWS, device="cuda")
     penalty = torch.full((ROWS,), 1.1, device="cuda")
     for seen_tokens in (2048, VOCAB // 2):  # a 2k-token context; every other token seen (the worst case)
         seen_ids = torch.randint(0, VOCAB, (ROWS, seen_tokens), device="cuda", generator=gen)
         counts = torch.zeros(ROWS, VOCAB, dtype=torch.int32, device="cuda").scatter_(1, seen_ids, 1)
         seen_mask = counts.bool()
-        args = (state_rows, counts, seen_mask, penalty, zeros, zeros)
-        work = apply_penalties_in_place(fp32.clone(), *args)
-        expected = apply_penalties(fp32, counts, seen_mask, penalty, zeros, zeros)
-        same = torch.allclose(work, expected, rtol=2e-6, atol=0)
-        rows.append((f"apply_penalties_in_place fp32, {seen_tokens} seen{'' if same else ' (OUTPUT DIFFERS)'}",
-                     time_ms(functools.partial(apply_penalties_in_place, work, *args))))
+        reference = apply_penalties_fused(bf16, None, state_rows, counts, seen_mask, penalty, zeros, zeros)
+        for num_warps in (4, 2, 8):
+            run = functools.partial(apply_penalties_fused, bf16, None, state_rows, counts, seen_mask, penalty, zeros,
+                                    zeros, num_warps=num_warps)
+            same = all(torch.equal(a, b) for a, b in zip(run(), reference))
+            rows.append((f"apply_penalties_fused bf16 -> fp32, {seen_tokens} seen, {num_warps} warps"
+                         f"{'' if same else ' (OUTPUT DIFFERS)'}", time_ms(run)))
     print(f"\n{ROWS} x {VOCAB}, {torch.cuda.get_device_name()}, triton {triton.__version__}")
     for name, ms in rows:
         print(f"{name:<52}{ms * 1e3:>9.1f} us   {bytes_bf16 / ms / 1e9:>7.2f} TB/s of bf16 logits")

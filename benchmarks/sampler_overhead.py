@@ -2,9 +2,7 @@
 
 Runs 256 requests to steady-state decoding, then times engine steps (the median of their wall times: in
 steady state that is the step time, whether or not the engine overlaps scheduling with the GPU),
-the sampler's kernels (CUDA events around Sampler.forward), the host-side build of its metadata, and the
-LM head (penalised batches have it write float32 logits: what that costs over the greedy case's bf16
-logits counts as the sampler's).
+the sampler's kernels (CUDA events around Sampler.forward) and the host-side build of its metadata.
 
     python3 benchmarks/sampler_overhead.py [--model benchmarks/models/qwen3-0.6b]
 """
@@ -35,7 +33,6 @@ CASES = {
 class Timers:
     def __init__(self) -> None:
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.logits_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.host_s: list[float] = []
         self.cpu_ms: list[float] = []
         self.last_call: tuple | None = None  # (sampler, logits, metadata) of the last step, for --profile
@@ -43,25 +40,6 @@ class Timers:
     def sampler_ms(self) -> float:
         times = [s.elapsed_time(e) for s, e in self.events] or self.cpu_ms
         return sum(times) / len(times)
-
-    def logits_ms(self) -> float:
-        times = [s.elapsed_time(e) for s, e in self.logits_events]
-        return sum(times) / len(times) if times else 0.0
-
-    def wrap_lm_head(self, model) -> None:
-        compute_logits = model.compute_logits
-
-        def timed_compute_logits(*args):
-            if not torch.cuda.is_available():
-                return compute_logits(*args)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = compute_logits(*args)
-            end.record()
-            self.logits_events.append((start, end))
-            return out
-
-        model.compute_logits = timed_compute_logits
 
     def wrap(self) -> None:
         sampler_forward, build = Sampler.forward, SamplingState.build_metadata
@@ -90,7 +68,6 @@ class Timers:
 
     def reset(self) -> None:
         self.events.clear()
-        self.logits_events.clear()
         self.host_s.clear()
         self.cpu_ms.clear()
 
@@ -130,7 +107,6 @@ def main() -> None:
     engine = llm.engine
     timers = Timers()
     timers.wrap()
-    timers.wrap_lm_head(engine.core.worker.model_runner.model)
     rows = []
     for name, extra in CASES.items():
         params = SamplingParams(max_tokens=args.steps + 40, ignore_eos=True, seed=None, **extra)
@@ -152,21 +128,19 @@ def main() -> None:
             step_times.append(time.perf_counter() - start)
         step_ms = statistics.median(step_times) * 1e3  # the median: robust to a stray host pause
         sync()
-        sampler_ms, logits_ms = timers.sampler_ms(), timers.logits_ms()
+        sampler_ms = timers.sampler_ms()
         host_ms = sum(timers.host_s) / len(timers.host_s) * 1e3
         engine.abort_request([f"{name}-{i}" for i in range(args.batch_size)])
         if args.profile and torch.cuda.is_available():
             print(f"{name}: sampler kernels per step")
             profile_kernels(timers.last_call)
-        rows.append((name, step_ms, sampler_ms, host_ms, logits_ms))
+        rows.append((name, step_ms, sampler_ms, host_ms))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\nbatch {args.batch_size}, {args.model}, {device}")
-    print(f"{'case':<18}{'step ms':>9}{'sampler GPU ms':>16}{'metadata host ms':>18}{'LM head ms':>12}"
-          f"{'sampler share':>15}")
-    bf16_lm_head_ms = rows[0][4]  # greedy: the model's own logits
-    for name, step_ms, sampler_ms, host_ms, logits_ms in rows:
-        share = (sampler_ms + host_ms + max(0.0, logits_ms - bf16_lm_head_ms)) / step_ms
-        print(f"{name:<18}{step_ms:>9.2f}{sampler_ms:>16.3f}{host_ms:>18.3f}{logits_ms:>12.3f}{share:>14.1%}")
+    print(f"{'case':<18}{'step ms':>9}{'sampler GPU ms':>16}{'metadata host ms':>18}{'sampler share':>15}")
+    for name, step_ms, sampler_ms, host_ms in rows:
+        share = (sampler_ms + host_ms) / step_ms
+        print(f"{name:<18}{step_ms:>9.2f}{sampler_ms:>16.3f}{host_ms:>18.3f}{share:>14.1%}")
 
 
 if __name__ == "__main__":

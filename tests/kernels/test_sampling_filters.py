@@ -117,30 +117,34 @@ def test_top_k_top_p_draws_follow_the_nucleus_of_the_top_k(device):
     assert float(((counts[probs > 0] - expected) ** 2 / expected).sum()) < chi_square_critical(df)
 
 
-def test_penalties_in_place_equal_the_torch_reference(device):
-    from tokenmill.kernels.penalties import TILE, apply_penalties_in_place
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_penalties_equal_the_torch_reference(device, dtype):
+    from tokenmill.kernels.penalties import apply_penalties_fused
 
     gen = torch.Generator().manual_seed(15)
-    max_reqs, vocab = 6, TILE + 300  # two tiles, the second partial
+    max_reqs, vocab = 6, 1500  # two tiles
     counts = torch.randint(0, 4, (max_reqs, vocab), generator=gen, dtype=torch.int32)
     counts *= torch.rand(max_reqs, vocab, generator=gen) < 0.05
     seen_mask = (torch.rand(max_reqs, vocab, generator=gen) < 0.1) | (counts > 0)  # prompt or output
     state_rows = torch.tensor([4, 0, 2])
-    wide = torch.randn(3, vocab + 20, generator=gen) * 3
+    wide = (torch.randn(3, vocab + 20, generator=gen) * 3).to(dtype)
     logits = wide[:, :vocab]  # a row stride wider than the vocabulary
     repetition, frequency, presence = torch.tensor([1.3, 1.0, 0.8]), torch.tensor([0.5, 0.0, -0.2]), torch.tensor(
-        [0.1, 0.0, 0.3])  # row 1: no penalties, left alone
-    expected = apply_penalties(logits, counts[state_rows], seen_mask[state_rows], repetition, frequency, presence)
-    on_device = wide.to(device, copy=True)
-    out = apply_penalties_in_place(
-        on_device[:, :vocab], *[t.to(device) for t in (state_rows, counts, seen_mask, repetition, frequency, presence)])
-    assert out.data_ptr() == on_device.data_ptr()
-    # atol: x - f * count - p cancels to near 0 in places, and the GPU contracts it into an FMA
-    torch.testing.assert_close(on_device[:, :vocab].cpu(), expected, rtol=2e-6, atol=1e-6)
-    assert torch.equal(on_device[:, vocab:].cpu(), wide[:, vocab:])  # past the vocabulary: untouched
-    with pytest.raises(ValueError, match="float32"):
-        apply_penalties_in_place(on_device.to(torch.bfloat16), *[t.to(device) for t in (
-            state_rows, counts, seen_mask, repetition, frequency, presence)])
+        [0.1, 0.0, 0.3])  # row 1: no penalties, only the conversion (and mask)
+    mask = torch.zeros(3, vocab)
+    mask[0, :10] = float("-inf")
+    mask[2, 5] = 2.5
+    for logit_mask in (None, mask):
+        ref_in = logits.float() + (0 if logit_mask is None else logit_mask)
+        ref = apply_penalties(ref_in, counts[state_rows], seen_mask[state_rows], repetition, frequency, presence)
+        out, maxima = apply_penalties_fused(
+            *[t.to(device) if t is not None else None for t in (logits, logit_mask, state_rows, counts, seen_mask,
+                                                               repetition, frequency, presence)])
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.cpu(), ref, rtol=2e-6, atol=0)
+        # the maxima of candidate_floor's splits: one 1024-token tile each here
+        expected = torch.stack([ref[:, :1024].amax(-1), ref[:, 1024:].amax(-1)], dim=1)
+        torch.testing.assert_close(maxima.cpu(), expected, rtol=2e-6, atol=0)
 
 
 def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):
@@ -161,13 +165,13 @@ def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):
         state = (counts.to(on), seen_mask.to(on), rows)
         meta = build_sampling_metadata(params, {}, vocab, torch.device(on), logit_mask=mask.to(on),
                                        penalty_tensors=state, use_kernel=use_kernel)
-        tokens[use_kernel] = Sampler()(logits[:3].to(on, copy=True), meta).token_ids.cpu()
+        tokens[use_kernel] = Sampler()(logits[:3].to(on), meta).token_ids.cpu()
     assert torch.equal(tokens[False], tokens[True])
     sampled = [SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2), SamplingParams(temperature=1.0,
                min_p=0.5, frequency_penalty=0.3)]
     state = (counts.to(device), seen_mask.to(device), rows[:2])
     meta = build_sampling_metadata(sampled, {}, vocab, torch.device(device), penalty_tensors=state, use_kernel=True)
-    out = Sampler()(logits[:2].to(device, copy=True), meta).token_ids.cpu()
+    out = Sampler()(logits[:2].to(device), meta).token_ids.cpu()
     penalised = apply_penalties(logits[:2], counts[rows[:2]], seen_mask[rows[:2]], torch.tensor([1.2, 1.0]),
                                 torch.tensor([0.0, 0.3]), torch.zeros(2))
     assert out[0] in penalised[0].topk(4).indices
@@ -252,22 +256,3 @@ def test_sampler_with_small_top_k_in_every_row_draws_each_row_by_itself(device):
     expected = top_p_draw_ref(logits[:1], t, p, torch.tensor([step_seed]), floor=candidate_floor_ref(logits[:1], t, k,
                                                                                                       None))
     assert run([seeded], [0])[0] == expected[0] == run([seeded, other], [0, 1])[0]
-
-
-def test_lm_head_writes_float32_logits_for_penalised_batches(device):
-    """On CUDA a bf16 LM head's float32 logits are its GEMM's float32 result, not bf16 logits widened."""
-    from tokenmill.layers.embedding import ParallelLMHead
-
-    gen = torch.Generator().manual_seed(22)
-    head = ParallelLMHead(1000, 256)
-    head.weight.data = torch.randn(1000, 256, generator=gen).to(torch.bfloat16)
-    hidden = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
-    exact = hidden.double() @ head.weight.double().T
-    head = head.to(device)
-    logits = head.compute_logits(hidden.to(device), torch.float32).cpu()
-    assert logits.dtype == torch.float32 and logits.shape == (5, 1000)
-    widened = head.compute_logits(hidden.to(device)).float().cpu()
-    if device == "cuda":
-        assert (logits.double() - exact).abs().max() < (widened.double() - exact).abs().max() / 10
-    else:  # the CPU widens the model's logits
-        assert torch.equal(logits, widened)

@@ -1,12 +1,10 @@
-"""Penalties applied in place to float32 logits, touching only the tokens a row has seen.
+"""Logit mask and penalties in one pass: model logits in, float32 logits out.
 
 Each row reads its seen-token mask (prompt or output tokens) and output-token counts straight from the
 sampling state's [max_num_reqs, vocab] tensors through its state row, so nothing is gathered per step.
-Only the mask is read in full (one byte per token); the logits and counts are loaded and the logits
-stored only where a token was seen (predicated accesses fetch only the sectors that hold seen tokens).
-So a penalised row costs a fraction of one pass over its logits, where converting the model's bf16 logits
-to float32 (the pass this replaces) read 2 and wrote 4 bytes per token: the LM head writes float32
-logits instead when a batch has penalties. The arithmetic is the sampler's torch reference
+The counts are read only where a token was seen (a predicated load fetches only the sectors that hold
+seen tokens), so a row costs its logits, one byte of mask per token and the float32 output. Rows
+without penalties only convert (and add the mask). The arithmetic is the sampler's torch reference
 (sample/sampler.py::apply_penalties): repetition (transformers' rule over prompt and output tokens),
 then frequency and presence (OpenAI's formula over output tokens).
 """
@@ -17,58 +15,71 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.sampling import split_layout
+from tokenmill.kernels.sampling import LANES, split_layout
 
-TILE = 4096
-"""Tokens per loop iteration: 32 per thread at 4 warps, so the mask comes in two 16-byte loads per thread."""
+TILE = 4 * LANES  # the tiles of candidate_floor, whose split layout the maxima follow
 
 
-@triton.jit(do_not_specialize=["tiles_per_split"])  # it changes with the batch size
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])  # they change with the batch size
 def _penalty_kernel(
-    logits_ptr, stride_row, state_row_ptr, counts_ptr, seen_ptr, stride_state,
-    repetition_ptr, frequency_ptr, presence_ptr, vocab_size, num_tiles, tiles_per_split,
-    TILE: tl.constexpr,
+    logits_ptr, stride_row, mask_ptr, out_ptr, state_row_ptr, counts_ptr, seen_ptr, stride_state,
+    repetition_ptr, frequency_ptr, presence_ptr, max_ptr, vocab_size, num_tiles, tiles_per_split, num_splits,
+    HAS_MASK: tl.constexpr, TILE: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     repetition = tl.load(repetition_ptr + row)
     frequency = tl.load(frequency_ptr + row)
     presence = tl.load(presence_ptr + row)
-    if (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0):
-        state = tl.load(state_row_ptr + row).to(tl.int64) * stride_state
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        cols = tl.arange(0, TILE)
-        first_tile = split * tiles_per_split
-        for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
-            token = tile * TILE + cols
-            seen = tl.load(seen_ptr + state + token, mask=token < vocab_size, other=0) != 0
-            x = tl.load(row_ptr + token, mask=seen)
+    penalized = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
+    state = tl.load(state_row_ptr + row).to(tl.int64) * stride_state
+    # Four contiguous tokens per thread: the bf16 loads and the float32 stores then share one layout
+    # (left alone, the loads take 8 and the stores 4, and every tile goes through shared memory between).
+    cols = tl.max_contiguous(tl.arange(0, TILE), 4)
+    top = tl.full([TILE], float("-inf"), tl.float32)
+    first_tile = split * tiles_per_split
+    for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
+        token = tile * TILE + cols
+        valid = token < vocab_size
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token, mask=valid).to(tl.float32)
+        if HAS_MASK:
+            x += tl.load(mask_ptr + row.to(tl.int64) * vocab_size + token, mask=valid)
+        if penalized:
+            seen = tl.load(seen_ptr + state + token, mask=valid, other=0) != 0
             count = tl.load(counts_ptr + state + token, mask=seen, other=0)  # counted tokens are seen
-            x = tl.where(x > 0, x / repetition, x * repetition)
+            x = tl.where(seen, tl.where(x > 0, x / repetition, x * repetition), x)
             x = x - frequency * count.to(tl.float32)
             x = x - presence * (count > 0).to(tl.float32)
-            tl.store(row_ptr + token, x, mask=seen)
+        tl.store(out_ptr + row.to(tl.int64) * vocab_size + token, x, mask=valid)
+        top = tl.maximum(top, tl.where(valid, x, float("-inf")))
+    tl.store(max_ptr + row * num_splits + split, tl.max(top, 0))  # for min_p (kernels/sampling_floor.py)
 
 
-def apply_penalties_in_place(
-    logits: torch.Tensor,  # [num_rows, vocab] float32, changed in place; any row stride
+def apply_penalties_fused(
+    logits: torch.Tensor,  # [num_rows, vocab] any float dtype; any row stride
+    logit_mask: torch.Tensor | None,  # [num_rows, vocab] float32 added first, or None
     state_rows: torch.Tensor,  # [num_rows] int64: each row's row in the state tensors
     output_counts: torch.Tensor,  # [max_num_reqs, vocab] int32
     seen_mask: torch.Tensor,  # [max_num_reqs, vocab] bool: prompt or output tokens (a superset of counts > 0)
     repetition_penalty: torch.Tensor,  # [num_rows] float32
     frequency_penalty: torch.Tensor,  # [num_rows] float32
     presence_penalty: torch.Tensor,  # [num_rows] float32
-) -> torch.Tensor:
-    """Each row's penalties on its seen tokens; rows without penalties are left alone. Returns `logits`."""
-    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        raise ValueError("penalties apply in place to float32 logits with contiguous rows")
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_rows, vocab] float32: (logits + mask) with each row's penalties; and [num_rows, num_splits]
+    float32, the largest of each split of the candidate_floor layout (min_p needs the row maxima)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
-    if num_rows == 0:
-        return logits
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE)
+    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
+    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return out, maxima
     _penalty_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), state_rows, output_counts, seen_mask.view(torch.uint8), output_counts.stride(0),
-        repetition_penalty, frequency_penalty, presence_penalty, vocab_size, num_tiles, tiles_per_split,
-        TILE=TILE, num_warps=4,
+        logits, logits.stride(0), logit_mask if logit_mask is not None else out, out, state_rows, output_counts,
+        seen_mask.view(torch.uint8), output_counts.stride(0), repetition_penalty, frequency_penalty,
+        presence_penalty, maxima, vocab_size, num_tiles, tiles_per_split, num_splits,
+        HAS_MASK=logit_mask is not None, TILE=TILE, num_warps=num_warps,
     )
-    return logits
+    return out, maxima

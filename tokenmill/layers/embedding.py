@@ -46,17 +46,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def compute_logits(self, hidden_states: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """`out_dtype` float32 from a bf16/fp16 model: on CUDA the GEMM writes float32 (its accumulator, not
-        a rounded copy), for the sampler's float32 stages at the cost of wider stores."""
-        if out_dtype is None or out_dtype == hidden_states.dtype:
-            logits = F.linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
-        elif hidden_states.is_cuda:
-            logits = torch.mm(hidden_states, self.weight.t(), out_dtype=out_dtype)
-            if self.bias is not None:
-                logits += self.bias
-        else:
-            logits = F.linear(hidden_states, self.weight, self.bias).to(out_dtype)
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
         if self.tp_size > 1:
             gathered = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(gathered, logits)

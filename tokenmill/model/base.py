@@ -25,8 +25,8 @@ class CausalLM(Protocol):
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         ...
 
-    def compute_logits(self, hidden_states: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """[n, hidden_size] -> [n, vocab_size], in `out_dtype` (default: the model's dtype)."""
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size]."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...

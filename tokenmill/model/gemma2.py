@@ -98,5 +98,5 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def make_model(self, config: PretrainedConfig) -> nn.Module:
         return Gemma2Model(config)
 
-    def compute_logits(self, hidden_states: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return soft_cap(super().compute_logits(hidden_states, out_dtype), self.config.final_logit_softcapping)
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return soft_cap(super().compute_logits(hidden_states), self.config.final_logit_softcapping)

@@ -152,8 +152,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states, out_dtype)
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("lm_head.",) if self.config.tie_word_embeddings else ()

@@ -106,12 +106,6 @@ class SamplingMetadata:
     logits_processors: dict[int, tuple[list, list[int]]]
     """Row -> (the request's processors, its output token ids); the slow path."""
 
-    @property
-    def float32_logits(self) -> bool:
-        """Whether the sampler changes the logits in float32 (the kernels' in-place penalties): the LM head
-        should then write float32 itself rather than the sampler convert them."""
-        return self.use_kernels and self.output_counts is not None
-
 
 def build_sampling_metadata(
     columns: SamplingColumns | list[SamplingParams],

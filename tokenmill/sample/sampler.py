@@ -14,9 +14,9 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
   7. a Gumbel-max draw (argmax of probs / Exp(1) noise): no host sync.
 
 Two implementations, one per device kind, with the same distribution:
-- On CUDA with triton, Triton kernels (kernels/): the penalties in place on float32 logits, touching
-  only each row's seen tokens; min_p and top_k as a per-row floor on the logits (the k-th largest
-  value without a sort of the vocabulary; ties with it are kept); argmax of logits + T * Gumbel noise over
+- On CUDA with triton, Triton kernels (kernels/): the mask and penalties in one pass that reads each
+  row's counts in place; min_p and top_k as a per-row floor on the logits (the k-th largest value
+  without a sort of the vocabulary; ties with it are kept); argmax of logits + T * Gumbel noise over
   the candidates in one read of the logits, greedy rows in the same launch; rejection rounds instead
   of a sort for top_p. A row with a top_k of at most 256 is drawn among its gathered candidates
   instead, with the same noise and rounds, so the same token. The noise is keyed by the row's seed,
@@ -53,11 +53,11 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_reqs, vocab] -> one token id per row (and logprobs if asked)."""
         raw_logprobs = logits.float().log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
-        logits = apply_logits_processors(logits, metadata)
+        logits, row_maxima = apply_logits_processors(logits, metadata)
         if metadata.all_greedy:
             token_ids = kernel_argmax(logits) if metadata.use_kernels else logits.argmax(dim=-1)
         elif metadata.seeds is not None:
-            token_ids = fused_draw(logits, metadata)
+            token_ids = fused_draw(logits, metadata, row_maxima)
         else:
             token_ids = sample(logits, metadata)
             if metadata.is_greedy is not None:
@@ -68,24 +68,21 @@ class Sampler(nn.Module):
         return SamplerOutput(token_ids, logprobs)
 
 
-def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Stages 2-4: everything that changes the distribution before temperature.
-
-    The kernel path changes float32 logits in place (the model runner has the LM head write float32
-    when a batch has penalties: SamplingMetadata.float32_logits); the torch path returns new logits."""
+def apply_logits_processors(
+    logits: torch.Tensor, metadata: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stages 2-4: everything that changes the distribution before temperature. Also returns the
+    per-split maxima of the new logits when the fused penalty pass found them (for min_p), else None."""
     if metadata.logits_processors:
         logits = logits.to(torch.float32, copy=True)
         for row, (processors, output_token_ids) in metadata.logits_processors.items():
             for processor in processors:
                 logits[row] = processor(output_token_ids, logits[row])
     if metadata.output_counts is not None and metadata.use_kernels:
-        from tokenmill.kernels.penalties import apply_penalties_in_place  # triton only where it runs
+        from tokenmill.kernels.penalties import apply_penalties_fused  # triton only where it runs
 
-        logits = logits.float()  # a copy only when the caller's logits are not float32 already
-        if metadata.logit_mask is not None:
-            logits += metadata.logit_mask
-        return apply_penalties_in_place(
-            logits, metadata.penalty_rows, metadata.output_counts, metadata.seen_mask,
+        return apply_penalties_fused(
+            logits, metadata.logit_mask, metadata.penalty_rows, metadata.output_counts, metadata.seen_mask,
             metadata.repetition_penalty, metadata.frequency_penalty, metadata.presence_penalty,
         )
     if metadata.logit_mask is not None:
@@ -96,7 +93,7 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
             logits.float(), metadata.output_counts[rows], metadata.seen_mask[rows], metadata.repetition_penalty,
             metadata.frequency_penalty, metadata.presence_penalty,
         )
-    return logits
+    return logits, None
 
 
 def apply_penalties(
@@ -120,7 +117,7 @@ def kernel_argmax(logits: torch.Tensor) -> torch.Tensor:
     return greedy_argmax(logits)
 
 
-def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: torch.Tensor | None) -> torch.Tensor:
     """Stages 5-7 in Triton for every row: the candidate floor (top_k, min_p), then the draw. Rows with a
     small top_k are drawn among their few candidates while the floor is found; the others over the
     whole vocabulary."""
@@ -135,7 +132,7 @@ def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor
         if metadata.top_k is not None:
             tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
             draw = CandidateDraw(metadata.top_p, metadata.seeds, tokens, temperature.clone())
-        floor = candidate_floor(logits, temperature, metadata.top_k, metadata.min_p, draw=draw,
+        floor = candidate_floor(logits, temperature, metadata.top_k, metadata.min_p, maxima=row_maxima, draw=draw,
                                 small_top_k=small_top_k)
         if small_top_k and not metadata.has_greedy_rows:
             return tokens  # every row drawn: no full-vocabulary pass

@@ -91,12 +91,11 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> PendingOutput:
+        logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         rows = batch.sampled_rows
         if self._last_pending is not None and self.sampling_state.needs_output_ids[rows].any():
             self._last_pending.result()  # the slow path reads the last step's tokens on the host
         metadata = self.sampling_state.build_metadata(rows, self.states)
-        logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)],
-                                           torch.float32 if metadata.float32_logits else None)
         output = self.sampler(logits, metadata)
         self.sampling_state.record_sampled(rows, output.token_ids, metadata.penalty_rows)
         row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))

@@ -49,8 +49,7 @@ def _run_case(sampler: Sampler, params: list[SamplingParams], penalised: bool, v
         torch.cuda.set_device(device)
     with torch.inference_mode():  # so is inference mode
         num_rows = len(params)
-        # as the model runner's: the LM head writes float32 for penalised batches
-        logits = torch.randn(num_rows, vocab_size, device=device).to(torch.float32 if penalised else dtype)
+        logits = torch.randn(num_rows, vocab_size, device=device).to(dtype)
         penalty_state = None
         if penalised:
             counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device)
