@@ -1,4 +1,4 @@
-"""Cold cost of the sampler warm-up at start-up (GPU): its cases one after another, then in threads.
+"""Cold cost of the sampler warm-up at start-up (GPU): kernels compiled as launched, then precompiled together.
 
 Each mode runs in its own process with an empty Triton cache, as on a machine that never compiled them.
 
@@ -23,10 +23,12 @@ from tokenmill.worker import sampler_warmup as w
 mode, vocab_size, device = sys.argv[1], int(sys.argv[2]), torch.device("cuda", 0)
 torch.zeros(1, device=device)  # CUDA initialised outside the timing
 start = time.perf_counter()
-if mode == "sequential":
-    for params in (w.MIXED, w.SMALL_TOP_K):
-        for penalised in (False, True):
-            w._run_case(Sampler(), params, penalised, vocab_size, torch.bfloat16, device)
+if mode == "one after another":
+    with torch.inference_mode():
+        for params in (w.MIXED, w.SMALL_TOP_K):
+            for penalised in (False, True):
+                Sampler()(*w._make_case(params, penalised, vocab_size, torch.bfloat16, device))
+        torch.cuda.synchronize(device)
 else:
     w.warm_up_sampler(Sampler(), vocab_size, torch.bfloat16, device)
 print(f"{mode}: {time.perf_counter() - start:.1f} s from an empty Triton cache, {vocab_size}-token vocabulary")
@@ -37,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vocab-size", type=int, default=128256)  # Llama-3.1-8B's, W5's model
     args = parser.parse_args()
-    for mode in ("sequential", "threads"):
+    for mode in ("one after another", "precompiled"):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
             subprocess.run([sys.executable, "-c", CHILD, mode, str(args.vocab_size)], cwd=ROOT, env=env, check=True)

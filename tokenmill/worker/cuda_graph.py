@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.forward_context import forward_context
+from tokenmill.kernels.precompile import precompile
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +74,12 @@ class CudaGraphRunner:
     def capture(self) -> None:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
+        # every size's kernels compile together, before any capture
+        precompile(lambda: [self._eager_forward(size) for size in self.sizes], self.device)
         pool = None
         for size in reversed(self.sizes):
-            empty = BatchLayout(
-                query_start_loc=np.zeros(1, dtype=np.int32),
-                seq_lens=np.zeros(0, dtype=np.int32),
-                block_table=np.zeros((0, self.max_blocks_per_req), dtype=np.int32),
-                slot_mapping=np.zeros(0, dtype=np.int64),
-                block_size=self.block_size,
-            )
-            metadata = self.attn_backend.build_metadata(pad_layout(empty, size), self.device)
+            metadata = self._eager_forward(size)  # a first run outside the capture (lazy initialisations)
             input_ids, positions = self.input_ids[:size], self.positions[:size]
-            with forward_context(self.attn_backend, metadata):
-                self.model(input_ids, positions)  # compiles kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), forward_context(self.attn_backend, metadata):
@@ -96,6 +90,20 @@ class CudaGraphRunner:
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d decode CUDA graphs (batch sizes %d-%d) in %.1f s, %.2f GiB",
                     len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / GiB)
+
+    def _eager_forward(self, size: int) -> object:
+        """The padded decode step of `size` empty requests, run eagerly; returns its attention metadata."""
+        empty = BatchLayout(
+            query_start_loc=np.zeros(1, dtype=np.int32),
+            seq_lens=np.zeros(0, dtype=np.int32),
+            block_table=np.zeros((0, self.max_blocks_per_req), dtype=np.int32),
+            slot_mapping=np.zeros(0, dtype=np.int64),
+            block_size=self.block_size,
+        )
+        metadata = self.attn_backend.build_metadata(pad_layout(empty, size), self.device)
+        with forward_context(self.attn_backend, metadata):
+            self.model(self.input_ids[:size], self.positions[:size])
+        return metadata
 
     def run(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Hidden states [num_reqs, hidden_size] of a decode-only step, or None if no graph fits it."""
