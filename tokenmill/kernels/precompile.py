@@ -4,9 +4,10 @@ On a machine without Triton's disk cache each kernel otherwise compiles when fir
 another: tens of seconds of start-up on a slow host. `precompile(work)` runs `work` once with Triton's
 cache hook answering "skip": a launch that would compile records its kernel's specialisation and launches
 nothing, everything else runs as usual. The recorded kernels then compile in threads (Triton's front end
-holds the GIL, but LLVM and ptxas do not) and land in Triton's caches; the caller runs `work` for real
-afterwards, and it compiles nothing. The recording run must not read device results on the host: the
-skipped kernels' outputs are garbage. If a variant is missed, it still compiles at its first launch.
+holds the GIL; ptxas and the C compiler of each launcher run as subprocesses) and land in Triton's
+caches; the caller runs `work` for real afterwards, and it compiles nothing. The recording run must not
+read device results on the host: the skipped kernels' outputs are garbage. If a variant is missed, it
+still compiles at its first launch.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ def precompile(work: Callable[[], object], device: torch.device) -> int:
         (_, specialization), kernel = item
         torch.cuda.set_device(index)
         try:
-            kernel.preload(specialization)
+            compiled = kernel.preload(specialization)
+            # Also its launcher (a C build, cached per signature) and the module's load onto the GPU, which
+            # the first launch would otherwise do one kernel after another.
+            if hasattr(compiled, "_init_handles"):
+                compiled._init_handles()
         except Exception:  # noqa: BLE001 - the real run compiles it again and raises there if it must
             logger.warning("precompiling %s failed; it compiles at its first launch", kernel, exc_info=True)
 
