@@ -20,10 +20,7 @@ CHILD = """
 import sys, time, torch
 from tokenmill.sample.sampler import Sampler
 from tokenmill.worker import sampler_warmup as w
-from tokenmill.kernels.precompile import start_compile_processes
 mode, vocab_size, device = sys.argv[1], int(sys.argv[2]), torch.device("cuda", 0)
-if mode == "precompiled":
-    start_compile_processes()  # as the worker does, before CUDA is initialised
 torch.zeros(1, device=device)  # CUDA initialised outside the timing
 start = time.perf_counter()
 if mode == "one after another":

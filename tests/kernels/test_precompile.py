@@ -35,35 +35,3 @@ def test_precompile_records_without_launching_then_compiles_every_variant(device
     assert precompile(work, torch.device(device)) == 0  # nothing left to compile: the work ran for real
     for scale, out in outs.items():
         torch.testing.assert_close(out, x * scale)
-
-
-CHILD_PROCESS_RUN = """
-import logging, torch
-logging.basicConfig(level=logging.INFO)
-from tokenmill.kernels import precompile
-from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
-precompile.start_compile_processes()  # before CUDA is initialised, as the worker does
-x = torch.randn(3, 2 * 700, device="cuda")
-outs = []
-assert precompile.precompile(lambda: outs.append(silu_and_mul(x)), torch.device("cuda")) == 1
-precompile.stop_compile_processes()
-torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x))
-"""
-
-
-def test_precompile_in_compile_processes_from_an_empty_cache(device, tmp_path):
-    """A fresh process with an empty Triton cache: the forked compile processes compile the variant, and the
-    kernel then runs correctly in the parent."""
-    if device != "cuda":
-        pytest.skip("the interpreter has no compile hook")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", CHILD_PROCESS_RUN], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "precompiled 1 kernel variants (1 in compile processes)" in proc.stdout + proc.stderr, proc.stderr

@@ -10,8 +10,6 @@ from transformers import PretrainedConfig
 
 from tokenmill.attention.backend import get_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.kernels import triton_available
-from tokenmill.kernels.precompile import start_compile_processes, stop_compile_processes
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_model, resolve_dtype
@@ -42,8 +40,6 @@ class Worker:
         self.device = resolve_device(config.device_config.device)
         self.dtype = resolve_dtype(config.model_config, hf_config, self.device)
         torch.manual_seed(config.model_config.seed)
-        if self.device.type == "cuda" and triton_available():
-            start_compile_processes()  # before CUDA is initialised; stopped once start-up has compiled
         start = time.perf_counter()
         self.model = load_model(config.model_config, hf_config, self.device, self.dtype)
         logger.info("loaded %s (%s) on %s in %.1f s", type(self.model).__name__, self.dtype, self.device,
@@ -108,13 +104,10 @@ class Worker:
             max_model_len=self.max_model_len,
             vocab_size=self.hf_config.vocab_size,
         )
-        try:
-            if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
-                self._capture_cuda_graphs(shape.block_size)
-            if self.device.type == "cuda":
-                warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device)
-        finally:
-            stop_compile_processes()
+        if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
+            self._capture_cuda_graphs(shape.block_size)
+        if self.device.type == "cuda":
+            warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device)
 
     def _capture_cuda_graphs(self, block_size: int) -> None:
         if not self.attn_backend.supports_cuda_graphs:
