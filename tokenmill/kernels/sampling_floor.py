@@ -48,6 +48,11 @@ KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
 """The high bits of the float32 key in which two values of the logits dtype can differ."""
 
 
+def radix_rounds(dtype: torch.dtype, digit_bits: int) -> int:
+    """Rounds of the radix select that pin down a logit of this dtype exactly."""
+    return -(-KEY_BITS[dtype] // digit_bits)
+
+
 @triton.jit
 def _order_key(x):
     """float32 -> uint32 with the floats' order (NaN above +inf): flip every bit of a negative, set the sign
@@ -363,7 +368,7 @@ def candidate_floor(
     need_max = min_p is not None and maxima is None
     if maxima is None:
         maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
-    rounds = -(-KEY_BITS[logits.dtype] // digit_bits) if top_k is not None else 1
+    rounds = radix_rounds(logits.dtype, digit_bits) if top_k is not None else 1
     hist = torch.empty(num_rows, num_splits, 1 << digit_bits, dtype=torch.int32, device=device)
     has_select = int(top_k is not None)
     for r in range(rounds):
@@ -434,7 +439,7 @@ def _overflow_rows(
     _overflow_rows_kernel[(num_rows,)](
         logits, logits.stride(0), temperature, top_k, min_p if min_p is not None else temperature, top_p, seeds,
         select, floor, tokens, skip, vocab_size, num_tiles, int(min_p is not None), has_top_p, draw_here,
-        ROUNDS=-(-KEY_BITS[logits.dtype] // digit_bits), DIGIT_BITS=digit_bits, LANES=LANES, MAX_DRAWS=MAX_DRAWS,
+        ROUNDS=radix_rounds(logits.dtype, digit_bits), DIGIT_BITS=digit_bits, LANES=LANES, MAX_DRAWS=MAX_DRAWS,
         num_warps=8,
     )
 
