@@ -35,3 +35,37 @@ def test_precompile_records_without_launching_then_compiles_every_variant(device
     assert precompile(work, torch.device(device)) == 0  # nothing left to compile: the work ran for real
     for scale, out in outs.items():
         torch.testing.assert_close(out, x * scale)
+
+
+BACKGROUND_RUN = """
+import os, pathlib, torch
+from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
+from tokenmill.kernels.precompile import compile_in_background, precompile
+x = torch.randn(3, 2 * 700, device="cuda")
+work = lambda: silu_and_mul(x)
+background = compile_in_background(work, torch.device("cuda"), "test")
+assert background.wait() == 1
+cubins = lambda: sorted(pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin"))
+compiled = cubins()
+assert len(compiled) == 1, compiled
+assert precompile(work, torch.device("cuda")) == 1  # loaded from the disk cache: the same cache key
+assert cubins() == compiled
+torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x))
+"""
+
+
+def test_compile_in_background_fills_the_disk_cache_this_process_then_loads(device, tmp_path):
+    """A fresh process with an empty Triton cache: the compile process compiles the variant into the disk
+    cache, this process then finds it there (no second compile) and the kernel runs correctly."""
+    if device != "cuda":
+        pytest.skip("the interpreter has no compile hook")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", BACKGROUND_RUN], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,36 +1,52 @@
-"""Compile the Triton kernels that a piece of start-up work needs, all at once in threads, before running it.
+"""Compile the Triton kernels that a piece of start-up work needs, all at once, before running it.
 
 On a machine without Triton's disk cache each kernel otherwise compiles when first launched, one after
-another: tens of seconds of start-up on a slow host. `precompile(work)` runs `work` once with Triton's
-cache hook answering "skip": a launch that would compile records its kernel's specialisation and launches
-nothing, everything else runs as usual. The recorded kernels then compile in threads (Triton's front end
-holds the GIL; ptxas and the C compiler of each launcher run as subprocesses) and land in Triton's
-caches; the caller runs `work` for real afterwards, and it compiles nothing. The recording run must not
-read device results on the host: the skipped kernels' outputs are garbage. If a variant is missed, it
-still compiles at its first launch.
+another: tens of seconds of start-up on a slow host. Both functions here first run `work` once with
+Triton's cache hook answering "skip": a launch that would compile records its kernel's specialisation and
+launches nothing, everything else runs as usual. The recording run must not read device results on the
+host: the skipped kernels' outputs are garbage. Then:
+
+- `precompile(work)` compiles the recorded variants in threads (Triton's front end holds the GIL; LLVM,
+  ptxas and the C compiler of each launcher do not) into Triton's caches; the caller runs `work` for real
+  afterwards, and it compiles nothing;
+- `compile_in_background(work)` hands them to a separate process (kernels/compile_worker.py) that compiles
+  them into the disk cache while this process goes on with other start-up work; a later `precompile` of
+  the same work then only loads them.
+
+If a variant is missed, or its compile fails here, it still compiles (or raises) at its first launch.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+Variants = dict[tuple[int, str], object]
+"""(id of the kernel, Triton's specialisation JSON) -> the JITFunction."""
 
-def precompile(work: Callable[[], object], device: torch.device) -> int:
-    """Compile, in parallel, every kernel variant that `work` would compile; returns their number."""
+
+def record_variants(work: Callable[[], object], device: torch.device) -> Variants:
+    """The kernel variants `work` would compile, found by running it with every compile (and launch) skipped."""
     try:
         from triton import knobs  # triton >= 3.4
     except ImportError:
-        return 0  # no triton (the torch paths run), or one without the hook: kernels compile as launched
+        return {}  # no triton (the torch paths run), or one without the hook: kernels compile as launched
 
-    recorded: dict[tuple[int, str], object] = {}
+    recorded: Variants = {}
 
     def record(*, fn, compile, **_) -> bool:
         recorded.setdefault((id(fn.jit_function), compile["specialization_data"]), fn.jit_function)
@@ -43,9 +59,15 @@ def precompile(work: Callable[[], object], device: torch.device) -> int:
     except Exception:  # noqa: BLE001 - only an optimisation: the real run compiles, or raises, as without it
         logger.warning("recording the kernels to precompile failed; they compile at their first launch",
                        exc_info=True)
-        return 0
+        return {}
     finally:
         knobs.runtime.jit_cache_hook = previous
+    return recorded
+
+
+def precompile(work: Callable[[], object], device: torch.device) -> int:
+    """Compile, in threads, every kernel variant that `work` would compile; returns their number."""
+    recorded = record_variants(work, device)
     # The current device is per thread and a new thread starts on device 0: each compile names this one.
     index = device.index if device.index is not None else torch.cuda.current_device()
 
@@ -67,3 +89,56 @@ def precompile(work: Callable[[], object], device: torch.device) -> int:
             list(pool.map(compile_one, recorded.items()))
         logger.info("precompiled %d kernel variants in %.1f s", len(recorded), time.perf_counter() - start)
     return len(recorded)
+
+
+class BackgroundCompile:
+    """A compile process working on recorded variants; `wait()` before running the work they belong to."""
+
+    def __init__(self, process: subprocess.Popen, jobs_file: str, num_variants: int, what: str) -> None:
+        self.process, self.num_variants, self.what = process, num_variants, what
+        self.start = time.perf_counter()
+        # If start-up fails before wait(), the process must not outlive the engine.
+        self._cleanup = weakref.finalize(self, _stop, process, jobs_file)
+
+    def wait(self, timeout: float = 300.0) -> int:
+        """Block until the process is done; returns how many variants it compiled (0 if it failed)."""
+        try:
+            self.process.wait(timeout)
+            out = self.process.stdout.read().split()
+        except subprocess.TimeoutExpired:
+            logger.warning("%s: the compile process took over %.0f s and was stopped", self.what, timeout)
+            out = []
+        self._cleanup()
+        compiled = int(out[-1]) if self.process.returncode == 0 and out else 0
+        logger.info("%s: %d of %d kernel variants compiled in a background process (%.1f s since it started)",
+                    self.what, compiled, self.num_variants, time.perf_counter() - self.start)
+        return compiled
+
+
+def _stop(process: subprocess.Popen, jobs_file: str) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)  # its compile workers too: they share its process group
+        process.wait()
+    process.stdout.close()
+    os.unlink(jobs_file)
+
+
+def compile_in_background(work: Callable[[], object], device: torch.device, what: str) -> BackgroundCompile | None:
+    """Start compiling, in another process, the kernel variants `work` would compile; None if there are none."""
+    recorded = record_variants(work, device)
+    if not recorded:
+        return None
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
+    jobs = [{"module": kernel.fn.__module__, "qualname": kernel.fn.__qualname__, "specialization": specialization,
+             "target": [target.backend, target.arch, target.warp_size]}
+            for (_, specialization), kernel in recorded.items()]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="tokenmill-compile-", delete=False) as f:
+        json.dump(jobs, f)
+    # The child imports the kernels' modules as this process does, from wherever tokenmill lives.
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-m", "tokenmill.kernels.compile_worker", f.name],
+                               stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    return BackgroundCompile(process, f.name, len(jobs), what)

@@ -1,8 +1,11 @@
 """Compile the sampler's Triton kernels at start-up, so that no step pays a compile mid-run.
 
 Each case below is one sampler call whose batch takes a different set of kernel variants: plain (logits in
-the model's dtype) and penalised (the penalty pass hands the draw float32 logits). Their kernels compile
-together in threads (kernels/precompile.py); a warm start finds them in Triton's disk cache.
+the model's dtype) and penalised (the penalty pass hands the draw float32 logits). The worker starts their
+compile in a background process before it loads the model (`compile_sampler_in_background`), so that it
+overlaps loading, the memory profile and graph capture; the warm-up then waits for it, loads the variants
+(any it missed compile in threads here: kernels/precompile.py) and runs each case once. A warm start finds
+them all in Triton's disk cache.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from tokenmill.kernels.precompile import precompile
+from tokenmill.kernels.precompile import BackgroundCompile, compile_in_background, precompile
 from tokenmill.sample.metadata import SamplingMetadata, build_sampling_metadata
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
@@ -29,19 +32,36 @@ SMALL_TOP_K = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(tempera
 
 
 @torch.inference_mode()
-def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+def compile_sampler_in_background(vocab_size: int, dtype: torch.dtype,
+                                  device: torch.device) -> BackgroundCompile | None:
+    """Start compiling the sampler's kernel variants in another process; None if nothing needs compiling."""
+    cases = _make_cases(vocab_size, dtype, device)
+    sampler = Sampler()
+    return compile_in_background(lambda: _run_cases(sampler, cases), device, "sampler kernels")
+
+
+@torch.inference_mode()
+def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device,
+                    background: BackgroundCompile | None = None) -> None:
     start = time.perf_counter()
-    cases = [_make_case(params, penalised, vocab_size, dtype, device)
-             for params in (MIXED, SMALL_TOP_K) for penalised in (False, True)]
-
-    def run_cases() -> None:
-        for logits, metadata in cases:
-            sampler(logits, metadata)
-
-    num_kernels = precompile(run_cases, device)
-    run_cases()
+    if background is not None:
+        background.wait()
+    cases = _make_cases(vocab_size, dtype, device)
+    num_kernels = precompile(lambda: _run_cases(sampler, cases), device)
+    _run_cases(sampler, cases)
     torch.cuda.synchronize(device)
-    logger.info("sampler warm-up: %d kernel variants compiled in %.1f s", num_kernels, time.perf_counter() - start)
+    logger.info("sampler warm-up: %d kernel variants loaded or compiled, then run, in %.1f s", num_kernels,
+                time.perf_counter() - start)
+
+
+def _make_cases(vocab_size: int, dtype: torch.dtype, device: torch.device) -> list:
+    return [_make_case(params, penalised, vocab_size, dtype, device)
+            for params in (MIXED, SMALL_TOP_K) for penalised in (False, True)]
+
+
+def _run_cases(sampler: Sampler, cases: list) -> None:
+    for logits, metadata in cases:
+        sampler(logits, metadata)
 
 
 def _make_case(params: list[SamplingParams], penalised: bool, vocab_size: int, dtype: torch.dtype,

@@ -17,7 +17,7 @@ from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
-from tokenmill.worker.sampler_warmup import warm_up_sampler
+from tokenmill.worker.sampler_warmup import compile_sampler_in_background, warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ class Worker:
         self.device = resolve_device(config.device_config.device)
         self.dtype = resolve_dtype(config.model_config, hf_config, self.device)
         torch.manual_seed(config.model_config.seed)
+        # The sampler's kernels depend only on the vocabulary and dtype: they compile in another process
+        # while this one loads the model, profiles memory and captures graphs.
+        self._sampler_compile = (compile_sampler_in_background(hf_config.vocab_size, self.dtype, self.device)
+                                 if self.device.type == "cuda" else None)
         start = time.perf_counter()
         self.model = load_model(config.model_config, hf_config, self.device, self.dtype)
         logger.info("loaded %s (%s) on %s in %.1f s", type(self.model).__name__, self.dtype, self.device,
@@ -107,7 +111,9 @@ class Worker:
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
             self._capture_cuda_graphs(shape.block_size)
         if self.device.type == "cuda":
-            warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device)
+            warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device,
+                            background=self._sampler_compile)
+            self._sampler_compile = None
 
     def _capture_cuda_graphs(self, block_size: int) -> None:
         if not self.attn_backend.supports_cuda_graphs:

@@ -1,0 +1,84 @@
+"""A process that compiles recorded Triton kernel variants into Triton's disk cache, without a GPU.
+
+Started by `precompile.compile_in_background`; reads its jobs as JSON from the JSON file it is given and prints how many
+it compiled. Each job names a kernel (module and qualified name), the specialisation Triton recorded for it
+in the parent, and the GPU target. The compile (front end, LLVM, ptxas) and the C launcher of each new
+signature land in the disk cache, where the parent's own launch (or `preload`) then finds them. It runs
+in its own process because Triton's front end holds the GIL: threads of the engine's process could not
+overlap it with the engine's own work. Nothing here touches CUDA, so forking compile workers is safe.
+
+    python -m tokenmill.kernels.compile_worker jobs.json
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def compile_job(job: dict) -> bool:
+    """Compile one variant (and build its launcher) as JITFunction.preload would; False if it could not."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    try:
+        kernel = importlib.import_module(job["module"])
+        for name in job["qualname"].split("."):
+            kernel = getattr(kernel, name)  # a kernel defined inside a function cannot be found: left to the parent
+        data = json.loads(job["specialization"])
+        constexprs = {
+            tuple(key): tl.dtype(value) if tl.dtype.is_dtype(value)
+            else tl.constexpr(value["constexpr"]) if isinstance(value, dict) and "constexpr" in value else value
+            for key, value in zip(data["constant_keys"], data["constant_vals"])
+        }
+        attrs = {tuple(key): value for key, value in zip(data["attrs_keys"], data["attrs_vals"])}
+        signature = {key: _tuples(value) for key, value in data["signature"].items()}
+        target = GPUTarget(*job["target"])
+        options = make_backend(target).parse_options(
+            {key: tuple(value) if isinstance(value, list) else value for key, value in data["options"].items()})
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+    except Exception:  # noqa: BLE001 - the parent compiles what this process could not
+        logger.warning("%s.%s is left to the engine's process", job["module"], job["qualname"], exc_info=True)
+        return False
+    if target.backend == "cuda":
+        try:
+            from triton.backends.nvidia.driver import CudaLauncher
+
+            CudaLauncher(compiled.src, compiled.metadata)  # a C build, cached by its source
+        except Exception:  # noqa: BLE001 - the parent builds it at the first launch
+            logger.debug("the launcher of %s is left to the engine's process", job["qualname"], exc_info=True)
+    return True
+
+
+def _tuples(value):
+    # JSON turned the signature's tuples into lists.
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="compile worker: %(levelname)s %(message)s")
+    with open(sys.argv[1]) as f:
+        jobs = json.load(f)
+    for module in {job["module"] for job in jobs}:
+        importlib.import_module(module)  # once here, before forking, not once per worker
+    num_workers = min(len(jobs), os.cpu_count() or 1)
+    if num_workers > 1:
+        with multiprocessing.get_context("fork").Pool(num_workers) as pool:
+            done = pool.map(compile_job, jobs, chunksize=1)
+    else:
+        done = [compile_job(job) for job in jobs]
+    print(sum(done))
+
+
+if __name__ == "__main__":
+    main()
