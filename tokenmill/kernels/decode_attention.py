@@ -2,10 +2,16 @@
 
 One program handles one request, one KV head and one split of its context: the query heads that share
 the KV head are the rows of the tile (padded to 16 for the tensor cores), so each K/V page is read
-once per KV head. With num_splits > 1 each split writes its partial output and log-sum-exp, and a
-second kernel combines them; that keeps the GPU busy at small batch sizes and long contexts.
-The split count depends only on the batch shape (not on the lengths), so a CUDA graph captured for a
-batch size stays valid for any context length.
+once per KV head. With num_splits > 1 each split writes its partial output and log-sum-exp, then counts
+itself in on an arrival counter of its (request, KV head); the last split to arrive combines the partials
+of that KV head's query heads and resets the counter, all in the same launch (a second, combining launch
+cost ~1.7 µs per layer at batch 1, mostly launch and tail). Split-KV keeps the GPU busy at small batch
+sizes and long contexts. The split count depends only on the batch shape (not on the lengths), so a CUDA
+graph captured for a batch size stays valid for any context length.
+
+The arrival counters live in one persistent, zeroed int32 buffer per device that every launch shares
+(each resets what it used), so launches must not overlap on different streams. The buffer only grows
+outside a CUDA graph capture: the eager run that precedes each capture (worker/cuda_graph.py) grows it.
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ MAX_SPLITS = 16
 # values (Triton would otherwise compile one per divisibility class, mid-run, ~1 s each).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr,
     sm_scale, softcap, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     head_dim,
-    IS_SPLIT: tl.constexpr, QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
+    IS_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -99,31 +106,69 @@ def _decode_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], out, mask=mask)
+        # Every split arrives, an empty one too. The barrier puts every warp's stores before the atomic, whose
+        # release (acq_rel, gpu scope) publishes them; the last arrival's acquire makes them all visible to it.
+        tl.debug_barrier()
+        arrival = arrivals_ptr + idx * tl.num_programs(1) + kv_head
+        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            _combine_splits(out_ptr + token * stride_ot, stride_oh, part_out_ptr, part_lse_ptr,
+                            idx * num_heads * num_splits, kv_head, num_splits, head_dim,
+                            QUERIES_PER_KV, GROUP_POW2, SPLITS_PAD, HEAD_DIM_PAD)
+            tl.store(arrival, 0)  # every split has arrived: the counter is ready for the next launch
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, req_ids_ptr,
-    stride_ot, stride_oh, head_dim, num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+@triton.jit
+def _combine_splits(
+    out_row_ptr, stride_oh, part_out_ptr, part_lse_ptr, first_part, kv_head, num_splits, head_dim,
+    QUERIES_PER_KV: tl.constexpr, GROUP_POW2: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
-    idx = tl.program_id(0)
-    head = tl.program_id(1)
-    req = tl.load(req_ids_ptr + idx).to(tl.int64)
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_PAD)
+    """The outputs of one KV head's query heads: their splits' partials, each weighted by exp2(lse - max lse),
+    over the weights' sum. The splits are unrolled and combined element-wise (no cross-thread reduction, so
+    no barrier), which lets all their loads be in flight at once. The loads are .cg (L2, not L1): they read
+    other programs' stores of the same launch."""
+    offs_g = tl.arange(0, GROUP_POW2)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = offs_s < num_splits
-    part = (idx * tl.num_programs(1) + head) * num_splits + offs_s
-    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < head_dim)
+    g_mask = offs_g < QUERIES_PER_KV
+    d_mask = offs_d < head_dim
+    heads = kv_head * QUERIES_PER_KV + offs_g
+    parts = first_part + heads * num_splits  # each head's first split
+    m = tl.full([GROUP_POW2], float("-inf"), tl.float32)
+    for split in tl.static_range(SPLITS_PAD):
+        lse = tl.load(part_lse_ptr + parts + split, mask=g_mask & (num_splits > split), other=float("-inf"),
+                      cache_modifier=".cg")
+        m = tl.maximum(m, lse)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no context at all: every weight 0, the output 0
+    total = tl.zeros([GROUP_POW2], tl.float32)
+    acc = tl.zeros([GROUP_POW2, HEAD_DIM_PAD], tl.float32)
+    for split in tl.static_range(SPLITS_PAD):
+        split_mask = g_mask & (num_splits > split)
+        w = tl.exp2(tl.load(part_lse_ptr + parts + split, mask=split_mask, other=float("-inf"),
+                            cache_modifier=".cg") - m)
+        part = tl.load(part_out_ptr + (parts + split)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                       mask=split_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        total += w
+        acc += part * w[:, None]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_row_ptr + heads[:, None] * stride_oh + offs_d[None, :], out.to(out_row_ptr.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+
+
+# device -> its arrival-counter buffers, the current (largest) one last. A replaced buffer stays allocated:
+# a CUDA graph captured before the growth still uses it.
+_arrival_buffers: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_ARRIVALS = 4096  # 16 KiB: more than the automatic split choice ever needs (num_decodes * num_kv_heads < 2 * SMs)
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed int32 arrival counters on `device`: the same buffer launch after launch."""
+    buffers = _arrival_buffers.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"decode_attention needs {count} split arrival counters during a CUDA graph capture but has "
+                f"{buffers[-1].numel() if buffers else 0}: run the same batch shape eagerly before capturing it")
+        buffers.append(torch.zeros(max(count, _MIN_ARRIVALS), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 @functools.cache
@@ -174,32 +219,28 @@ def decode_attention(
         num_splits = choose_num_splits(num_decodes, num_kv_heads, query.device)
     assert 1 <= num_splits <= MAX_SPLITS
     group = num_heads // num_kv_heads
+    group_pow2 = triton.next_power_of_2(group)  # the combine's rows; padded to 16 for the attention's dots
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block_n, num_warps, num_stages = config or _config(head_dim, query.dtype)
     if num_splits > 1:
         part_out = torch.empty((num_decodes, num_heads, num_splits, head_dim_pad), dtype=torch.float32,
                                device=query.device)
         part_lse = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        arrivals = _arrival_counters(query.device, num_decodes * num_kv_heads)
     else:
-        part_out = part_lse = out  # unused
+        part_out = part_lse = arrivals = out  # unused
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, out, part_out, part_lse,
+        query, k_cache, v_cache, out, part_out, part_lse, arrivals,
         query_start_loc, seq_lens, block_table, req_ids,
         scale, logits_soft_cap or 1.0, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         head_dim,
-        IS_SPLIT=num_splits > 1, QUERIES_PER_KV=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        IS_SPLIT=num_splits > 1, SPLITS_PAD=MAX_SPLITS,
+        QUERIES_PER_KV=group, GROUP_PAD=max(16, group_pow2), GROUP_POW2=group_pow2,
         BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
-        _combine_kernel[(num_decodes, num_heads)](
-            out, part_out, part_lse, query_start_loc, req_ids,
-            out.stride(0), out.stride(1), head_dim, num_splits,
-            SPLITS_PAD=MAX_SPLITS, HEAD_DIM_PAD=head_dim_pad,
-            num_warps=4 if head_dim_pad >= 128 else 2,
-        )
