@@ -137,21 +137,78 @@ def run_rms_norm(num_rows: int, hidden: int, dtype: torch.dtype, device: str, se
     return rel_error(got, ref)
 
 
+def rope_table(rotary_dim: int, device: str, max_position: int = 4096) -> torch.Tensor:
+    """[max_position, rotary_dim] float32 cos | sin, as layers.rotary builds it."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.arange(max_position).float()[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q, k, v as strided [num_tokens, heads, head_dim] views of the fused projection's output."""
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+
+
 def run_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
                dtype: torch.dtype, device: str, seed: int) -> float:
     from tokenmill.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), generator=g).to(dtype).to(device)
-    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    q, k, _ = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-    freqs = torch.arange(4096).float()[:, None] * inv_freq[None, :]
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    cache = rope_table(rotary_dim, device)
     got_q, got_k = rotary_embedding(positions, q, k, cache)
     ref_q, ref_k = rotary_embedding_ref(positions, q, k, cache)
     return max(rel_error(got_q, ref_q), rel_error(got_k, ref_k))
+
+
+def run_qk_norm_rope_cache(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
+                           norm_offset: float | None, dtype: torch.dtype, device: str, seed: int) -> tuple[int, float]:
+    """The fused kernel on q/k/v views of one qkv tensor, some tokens padding (slot -1); norm_offset None: no
+    q/k norms. Returns the number of elements of q and of the pool whose bits differ from the unfused Triton
+    chain's (rms_norm -> rotary_embedding -> reshape_and_cache), and the relative error of q and of the stored
+    K/V against the composed torch reference."""
+    from types import SimpleNamespace
+
+    from tokenmill.kernels.qk_norm_rope_cache import qk_norm_rope_cache, qk_norm_rope_cache_ref
+    from tokenmill.kernels.reshape_and_cache import reshape_and_cache
+    from tokenmill.kernels.rms_norm import rms_norm
+    from tokenmill.kernels.rotary import rotary_embedding
+
+    g = torch.Generator().manual_seed(seed)
+    block_size = 16
+    num_blocks = num_tokens // block_size + 4
+    qkv = torch.randn((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), generator=g).to(dtype).to(device)
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.2] = -1  # padding tokens: q produced, nothing stored
+    slots = slots.to(device)
+    cos_sin = rope_table(rotary_dim, device)
+    q_norm = k_norm = None
+    if norm_offset is not None:
+        q_norm, k_norm = (SimpleNamespace(weight=(1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(device),
+                                          eps=1e-6, offset=norm_offset) for _ in range(2))
+    pool = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=g).to(dtype).to(device)
+
+    fused_pool, chain_pool, ref_pool = pool.clone(), pool.clone(), pool.clone()
+    fused_q = qk_norm_rope_cache(positions, q, k, v, fused_pool, slots.to(torch.int32), cos_sin, q_norm, k_norm)
+    chain_q, chain_k = q, k
+    if norm_offset is not None:
+        chain_q = rms_norm(q, q_norm.weight, q_norm.eps, q_norm.offset)
+        chain_k = rms_norm(k, k_norm.weight, k_norm.eps, k_norm.offset)
+    chain_q, chain_k = rotary_embedding(positions, chain_q, chain_k, cos_sin)
+    reshape_and_cache(chain_k, v, chain_pool, slots.to(torch.int32))
+    ref_q = qk_norm_rope_cache_ref(positions, q, k, v, ref_pool, slots, cos_sin, q_norm, k_norm)
+
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    pairs = ((fused_q, chain_q), (fused_pool, chain_pool))
+    mismatches = sum(int((fused.view(bits) != chain.view(bits)).sum()) for fused, chain in pairs)
+    stored = slots[slots >= 0]
+    stored_kv = lambda p: p.view(2, -1, num_kv_heads, head_dim)[:, stored]
+    return mismatches, max(rel_error(fused_q, ref_q), rel_error(stored_kv(fused_pool), stored_kv(ref_pool)))
 
 
 def run_silu_and_mul(num_rows: int, d: int, dtype: torch.dtype, device: str, seed: int) -> float:

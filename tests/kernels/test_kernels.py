@@ -47,6 +47,28 @@ def test_paged_attention_options(device, block_size, num_splits, options):
     assert cases.run_paged_attention(case, num_splits=num_splits, **options) < cases.TOLERANCE[dtype]
 
 
+def test_paged_attention_split_relaunch(device):
+    """Two split launches in a row on different data: the last split to arrive resets its arrival counter, so
+    the second launch combines too (an unreset counter never reaches num_splits - 1: its rows stay NaN)."""
+    from tokenmill.kernels import decode_attention as module
+
+    dtype = torch.float16
+    for seed, context_lens in enumerate([[300, 2, 90], [45, 260, 7, 0]]):
+        case = cases.make_paged_case([1] * len(context_lens), context_lens, 8, 2, 128 if device == "cuda" else 32,
+                                     16, dtype, device, seed=seed)
+        assert cases.run_paged_attention(case, num_splits=5) < cases.TOLERANCE[dtype]
+        assert not any(counters.any() for counters in module._arrival_buffers[case.query.device])
+
+
+def test_paged_attention_many_splits(device):
+    """40 requests x 8 KV heads x 16 splits, short contexts among them (splits with nothing to do)."""
+    dtype = torch.float16
+    context_lens = torch.randint(0, 400, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    case = cases.make_paged_case([1] * 40, context_lens, 16, 8, 128 if device == "cuda" else 32, 16, dtype,
+                                 device, seed=3)
+    assert cases.run_paged_attention(case, num_splits=16) < cases.TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 64), (37, 8, 128), (300, 4, 256)])
 def test_reshape_and_cache(device, dtype, shape):
@@ -67,6 +89,16 @@ def test_rms_norm(device, dtype, residual, offset):
 def test_rotary(device, dtype, rotary_dim):
     tol = 1e-6 if dtype == torch.float32 else cases.TOLERANCE[dtype]
     assert cases.run_rotary(19, 8, 2, 64, rotary_dim, dtype, device, 0) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm_offset", [None, 0.0, 1.0], ids=["no_norm", "qk_norm", "qk_norm_offset"])
+# (heads, kv_heads, head_dim, rotary_dim): GQA with a full rotary, MHA rotating 3/4 of each head, MQA half.
+@pytest.mark.parametrize("shape", [(8, 2, 64, 64), (8, 8, 128, 96), (16, 1, 256, 128)], ids=str)
+def test_qk_norm_rope_cache(device, dtype, norm_offset, shape):
+    mismatches, error = cases.run_qk_norm_rope_cache(37, *shape, norm_offset, dtype, device, seed=0)
+    assert mismatches == 0  # bit-identical to rms_norm -> rotary_embedding -> reshape_and_cache
+    assert error < (1e-6 if dtype == torch.float32 else cases.TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -5,17 +5,39 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from tokenmill.attention.backend import BatchLayout
 from tokenmill.attention.torch_attn import TorchAttentionBackend
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.worker.cuda_graph import pad_layout
 
 pytestmark = pytest.mark.gpu
 
+# What the layer does to q and k before attention: nothing, Llama's rotary, or Qwen3's q/k norms with a
+# rotary over part of each head (the fused kernel's every branch).
+QK_TRANSFORMS = ["none", "rope", "qk_norm+partial_rope"]
 
-class _Layer:
-    def __init__(self, scale, sliding_window=None, logits_soft_cap=None):
-        self.scale, self.sliding_window, self.logits_soft_cap = scale, sliding_window, logits_soft_cap
+
+def _layer(heads, kv_heads, head_dim, device, qk_transform="none", **options) -> Attention:
+    g = torch.Generator().manual_seed(2)
+    modules = {}
+    if qk_transform != "none":
+        rotary_dim = head_dim // 2 if "partial" in qk_transform else head_dim
+        modules["rotary_emb"] = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), head_dim, 512, rotary_dim).to(device)
+    if "qk_norm" in qk_transform:
+        for name in ("q_norm", "k_norm"):
+            modules[name] = RMSNorm(head_dim, 1e-6).to(device)
+            modules[name].weight.copy_(1 + 0.1 * torch.randn(head_dim, generator=g))
+    return Attention(heads, head_dim, head_dim**-0.5, kv_heads, **options, **modules)
+
+
+def _positions(layout: BatchLayout, device) -> torch.Tensor:
+    q_lens = np.diff(layout.query_start_loc)
+    starts = layout.seq_lens - q_lens
+    return torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])).to(device)
 
 
 def _make_step(q_lens, context_lens, block_size, num_blocks, rng):
@@ -35,7 +57,8 @@ def _make_step(q_lens, context_lens, block_size, num_blocks, rng):
 
 
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 20, "logits_soft_cap": 3.0}], ids=str)
-def test_mixed_step_matches_torch_backend(device, options):
+@pytest.mark.parametrize("qk_transform", QK_TRANSFORMS)
+def test_mixed_step_matches_torch_backend(device, options, qk_transform):
     from tokenmill.attention.triton_attn import TritonAttentionBackend
 
     rng = np.random.default_rng(0)
@@ -47,18 +70,22 @@ def test_mixed_step_matches_torch_backend(device, options):
     k = torch.randn((num_tokens, kv_heads, head_dim), generator=g).to(device)
     v = torch.randn((num_tokens, kv_heads, head_dim), generator=g).to(device)
     pool = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(device)
-    layer = _Layer(head_dim**-0.5, **options)
-    dev = torch.device(device)
+    layer = _layer(heads, kv_heads, head_dim, device, qk_transform, **options)
+    positions, dev = _positions(layout, device), torch.device(device)
 
     torch_backend, triton_backend = TorchAttentionBackend(), TritonAttentionBackend()
     pool_ref = pool.clone()
-    ref = torch_backend.forward(layer, q, k, v, pool_ref, torch_backend.build_metadata(layout, dev))
-    out = triton_backend.forward(layer, q, k, v, pool, triton_backend.build_metadata(layout, dev))
-    torch.testing.assert_close(pool, pool_ref, rtol=0, atol=0)
+    ref = torch_backend.forward(layer, positions, q, k, v, pool_ref, torch_backend.build_metadata(layout, dev))
+    out = triton_backend.forward(layer, positions, q, k, v, pool, triton_backend.build_metadata(layout, dev))
+    if qk_transform == "none" or device == "cuda":  # on CUDA both backends norm and rotate in Triton
+        torch.testing.assert_close(pool, pool_ref, rtol=0, atol=0)
+    else:  # torch's float32 sum of squares may round its last bit otherwise
+        torch.testing.assert_close(pool, pool_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_padded_decode_matches_unpadded(device):
+@pytest.mark.parametrize("qk_transform", QK_TRANSFORMS)
+def test_padded_decode_matches_unpadded(device, qk_transform):
     from tokenmill.attention.triton_attn import TritonAttentionBackend
 
     rng = np.random.default_rng(1)
@@ -69,18 +96,20 @@ def test_padded_decode_matches_unpadded(device):
     k = torch.randn((3, kv_heads, head_dim), generator=g).to(device)
     v = torch.randn((3, kv_heads, head_dim), generator=g).to(device)
     pool = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(device)
-    layer, backend, dev = _Layer(head_dim**-0.5), TritonAttentionBackend(), torch.device(device)
+    layer = _layer(heads, kv_heads, head_dim, device, qk_transform)
+    backend, dev, positions = TritonAttentionBackend(), torch.device(device), _positions(layout, device)
 
     pool_expected = pool.clone()
-    expected = backend.forward(layer, q, k, v, pool_expected, backend.build_metadata(layout, dev))
+    expected = backend.forward(layer, positions, q, k, v, pool_expected, backend.build_metadata(layout, dev))
     # Static metadata as a graph captures it (wide block table), then a step's copied into it.
     static = backend.build_metadata(pad_layout(layout, 8, num_block_columns=20), dev)
     backend.copy_metadata(static, backend.build_metadata(pad_layout(layout, 8), dev))
     q_pad = torch.cat([q, torch.randn((5, heads, head_dim), generator=g).to(device)])
     k_pad = torch.cat([k, torch.randn((5, kv_heads, head_dim), generator=g).to(device)])
     v_pad = torch.cat([v, torch.randn((5, kv_heads, head_dim), generator=g).to(device)])
+    positions_pad = torch.cat([positions, torch.zeros(5, dtype=positions.dtype, device=device)])  # as graphs pad
     pool_padded = pool.clone()
-    out = backend.forward(layer, q_pad, k_pad, v_pad, pool_padded, static)
+    out = backend.forward(layer, positions_pad, q_pad, k_pad, v_pad, pool_padded, static)
     torch.testing.assert_close(out[:3], expected, rtol=1e-5, atol=1e-5)
     assert torch.all(out[3:] == 0)  # padding requests attend to nothing...
     torch.testing.assert_close(pool_padded, pool_expected, rtol=0, atol=0)  # ...and store nothing

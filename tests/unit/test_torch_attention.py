@@ -6,10 +6,7 @@ import torch
 
 from tokenmill.attention.backend import BatchLayout
 from tokenmill.attention.torch_attn import TorchAttentionBackend, paged_attention_torch
-
-
-class Layer:
-    scale, sliding_window, logits_soft_cap = 0.125, None, None
+from tokenmill.layers.attention import Attention
 
 
 def test_batched_decode_ignores_nan_in_unwritten_slots():
@@ -26,9 +23,10 @@ def test_batched_decode_ignores_nan_in_unwritten_slots():
     layout = BatchLayout(np.arange(4, dtype=np.int32), seq_lens, block_table, slots, block_size)
     query, key, value = torch.randn(3, heads, dim), torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, dim)
 
-    out = TorchAttentionBackend().forward(Layer(), query, key, value, kv_cache,
+    layer = Attention(heads, dim, 0.125, kv_heads)
+    out = TorchAttentionBackend().forward(layer, torch.from_numpy(seq_lens - 1).long(), query, key, value, kv_cache,
                                           TorchAttentionBackend().build_metadata(layout, torch.device("cpu")))
     reference = paged_attention_torch(query, kv_cache, torch.from_numpy(block_table).long(), [0, 1, 2, 3],
-                                      seq_lens.tolist(), Layer.scale)
+                                      seq_lens.tolist(), layer.scale)
     assert not out.isnan().any()
     torch.testing.assert_close(out, reference)

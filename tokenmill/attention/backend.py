@@ -1,8 +1,8 @@
 """AttentionBackend: the model <-> attention contract.
 
 A backend turns the step's batch layout into its own metadata once per step, then runs every
-attention layer with it: write the new K/V into the paged pool by slot, and attend over each
-request's blocks through its block table.
+attention layer with it: apply the layer's q/k norms and rotary embedding, write the new K/V into
+the paged pool by slot, and attend over each request's blocks through its block table.
 """
 
 from __future__ import annotations
@@ -46,13 +46,15 @@ class AttentionBackend(ABC):
     def forward(
         self,
         layer: Attention,
+        positions: torch.Tensor,  # [num_tokens]
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: object,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store key/value into the pool at the step's slots, then attend."""
+        """query/key as projected: transform them as layer.transform_qk does (norms, rotary; fused or not),
+        store key/value into the pool at the step's slots, then attend."""
 
     def copy_metadata(self, dst: object, src: object) -> None:
         """Graph-capture hook: copy a step's metadata into a captured graph's static metadata

@@ -144,7 +144,10 @@ class TorchAttentionBackend(AttentionBackend):
             decode_block_table=to_device(decode_block_table),
         )
 
-    def forward(self, layer, query, key, value, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, layer, positions, query, key, value, kv_cache, metadata: TorchAttentionMetadata
+    ) -> torch.Tensor:
+        query, key = layer.transform_qk(positions, query, key)
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         num_decodes = len(metadata.decode_token_ids)
         out = paged_attention_torch(

@@ -1,7 +1,8 @@
 """Triton paged attention: the CUDA default backend.
 
-Per step, the batch layout goes to the device in one pinned copy. Per layer: reshape_and_cache
-writes the new K/V, then requests with one query token go to the decode kernel (split-KV when the
+Per step, the batch layout goes to the device in one pinned copy. Per layer: one kernel applies the
+q/k norms and the rotary embedding and writes the new K/V (qk_norm_rope_cache; reshape_and_cache for
+a layer without rotary), then requests with one query token go to the decode kernel (split-KV when the
 batch is small) and the rest to the prefill kernel; a mixed batch is one forward pass with both.
 Decode-only metadata can be copied into the static tensors of a captured CUDA graph.
 """
@@ -17,6 +18,7 @@ from tokenmill.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.device_copy import pack_to_device
 from tokenmill.kernels.decode_attention import decode_attention
 from tokenmill.kernels.prefill_attention import prefill_attention
+from tokenmill.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 from tokenmill.kernels.reshape_and_cache import reshape_and_cache
 
 
@@ -50,8 +52,15 @@ class TritonAttentionBackend(AttentionBackend):
             packed=packed[: starts[5]],
         )
 
-    def forward(self, layer, query, key, value, kv_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+    def forward(
+        self, layer, positions, query, key, value, kv_cache, metadata: TritonAttentionMetadata
+    ) -> torch.Tensor:
+        if layer.rotary_emb is not None:
+            query = qk_norm_rope_cache(positions, query, key, value, kv_cache, metadata.slot_mapping,
+                                       layer.rotary_emb.cos_sin_cache, layer.q_norm, layer.k_norm)
+        else:
+            query, key = layer.transform_qk(positions, query, key)
+            reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         args = dict(scale=layer.scale, sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap)
         if metadata.decode_req_ids.numel():

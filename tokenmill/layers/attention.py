@@ -1,4 +1,10 @@
-"""Attention layer over the paged KV cache; the backend of the current forward pass does the work."""
+"""Attention layer over the paged KV cache; the backend of the current forward pass does the work.
+
+The layer takes q/k/v as projected. What the model does to q and k before attention (per-head RMSNorm,
+rotary embedding) is handed to the layer as modules, so that the backend can apply them where it writes
+the KV cache: the Triton backend fuses them with that write (one kernel), the torch backend applies them
+as they are (transform_qk).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import torch
 from torch import nn
 
 from tokenmill.forward_context import get_forward_context
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -17,20 +25,29 @@ class Attention(nn.Module):
         num_kv_heads: int,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # Plain references, not submodules: the model owns these modules, and their parameters keep the
+        # names the checkpoint gives them (self_attn.q_norm.weight).
+        object.__setattr__(self, "rotary_emb", rotary_emb)
+        object.__setattr__(self, "q_norm", q_norm)
+        object.__setattr__(self, "k_norm", k_norm)
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the worker after sizing.
         self.kv_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """positions [num_tokens]; q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim]."""
         ctx = get_forward_context()
         out = ctx.backend.forward(
             self,
+            positions,
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
             v.view(-1, self.num_kv_heads, self.head_dim),
@@ -38,3 +55,16 @@ class Attention(nn.Module):
             ctx.attn_metadata,
         )
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def transform_qk(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] normed per head,
+        then rotated: the unfused path, module by module."""
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        return q, k

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, sliding_window_of
@@ -35,15 +34,14 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 class Gemma2Attention(LlamaAttention):
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         bias = getattr(config, "attention_bias", False)
-        window = sliding_window_of(config, layer_idx)
-        super().__init__(config, qkv_bias=bias, o_bias=bias, qk_norm=False, sliding_window=window)
         # Gemma scales by query_pre_attn_scalar (not head_dim) and soft-caps the scores.
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            config.query_pre_attn_scalar**-0.5,
-            self.num_kv_heads,
-            sliding_window=window,
+        super().__init__(
+            config,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=False,
+            sliding_window=sliding_window_of(config, layer_idx),
+            scale=config.query_pre_attn_scalar**-0.5,
             logits_soft_cap=config.attn_logit_softcapping,
         )
 

@@ -44,6 +44,8 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         sliding_window: int | None = None,
+        scale: float | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         tp_size = get_tp_size()
@@ -58,19 +60,23 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
+        # The attention layer applies q_norm, k_norm and the rotary embedding (on GPU, fused with its KV write).
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window=sliding_window
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5 if scale is None else scale,
+            self.num_kv_heads,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            rotary_emb=self.rotary_emb,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        return self.o_proj(self.attn(positions, q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):

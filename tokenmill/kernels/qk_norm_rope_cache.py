@@ -1,0 +1,159 @@
+"""q/k norms, rotary embedding and the KV write of an attention layer in one launch.
+
+Unfused, each layer launches up to four kernels after its QKV projection (q RMSNorm, k RMSNorm, rotary,
+reshape_and_cache), each re-reading what the previous one wrote. Here one program takes one head row of
+one token: the optional per-head RMSNorm (Qwen3's q_norm/k_norm), then the rotate-half rotary, then the
+store: q into a new contiguous tensor, k (with v, untouched) into the paged pool at the token's slot.
+
+The results are bit-identical to rms_norm -> rotary_embedding -> reshape_and_cache: a row is normed as
+kernels.rms_norm norms it (same tile and warps, so the float32 sum of squares reduces in the same order;
+the normed row is rounded to the activation dtype, as that kernel's store rounds it), and rotated with each
+product and sum rounded as kernels.rotary does. Each element's rotary partner (its element in the other
+half) is loaded and normed again rather than moved across the tile, which keeps the row's tile that of
+rms_norm. Pool layout and negative (padding) slots as in kernels.reshape_and_cache; a padding token's q is
+still produced.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.reshape_and_cache import reshape_and_cache_ref
+from tokenmill.kernels.rms_norm import rms_norm_ref
+from tokenmill.kernels.rotary import rotary_embedding_ref
+
+
+class HeadNorm(Protocol):
+    """A per-head RMSNorm's parameters (layers.norm.RMSNorm has them)."""
+
+    weight: torch.Tensor  # [head_dim]
+    eps: float
+    offset: float  # 1.0: Gemma's (1 + weight) scaling
+
+
+@triton.jit
+def _rms_scaled(x, rstd, w, offset, HAS_OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """x normed by its row's rstd and weighted, rounded to dtype: kernels.rms_norm's output."""
+    if HAS_OFFSET:
+        y = x * rstd * (offset + w)
+    else:
+        y = (x * rstd).to(dtype).to(tl.float32) * w
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _normed_rotated_head(
+    x_ptr, weight_ptr, eps, offset, cos, sin, head_dim, half,
+    HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One head row (unit stride at x_ptr) normed then rotated: float32 holding activation-dtype values."""
+    dtype = x_ptr.dtype.element_ty
+    dims = tl.arange(0, BLOCK_D)
+    in_first_half = dims < half
+    rotated = dims < 2 * half
+    partner = tl.where(in_first_half, dims + half, dims - half)
+    x = tl.load(x_ptr + dims, mask=dims < head_dim, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / head_dim + eps)
+        w = tl.load(weight_ptr + dims, mask=dims < head_dim, other=0.0).to(tl.float32)
+        w_partner = tl.load(weight_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        x = _rms_scaled(x, rstd, w, offset, HAS_OFFSET, dtype)
+        x_partner = _rms_scaled(x_partner, rstd, w_partner, offset, HAS_OFFSET, dtype)
+    # First half: x1 * cos - x2 * sin; second half: x2 * cos + x1 * sin; each product rounded.
+    a = (x * cos).to(dtype).to(tl.float32)
+    b = (x_partner * sin).to(dtype).to(tl.float32)
+    return tl.where(rotated, tl.where(in_first_half, a - b, a + b), x)
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, slot_ptr, cos_sin_ptr,
+    q_weight_ptr, k_weight_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch, stride_cs,
+    num_q_heads, head_dim, half, q_eps, k_eps, q_offset, k_offset,
+    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, HAS_Q_OFFSET: tl.constexpr, HAS_K_OFFSET: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # the q heads, then the kv heads
+    dtype = q_out_ptr.dtype.element_ty
+    dims = tl.arange(0, BLOCK_D)
+    # Element d rotates with frequency d mod half: cos and sin spread over both halves of the row.
+    freq = tl.where(dims < half, dims, dims - half)
+    rotated = dims < 2 * half
+    table_row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs
+    cos = tl.load(table_row + freq, mask=rotated, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(table_row + half + freq, mask=rotated, other=0.0).to(dtype).to(tl.float32)
+    if head < num_q_heads:
+        q = _normed_rotated_head(q_ptr + token * stride_qt + head * stride_qh, q_weight_ptr, q_eps, q_offset,
+                                 cos, sin, head_dim, half, HAS_Q_NORM, HAS_Q_OFFSET, BLOCK_D)
+        tl.store(q_out_ptr + (token * num_q_heads + head) * head_dim + dims, q.to(dtype), mask=dims < head_dim)
+    else:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:  # a padding token stores nothing
+            kv_head = head - num_q_heads
+            k = _normed_rotated_head(k_ptr + token * stride_kt + kv_head * stride_kh, k_weight_ptr, k_eps, k_offset,
+                                     cos, sin, head_dim, half, HAS_K_NORM, HAS_K_OFFSET, BLOCK_D)
+            mask = dims < head_dim
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + dims
+            # Rounded to the activation dtype first, as the unfused rotary output is, then to the pool's.
+            tl.store(k_cache_ptr + dst, k.to(dtype).to(k_cache_ptr.dtype.element_ty), mask=mask)
+            v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims, mask=mask)
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rope_cache(
+    positions: torch.Tensor,  # [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]; last stride 1
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]; last stride 1
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]; last stride 1
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64; < 0 skips the token's K/V
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] float32: cos | sin
+    q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
+) -> torch.Tensor:
+    """The normed, rotated query (new, contiguous); the normed, rotated key and the value go to the pool."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return q_out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block = triton.next_power_of_2(head_dim)
+    _qk_norm_rope_cache_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        query, key, value, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
+        query if q_norm is None else q_norm.weight, key if k_norm is None else k_norm.weight,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
+        num_q_heads, head_dim, cos_sin_cache.shape[1] // 2,
+        0.0 if q_norm is None else q_norm.eps, 0.0 if k_norm is None else k_norm.eps,
+        0.0 if q_norm is None else q_norm.offset, 0.0 if k_norm is None else k_norm.offset,
+        HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None,
+        HAS_Q_OFFSET=q_norm is not None and q_norm.offset != 0.0,
+        HAS_K_OFFSET=k_norm is not None and k_norm.offset != 0.0,
+        BLOCK_SIZE=kv_cache.shape[2], BLOCK_D=block,
+        num_warps=min(16, max(1, block // 256)),  # as kernels.rms_norm launches a row of this width
+    )
+    return q_out
+
+
+def qk_norm_rope_cache_ref(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor, q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
+) -> torch.Tensor:
+    if q_norm is not None:
+        query = rms_norm_ref(query, q_norm.weight, q_norm.eps, q_norm.offset)
+    if k_norm is not None:
+        key = rms_norm_ref(key, k_norm.weight, k_norm.eps, k_norm.offset)
+    query, key = rotary_embedding_ref(positions, query, key, cos_sin_cache)
+    reshape_and_cache_ref(key, value, kv_cache, slot_mapping)
+    return query
