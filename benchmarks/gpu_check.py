@@ -14,6 +14,7 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
                subprocess (W5, start-up, is read from their logs)
   engine       the engine tests whose mechanisms differ on the GPU (async scheduling, forked samples)
   sampler      benchmarks/sampler_overhead.py: the sampler's share of a decode step at batch 256
+  skinny       benchmarks/skinny_gemm.py: Llama-8B decode GEMMs at 1 and 8 rows, cuBLAS against Triton
   steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
   anatomy8b, anatomy06b
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
@@ -362,7 +363,8 @@ def run_workload(name: str, out_dir: Path, timeout: float) -> None:
         note(name, f"{result['output_tokens_per_s']:.0f} out tok/s, {result['total_tokens_per_s']:.0f} total tok/s, "
                    f"{result['requests_per_s']:.2f} req/s in {result['elapsed_s']:.1f} s; start-up {startup} s "
                    f"(process {ready_at:.1f} s)")
-    phases = [line.strip() for line in lines if re.search(r"loaded |memory profile|KV cache:|captured|ready in", line)]
+    phases = [line.strip() for line in lines
+              if re.search(r"loaded |memory profile|KV cache:|captured|sampler|ready in", line)]
     RESULTS[name]["startup_log"] = phases
 
 
@@ -396,6 +398,8 @@ def main() -> int:
                 check_engine()
             elif sec == "sampler":
                 run_script("benchmarks/sampler_overhead.py", 180, "--profile")
+            elif sec == "skinny":
+                run_script("benchmarks/skinny_gemm.py", 240)
             elif sec == "steps":
                 run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":

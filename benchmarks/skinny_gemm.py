@@ -1,0 +1,87 @@
+"""Decode GEMMs of Llama-3.1-8B at 1 and 8 rows (GPU): cuBLAS (torch.mm) against the Triton skinny GEMM.
+
+Each case is 32 layers' worth of one projection, every layer its own weight (so nothing is served from
+L2), launched back to back in a CUDA graph; the time is per launch, the rate the weight bytes over it.
+Checks each config's result against torch first.
+
+    PYTHONPATH=. python3 benchmarks/skinny_gemm.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from tokenmill.kernels.precompile import precompile
+from tokenmill.kernels.skinny_gemm import skinny_gemm
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LAYERS = 32
+CONFIGS = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
+           if bn * bk <= 32 * 512]
+
+
+def time_graph(fn, reps: int = 20) -> float:
+    """Milliseconds per call of fn (which launches LAYERS kernels), from a captured CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    rows_list = (1, 8)
+    weights = {name: [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+               for name, (n, k) in SHAPES.items()}
+    inputs = {(rows, k): torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+              for rows in rows_list for k in {k for _, k in SHAPES.values()}}
+
+    def every_variant() -> None:
+        for rows, (name, (_, k)), config in itertools.product(rows_list, SHAPES.items(), CONFIGS):
+            skinny_gemm(inputs[rows, k], weights[name][0], config)
+
+    print(f"compiling {precompile(every_variant, device)} variants", flush=True)
+    results = []
+    for rows, (name, (n, k)) in itertools.product(rows_list, SHAPES.items()):
+        x, ws = inputs[rows, k], weights[name]
+        ref = (x.double() @ ws[0].double().T)
+        gbytes = n * k * 2 / 1e9
+        cublas = time_graph(lambda x=x, ws=ws: [torch.mm(x, w.T) for w in ws]) / LAYERS
+        best = None
+        for config in CONFIGS:
+            try:
+                err = ((skinny_gemm(x, ws[0], config).double() - ref).norm() / ref.norm()).item()
+            except Exception as e:  # noqa: BLE001 - e.g. a config over the shared-memory limit
+                print(f"  {config}: {type(e).__name__}")
+                continue
+            assert err < 1e-2, (name, rows, config, err)
+            t = time_graph(lambda x=x, ws=ws, c=config: [skinny_gemm(x, w, c) for w in ws]) / LAYERS
+            if best is None or t < best[0]:
+                best = (t, config)
+        results.append((rows, name, cublas, best))
+        print(f"rows {rows} {name:8s} cuBLAS {cublas * 1e3:7.2f} us ({gbytes / cublas:5.2f} TB/s)   "
+              f"triton {best[0] * 1e3:7.2f} us ({gbytes / best[0]:5.2f} TB/s) {best[1]}", flush=True)
+    for rows in rows_list:
+        c = sum(r[2] for r in results if r[0] == rows) * LAYERS
+        t = sum(r[3][0] for r in results if r[0] == rows) * LAYERS
+        print(f"== skinny GEMM, rows {rows}: 32 layers of the 4 projections: cuBLAS {c:.3f} ms, "
+              f"triton (best config per shape) {t:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
