@@ -1,13 +1,11 @@
 """tokenmill: a high-throughput LLM inference and serving engine."""
 
+from tokenmill.config import EngineConfig
 from tokenmill.logger import configure_package_logger
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 configure_package_logger()
-
-from tokenmill.config import EngineConfig  # noqa: E402
-from tokenmill.engine.llm import LLM  # noqa: E402
-from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from tokenmill.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "BeamSearchParams", "EngineConfig", "RequestOutput",
            "CompletionOutput"]
@@ -15,7 +13,13 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # AsyncEngine needs the server extras (pyzmq, msgspec): imported on first use, so `import tokenmill` never does.
+    # Imported on first use, so that `import tokenmill.<module>` (a kernel module in a compile process, the CLI)
+    # does not load the engine and transformers: LLM pulls in the whole engine, AsyncEngine also the server
+    # extras (pyzmq, msgspec).
+    if name == "LLM":
+        from tokenmill.engine.llm import LLM
+
+        return LLM
     if name == "AsyncEngine":
         from tokenmill.engine.async_engine import AsyncEngine
 

@@ -102,17 +102,19 @@ class BackgroundCompile:
 
     def wait(self, timeout: float = 300.0) -> int:
         """Block until the process is done; returns how many variants it compiled (0 if it failed)."""
+        report = {}
         try:
             self.process.wait(timeout)
-            out = self.process.stdout.read().split()
+            lines = self.process.stdout.read().splitlines()
+            if self.process.returncode == 0 and lines:
+                report = json.loads(lines[-1])
         except subprocess.TimeoutExpired:
             logger.warning("%s: the compile process took over %.0f s and was stopped", self.what, timeout)
-            out = []
         self._cleanup()
-        compiled = int(out[-1]) if self.process.returncode == 0 and out else 0
-        logger.info("%s: %d of %d kernel variants compiled in a background process (%.1f s since it started)",
-                    self.what, compiled, self.num_variants, time.perf_counter() - self.start)
-        return compiled
+        logger.info("%s: %d of %d kernel variants (%d launchers) compiled in a background process, which took "
+                    "%.1f s (imports %.1f s)", self.what, report.get("compiled", 0), self.num_variants,
+                    report.get("launchers", 0), time.perf_counter() - self.start, report.get("import_s", 0.0))
+        return report.get("compiled", 0)
 
 
 def _stop(process: subprocess.Popen, jobs_file: str) -> None:
@@ -139,6 +141,6 @@ def compile_in_background(work: Callable[[], object], device: torch.device, what
     # The child imports the kernels' modules as this process does, from wherever tokenmill lives.
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen([sys.executable, "-m", "tokenmill.kernels.compile_worker", f.name],
+    process = subprocess.Popen([sys.executable, "-m", "tokenmill.kernels.compile_worker", f.name, str(time.time())],
                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     return BackgroundCompile(process, f.name, len(jobs), what)

@@ -5,13 +5,12 @@ reshape_and_cache), each re-reading what the previous one wrote. Here one progra
 one token: the optional per-head RMSNorm (Qwen3's q_norm/k_norm), then the rotate-half rotary, then the
 store: q into a new contiguous tensor, k (with v, untouched) into the paged pool at the token's slot.
 
-The results are bit-identical to rms_norm -> rotary_embedding -> reshape_and_cache: a row is normed as
-kernels.rms_norm norms it (same tile and warps, so the float32 sum of squares reduces in the same order;
-the normed row is rounded to the activation dtype, as that kernel's store rounds it), and rotated with each
-product and sum rounded as kernels.rotary does. Each element's rotary partner (its element in the other
-half) is loaded and normed again rather than moved across the tile, which keeps the row's tile that of
-rms_norm. Pool layout and negative (padding) slots as in kernels.reshape_and_cache; a padding token's q is
-still produced.
+A row is normed as kernels.rms_norm norms it (the normed row rounded to the activation dtype, as that
+kernel's store rounds it), then rotated with each product and sum rounded as torch rounds them: the kernel
+is compiled without fused multiply-adds, so the rotary matches the torch reference bit for bit (the norm's
+float32 sum of squares is reduced in another order than torch's). Each element's rotary partner (its
+element in the other half) is loaded and normed again rather than moved across the tile. Pool layout and
+negative (padding) slots as in kernels.reshape_and_cache; a padding token's q is still produced.
 """
 
 from __future__ import annotations
@@ -140,7 +139,8 @@ def qk_norm_rope_cache(
         HAS_Q_OFFSET=q_norm is not None and q_norm.offset != 0.0,
         HAS_K_OFFSET=k_norm is not None and k_norm.offset != 0.0,
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_D=block,
-        num_warps=min(16, max(1, block // 256)),  # as kernels.rms_norm launches a row of this width
+        num_warps=min(16, max(1, block // 256)),
+        enable_fp_fusion=False,  # a * cos - b * sin as two rounded products, as the reference computes it
     )
     return q_out
 
