@@ -108,3 +108,31 @@ def test_qk_norm_rope_cache(device, dtype, norm_offset, shape):
 def test_silu_and_mul(device, dtype):
     tol = 1e-6 if dtype == torch.float32 else cases.TOLERANCE[dtype]
     assert cases.run_silu_and_mul(9, 1000, dtype, device, 0) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("config", [None, (32, 128, 4, 2)], ids=["tuned", "small_tiles"])
+def test_skinny_gemm(device, dtype, rows, config):
+    from tokenmill.kernels.skinny_gemm import skinny_gemm, skinny_gemm_ref
+
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's tl.dot takes bfloat16's bits for integers")
+
+    g = torch.Generator().manual_seed(rows)
+    # n and k not multiples of the tiles (masked edges); x a strided view, as the rows of a wider output are
+    n, k = 4096 + 40, 4096 + 72
+    x = torch.randn(rows, k + 24, generator=g).to(dtype).to(device)[:, :k]
+    weight = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype).to(device)
+    assert cases.rel_error(skinny_gemm(x, weight, config), skinny_gemm_ref(x, weight)) < cases.TOLERANCE[dtype]
+
+
+def test_linear_takes_the_skinny_gemm_only_where_it_applies(device):
+    from tokenmill.kernels.skinny_gemm import skinny_gemm_applies
+
+    w = torch.empty(4096, 4096, dtype=torch.bfloat16, device=device)
+    assert skinny_gemm_applies(torch.empty(16, 4096, dtype=torch.bfloat16, device=device), w)
+    assert not skinny_gemm_applies(torch.empty(17, 4096, dtype=torch.bfloat16, device=device), w)  # a prefill
+    assert not skinny_gemm_applies(torch.empty(1, 4096, device=device), w.float())  # float32: cuBLAS, exact
+    small = torch.empty(1024, 4096, dtype=torch.bfloat16, device=device)  # too few tiles to fill the GPU
+    assert not skinny_gemm_applies(torch.empty(1, 4096, dtype=torch.bfloat16, device=device), small)

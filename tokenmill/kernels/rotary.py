@@ -1,7 +1,9 @@
 """Rotary embedding (rotate-half / NeoX layout) of q and k in one launch, one program per token.
 
 cos and sin come from the layer's float32 [max_position, rotary_dim] table (cos | sin halves); they
-are rounded to the activation dtype and each product and sum is rounded as the torch layer does.
+are rounded to the activation dtype and each product and sum is rounded as the torch layer does (compiled
+without fused multiply-adds, so the result equals the torch reference bit for bit, as
+kernels.qk_norm_rope_cache's does).
 Dimensions past rotary_dim are copied unchanged.
 """
 
@@ -82,7 +84,7 @@ def rotary_embedding(
         num_q_heads, num_k_heads, half, head_dim,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_k_heads),
         HALF_PAD=triton.next_power_of_2(half), REST_PAD=triton.next_power_of_2(rest) if rest else 0,
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=False,
     )
     return q_out, k_out
 

@@ -12,11 +12,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size
+from tokenmill.kernels import use_triton
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias; decode batches of a few tokens on CUDA take the skinny GEMM (no split-K)."""
+    if use_triton(x):
+        from tokenmill.kernels.skinny_gemm import skinny_gemm, skinny_gemm_applies
+
+        if skinny_gemm_applies(x, weight):
+            y = skinny_gemm(x, weight)
+            return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -45,7 +57,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -74,7 +86,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             torch.distributed.all_reduce(y)
         return y
