@@ -499,7 +499,8 @@ def top_p_draw(
     device, has_floor, block = logits.device, int(floor is not None), triton.next_power_of_2(num_tiles)
     floor = floor if has_floor else temperature
     stats = torch.empty(num_rows, num_splits, STATS.value, dtype=torch.float32, device=device)
-    arrivals, rejected = torch.zeros(2, num_rows, dtype=torch.int32, device=device)  # rows skipped: never rejected
+    # Rows skipped are never rejected. Both start 16-byte aligned whatever num_rows (one compiled variant).
+    arrivals, rejected = torch.zeros(2, -(-num_rows // 4) * 4, dtype=torch.int32, device=device)[:, :num_rows]
     grid = (num_rows, num_splits)
     _nucleus_split_kernel[grid](
         logits, logits.stride(0), temperature, top_p, floor, tokens, maxima, stats, arrivals, rejected, vocab_size,

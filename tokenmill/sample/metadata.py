@@ -136,21 +136,26 @@ def build_sampling_metadata(
     has_penalties = penalty_tensors is not None
     mixed = c.is_greedy.any() and not all_greedy and not fused
     host: dict[str, np.ndarray] = {}  # every host column the step needs, copied to the device together
+    num_rows = len(c.is_greedy)
+    # Each column's row starts on a 16-byte boundary whatever the batch size: Triton specialises kernels on
+    # their pointers' alignment, and a batch-dependent alignment would compile new variants mid-run.
+    padded_rows = -(-num_rows // 4) * 4
     if not all_greedy or has_penalties:
-        host["floats"] = np.stack([
-            c.temperature, c.top_p, c.min_p, c.presence_penalty, c.frequency_penalty, c.repetition_penalty,
-            np.where(c.is_greedy, np.float32(0.0), c.temperature),
-        ])
+        float_columns = [c.temperature, c.top_p, c.min_p, c.presence_penalty, c.frequency_penalty, c.repetition_penalty,
+                     np.where(c.is_greedy, np.float32(0.0), c.temperature)]
+        host["floats"] = np.zeros((len(float_columns), padded_rows), dtype=np.float32)
+        for i, column in enumerate(float_columns):
+            host["floats"][i, :num_rows] = column
     if uses_top_k:
         host["top_k"] = c.top_k
     if mixed:
         host["is_greedy"] = c.is_greedy
     if fused:
-        host["seeds"] = _make_seeds(len(c.is_greedy), row_seeds or {})
+        host["seeds"] = _make_seeds(num_rows, row_seeds or {})
     if has_penalties:
         host["penalty_rows"] = penalty_tensors[2].astype(np.int64)
     on_device = dict(zip(host, pack_to_device(list(host.values()), device)[2])) if host else {}
-    floats = on_device["floats"].unbind(0) if "floats" in on_device else (None,) * 7
+    floats = on_device["floats"][:, :num_rows].unbind(0) if "floats" in on_device else (None,) * 7
     temperature, top_p, min_p, presence, frequency, repetition, draw_temperature = floats
     wanted = c.logprobs[c.logprobs >= 0]
     return SamplingMetadata(
