@@ -1,12 +1,13 @@
 """A process that compiles recorded Triton kernel variants into Triton's disk cache, without a GPU.
 
 Started by `precompile.compile_in_background` with a JSON file of jobs and the time it was started at;
-prints one JSON line: how many variants and launchers it compiled, and the seconds its start (the imports)
-and the compiles took. Each job names a kernel (module and qualified name), the specialisation Triton
-recorded for it in the parent, and the GPU target. The compile (front end, LLVM, ptxas) and the C launcher of each new
-signature land in the disk cache, where the parent's own launch (or `preload`) then finds them. It runs
-in its own process because Triton's front end holds the GIL: threads of the engine's process could not
-overlap it with the engine's own work. Nothing here touches CUDA, so forking compile workers is safe.
+prints one JSON line: how many variants and launchers it compiled, and the seconds its start (the
+imports) and the compiles took. Each job names a kernel (module and qualified name), the specialisation
+Triton recorded for it in the parent, and the GPU target. The compile (front end, LLVM, ptxas) and the C
+launcher of each new signature land in the disk cache, where the parent's own launch (or `preload`) then
+finds them. It runs in its own process because Triton's front end holds the GIL: threads of the engine's
+process could not overlap it with the engine's own work. Nothing here touches CUDA, so forking compile
+workers is safe.
 
     python -m tokenmill.kernels.compile_worker jobs.json START_TIME
 """
