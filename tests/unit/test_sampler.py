@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -175,3 +176,19 @@ def test_metadata_routes_rows_to_the_fused_draw_only_when_asked():
     assert build_sampling_metadata(params[3:], {}, VOCAB, CPU).top_k_candidates == 5
     all_greedy = build_sampling_metadata(params[:1], {}, VOCAB, CPU, use_kernel=True)
     assert all_greedy.all_greedy and all_greedy.seeds is None  # torch's argmax
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 8])
+def test_metadata_columns_are_16_byte_aligned_for_every_batch_size(num_rows):
+    """Triton specialises kernels on 16-byte pointer alignment: a column whose alignment changed with the
+    batch size would compile new kernel variants mid-run. Every column starts on a 16-byte boundary of the
+    one packed buffer they share."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=7, min_p=0.1, presence_penalty=0.5)] * num_rows
+    counts = torch.zeros(num_rows, VOCAB, dtype=torch.int32)
+    meta = build_sampling_metadata(params, {}, VOCAB, CPU, row_seeds={0: 1}, use_kernel=True,
+                                   penalty_tensors=(counts, counts.bool(), np.arange(num_rows)))
+    columns = [meta.top_k, meta.top_p, meta.min_p, meta.seeds, meta.draw_temperature, meta.presence_penalty,
+               meta.frequency_penalty, meta.repetition_penalty, meta.penalty_rows]
+    base = min(c.data_ptr() for c in columns)
+    assert all((c.data_ptr() - base) % 16 == 0 for c in columns)
+    assert meta.top_p.tolist() == pytest.approx([0.9] * num_rows)  # the padding is not part of the columns
