@@ -69,3 +69,31 @@ def test_compile_in_background_fills_the_disk_cache_this_process_then_loads(devi
     proc = subprocess.run([sys.executable, "-c", BACKGROUND_RUN], env=env, cwd=root, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+HASH_IN_ORDER = """
+import hashlib, sys
+import tokenmill.kernels.penalties as p, tokenmill.kernels.sampling as s, tokenmill.kernels.sampling_floor as f
+kernels = {n: getattr(m, n) for m in (s, f, p) for n in dir(m) if n.endswith("_kernel")}
+for name in sorted(kernels, reverse=sys.argv[1] == "reversed"):
+    kernels[name].cache_key
+print({n: hashlib.sha256(k.cache_key.encode()).hexdigest() for n, k in kernels.items()})
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_the_order_kernels_are_hashed(tmp_path):
+    """Triton merges a helper's global constants into a caller's key only if the helper was hashed first; the
+    kernel modules hash everything at import, so two processes that touch the kernels in opposite orders (a
+    compile process and the engine) compute the same keys."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    keys = [subprocess.run([sys.executable, "-c", HASH_IN_ORDER, order], env=env, cwd=root, capture_output=True,
+                           text=True, check=True).stdout for order in ("sorted", "reversed")]
+    assert keys[0] == keys[1]

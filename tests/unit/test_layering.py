@@ -40,3 +40,18 @@ def test_no_module_over_the_hard_size_budget():
     too_big = [f"{p.relative_to(PACKAGE)} ({n} lines)" for p in PACKAGE.rglob("*.py")
                if (n := len(p.read_text().splitlines())) > 800]
     assert not too_big
+
+
+def test_every_kernel_module_fixes_its_triton_cache_keys():
+    """Triton's cache key of a kernel depends on which kernels a process hashed first unless every module
+    hashes its own at import (kernels.fix_cache_keys): a module that forgets it breaks the background compile
+    and the disk cache's hits across restarts."""
+    for path in sorted((PACKAGE / "kernels").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        defines_kernels = any(isinstance(node, ast.FunctionDef) and any("triton.jit" in ast.unparse(d)
+                                                                          for d in node.decorator_list)
+                              for node in tree.body)
+        if not defines_kernels:
+            continue
+        last = tree.body[-1]
+        assert isinstance(last, ast.Expr) and ast.unparse(last.value) == "fix_cache_keys(globals())", path.name

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.prefill_attention import _tanh, dot_precision
 
 MAX_SPLITS = 16
@@ -244,3 +245,6 @@ def decode_attention(
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process

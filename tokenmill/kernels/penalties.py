@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.sampling import LANES, split_layout
 
 TILE = 4 * LANES  # the tiles of candidate_floor, whose split layout the maxima follow
@@ -83,3 +84,6 @@ def apply_penalties_fused(
         HAS_MASK=logit_mask is not None, TILE=TILE, num_warps=num_warps,
     )
     return out, maxima
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
+
 
 @triton.jit
 def _tanh(x):
@@ -185,3 +187,6 @@ def paged_attention_ref(
         scores = scores.masked_fill(~mask, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.reshape_and_cache import reshape_and_cache_ref
 from tokenmill.kernels.rms_norm import rms_norm_ref
 from tokenmill.kernels.rotary import rotary_embedding_ref
@@ -157,3 +158,6 @@ def qk_norm_rope_cache_ref(
     query, key = rotary_embedding_ref(positions, query, key, cos_sin_cache)
     reshape_and_cache_ref(key, value, kv_cache, slot_mapping)
     return query
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -68,3 +70,6 @@ def reshape_and_cache_ref(
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(kv_cache.dtype)
     kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(kv_cache.dtype)
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -86,3 +88,6 @@ def rms_norm_ref(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = (h * (offset + weight.float())).to(dtype) if offset else weight * h.to(dtype)
     return h if residual is None else (h, residual)
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
+
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, token, stride_t, stride_h, num_heads, cos, sin, half, head_dim,
@@ -102,3 +104,6 @@ def rotary_embedding_ref(
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
     return rotate(query), rotate(key)
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
+
 LANES = 256
 """Philox counters per tile (each yields 4 noise values): a token's noise depends on it, keep it fixed."""
 TARGET_PROGRAMS = 4096
@@ -592,3 +594,6 @@ def top_p_draw_ref(
             tokens[row] = gumbel_argmax_ref(candidates, temperature[row : row + 1].cpu(), seeds[row : row + 1].cpu(),
                                             torch.tensor([k]), lanes=lanes)[0]
     return tokens.to(logits.device)
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process

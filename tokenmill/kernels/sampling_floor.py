@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.sampling import LANES, MAX_DRAWS, candidate_draw, row_draw, split_layout
 
 TILE = 4 * LANES  # tokens per tile, as in the draw kernels
@@ -460,3 +461,6 @@ def candidate_floor_ref(
         bound = x.amax(dim=-1) + t * p.clamp(min=1e-30).log()
         floor = torch.where(p > 0, torch.maximum(floor, bound), floor)
     return torch.where(t > 0, floor, float("-inf"))
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process
