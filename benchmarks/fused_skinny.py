@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.skinny_gemm import time_graph
 from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tokenmill.kernels.rms_norm import rms_norm, rms_norm_ref
 from tokenmill.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
@@ -126,24 +127,6 @@ def check(rows: int, dtype: torch.dtype, device: str) -> list[float]:
     errors = [rel_error(out, ref_normed.double() @ w_qkv.double().T), rel_error(residual, ref_residual)]
     errors.append(rel_error(silu_skinny(gate_up, w_down), silu_and_mul_ref(gate_up).double() @ w_down.double().T))
     return errors
-
-
-def time_graph(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ def compile_job(job: dict) -> tuple[bool, bool]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import convert_to_tuple_if_list
 
     try:
         kernel = importlib.import_module(job["module"])
@@ -44,7 +45,8 @@ def compile_job(job: dict) -> tuple[bool, bool]:
             for key, value in zip(data["constant_keys"], data["constant_vals"])
         }
         attrs = {tuple(key): value for key, value in zip(data["attrs_keys"], data["attrs_vals"])}
-        signature = {key: _tuples(value) for key, value in data["signature"].items()}
+        # Deserialised as JITFunction.preload does, so that the engine's process computes the same cache key.
+        signature = {key: convert_to_tuple_if_list(value) for key, value in data["signature"].items()}
         target = GPUTarget(*job["target"])
         options = make_backend(target).parse_options(
             {key: tuple(value) if isinstance(value, list) else value for key, value in data["options"].items()})
@@ -63,11 +65,6 @@ def compile_job(job: dict) -> tuple[bool, bool]:
         logger.debug("the launcher of %s is left to the engine's process", job["qualname"], exc_info=True)
         return True, False
     return True, True
-
-
-def _tuples(value):
-    # JSON turned the signature's tuples into lists.
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def main() -> None:

@@ -137,15 +137,12 @@ def build_sampling_metadata(
     mixed = c.is_greedy.any() and not all_greedy and not fused
     host: dict[str, np.ndarray] = {}  # every host column the step needs, copied to the device together
     num_rows = len(c.is_greedy)
-    # Each column's row starts on a 16-byte boundary whatever the batch size: Triton specialises kernels on
-    # their pointers' alignment, and a batch-dependent alignment would compile new variants mid-run.
-    padded_rows = -(-num_rows // 4) * 4
     if not all_greedy or has_penalties:
-        float_columns = [c.temperature, c.top_p, c.min_p, c.presence_penalty, c.frequency_penalty, c.repetition_penalty,
-                     np.where(c.is_greedy, np.float32(0.0), c.temperature)]
-        host["floats"] = np.zeros((len(float_columns), padded_rows), dtype=np.float32)
-        for i, column in enumerate(float_columns):
-            host["floats"][i, :num_rows] = column
+        # One part per column: pack_to_device starts every part 16-byte aligned whatever the batch size (Triton
+        # specialises kernels on pointer alignment; a batch-dependent one would compile variants mid-run).
+        host.update(temperature=c.temperature, top_p=c.top_p, min_p=c.min_p, presence=c.presence_penalty,
+                    frequency=c.frequency_penalty, repetition=c.repetition_penalty,
+                    draw_temperature=np.where(c.is_greedy, np.float32(0.0), c.temperature))
     if uses_top_k:
         host["top_k"] = c.top_k
     if mixed:
@@ -155,8 +152,9 @@ def build_sampling_metadata(
     if has_penalties:
         host["penalty_rows"] = penalty_tensors[2].astype(np.int64)
     on_device = dict(zip(host, pack_to_device(list(host.values()), device)[2])) if host else {}
-    floats = on_device["floats"][:, :num_rows].unbind(0) if "floats" in on_device else (None,) * 7
-    temperature, top_p, min_p, presence, frequency, repetition, draw_temperature = floats
+    temperature, top_p, min_p, presence, frequency, repetition, draw_temperature = (
+        on_device.get(name) for name in ("temperature", "top_p", "min_p", "presence", "frequency", "repetition",
+                                         "draw_temperature"))
     wanted = c.logprobs[c.logprobs >= 0]
     return SamplingMetadata(
         all_greedy=all_greedy,
