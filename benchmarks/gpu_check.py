@@ -15,7 +15,6 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
   engine       the engine tests whose mechanisms differ on the GPU (async scheduling, forked samples)
   sampler      benchmarks/sampler_overhead.py: the sampler's share of a decode step at batch 256
   skinny       benchmarks/skinny_gemm.py: Llama-8B decode GEMMs at 1 and 8 rows, cuBLAS against Triton
-  fused        benchmarks/fused_skinny.py: prototype, RMSNorm / SiLU-and-mul folded into the skinny GEMM
   steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
   anatomy8b, anatomy06b
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
@@ -401,8 +400,6 @@ def main() -> int:
                 run_script("benchmarks/sampler_overhead.py", 180, "--profile")
             elif sec == "skinny":
                 run_script("benchmarks/skinny_gemm.py", 240)
-            elif sec == "fused":
-                run_script("benchmarks/fused_skinny.py", 200)
             elif sec == "steps":
                 run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":

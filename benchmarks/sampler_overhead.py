@@ -10,8 +10,11 @@ the sampler's kernels (CUDA events around Sampler.forward) and the host-side bui
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -99,6 +102,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers, for a quick CPU dry run")
     parser.add_argument("--profile", action="store_true", help="print each case's sampler kernels (GPU)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="cProfile each case's timed steps, and report the ops that synchronise with the GPU")
     args = parser.parse_args()
     model = with_num_layers(args.model, args.num_layers)
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=args.batch_size,
@@ -122,10 +127,29 @@ def main() -> None:
         timers.reset()
         sync()
         step_times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            engine.step()
-            step_times.append(time.perf_counter() - start)
+        profiler = cProfile.Profile() if args.host_profile else None
+        with warnings.catch_warnings(record=True) as syncs:
+            if args.host_profile and torch.cuda.is_available():
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                if profiler:
+                    profiler.enable()
+                engine.step()
+                if profiler:
+                    profiler.disable()
+                step_times.append(time.perf_counter() - start)
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode(0)
+        if profiler:
+            print(f"{name}: host time per step by function (cProfile, tottime)")
+            stats = pstats.Stats(profiler)
+            stats.sort_stats("tottime").print_stats(12)
+            places = {}
+            for w in syncs:
+                places[f"{w.filename}:{w.lineno}"] = places.get(f"{w.filename}:{w.lineno}", 0) + 1
+            print(f"{name}: synchronising calls in {args.steps} steps: {places or 'none'}")
         step_ms = statistics.median(step_times) * 1e3  # the median: robust to a stray host pause
         sync()
         sampler_ms = timers.sampler_ms()

@@ -14,6 +14,7 @@ import collections
 import cProfile
 import pstats
 import time
+import warnings
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def timed(cls, name: str, key: str) -> None:
     setattr(cls, name, wrapper)
 
 
-def instrument(profile_admission: cProfile.Profile | None = None) -> None:
+def instrument(profiler: cProfile.Profile | None = None, profile_decode: bool = False) -> None:
     timed(Scheduler, "schedule", "scheduler.schedule")
     timed(Scheduler, "update_from_output", "scheduler.update_from_output")
     timed(ModelRunner, "execute_model", "model_runner.execute_model (launch)")
@@ -54,12 +55,13 @@ def instrument(profile_admission: cProfile.Profile | None = None) -> None:
         wait_before = STAGES["pending.result (wait + host copy-out)"]
         start = time.perf_counter()
         num_running = len(core.scheduler.running)
-        admitting = profile_admission is not None and len(core.scheduler.waiting) > 0
-        if admitting:
-            profile_admission.enable()
+        # The steps to profile: those admitting requests (prefills), or else the pure decode steps.
+        profiled = profiler is not None and (len(core.scheduler.waiting) > 0) != profile_decode
+        if profiled:
+            profiler.enable()
         out = original_step(core)
-        if admitting:
-            profile_admission.disable()
+        if profiled:
+            profiler.disable()
         so = core._in_flight[0] if core._in_flight is not None else None  # the step just launched
         STEPS.append(dict(
             wall=time.perf_counter() - start,
@@ -82,6 +84,9 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--profile-admission", action="store_true",
                         help="cProfile the steps taken while requests still wait for admission (the prefills)")
+    parser.add_argument("--profile-decode", action="store_true", help="cProfile the steps after admission")
+    parser.add_argument("--sync-check", action="store_true",
+                        help="report where the host synchronises with the GPU (torch's sync debug mode)")
     args = parser.parse_args()
     model = with_num_layers(args.model, args.num_layers)
     import torch
@@ -100,12 +105,21 @@ def main() -> None:
         return prompts, params, int(out_lens.sum())
 
     llm.generate(*workload()[:2], use_tqdm=False)  # warm-up
-    profiler = cProfile.Profile() if args.profile_admission else None
-    instrument(profiler)
+    profiler = cProfile.Profile() if args.profile_admission or args.profile_decode else None
+    instrument(profiler, args.profile_decode)
     prompts, params, num_out = workload()
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    total = time.perf_counter() - start
+    with warnings.catch_warnings(record=True) as syncs:
+        if args.sync_check and on_gpu:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        total = time.perf_counter() - start
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode(0)
+    if args.sync_check:
+        places = collections.Counter(f"{w.filename}:{w.lineno}" for w in syncs)
+        print("synchronising calls:", dict(places.most_common(12)) or "none")
 
     steps = len(STEPS)
     print(f"\n{args.num_prompts} prompts, lengths [{args.min_len}, {args.max_len}], {model}, "
@@ -127,8 +141,10 @@ def main() -> None:
             print(f"{name:>18s} {mask.sum():6d} {wall[mask].mean():8.2f} {wait[mask].mean():8.2f} "
                   f"{(wall[mask] - wait[mask]).mean():8.2f}")
     if profiler is not None:
-        print("\nsteps while requests waited for admission, by cumulative time:")
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
+        print(f"\n{'decode steps' if args.profile_decode else 'steps while requests waited for admission'}, "
+              "by cumulative time:")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -192,3 +192,41 @@ def test_metadata_columns_are_16_byte_aligned_for_every_batch_size(num_rows):
     base = min(c.data_ptr() for c in columns)
     assert all((c.data_ptr() - base) % 16 == 0 for c in columns)
     assert meta.top_p.tolist() == pytest.approx([0.9] * num_rows)  # the padding is not part of the columns
+
+
+def test_a_repeated_batch_reuses_its_metadata_until_a_row_changes():
+    """Steady decoding samples the same rows step after step: their columns are copied to the device once.
+    A row given to a new request, or a seeded row (its key follows its position), builds afresh."""
+    from tokenmill.sample.state import SamplingState
+    from tokenmill.worker.request_state import RequestStates
+
+    state, states = SamplingState(4, VOCAB, CPU), RequestStates(4, 16, 4)
+
+    def add(row, params):
+        states.sampling_params[row] = params
+        state.add_request(row, params, frozenset(), [1, 2], 2)
+
+    for row, top_p in enumerate([0.5, 0.9, 1.0]):
+        add(row, SamplingParams(temperature=1.0, top_p=top_p))
+    rows = np.array([0, 1, 2])
+    first = state.build_metadata(rows, states)
+    assert state.build_metadata(rows.copy(), states).top_p is first.top_p  # the same device column
+    assert state.build_metadata(rows[:2], states).top_p is not first.top_p  # another batch
+    add(1, SamplingParams(temperature=1.0, top_p=0.3))
+    assert state.build_metadata(rows, states).top_p.tolist() == pytest.approx([0.5, 0.3, 1.0])
+    add(2, SamplingParams(temperature=1.0, seed=7))
+    seeded = state.build_metadata(rows, states)
+    assert state.build_metadata(rows, states).top_p is not seeded.top_p
+
+
+def test_reused_metadata_draws_fresh_keys_as_a_fresh_build_would():
+    from tokenmill.sample.metadata import with_fresh_seeds
+
+    params = [SamplingParams(temperature=0.8, top_p=0.9)] * 3
+    built = build_sampling_metadata(params, {}, VOCAB, CPU, use_kernel=True)
+    torch.manual_seed(5)
+    reused = with_fresh_seeds(built)
+    torch.manual_seed(5)
+    fresh = build_sampling_metadata(params, {}, VOCAB, CPU, use_kernel=True)
+    assert torch.equal(reused.seeds, fresh.seeds) and not torch.equal(reused.seeds, built.seeds)
+    assert reused.top_p is built.top_p and reused.draw_temperature is built.draw_temperature

@@ -8,7 +8,7 @@ device, not a Python loop over the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -147,14 +147,17 @@ def build_sampling_metadata(
         host["top_k"] = c.top_k
     if mixed:
         host["is_greedy"] = c.is_greedy
-    if fused:
-        host["seeds"] = _make_seeds(num_rows, row_seeds or {})
+    if fused and row_seeds:
+        host.update(seeded_rows=np.fromiter(row_seeds, np.int64), seeded_keys=np.fromiter(row_seeds.values(), np.int64))
     if has_penalties:
         host["penalty_rows"] = penalty_tensors[2].astype(np.int64)
     on_device = dict(zip(host, pack_to_device(list(host.values()), device)[2])) if host else {}
     temperature, top_p, min_p, presence, frequency, repetition, draw_temperature = (
         on_device.get(name) for name in ("temperature", "top_p", "min_p", "presence", "frequency", "repetition",
                                          "draw_temperature"))
+    seeds = _draw_keys(num_rows, device) if fused else None
+    if seeds is not None and row_seeds:
+        seeds[on_device["seeded_rows"]] = on_device["seeded_keys"]
     wanted = c.logprobs[c.logprobs >= 0]
     return SamplingMetadata(
         all_greedy=all_greedy,
@@ -168,7 +171,7 @@ def build_sampling_metadata(
         min_p=min_p if uses_min_p else None,
         is_greedy=on_device.get("is_greedy"),
         generators=generators,
-        seeds=on_device.get("seeds"),
+        seeds=seeds,
         draw_temperature=draw_temperature if fused else None,
         logit_mask=logit_mask,
         presence_penalty=presence if has_penalties else None,
@@ -180,6 +183,14 @@ def build_sampling_metadata(
         max_num_logprobs=int(wanted.max()) if len(wanted) else None,
         logits_processors=logits_processors or {},
     )
+
+
+def with_fresh_seeds(metadata: SamplingMetadata) -> SamplingMetadata:
+    """The same batch's metadata for the next step: only the fused draw's keys change. For batches without
+    seeded rows (their keys follow their position, so they come from a fresh build)."""
+    if metadata.seeds is None:
+        return metadata
+    return replace(metadata, seeds=_draw_keys(len(metadata.seeds), metadata.seeds.device))
 
 
 def _max_top_k(c: SamplingColumns, rows: np.ndarray, vocab_size: int) -> int:
@@ -194,10 +205,7 @@ def _candidate_width(c: SamplingColumns, rows: np.ndarray, vocab_size: int) -> i
     return width if width <= MAX_TOP_K_CANDIDATES else 0
 
 
-def _make_seeds(num_rows: int, row_seeds: dict[int, int]) -> np.ndarray:
-    # Fresh keys from torch's host generator (so torch.manual_seed repeats a run), seeded rows' own
-    # keys over them: no device work, so no sync.
-    seeds = torch.randint(0, 2**63 - 1, (num_rows,), dtype=torch.int64).numpy()
-    if row_seeds:
-        seeds[list(row_seeds)] = list(row_seeds.values())
-    return seeds
+def _draw_keys(num_rows: int, device: torch.device) -> torch.Tensor:
+    # Fresh Philox keys drawn where they are used (no host copy), from torch's generator of that device,
+    # so torch.manual_seed repeats a run.
+    return torch.randint(0, 2**63 - 1, (num_rows,), dtype=torch.int64, device=device)

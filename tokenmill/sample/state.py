@@ -5,7 +5,8 @@ of tokens it has seen (prompt or output: the tokens repetition penalises, and th
 counts the penalty kernel reads), allocated the first time a request with penalties arrives and
 updated with two scatters per step. Numeric parameters sit in numpy columns filled when a request arrives; only
 rows with per-request work (seeds, bad words, logits processors, pending min_tokens, allowed ids,
-logit bias) are visited in Python each step.
+logit bias) are visited in Python each step. A batch of the same rows as the last step (steady decoding),
+none of them visited in Python, reuses the last step's device metadata with fresh draw keys.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.sample.metadata import SamplingColumns, SamplingMetadata, build_sampling_metadata
+from tokenmill.sample.metadata import SamplingColumns, SamplingMetadata, build_sampling_metadata, with_fresh_seeds
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import RequestStates
 
@@ -31,10 +32,13 @@ class SamplingState:
         self.output_counts: torch.Tensor | None = None  # [max_num_reqs, vocab] int32
         self.seen_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool: in the prompt or the output
         self._seeded_generators: dict[int, torch.Generator] = {}
+        self._last_rows: bytes | None = None  # the rows of `_last_metadata`; None after any row changed
+        self._last_metadata: SamplingMetadata | None = None
 
     def add_request(self, row: int, params: SamplingParams, eos_token_ids: frozenset[int],
                     token_ids: list[int], num_prompt_tokens: int) -> None:
         self.eos_token_ids[row] = eos_token_ids
+        self._last_rows = None
         self.columns.set_row(row, params, self.vocab_size)
         self.needs_host_pass[row] = bool(
             (params.seed is not None and not params.is_greedy) or params.bad_words_token_ids
@@ -65,9 +69,18 @@ class SamplingState:
                 index = torch.from_numpy(rows).to(self.device, non_blocking=True)
             self.output_counts.index_put_((index, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
                                           accumulate=True)
-            self.seen_mask[index, token_ids] = True
+            # A device value: a Python True would be copied from the host, which waits for the GPU.
+            self.seen_mask.index_put_((index, token_ids), torch.ones_like(token_ids, dtype=torch.bool))
 
     def build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:
+        reusable = not self.needs_host_pass[rows].any()
+        if reusable and self._last_rows == rows.tobytes():
+            return with_fresh_seeds(self._last_metadata)
+        metadata = self._build_metadata(rows, states)
+        self._last_rows, self._last_metadata = (rows.tobytes(), metadata) if reusable else (None, None)
+        return metadata
+
+    def _build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:
         masked: dict[int, tuple[SamplingParams, list[int]]] = {}
         processors: dict[int, tuple[list, list[int]]] = {}
         generators: dict[int, torch.Generator] = {}
