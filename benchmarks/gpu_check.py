@@ -16,7 +16,7 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
   sampler      benchmarks/sampler_overhead.py: the sampler's share of a decode step at batch 256
   skinny       benchmarks/skinny_gemm.py: Llama-8B decode GEMMs at 1 and 8 rows, cuBLAS against Triton
   steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
-  anatomy8b, anatomy06b
+  anatomy8b, anatomy06b, anatomy06b_tail (W3's last steps: 32 requests at ~1,500 tokens of context)
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
                and cProfile of the host
 The last lines printed are a table of everything measured; --out gets results.json. Everything takes more
@@ -226,12 +226,13 @@ def bench_kernels(args) -> None:
     import cases
     from triton.testing import do_bench
 
-    from tokenmill.kernels.decode_attention import decode_attention
+    from tokenmill.kernels.decode_attention import choose_num_splits, decode_attention
     from tokenmill.kernels.prefill_attention import prefill_attention
 
     copy_tbs = RESULTS.get("ceilings", {}).get("copy_TBps", 4.3)
     # Decode, W3-like: 256 requests x ~1000 tokens of context, Qwen3-0.6B heads (16 q / 8 kv, 128).
-    for batch, ctx, hq, hkv in [(256, 1000, 16, 8), (8, 160, 32, 8), (1, 640, 32, 8), (32, 4000, 32, 8)]:
+    for batch, ctx, hq, hkv in [(256, 1000, 16, 8), (8, 160, 32, 8), (1, 640, 32, 8), (32, 4000, 32, 8),
+                                (32, 1500, 16, 8), (64, 1200, 16, 8)]:  # the last two: W3's tail
         case = cases.make_paged_case([1] * batch, [ctx - 1] * batch, hq, hkv, 128, 16, torch.bfloat16, "cuda", 0)
         qsl, seq_lens = case.tensors()
         ids = torch.arange(batch, dtype=torch.int32, device="cuda")
@@ -253,6 +254,33 @@ def bench_kernels(args) -> None:
         note(f"decode attention B={batch} ctx={ctx}",
              f"{best[0] * 1e3:.1f} us, {nbytes / best[0] / 1e9:.2f} TB/s (best cfg {best[1] or 'default'})")
         del case
+    if args.sweep:  # split counts and tiles at small batches (W1, W2, W3's tail): speed against bytes
+        for batch, ctx, hq, hkv in [(1, 640, 32, 8), (8, 160, 32, 8), (16, 1800, 16, 8), (32, 1500, 16, 8),
+                                    (64, 1200, 16, 8), (128, 1000, 16, 8)]:
+            case = cases.make_paged_case([1] * batch, [ctx - 1] * batch, hq, hkv, 128, 16, torch.bfloat16, "cuda", 0)
+            qsl, seq_lens = case.tensors()
+            ids = torch.arange(batch, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(case.query)
+            nbytes = batch * ctx * hkv * 128 * 2 * 2
+            timings = {}
+            chosen = choose_num_splits(batch, hkv, torch.device("cuda"))
+            split_counts = sorted({1, 2, 4, 8, 16, chosen})
+            for splits in split_counts:
+                for cfg in ((64, 4, 3), (32, 4, 3), (64, 4, 2), (128, 4, 2), (64, 8, 3), (32, 4, 4)):
+                    fn = functools.partial(decode_attention, case.query, case.kv_cache, out, qsl, seq_lens,
+                                           case.block_table, ids, case.scale, num_splits=splits, config=cfg)
+                    timings[(splits, cfg)] = do_bench(fn, warmup=10, rep=100, return_mode="median")
+            best = min(timings, key=timings.get)
+            print(f"decode B={batch} ctx={ctx} {hq}/{hkv}, us by (splits, cfg): "
+                  + ", ".join(f"{k}: {t * 1e3:.1f}" for k, t in sorted(timings.items())), flush=True)
+            default = timings[(chosen, (64, 4, 3))]
+            per_split = ", ".join(f"{n}: {min(t for (s, _), t in timings.items() if s == n) * 1e3:.1f}"
+                                  for n in split_counts)
+            note(f"decode sweep B={batch} ctx={ctx} {hq}/{hkv}",
+                 f"best {timings[best] * 1e3:.1f} us ({nbytes / timings[best] / 1e9:.2f} TB/s) at (splits, cfg) "
+                 f"{best}; "
+                 f"default ({chosen} splits) {default * 1e3:.1f} us; best per split count {per_split}")
+            del case
     # Prefill, W4-like: 8 requests x 1024 new tokens, Llama-3.1-8B heads (32 q / 8 kv, 128), causal.
     case = cases.make_paged_case([1024] * 8, [0] * 8, 32, 8, 128, 16, torch.bfloat16, "cuda", 0)
     qsl, seq_lens = case.tensors()
@@ -404,6 +432,8 @@ def main() -> int:
                 run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":
                 decode_anatomy(LLAMA_8B, (1, 8), 1, 128, 64)
+            elif sec == "anatomy06b_tail":
+                decode_anatomy(QWEN3_06B, (32,), 32, 1500, 32)
             elif sec == "anatomy06b":
                 decode_anatomy(QWEN3_06B, (256,), 256, 512, 32)
             elif sec in WORKLOADS:
