@@ -10,14 +10,15 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
   models       tiny random models of every architecture, float32: greedy tokens == transformers with CUDA
                graphs + async scheduling, eager, chunked prefill, and async scheduling off; bfloat16 (Llama,
                Qwen3): teacher-forced log-probabilities and argmax against transformers (check_bf16)
-  kbench       decode / prefill attention timings (--sweep: several tile configurations)
+  kbench       decode / prefill attention timings (--sweep: several tile configurations, and every split
+               count with every tile configuration at small batches)
   W1..W4       the workloads of BENCHMARKS.md, each `python -m tokenmill.bench.latency|throughput` in a
                subprocess (W5, start-up, is read from their logs)
   engine       the engine tests whose mechanisms differ on the GPU (async scheduling, forked samples)
   sampler      benchmarks/sampler_overhead.py: the sampler's share of a decode step at batch 256
   skinny       benchmarks/skinny_gemm.py: Llama-8B decode GEMMs at 1 and 8 rows, cuBLAS against Triton
   steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
-  anatomy8b, anatomy06b, anatomy06b_tail (W3's last steps: 32 requests at ~1,500 tokens of context)
+  anatomy8b, anatomy06b
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
                and cProfile of the host
 The last lines printed are a table of everything measured; --out gets results.json. Everything takes more
@@ -213,8 +214,7 @@ def check_bf16(name: str, hf, folder: str, sequences: list[list[int]], device: s
     ok = agree == decisive and ours_err <= 2 * hf_err
     note(f"{name} bfloat16 vs transformers (teacher-forced)",
          f"{'ok' if ok else 'FAIL'}: argmax equal at {agree}/{decisive} decisive positions (of {positions}); "
-         f"max |logprob error| vs "
-         f"float32 {ours_err:.4f} (transformers bfloat16: {hf_err:.4f})")
+         f"max |logprob error| vs float32 {ours_err:.4f} (transformers bfloat16: {hf_err:.4f})")
 
 
 def check_models() -> None:
@@ -313,8 +313,7 @@ def bench_kernels(args) -> None:
                                   for n in split_counts)
             note(f"decode sweep B={batch} ctx={ctx} {hq}/{hkv}",
                  f"best {timings[best] * 1e3:.1f} us ({nbytes / timings[best] / 1e9:.2f} TB/s) at (splits, cfg) "
-                 f"{best}; "
-                 f"default ({chosen} splits) {default * 1e3:.1f} us; best per split count {per_split}")
+                 f"{best}; default ({chosen} splits) {default * 1e3:.1f} us; best per split count {per_split}")
             del case
     # Prefill, W4-like: 8 requests x 1024 new tokens, Llama-3.1-8B heads (32 q / 8 kv, 128), causal.
     case = cases.make_paged_case([1024] * 8, [0] * 8, 32, 8, 128, 16, torch.bfloat16, "cuda", 0)
@@ -467,8 +466,6 @@ def main() -> int:
                 run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":
                 decode_anatomy(LLAMA_8B, (1, 8), 1, 128, 64)
-            elif sec == "anatomy06b_tail":
-                decode_anatomy(QWEN3_06B, (32,), 32, 1500, 32)
             elif sec == "anatomy06b":
                 decode_anatomy(QWEN3_06B, (256,), 256, 512, 32)
             elif sec in WORKLOADS:
