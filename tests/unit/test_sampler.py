@@ -212,6 +212,7 @@ def test_a_repeated_batch_reuses_its_metadata_until_a_row_changes():
     first = state.build_metadata(rows, states)
     assert state.build_metadata(rows.copy(), states).top_p is first.top_p  # the same device column
     assert state.build_metadata(rows[:2], states).top_p is not first.top_p  # another batch
+    state.build_metadata(rows, states)  # the batch of `rows` is the last one again
     add(1, SamplingParams(temperature=1.0, top_p=0.3))
     assert state.build_metadata(rows, states).top_p.tolist() == pytest.approx([0.5, 0.3, 1.0])
     add(2, SamplingParams(temperature=1.0, seed=7))

@@ -32,13 +32,13 @@ class SamplingState:
         self.output_counts: torch.Tensor | None = None  # [max_num_reqs, vocab] int32
         self.seen_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool: in the prompt or the output
         self._seeded_generators: dict[int, torch.Generator] = {}
-        self._last_rows: bytes | None = None  # the rows of `_last_metadata`; None after any row changed
-        self._last_metadata: SamplingMetadata | None = None
+        self._last: tuple[bytes, SamplingMetadata] | None = None
+        """The last reusable batch's rows (as bytes) and metadata; None after any row changed."""
 
     def add_request(self, row: int, params: SamplingParams, eos_token_ids: frozenset[int],
                     token_ids: list[int], num_prompt_tokens: int) -> None:
         self.eos_token_ids[row] = eos_token_ids
-        self._last_rows = None
+        self._last = None
         self.columns.set_row(row, params, self.vocab_size)
         self.needs_host_pass[row] = bool(
             (params.seed is not None and not params.is_greedy) or params.bad_words_token_ids
@@ -73,11 +73,11 @@ class SamplingState:
             self.seen_mask.index_put_((index, token_ids), torch.ones_like(token_ids, dtype=torch.bool))
 
     def build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:
-        reusable = not self.needs_host_pass[rows].any()
-        if reusable and self._last_rows == rows.tobytes():
-            return with_fresh_seeds(self._last_metadata)
+        key = None if self.needs_host_pass[rows].any() else rows.tobytes()
+        if key is not None and self._last is not None and self._last[0] == key:
+            return with_fresh_seeds(self._last[1])
         metadata = self._build_metadata(rows, states)
-        self._last_rows, self._last_metadata = (rows.tobytes(), metadata) if reusable else (None, None)
+        self._last = None if key is None else (key, metadata)
         return metadata
 
     def _build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:
