@@ -34,14 +34,15 @@ def time_ms(fn, repeats: int = 10) -> float:
     return sum(e.device_time for e in kernels) / repeats / 1e3
 
 
-def gumbel_split_variant(logits, temperature, seeds, lanes: int, num_warps: int):
-    """The draw's pass 1 alone, with another tile width or warp count."""
-    num_tiles, tiles_per_split, num_splits = sampling.split_layout(ROWS, VOCAB, 4 * lanes)
+def stats_variant(logits, temperature, num_warps: int, tiles_per_split: int | None = None):
+    """The draw's pass 1 alone, with another warp count or split layout."""
+    num_tiles, tiles_per_split, num_splits = sampling.draw_layout(VOCAB, sampling.TILE, tiles_per_split)
+    stats = torch.empty(ROWS, num_splits, 4, device="cuda")
     values = torch.empty(ROWS, num_splits, device="cuda")
     indices = torch.empty(ROWS, num_splits, dtype=torch.int32, device="cuda")
-    return lambda: sampling._gumbel_argmax_split_kernel[(ROWS, num_splits)](
-        logits, logits.stride(0), temperature, seeds, seeds, temperature, values, indices, values, VOCAB, num_tiles,
-        tiles_per_split, num_splits, 0, HAS_OFFSETS=False, LANES=lanes, num_warps=num_warps)
+    return lambda: sampling._stats_kernel[(ROWS, num_splits)](
+        logits, logits.stride(0), temperature, temperature, stats, values, indices, VOCAB, num_tiles,
+        tiles_per_split, num_splits, 0, TILE=sampling.TILE, num_warps=num_warps)
 
 
 def main() -> None:
@@ -61,14 +62,15 @@ def main() -> None:
     rows.append(("torch topk(50) bf16", time_ms(lambda: bf16.topk(50, dim=-1))))
     for name, logits in (("bf16", bf16), ("fp32", fp32)):
         for label, temperature in (("greedy rows", zeros), ("T=0.8", ones)):
-            for num_warps in (2, 4):
-                draw = functools.partial(sampling.gumbel_argmax, logits, temperature, seeds, num_warps=num_warps)
-                rows.append((f"gumbel_argmax {name} {label}, {num_warps} warps", time_ms(draw)))
-    for lanes in (128, 256, 512):
-        for num_warps in (2, 4, 8):
-            rows.append((f"  pass 1 bf16 T=0.8 lanes={lanes} warps={num_warps}",
-                         time_ms(gumbel_split_variant(bf16, ones, seeds, lanes, num_warps))))
+            for num_warps in (2, 4, 8):
+                draw = functools.partial(sampling.categorical_draw, logits, temperature, seeds, num_warps=num_warps)
+                rows.append((f"categorical_draw {name} {label}, {num_warps} warps", time_ms(draw)))
+    for tiles_per_split in (2, 5, 10):
+        for num_warps in (4, 8):
+            rows.append((f"  pass 1 bf16 T=0.8 {tiles_per_split} tiles/split, {num_warps} warps",
+                         time_ms(stats_variant(bf16, ones, num_warps, tiles_per_split))))
     rows.append(("top_p_draw bf16 T=0.8 p=0.95", time_ms(lambda: sampling.top_p_draw(bf16, ones, top_p, seeds))))
+    rows.append(("top_p_draw fp32 T=0.8 p=0.95", time_ms(lambda: sampling.top_p_draw(fp32, ones, top_p, seeds))))
     rows.append(("candidate_floor bf16 top_k=50", time_ms(lambda: candidate_floor(bf16, ones, top_k, None))))
     for k in (1000, 1024):
         rows.append((f"candidate_floor bf16 top_k={k}", time_ms(

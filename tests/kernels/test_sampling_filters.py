@@ -71,7 +71,7 @@ def test_min_p_floor_alone_and_with_top_k(device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_draws_among_the_candidates_match_reference(device, dtype):
-    from tokenmill.kernels.sampling import gumbel_argmax, gumbel_argmax_ref, top_p_draw, top_p_draw_ref
+    from tokenmill.kernels.sampling import categorical_draw, categorical_draw_ref, top_p_draw, top_p_draw_ref
     from tokenmill.kernels.sampling_floor import candidate_floor_ref
 
     gen = torch.Generator().manual_seed(12)
@@ -82,15 +82,15 @@ def test_draws_among_the_candidates_match_reference(device, dtype):
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.2, 0.0, 0.0])
     floor = candidate_floor_ref(logits, temperature, top_k, min_p)
     seeds = make_seeds(8, 13)
-    draw = gumbel_argmax_ref(logits, temperature, seeds, floor=floor, lanes=4)
-    nucleus = top_p_draw_ref(logits, temperature, top_p, seeds, floor=floor, lanes=4)
+    draw = categorical_draw_ref(logits, temperature, seeds, floor=floor)
+    nucleus = top_p_draw_ref(logits, temperature, top_p, seeds, floor=floor)
     assert kept(logits, floor)[torch.arange(8)[1:], nucleus[1:]].all() and nucleus[7] == logits[7].float().argmax()
     on = [t.to(device) for t in (logits, temperature, top_p, seeds, floor)]
     for tiles_per_split in (1, 3, None):
-        assert torch.equal(gumbel_argmax(on[0], on[1], on[3], floor=on[4], lanes=4,
-                                         tiles_per_split=tiles_per_split).cpu(), draw)
+        assert torch.equal(categorical_draw(on[0], on[1], on[3], floor=on[4], tile=16,
+                                            tiles_per_split=tiles_per_split).cpu(), draw)
         for rounds in (0, 1, 2):  # redraws over splits, or in one program per row: the same draws
-            assert torch.equal(top_p_draw(*on[:4], floor=on[4], lanes=4, tiles_per_split=tiles_per_split,
+            assert torch.equal(top_p_draw(*on[:4], floor=on[4], tile=16, tiles_per_split=tiles_per_split,
                                           parallel_rounds=rounds).cpu(), nucleus)
 
 
@@ -107,7 +107,7 @@ def test_top_k_top_p_draws_follow_the_nucleus_of_the_top_k(device):
     floor = floor.expand(num_draws).contiguous()
     seeds = make_seeds(num_draws, 14).to(device)
     draw = top_p_draw if device == "cuda" else top_p_draw_ref  # the interpreter is too slow for 20k rows
-    tokens = draw(logits, temperatures, top_ps, seeds, floor=floor, lanes=4).cpu()
+    tokens = draw(logits, temperatures, top_ps, seeds, floor=floor, **({"tile": 16} if device == "cuda" else {})).cpu()
     top = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))  # 9 largest: ties at 1.0 make 10
     probs = nucleus_probs(top, temperature, top_p)
     counts = torch.bincount(tokens, minlength=len(row)).double()
@@ -180,7 +180,7 @@ def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):
 
 
 def test_rows_drawn_among_their_candidates_get_the_full_vocabulary_draw(device):
-    """candidate_floor's draw of the small-top_k rows equals top_p_draw over the whole row (same noise,
+    """candidate_floor's draw of the small-top_k rows equals top_p_draw over the whole row (same uniforms,
     same rejection rounds); the other rows are left to it, with their temperature unchanged."""
     from tokenmill.kernels.sampling import top_p_draw_ref
     from tokenmill.kernels.sampling_floor import CandidateDraw, candidate_floor, candidate_floor_ref

@@ -16,9 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
-from tokenmill.kernels.sampling import LANES, split_layout
-
-TILE = 4 * LANES  # the tiles of candidate_floor, whose split layout the maxima follow
+from tokenmill.kernels.sampling import TILE, split_layout  # candidate_floor's tiles, whose layout the maxima follow
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])  # they change with the batch size

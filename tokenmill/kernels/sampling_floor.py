@@ -10,7 +10,7 @@ The k-th largest logit, for k up to MAX_FAST_K (256), takes three passes:
      the row's k-th largest;
   2. the tokens >= L (typically a few times k) are gathered into CANDIDATES slots per row;
   3. one program per row sorts them: the k-th is exact. Asked to (`CandidateDraw`), it also draws the
-     row's token among them, with the full-vocabulary draw's noise and rejection rounds.
+     row's token among them, with the full-vocabulary draw's uniforms and rejection rounds.
 When the caller knows every sampled row's k is that small, the rows whose candidates overflow take one
 program each instead (the radix select below and the draw, whole-row). Otherwise, rows whose candidates
 overflow, and larger k, take a radix select on an order-preserving integer key
@@ -32,9 +32,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
-from tokenmill.kernels.sampling import LANES, MAX_DRAWS, candidate_draw, row_draw, split_layout
-
-TILE = 4 * LANES  # tokens per tile, as in the draw kernels
+from tokenmill.kernels.sampling import MAX_DRAWS, TILE, candidate_draw, row_draw, split_layout
 
 DIGIT_BITS = 8
 """Radix digit: 8 bits, 2 rounds for 16-bit logits. 4-bit digits cost the same in all (a 16-bin round
@@ -227,7 +225,7 @@ def _gather_candidates_kernel(
 def _select_candidates_kernel(
     temperature_ptr, top_k_ptr, min_p_ptr, top_p_ptr, seed_ptr, count_ptr, candidate_ptr, id_ptr, floor_ptr,
     select_ptr, token_ptr, skip_ptr, vocab_size, has_min_p, has_top_p, draw_here,
-    MAX_K: tl.constexpr, CAPACITY: tl.constexpr, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr,
+    MAX_K: tl.constexpr, CAPACITY: tl.constexpr, MAX_DRAWS: tl.constexpr,
 ):
     """Pass 3, per row: the k-th largest candidate is the floor; rows that overflowed (or have a k above
     MAX_K) are flagged for the radix select. With `draw_here`, the row's token is drawn here too, among
@@ -252,7 +250,7 @@ def _select_candidates_kernel(
                 top_p = tl.where(has_top_p != 0, tl.load(top_p_ptr + row), 1.0)
                 ids = tl.load(id_ptr + row * CAPACITY + slots, mask=slots < count, other=0)
                 token = candidate_draw(tl.where(values >= floor, values, float("-inf")), ids,
-                                       tl.load(seed_ptr + row), temperature, top_p, row_max, LANES, MAX_DRAWS)
+                                       tl.load(seed_ptr + row), temperature, top_p, row_max, vocab_size, MAX_DRAWS)
                 tl.store(token_ptr + row, token.to(tl.int64))
                 tl.store(skip_ptr + row, -1.0)
     tl.store(select_ptr + row, radix)
@@ -290,7 +288,7 @@ def _row_kth(row_ptr, vocab_size, num_tiles, k, ROUNDS: tl.constexpr, DIGIT_BITS
 def _overflow_rows_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, min_p_ptr, top_p_ptr, seed_ptr, select_ptr, floor_ptr,
     token_ptr, skip_ptr, vocab_size, num_tiles, has_min_p, has_top_p, draw_here,
-    ROUNDS: tl.constexpr, DIGIT_BITS: tl.constexpr, LANES: tl.constexpr, MAX_DRAWS: tl.constexpr,
+    ROUNDS: tl.constexpr, DIGIT_BITS: tl.constexpr, TILE: tl.constexpr, MAX_DRAWS: tl.constexpr,
 ):
     """Per row whose candidates overflowed (flagged by pass 3): the radix select over the whole row and the
     row's draw, each in this one program. Slow for the row, rare, and one launch instead of the split
@@ -300,13 +298,13 @@ def _overflow_rows_kernel(
         temperature = tl.load(temperature_ptr + row)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         floor, row_max = _row_kth(row_ptr, vocab_size, num_tiles, tl.load(top_k_ptr + row), ROUNDS, DIGIT_BITS,
-                                  4 * LANES)
+                                  TILE)
         floor = _with_min_p(floor, row_max, temperature, min_p_ptr, row, has_min_p)
         tl.store(floor_ptr + row, floor)
         if draw_here != 0:
             top_p = tl.where(has_top_p != 0, tl.load(top_p_ptr + row), 1.0)
             token = row_draw(row_ptr, vocab_size, num_tiles, temperature, tl.load(seed_ptr + row), floor, top_p,
-                             LANES, MAX_DRAWS)
+                             TILE, MAX_DRAWS)
             tl.store(token_ptr + row, token.to(tl.int64))
             tl.store(skip_ptr + row, -1.0)
 
@@ -314,7 +312,7 @@ def _overflow_rows_kernel(
 @dataclass
 class CandidateDraw:
     """Asks candidate_floor to draw the tokens of the rows its three-pass path serves (kernels/sampling.py's
-    rejection rounds over their few candidates, with the same noise), instead of leaving them to the
+    rejection rounds over their few candidates, with the same uniforms), instead of leaving them to the
     full-vocabulary draw. The drawn rows get their token in `tokens` and -1 in `temperature`, which the
     full-vocabulary draw then skips."""
 
@@ -417,7 +415,7 @@ def _fast_top_k(
     _select_candidates_kernel[(num_rows,)](
         temperature, top_k, min_p if min_p is not None else temperature, top_p, seeds, counts, candidates, ids,
         floor, select, tokens, skip, vocab_size, int(min_p is not None), has_top_p, draw_here,
-        MAX_K=MAX_FAST_K, CAPACITY=CANDIDATES, LANES=LANES, MAX_DRAWS=MAX_DRAWS, num_warps=8,
+        MAX_K=MAX_FAST_K, CAPACITY=CANDIDATES, MAX_DRAWS=MAX_DRAWS, num_warps=8,
     )
     return select
 
@@ -440,7 +438,7 @@ def _overflow_rows(
     _overflow_rows_kernel[(num_rows,)](
         logits, logits.stride(0), temperature, top_k, min_p if min_p is not None else temperature, top_p, seeds,
         select, floor, tokens, skip, vocab_size, num_tiles, int(min_p is not None), has_top_p, draw_here,
-        ROUNDS=radix_rounds(logits.dtype, digit_bits), DIGIT_BITS=digit_bits, LANES=LANES, MAX_DRAWS=MAX_DRAWS,
+        ROUNDS=radix_rounds(logits.dtype, digit_bits), DIGIT_BITS=digit_bits, TILE=TILE, MAX_DRAWS=MAX_DRAWS,
         num_warps=8,
     )
 

@@ -11,16 +11,18 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
      without them the draw reads the model's logits in their own dtype;
   5. greedy rows take the argmax here (ties: the lowest token id);
   6. temperature, then min_p, top_k and top_p (top_p renormalises over what min_p and top_k keep);
-  7. a Gumbel-max draw (argmax of probs / Exp(1) noise): no host sync.
+  7. the draw: on the kernels' path by inverse CDF (one uniform per row against the running sum of the
+     probabilities in token-id order), on torch's as argmax of probs / Exp(1) noise; no host sync.
 
 Two implementations, one per device kind, with the same distribution:
 - On CUDA with triton, Triton kernels (kernels/): the mask and penalties in one pass that reads each
   row's counts in place; min_p and top_k as a per-row floor on the logits (the k-th largest value
-  without a sort of the vocabulary; ties with it are kept); argmax of logits + T * Gumbel noise over
-  the candidates in one read of the logits, greedy rows in the same launch; rejection rounds instead
-  of a sort for top_p. A row with a top_k of at most 256 is drawn among its gathered candidates
-  instead, with the same noise and rounds, so the same token. The noise is keyed by the row's seed,
-  so a seeded row's token depends on nothing else.
+  without a sort of the vocabulary; ties with it are kept); the draw over the candidates in one read
+  of the logits plus one split per row, greedy rows in the same launches; rejection rounds instead of
+  a sort for top_p. A row with a top_k of at most 256 is drawn among its gathered candidates instead,
+  with the same uniforms and rounds, so the same token up to float rounding in the sums. The uniforms
+  are keyed by the row's seed and the split layout by the vocabulary alone, so a seeded row's token
+  depends on nothing else.
 - Elsewhere, torch: when every sampled row has a top_k (up to 1024), on the top-k candidates only (a
   topk, no sort; ties at the k-th value are cut at k), else with one full sort that serves top_k and
   top_p; seeded rows draw their noise from their own generator, one value per token id on both paths.
@@ -122,7 +124,7 @@ def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: tor
     small top_k are drawn among their few candidates while the floor is found; the others over the
     whole vocabulary."""
     # triton imports only where the metadata chose this path
-    from tokenmill.kernels.sampling import gumbel_argmax, top_p_draw
+    from tokenmill.kernels.sampling import categorical_draw, top_p_draw
     from tokenmill.kernels.sampling_floor import MAX_FAST_K, CandidateDraw, candidate_floor
 
     temperature, floor, tokens = metadata.draw_temperature, None, None
@@ -139,8 +141,8 @@ def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: tor
         if draw is not None:
             temperature = draw.temperature  # -1 in the rows drawn already
     if metadata.top_p is None:
-        return gumbel_argmax(logits, temperature, metadata.seeds, floor=floor, out=tokens)
-    # gumbel_argmax, then redraws of the top-p rows whose draw fell outside the nucleus
+        return categorical_draw(logits, temperature, metadata.seeds, floor=floor, out=tokens)
+    # categorical_draw, then redraws of the top-p rows whose draw fell outside the nucleus
     return top_p_draw(logits, temperature, metadata.top_p, metadata.seeds, floor=floor, out=tokens)
 
 
