@@ -14,7 +14,7 @@ import torch
 import triton
 
 from tokenmill.kernels import sampling
-from tokenmill.kernels.penalties import apply_penalties_fused
+from tokenmill.kernels.penalties import Penalties, apply_penalties_fused
 from tokenmill.kernels.sampling_floor import candidate_floor
 
 ROWS, VOCAB = 256, 151936
@@ -93,6 +93,13 @@ def main() -> None:
             same = all(torch.equal(a, b) for a, b in zip(run(), reference))
             rows.append((f"apply_penalties_fused bf16 -> fp32, {seen_tokens} seen, {num_warps} warps"
                          f"{'' if same else ' (OUTPUT DIFFERS)'}", time_ms(run)))
+        penalties = Penalties(state_rows, counts, seen_mask, penalty, zeros, zeros)
+        rows.append((f"categorical_draw bf16 T=0.8, penalties on load, {seen_tokens} seen", time_ms(
+            functools.partial(sampling.categorical_draw, bf16, ones, seeds, penalties=penalties))))
+        rows.append((f"top_p_draw bf16 T=0.8 p=0.95, penalties on load, {seen_tokens} seen", time_ms(
+            functools.partial(sampling.top_p_draw, bf16, ones, top_p, seeds, penalties=penalties))))
+        rows.append((f"split_maxima bf16, penalties on load, {seen_tokens} seen", time_ms(
+            functools.partial(sampling.split_maxima, bf16, penalties))))
     print(f"\n{ROWS} x {VOCAB}, {torch.cuda.get_device_name()}, triton {triton.__version__}")
     for name, ms in rows:
         print(f"{name:<52}{ms * 1e3:>9.1f} us   {bytes_bf16 / ms / 1e9:>7.2f} TB/s of bf16 logits")

@@ -256,3 +256,50 @@ def test_sampler_with_small_top_k_in_every_row_draws_each_row_by_itself(device):
     expected = top_p_draw_ref(logits[:1], t, p, torch.tensor([step_seed]), floor=candidate_floor_ref(logits[:1], t, k,
                                                                                                       None))
     assert run([seeded], [0])[0] == expected[0] == run([seeded, other], [0, 1])[0]
+
+
+def test_penalties_applied_on_load_equal_the_penalty_pass(device):
+    """Penalised rows without a top_k: the draw kernels penalise each logit as they load it. In every row a
+    seen token leads an unseen one by 0.5, far above the rest: each penalised row's penalty puts the unseen
+    one first (at T = 0.1 the draws are all but certain). The tokens are those of the same batch through
+    the penalty pass (a zero logit mask sends it there: same seeds, same float32 values), and the draws' own
+    references over torch's penalised logits."""
+    import dataclasses
+
+    from tokenmill.kernels.sampling import categorical_draw_ref, top_p_draw_ref
+    from tokenmill.sample.sampler import penalties_on_load
+
+    vocab, gen = 1500, torch.Generator().manual_seed(22)
+    logits = torch.randn(5, vocab, generator=gen)
+    seen, unseen = torch.tensor([7, 1100, 300, 1499, 42]), torch.tensor([8, 20, 1024, 0, 43])
+    logits[torch.arange(5), seen], logits[torch.arange(5), unseen] = 10.0, 9.5
+    logits = logits.to(torch.bfloat16)
+    rows = np.array([4, 0, 2, 5, 1])
+    counts = torch.zeros(6, vocab, dtype=torch.int32)
+    counts[:, :200] = torch.randint(0, 3, (6, 200), generator=gen, dtype=torch.int32)
+    counts[rows, seen] = 3
+    seen_mask = (torch.rand(6, vocab, generator=gen) < 0.1) | (counts > 0)
+    seen_mask[rows, unseen] = False
+    counts[rows, unseen] = 0
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5),  # 10 / 1.5 < 9.5
+              SamplingParams(temperature=0.1, frequency_penalty=0.5, presence_penalty=0.3),  # 10 - 1.5 - 0.3
+              SamplingParams(temperature=0.1, top_p=0.6, repetition_penalty=1.2),  # 10 / 1.2
+              SamplingParams(temperature=0.1, min_p=0.2, frequency_penalty=1.0),  # 10 - 3
+              SamplingParams(temperature=0.1, top_p=0.9)]  # no penalties: the seen token stays first
+    state = (counts.to(device), seen_mask.to(device), rows)
+    meta = build_sampling_metadata(params, {}, vocab, torch.device(device), penalty_tensors=state, use_kernel=True)
+    assert penalties_on_load(meta) is not None
+    on_load = Sampler()(logits.to(device), meta).token_ids.cpu()
+    assert on_load.tolist() == unseen[:4].tolist() + [int(seen[4])]
+    through_pass = dataclasses.replace(meta, logit_mask=torch.zeros(5, vocab, device=device))
+    assert penalties_on_load(through_pass) is None
+    assert torch.equal(Sampler()(logits.to(device), through_pass).token_ids.cpu(), on_load)
+
+    penalised = apply_penalties(logits.float(), counts[rows], seen_mask[rows],
+                                torch.tensor([p.repetition_penalty for p in params]),
+                                torch.tensor([p.frequency_penalty for p in params]),
+                                torch.tensor([p.presence_penalty for p in params]))
+    temperature, seeds = meta.draw_temperature.cpu(), meta.seeds.cpu()
+    assert on_load[1] == categorical_draw_ref(penalised[1:2], temperature[1:2], seeds[1:2])[0]
+    nucleus = top_p_draw_ref(penalised, temperature, torch.tensor([1.0, 1.0, 0.6, 1.0, 0.9]), seeds)
+    assert on_load[2] == nucleus[2] and on_load[4] == nucleus[4]

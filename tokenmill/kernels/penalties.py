@@ -1,4 +1,5 @@
-"""Logit mask and penalties in one pass: model logits in, float32 logits out.
+"""Penalties: in a pass of their own (with the logit mask: model logits in, float32 logits out), or as the
+draw kernels load each logit (`load_penalised`, kernels/sampling.py).
 
 Each row reads its seen-token mask (prompt or output tokens) and output-token counts straight from the
 sampling state's [max_num_reqs, vocab] tensors through its state row, so nothing is gathered per step.
@@ -7,16 +8,79 @@ seen tokens), so a row costs its logits, one byte of mask per token and the floa
 without penalties only convert (and add the mask). The arithmetic is the sampler's torch reference
 (sample/sampler.py::apply_penalties): repetition (transformers' rule over prompt and output tokens),
 then frequency and presence (OpenAI's formula over output tokens).
+
+Applied on load, a batch's penalties cost each pass that reads the logits one byte of mask per token
+(and the counts of seen tokens), instead of a pass that writes float32 logits for the later passes to
+read at twice the bytes: the sampler takes that path when no row needs the logits changed by anything
+else (a logit mask, processors) or ranked (top_k).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
-from tokenmill.kernels.sampling import TILE, split_layout  # candidate_floor's tiles, whose layout the maxima follow
+from tokenmill.kernels.sampling_layout import TILE, split_layout  # candidate_floor's, whose layout the maxima follow
+
+
+@triton.jit
+def penalise(x, seen, count, repetition, frequency, presence):
+    """float32 logits x with the penalties of tokens `seen` (prompt or output) and `count`ed (int32, output)."""
+    x = tl.where(seen, tl.where(x > 0, x / repetition, x * repetition), x)
+    x = x - frequency * count.to(tl.float32)
+    return x - presence * (count > 0).to(tl.float32)
+
+
+@triton.jit
+def row_penalties(row, state_row_ptr, counts_ptr, seen_ptr, stride_state, repetition_ptr, frequency_ptr,
+                  presence_ptr):
+    """Row `row`'s penalties for load_penalised: (its mask row, its counts row, whether it has any, repetition,
+    frequency, presence)."""
+    repetition = tl.load(repetition_ptr + row)
+    frequency = tl.load(frequency_ptr + row)
+    presence = tl.load(presence_ptr + row)
+    penalized = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
+    state = tl.load(state_row_ptr + row).to(tl.int64) * stride_state
+    return seen_ptr + state, counts_ptr + state, penalized, repetition, frequency, presence
+
+
+@triton.jit
+def load_penalised(row_ptr, token, vocab_size, penalties):
+    """The row's logits at `token` (-inf past the vocabulary) in float32, penalised. The mask is read only in
+    penalised rows and the counts only where a token was seen (predicated loads fetch nothing elsewhere)."""
+    seen_row, counts_row, penalized, repetition, frequency, presence = penalties
+    valid = token < vocab_size
+    x = tl.load(row_ptr + token, mask=valid, other=float("-inf")).to(tl.float32)
+    # tl.where, not `valid & penalized`: the interpreter cannot `&` this scalar with a tensor
+    seen = tl.load(seen_row + token, mask=tl.where(penalized, valid, False), other=0) != 0
+    count = tl.load(counts_row + token, mask=seen, other=0)  # counted tokens are seen
+    return penalise(x, seen, count, repetition, frequency, presence)
+
+
+@dataclass
+class Penalties:
+    """A batch's penalty tensors, for the draw kernels to apply as they load the logits."""
+
+    state_rows: torch.Tensor  # [num_rows] int64: each row's row in the state tensors
+    output_counts: torch.Tensor  # [max_num_reqs, vocab] int32
+    seen_mask: torch.Tensor  # [max_num_reqs, vocab] bool: prompt or output tokens (a superset of counts > 0)
+    repetition: torch.Tensor  # [num_rows] float32
+    frequency: torch.Tensor  # [num_rows] float32
+    presence: torch.Tensor  # [num_rows] float32
+
+    def kernel_args(self) -> tuple:
+        """row_penalties' arguments after `row`."""
+        return (self.state_rows, self.output_counts, self.seen_mask.view(torch.uint8), self.output_counts.stride(0),
+                self.repetition, self.frequency, self.presence)
+
+
+def no_penalties_args(placeholder: torch.Tensor) -> tuple:
+    """Stand-ins for Penalties.kernel_args in kernels compiled without penalties (fixed dtypes: one variant)."""
+    return (placeholder, placeholder, placeholder, 0, placeholder, placeholder, placeholder)
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])  # they change with the batch size
@@ -27,11 +91,8 @@ def _penalty_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    repetition = tl.load(repetition_ptr + row)
-    frequency = tl.load(frequency_ptr + row)
-    presence = tl.load(presence_ptr + row)
-    penalized = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
-    state = tl.load(state_row_ptr + row).to(tl.int64) * stride_state
+    seen_row, counts_row, penalized, repetition, frequency, presence = row_penalties(
+        row, state_row_ptr, counts_ptr, seen_ptr, stride_state, repetition_ptr, frequency_ptr, presence_ptr)
     # Four contiguous tokens per thread: the bf16 loads and the float32 stores then share one layout
     # (left alone, the loads take 8 and the stores 4, and every tile goes through shared memory between).
     cols = tl.max_contiguous(tl.arange(0, TILE), 4)
@@ -44,11 +105,9 @@ def _penalty_kernel(
         if HAS_MASK:
             x += tl.load(mask_ptr + row.to(tl.int64) * vocab_size + token, mask=valid)
         if penalized:
-            seen = tl.load(seen_ptr + state + token, mask=valid, other=0) != 0
-            count = tl.load(counts_ptr + state + token, mask=seen, other=0)  # counted tokens are seen
-            x = tl.where(seen, tl.where(x > 0, x / repetition, x * repetition), x)
-            x = x - frequency * count.to(tl.float32)
-            x = x - presence * (count > 0).to(tl.float32)
+            seen = tl.load(seen_row + token, mask=valid, other=0) != 0
+            count = tl.load(counts_row + token, mask=seen, other=0)  # counted tokens are seen
+            x = penalise(x, seen, count, repetition, frequency, presence)
         tl.store(out_ptr + row.to(tl.int64) * vocab_size + token, x, mask=valid)
         top = tl.maximum(top, tl.where(valid, x, float("-inf")))
     tl.store(max_ptr + row * num_splits + split, tl.max(top, 0))  # for min_p (kernels/sampling_floor.py)

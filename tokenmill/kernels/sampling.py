@@ -34,14 +34,9 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.penalties import Penalties, load_penalised, no_penalties_args, row_penalties
+from tokenmill.kernels.sampling_layout import TILE, draw_layout, split_layout
 
-TILE = 1024
-"""Tokens per tile of the draw passes (and of kernels/sampling_floor.py and penalties.py)."""
-DRAW_SPLITS = 32
-"""Splits per row of a draw: fixed, so that a row's sums do not depend on the batch. At batch 256 over
-151,936 tokens: 30 splits of 5 tiles, 7,680 programs."""
-TARGET_PROGRAMS = 4096
-"""Programs wanted in the passes whose result does not depend on the layout (argmax, floors)."""
 MAX_DRAWS = 64
 """Rejection rounds before top_p_draw gives up and takes the argmax (each rejection at least halves,
 on average, the candidates' mass outside the nucleus)."""
@@ -58,8 +53,25 @@ above the row's current draw in two slots, one per top-p round parity."""
 
 
 @triton.jit
-def _load_logits(row_ptr, token, vocab_size):
-    return tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
+def _load_logits(row_ptr, token, vocab_size, penalties, PENALTIES: tl.constexpr):
+    """The row's logits at `token` (-inf past the vocabulary) in float32, penalised in kernels compiled with
+    PENALTIES (`penalties`: kernels/penalties.py's row_penalties)."""
+    if PENALTIES:
+        return load_penalised(row_ptr, token, vocab_size, penalties)
+    else:
+        return tl.load(row_ptr + token, mask=token < vocab_size, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
+               PENALTIES: tl.constexpr):
+    """The row's penalties from the kernel's penalty arguments (Penalties.kernel_args); without PENALTIES, a
+    placeholder that nothing reads (a jit function cannot return None)."""
+    if PENALTIES:
+        return row_penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency,
+                             pen_presence)
+    else:
+        return pen_rows
 
 
 @triton.jit
@@ -77,13 +89,13 @@ def _lane_argmax(best, best_index):
 
 
 @triton.jit
-def _greedy_best(row_ptr, vocab_size, first_tile, last_tile, TILE: tl.constexpr):
+def _greedy_best(row_ptr, vocab_size, first_tile, last_tile, pen, TILE: tl.constexpr, PENALTIES: tl.constexpr):
     cols = tl.arange(0, TILE)
     best = tl.full([TILE], float("-inf"), tl.float32)
     best_index = first_tile * TILE + cols
     for tile in range(first_tile, last_tile):
         token = tile * TILE + cols
-        x = _load_logits(row_ptr, token, vocab_size)
+        x = _load_logits(row_ptr, token, vocab_size, pen, PENALTIES)
         better = x > best  # strict: the earliest token keeps a tie
         best = tl.where(better, x, best)
         best_index = tl.where(better, token, best_index)
@@ -91,7 +103,8 @@ def _greedy_best(row_ptr, vocab_size, first_tile, last_tile, TILE: tl.constexpr)
 
 
 @triton.jit
-def _split_stats(row_ptr, vocab_size, first_tile, last_tile, scale, floor, TILE: tl.constexpr):
+def _split_stats(row_ptr, vocab_size, first_tile, last_tile, scale, floor, pen, TILE: tl.constexpr,
+                 PENALTIES: tl.constexpr):
     """Over the candidates (x >= floor) of the tiles, y = x * scale: (largest y, sum of 2^(y - largest)),
     (NO_TOP, 0) without candidates. Online per lane: one exp2 per token, 2^-|y - m|, which either scales
     the sum down to a new maximum or is the token's own term."""
@@ -99,7 +112,7 @@ def _split_stats(row_ptr, vocab_size, first_tile, last_tile, scale, floor, TILE:
     top = tl.full([TILE], NO_TOP, tl.float32)
     mass = tl.zeros([TILE], tl.float32)
     for tile in range(first_tile, last_tile):
-        x = _load_logits(row_ptr, tile * TILE + cols, vocab_size)
+        x = _load_logits(row_ptr, tile * TILE + cols, vocab_size, pen, PENALTIES)
         y = tl.where(x >= floor, x * scale, float("-inf"))  # NaN is no candidate either
         d = y - top
         e = tl.exp2(-tl.abs(d))
@@ -111,18 +124,20 @@ def _split_stats(row_ptr, vocab_size, first_tile, last_tile, scale, floor, TILE:
 
 
 @triton.jit
-def _mass_above(row_ptr, vocab_size, first_tile, last_tile, pivot, top, scale, TILE: tl.constexpr):
+def _mass_above(row_ptr, vocab_size, first_tile, last_tile, pivot, top, scale, pen, TILE: tl.constexpr,
+                PENALTIES: tl.constexpr):
     """sum(2^(x * scale - top)) over the tiles' tokens above `pivot` (a candidate: those above it are too)."""
     cols = tl.arange(0, TILE)
     total = tl.zeros([TILE], tl.float32)
     for tile in range(first_tile, last_tile):
-        x = _load_logits(row_ptr, tile * TILE + cols, vocab_size)
+        x = _load_logits(row_ptr, tile * TILE + cols, vocab_size, pen, PENALTIES)
         total += tl.where(x > pivot, tl.exp2(x * scale - top), 0.0)
     return tl.sum(total, 0)
 
 
 @triton.jit
-def _pick(row_ptr, vocab_size, first_tile, last_tile, scale, floor, pivot, top, target, TILE: tl.constexpr):
+def _pick(row_ptr, vocab_size, first_tile, last_tile, scale, floor, pivot, top, target, pen, TILE: tl.constexpr,
+          PENALTIES: tl.constexpr):
     """The first token of the tiles at which the running sum of 2^(x * scale - top) over the candidates
     (x >= floor and x > pivot), in token order, exceeds `target`; the last candidate when rounding left
     the target at or above their whole sum."""
@@ -133,7 +148,7 @@ def _pick(row_ptr, vocab_size, first_tile, last_tile, scale, floor, pivot, top, 
     tile = first_tile
     while (tile < last_tile) & (token == 2147483647):
         ids = tile * TILE + cols
-        x = _load_logits(row_ptr, ids, vocab_size)
+        x = _load_logits(row_ptr, ids, vocab_size, pen, PENALTIES)
         p = tl.where((x >= floor) & (x > pivot), tl.exp2(x * scale - top), 0.0)
         cumulative = tl.cumsum(p, 0) + running
         token = tl.min(tl.where(cumulative > target, ids, 2147483647), 0)
@@ -161,22 +176,26 @@ def _split_tiles(split, tiles_per_split, num_tiles):
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor"])
 def _stats_kernel(
     logits_ptr, stride_row, temperature_ptr, floor_ptr, stats_ptr, value_ptr, index_ptr, vocab_size, num_tiles,
-    tiles_per_split, num_splits, has_floor, TILE: tl.constexpr,
+    tiles_per_split, num_splits, has_floor,
+    pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
+    TILE: tl.constexpr, PENALTIES: tl.constexpr,
 ):
     """Pass 1, per (row, split): the split's largest candidate y and mass (sampled rows), or its argmax (greedy)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
+    pen = _penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency,
+                     pen_presence, PENALTIES)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0:
         top, mass = _split_stats(row_ptr, vocab_size, first_tile, last_tile, LOG2E / temperature,
-                                 _row_floor(floor_ptr, row, has_floor), TILE)
+                                 _row_floor(floor_ptr, row, has_floor), pen, TILE, PENALTIES)
         entry = stats_ptr + (row * num_splits + split) * STATS
         tl.store(entry, top)
         tl.store(entry + 1, mass)
     elif temperature == 0:  # greedy rows: no exp at all
-        value, index = _greedy_best(row_ptr, vocab_size, first_tile, last_tile, TILE)
+        value, index = _greedy_best(row_ptr, vocab_size, first_tile, last_tile, pen, TILE, PENALTIES)
         tl.store(value_ptr + row * num_splits + split, value)
         tl.store(index_ptr + row * num_splits + split, index)
 
@@ -194,7 +213,7 @@ def _best_split(value_ptr, index_ptr, row, num_splits, BLOCK: tl.constexpr):
 
 @triton.jit
 def _draw_over_splits(row_ptr, stats_ptr, row, num_splits, slot, u, scale, floor, pivot, vocab_size, num_tiles,
-                      tiles_per_split, BLOCK: tl.constexpr, TILE: tl.constexpr):
+                      tiles_per_split, pen, BLOCK: tl.constexpr, TILE: tl.constexpr, PENALTIES: tl.constexpr):
     """The inverse-CDF draw of uniform `u` over the row's candidates above `pivot`, whose mass per split is
     in the stats' column `slot` (1: all candidates; 2, 3: those above the current draw)."""
     splits = tl.arange(0, BLOCK)
@@ -211,34 +230,37 @@ def _draw_over_splits(row_ptr, stats_ptr, row, num_splits, slot, u, scale, floor
     top = tl.max(tl.where(splits == chosen, tops, NO_TOP), 0)
     first_tile, last_tile = _split_tiles(chosen, tiles_per_split, num_tiles)
     return _pick(row_ptr, vocab_size, first_tile, last_tile, scale, floor, pivot, top,
-                 (target - before) * tl.exp2(row_top - top), TILE)
+                 (target - before) * tl.exp2(row_top - top), pen, TILE, PENALTIES)
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor", "draw"])
 def _select_kernel(
     logits_ptr, stride_row, temperature_ptr, seed_ptr, floor_ptr, stats_ptr, value_ptr, index_ptr, token_ptr,
     rejected_ptr, vocab_size, num_tiles, tiles_per_split, num_splits, has_floor, draw,
-    BLOCK: tl.constexpr, TILE: tl.constexpr,
+    pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, PENALTIES: tl.constexpr,
 ):
     """Pass 2, per row: draw 0 (every row: sampled rows by inverse CDF, greedy rows their best split), or
     top-p redraw `draw` (the rows whose last draw was rejected: among the candidates above it)."""
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    pen = _penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency,
+                     pen_presence, PENALTIES)
     if draw == 0:
         if temperature > 0:
             token = _draw_over_splits(row_ptr, stats_ptr, row, num_splits, 1, _uniform(tl.load(seed_ptr + row), 0),
                                       LOG2E / temperature, _row_floor(floor_ptr, row, has_floor), float("-inf"),
-                                      vocab_size, num_tiles, tiles_per_split, BLOCK, TILE)
+                                      vocab_size, num_tiles, tiles_per_split, pen, BLOCK, TILE, PENALTIES)
             tl.store(token_ptr + row, token.to(tl.int64))
         elif temperature == 0:
             tl.store(token_ptr + row, _best_split(value_ptr, index_ptr, row, num_splits, BLOCK).to(tl.int64))
     elif tl.load(rejected_ptr + row) != 0:
-        pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
+        pivot = _load_logits(row_ptr, tl.load(token_ptr + row), vocab_size, pen, PENALTIES)
         token = _draw_over_splits(row_ptr, stats_ptr, row, num_splits, 2 + (draw - 1) % 2,
                                   _uniform(tl.load(seed_ptr + row), draw), LOG2E / temperature,
                                   _row_floor(floor_ptr, row, has_floor), pivot, vocab_size, num_tiles,
-                                  tiles_per_split, BLOCK, TILE)
+                                  tiles_per_split, pen, BLOCK, TILE, PENALTIES)
         tl.store(token_ptr + row, token.to(tl.int64))
 
 
@@ -275,7 +297,9 @@ def _arrive(arrival_ptr, rejected_ptr, stats_ptr, row, num_splits, top_p, slot, 
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "draw"])
 def _nucleus_mass_kernel(
     logits_ptr, stride_row, temperature_ptr, top_p_ptr, token_ptr, stats_ptr, arrival_ptr, rejected_ptr,
-    vocab_size, num_tiles, tiles_per_split, num_splits, draw, BLOCK: tl.constexpr, TILE: tl.constexpr,
+    vocab_size, num_tiles, tiles_per_split, num_splits, draw,
+    pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, PENALTIES: tl.constexpr,
 ):
     """Per (row, split) of the top-p rows (draw 0) or of the rows whose draw `draw` redrew (draw > 0): the
     mass above the row's draw into the round's slot; the row's last program judges the draw."""
@@ -288,31 +312,34 @@ def _nucleus_mass_kernel(
     else:
         active = tl.load(rejected_ptr + row) != 0  # read before this program arrives, so before it changes
     if active:
+        pen = _penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency,
+                         pen_presence, PENALTIES)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
         entry = stats_ptr + (row * num_splits + split) * STATS
-        pivot = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
+        pivot = _load_logits(row_ptr, tl.load(token_ptr + row), vocab_size, pen, PENALTIES)
         above = _mass_above(row_ptr, vocab_size, first_tile, last_tile, pivot, tl.load(entry), LOG2E / temperature,
-                            TILE)
+                            pen, TILE, PENALTIES)
         tl.store(entry + 2 + draw % 2, above)
         _arrive(arrival_ptr, rejected_ptr, stats_ptr, row, num_splits, top_p, draw % 2, BLOCK)
 
 
 @triton.jit
-def _row_top_p_rounds(row_ptr, vocab_size, num_tiles, scale, seed, floor, top_p, token, top, total, draws,
-                      TILE: tl.constexpr, MAX_DRAWS: tl.constexpr):
+def _row_top_p_rounds(row_ptr, vocab_size, num_tiles, scale, seed, floor, top_p, token, top, total, draws, pen,
+                      TILE: tl.constexpr, MAX_DRAWS: tl.constexpr, PENALTIES: tl.constexpr):
     """The rejection rounds of one row in one program, from its draw `token` (draw number draws - 1); `top`
     and `total`: the row's largest candidate y and its candidates' mass relative to it."""
     limit = top_p * total
-    pivot = tl.load(row_ptr + token).to(tl.float32)
-    mass = _mass_above(row_ptr, vocab_size, 0, num_tiles, pivot, top, scale, TILE)
+    pivot = _load_logits(row_ptr, token, vocab_size, pen, PENALTIES)
+    mass = _mass_above(row_ptr, vocab_size, 0, num_tiles, pivot, top, scale, pen, TILE, PENALTIES)
     while (mass >= limit) & (limit > 0) & (draws < MAX_DRAWS):
-        token = _pick(row_ptr, vocab_size, 0, num_tiles, scale, floor, pivot, top, _uniform(seed, draws) * mass, TILE)
-        pivot = tl.load(row_ptr + token).to(tl.float32)
-        mass = _mass_above(row_ptr, vocab_size, 0, num_tiles, pivot, top, scale, TILE)
+        token = _pick(row_ptr, vocab_size, 0, num_tiles, scale, floor, pivot, top, _uniform(seed, draws) * mass, pen,
+                      TILE, PENALTIES)
+        pivot = _load_logits(row_ptr, token, vocab_size, pen, PENALTIES)
+        mass = _mass_above(row_ptr, vocab_size, 0, num_tiles, pivot, top, scale, pen, TILE, PENALTIES)
         draws += 1
     if (mass >= limit) & (limit > 0):  # out of draws (practically never): the most likely token is in every nucleus
-        _, token = _greedy_best(row_ptr, vocab_size, 0, num_tiles, TILE)
+        _, token = _greedy_best(row_ptr, vocab_size, 0, num_tiles, pen, TILE, PENALTIES)
     return token
 
 
@@ -322,11 +349,12 @@ def row_draw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, top_p, TI
     """top_p_draw's whole algorithm for one row in one program (a slow path: the program reads the row a
     few times): the same uniforms, so the same token as over splits, up to float rounding in the masses."""
     scale = LOG2E / temperature
-    top, total = _split_stats(row_ptr, vocab_size, 0, num_tiles, scale, floor, TILE)
-    token = _pick(row_ptr, vocab_size, 0, num_tiles, scale, floor, float("-inf"), top, _uniform(seed, 0) * total, TILE)
+    top, total = _split_stats(row_ptr, vocab_size, 0, num_tiles, scale, floor, None, TILE, False)
+    token = _pick(row_ptr, vocab_size, 0, num_tiles, scale, floor, float("-inf"), top, _uniform(seed, 0) * total, None,
+                  TILE, False)
     if top_p < 1.0:
         token = _row_top_p_rounds(row_ptr, vocab_size, num_tiles, scale, seed, floor, top_p, token, top, total,
-                                  tl.full([], 1, tl.int32), TILE, MAX_DRAWS)
+                                  tl.full([], 1, tl.int32), None, TILE, MAX_DRAWS, False)
     return token
 
 
@@ -334,7 +362,8 @@ def row_draw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, top_p, TI
 def _nucleus_finish_kernel(
     logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, seed_ptr, token_ptr, stats_ptr, rejected_ptr,
     vocab_size, num_tiles, num_splits, first_draw, has_floor,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, MAX_DRAWS: tl.constexpr,
+    pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, MAX_DRAWS: tl.constexpr, PENALTIES: tl.constexpr,
 ):
     """Per top-p row: keep the current draw, or (rarely) go on redrawing in this one program."""
     row = tl.program_id(0)
@@ -344,7 +373,9 @@ def _nucleus_finish_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         token = _row_top_p_rounds(row_ptr, vocab_size, num_tiles, LOG2E / tl.load(temperature_ptr + row),
                                   tl.load(seed_ptr + row), _row_floor(floor_ptr, row, has_floor), top_p,
-                                  tl.load(token_ptr + row).to(tl.int32), row_top, total, first_draw, TILE, MAX_DRAWS)
+                                  tl.load(token_ptr + row).to(tl.int32), row_top, total, first_draw,
+                                  _penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition,
+                                             pen_frequency, pen_presence, PENALTIES), TILE, MAX_DRAWS, PENALTIES)
         tl.store(token_ptr + row, token.to(tl.int64))
 
 
@@ -386,23 +417,6 @@ def candidate_draw(x, ids, seed, temperature, top_p, row_max, vocab_size, MAX_DR
     return token
 
 
-def split_layout(num_rows: int, vocab_size: int, tile: int, tiles_per_split: int | None = None) -> tuple[int, int, int]:
-    """(num_tiles, tiles_per_split, num_splits) of a pass over [num_rows, vocab_size] by `tile`-token tiles
-    whose result does not depend on the layout (an argmax, a floor): enough programs to fill the GPU."""
-    num_tiles = triton.cdiv(vocab_size, tile)
-    if tiles_per_split is None:
-        tiles_per_split = max(1, num_rows * num_tiles // TARGET_PROGRAMS)
-    return num_tiles, tiles_per_split, triton.cdiv(num_tiles, tiles_per_split)
-
-
-def draw_layout(vocab_size: int, tile: int, tiles_per_split: int | None = None) -> tuple[int, int, int]:
-    """(num_tiles, tiles_per_split, num_splits) of a draw: DRAW_SPLITS splits whatever the batch."""
-    num_tiles = triton.cdiv(vocab_size, tile)
-    if tiles_per_split is None:
-        tiles_per_split = triton.cdiv(num_tiles, DRAW_SPLITS)
-    return num_tiles, tiles_per_split, triton.cdiv(num_tiles, tiles_per_split)
-
-
 def categorical_draw(
     logits: torch.Tensor,  # [num_rows, vocab] float32/float16/bfloat16; any row stride
     temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy (the plain argmax); < 0: skip the row
@@ -412,6 +426,7 @@ def categorical_draw(
     tiles_per_split: int | None = None,
     stats: torch.Tensor | None = None,  # [num_rows, num_splits, STATS] float32 out, for top_p_draw
     out: torch.Tensor | None = None,  # [num_rows] int64: the tokens go here (skipped rows keep theirs)
+    penalties: Penalties | None = None,  # applied to each logit as it is loaded
     num_warps: int = 4,
 ) -> torch.Tensor:
     """One token per row from softmax(logits / T) over its candidates, no host sync. Returns [num_rows] int64.
@@ -427,12 +442,20 @@ def categorical_draw(
     if num_rows == 0:
         return out
     num_tiles, tiles_per_split, num_splits = draw_layout(vocab_size, tile, tiles_per_split)
-    _draw(logits, temperature, seeds, floor, tile, num_tiles, tiles_per_split, num_splits, stats, out, num_warps)
+    _draw(logits, temperature, seeds, floor, tile, num_tiles, tiles_per_split, num_splits, stats, out, penalties,
+          num_warps)
     return out
 
 
-def _draw(logits, temperature, seeds, floor, tile, num_tiles, tiles_per_split, num_splits, stats, out, num_warps):
+def _penalty_args(penalties: Penalties | None, placeholder: torch.Tensor) -> tuple[tuple, bool]:
+    """(the kernels' penalty arguments, PENALTIES)."""
+    return (no_penalties_args(placeholder), False) if penalties is None else (penalties.kernel_args(), True)
+
+
+def _draw(logits, temperature, seeds, floor, tile, num_tiles, tiles_per_split, num_splits, stats, out, penalties,
+          num_warps):
     num_rows, vocab_size = logits.shape
+    pen_args, has_penalties = _penalty_args(penalties, temperature)
     device = logits.device
     values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
     indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=device)
@@ -442,16 +465,17 @@ def _draw(logits, temperature, seeds, floor, tile, num_tiles, tiles_per_split, n
     floor = floor if has_floor else temperature
     _stats_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), temperature, floor, stats, values, indices, vocab_size, num_tiles, tiles_per_split,
-        num_splits, has_floor, TILE=tile, num_warps=num_warps,
+        num_splits, has_floor, *pen_args, TILE=tile, PENALTIES=has_penalties, num_warps=num_warps,
     )
     # BLOCK from the tile count (>= any split count of this vocabulary): one variant for every layout.
     _select_kernel[(num_rows,)](
         logits, logits.stride(0), temperature, seeds, floor, stats, values, indices, out, indices, vocab_size,
-        num_tiles, tiles_per_split, num_splits, has_floor, 0, BLOCK=triton.next_power_of_2(num_tiles), TILE=tile,
+        num_tiles, tiles_per_split, num_splits, has_floor, 0, *pen_args, BLOCK=triton.next_power_of_2(num_tiles),
+        TILE=tile, PENALTIES=has_penalties,
     )
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, penalties: Penalties | None = None) -> torch.Tensor:
     """torch.argmax over the last dimension (the lowest index among equal maxima; NaN never wins), through
     categorical_draw's greedy path, which reads the logits once at full bandwidth over a layout as wide as
     the batch needs (an argmax does not depend on it)."""
@@ -465,8 +489,25 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
     num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE)
     _draw(logits, zeros, torch.zeros(num_rows, dtype=torch.int64, device=device), None, TILE, num_tiles,
-          tiles_per_split, num_splits, None, out, 4)
+          tiles_per_split, num_splits, None, out, penalties, 4)
     return out
+
+
+def split_maxima(logits: torch.Tensor, penalties: Penalties | None = None) -> torch.Tensor:
+    """[num_rows, num_splits] float32: the largest (penalised) logit of each split of split_layout, as
+    candidate_floor's `maxima` (min_p): the greedy path's first pass alone."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE)
+    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
+    indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=device)
+    zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
+    pen_args, has_penalties = _penalty_args(penalties, zeros)
+    _stats_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), zeros, zeros, maxima, maxima, indices, vocab_size, num_tiles, tiles_per_split,
+        num_splits, 0, *pen_args, TILE=TILE, PENALTIES=has_penalties, num_warps=4,  # the greedy pass's variant
+    )
+    return maxima
 
 
 def top_p_draw(
@@ -479,6 +520,7 @@ def top_p_draw(
     tiles_per_split: int | None = None,
     parallel_rounds: int = PARALLEL_ROUNDS,
     out: torch.Tensor | None = None,  # [num_rows] int64: the tokens go here (skipped rows keep theirs)
+    penalties: Penalties | None = None,  # applied to each logit as it is loaded
 ) -> torch.Tensor:
     """One token per row from softmax(logits / T) restricted to its top-p nucleus, without a sort; no host sync.
 
@@ -500,9 +542,10 @@ def top_p_draw(
     num_tiles, tiles_per_split, num_splits = draw_layout(vocab_size, tile, tiles_per_split)
     stats = torch.empty(num_rows, num_splits, STATS.value, dtype=torch.float32, device=device)
     tokens = categorical_draw(logits, temperature, seeds, floor=floor, tile=tile, tiles_per_split=tiles_per_split,
-                              stats=stats, out=out)
+                              stats=stats, out=out, penalties=penalties)
     if num_rows == 0:
         return tokens
+    pen_args, has_penalties = _penalty_args(penalties, temperature)
     has_floor, block = int(floor is not None), triton.next_power_of_2(num_tiles)
     floor = floor if has_floor else temperature
     # Rows skipped are never rejected. Both start 16-byte aligned whatever num_rows (one compiled variant).
@@ -510,16 +553,18 @@ def top_p_draw(
     grid = (num_rows, num_splits)
     mass_args = (logits, logits.stride(0), temperature, top_p, tokens, stats, arrivals, rejected, vocab_size,
                  num_tiles, tiles_per_split, num_splits)
-    _nucleus_mass_kernel[grid](*mass_args, 0, BLOCK=block, TILE=tile)
+    _nucleus_mass_kernel[grid](*mass_args, 0, *pen_args, BLOCK=block, TILE=tile, PENALTIES=has_penalties)
     for draw in range(1, parallel_rounds + 1):
         _select_kernel[(num_rows,)](
             logits, logits.stride(0), temperature, seeds, floor, stats, stats, rejected, tokens, rejected, vocab_size,
-            num_tiles, tiles_per_split, num_splits, has_floor, draw, BLOCK=block, TILE=tile,
+            num_tiles, tiles_per_split, num_splits, has_floor, draw, *pen_args, BLOCK=block, TILE=tile,
+            PENALTIES=has_penalties,
         )
-        _nucleus_mass_kernel[grid](*mass_args, draw, BLOCK=block, TILE=tile)
+        _nucleus_mass_kernel[grid](*mass_args, draw, *pen_args, BLOCK=block, TILE=tile, PENALTIES=has_penalties)
     _nucleus_finish_kernel[(num_rows,)](
         logits, logits.stride(0), temperature, top_p, floor, seeds, tokens, stats, rejected, vocab_size, num_tiles,
-        num_splits, parallel_rounds + 1, has_floor, BLOCK=block, TILE=tile, MAX_DRAWS=MAX_DRAWS, num_warps=8,
+        num_splits, parallel_rounds + 1, has_floor, *pen_args, BLOCK=block, TILE=tile, MAX_DRAWS=MAX_DRAWS,
+        PENALTIES=has_penalties, num_warps=8,
     )
     return tokens
 

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
-from tokenmill.kernels.sampling import MAX_DRAWS, TILE, candidate_draw, row_draw, split_layout
+from tokenmill.kernels.sampling import MAX_DRAWS, candidate_draw, row_draw
+from tokenmill.kernels.sampling_layout import TILE, split_layout
 
 DIGIT_BITS = 8
 """Radix digit: 8 bits, 2 rounds for 16-bit logits. 4-bit digits cost the same in all (a 16-bin round

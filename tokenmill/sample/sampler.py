@@ -8,7 +8,8 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
      fewer than `min_tokens` were generated;
   4. penalties: repetition (transformers' rule over prompt and output tokens), then frequency
      and presence (OpenAI's formula over output tokens); stages 2-4 compute in float32, and
-     without them the draw reads the model's logits in their own dtype;
+     without them the draw reads the model's logits in their own dtype (so do the kernels when they
+     apply the penalties as they load each logit: in batches without stages 2-3 and without top_k);
   5. greedy rows take the argmax here (ties: the lowest token id);
   6. temperature, then min_p, top_k and top_p (top_p renormalises over what min_p and top_k keep);
   7. the draw: on the kernels' path by inverse CDF (one uniform per row against the running sum of the
@@ -31,11 +32,15 @@ Two implementations, one per device kind, with the same distribution:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tokenmill.sample.metadata import SamplingMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.kernels.penalties import Penalties
 
 
 @dataclass
@@ -55,11 +60,14 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_reqs, vocab] -> one token id per row (and logprobs if asked)."""
         raw_logprobs = logits.float().log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
-        logits, row_maxima = apply_logits_processors(logits, metadata)
+        penalties = penalties_on_load(metadata)
+        row_maxima = None
+        if penalties is None:
+            logits, row_maxima = apply_logits_processors(logits, metadata)
         if metadata.all_greedy:
-            token_ids = kernel_argmax(logits) if metadata.use_kernels else logits.argmax(dim=-1)
+            token_ids = kernel_argmax(logits, penalties) if metadata.use_kernels else logits.argmax(dim=-1)
         elif metadata.seeds is not None:
-            token_ids = fused_draw(logits, metadata, row_maxima)
+            token_ids = fused_draw(logits, metadata, row_maxima, penalties)
         else:
             token_ids = sample(logits, metadata)
             if metadata.is_greedy is not None:
@@ -68,6 +76,18 @@ class Sampler(nn.Module):
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, token_ids, metadata.max_num_logprobs)
         return SamplerOutput(token_ids, logprobs)
+
+
+def penalties_on_load(metadata: SamplingMetadata) -> Penalties | None:
+    """The batch's penalties for the kernels to apply as they load each logit, where nothing needs the penalised
+    logits written out: no logit mask or processors change them first, and no top_k ranks them."""
+    if (not metadata.use_kernels or metadata.output_counts is None or metadata.logit_mask is not None
+            or metadata.logits_processors or metadata.top_k is not None):
+        return None
+    from tokenmill.kernels.penalties import Penalties  # triton only where it runs
+
+    return Penalties(metadata.penalty_rows, metadata.output_counts, metadata.seen_mask, metadata.repetition_penalty,
+                     metadata.frequency_penalty, metadata.presence_penalty)
 
 
 def apply_logits_processors(
@@ -113,21 +133,24 @@ def apply_penalties(
     return logits - presence_penalty.unsqueeze(1) * (output_counts > 0)
 
 
-def kernel_argmax(logits: torch.Tensor) -> torch.Tensor:
+def kernel_argmax(logits: torch.Tensor, penalties: Penalties | None) -> torch.Tensor:
     from tokenmill.kernels.sampling import greedy_argmax  # triton only where it runs
 
-    return greedy_argmax(logits)
+    return greedy_argmax(logits, penalties)
 
 
-def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: torch.Tensor | None) -> torch.Tensor:
+def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: torch.Tensor | None,
+               penalties: Penalties | None) -> torch.Tensor:
     """Stages 5-7 in Triton for every row: the candidate floor (top_k, min_p), then the draw. Rows with a
     small top_k are drawn among their few candidates while the floor is found; the others over the
-    whole vocabulary."""
+    whole vocabulary. `penalties`: applied by the draw kernels as they load the logits (no top_k then)."""
     # triton imports only where the metadata chose this path
-    from tokenmill.kernels.sampling import categorical_draw, top_p_draw
+    from tokenmill.kernels.sampling import categorical_draw, split_maxima, top_p_draw
     from tokenmill.kernels.sampling_floor import MAX_FAST_K, CandidateDraw, candidate_floor
 
     temperature, floor, tokens = metadata.draw_temperature, None, None
+    if penalties is not None and metadata.min_p is not None:
+        row_maxima = split_maxima(logits, penalties)  # min_p compares with the largest penalised logit
     small_top_k = 0 < metadata.max_top_k <= MAX_FAST_K  # every sampled row is drawn among its candidates
     if metadata.top_k is not None or metadata.min_p is not None:
         draw = None
@@ -141,9 +164,10 @@ def fused_draw(logits: torch.Tensor, metadata: SamplingMetadata, row_maxima: tor
         if draw is not None:
             temperature = draw.temperature  # -1 in the rows drawn already
     if metadata.top_p is None:
-        return categorical_draw(logits, temperature, metadata.seeds, floor=floor, out=tokens)
+        return categorical_draw(logits, temperature, metadata.seeds, floor=floor, out=tokens, penalties=penalties)
     # categorical_draw, then redraws of the top-p rows whose draw fell outside the nucleus
-    return top_p_draw(logits, temperature, metadata.top_p, metadata.seeds, floor=floor, out=tokens)
+    return top_p_draw(logits, temperature, metadata.top_p, metadata.seeds, floor=floor, out=tokens,
+                      penalties=penalties)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

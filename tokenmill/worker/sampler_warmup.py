@@ -1,7 +1,8 @@
 """Compile the sampler's Triton kernels at start-up, so that no step pays a compile mid-run.
 
 Each case below is one sampler call whose batch takes a different set of kernel variants: plain (logits in
-the model's dtype) and penalised (the penalty pass hands the draw float32 logits). The worker starts their
+the model's dtype), penalised with a top_k (the penalty pass hands the draw float32 logits) and penalised
+without (the draw kernels penalise the logits as they load them). The worker starts their
 compile in a background process before it loads the model (`compile_sampler_in_background`), so that it
 overlaps loading, the memory profile and graph capture; the warm-up then waits for it, loads the variants
 (any it missed compile in threads here: kernels/precompile.py) and runs each case once. A warm start finds
@@ -29,6 +30,9 @@ MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
          SamplingParams(temperature=0.8, min_p=0.1)]
 SMALL_TOP_K = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)]
 """Every row with a small top_k: drawn among its candidates only, overflowing rows one program each."""
+NO_TOP_K = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, min_p=0.1)]
+"""Penalised without a top_k: the draw kernels apply the penalties as they load the logits."""
 
 
 @torch.inference_mode()
@@ -56,7 +60,8 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, devic
 
 def _make_cases(vocab_size: int, dtype: torch.dtype, device: torch.device) -> list:
     return [_make_case(params, penalised, vocab_size, dtype, device)
-            for params in (MIXED, SMALL_TOP_K) for penalised in (False, True)]
+            for params, penalised in ((MIXED, False), (MIXED, True), (SMALL_TOP_K, False), (SMALL_TOP_K, True),
+                                      (NO_TOP_K, True))]
 
 
 def _run_cases(sampler: Sampler, cases: list) -> None:
