@@ -1,27 +1,27 @@
 """Temperature + categorical draw over the whole vocabulary by inverse CDF: no sort, no per-token noise.
 
 A draw from softmax(x / T) picks the token at which the running sum of exp(x / T) over the vocabulary,
-in token-id order, first exceeds u * (the whole sum), u one uniform per row. Two launches:
-
-Pass 1, grid (rows, splits): each program scans a contiguous run of tiles of its row and keeps, per
-lane, the largest y = x / T (in base 2) and the sum of 2^(y - largest), rescaled online (one exp2 per
-token); it stores the split's largest y and its mass relative to it. Pass 2, one program per row:
-the splits' masses on a common scale, the split in which u * total falls, then that split's tiles
-again, a running sum (tl.cumsum) until it passes the remainder. The first pass reads the logits once
-and does little arithmetic per token, so it runs near the memory bandwidth; the second reads one split
-per row. (The Gumbel-max draw that this replaces cost a Philox call and two logarithms per token, and
-was bound by instruction issue at 4x this pass's time.)
+in token-id order, first exceeds u * (the whole sum), u one uniform per row. One launch, grid (rows,
+splits): each program scans a contiguous run of tiles of its row and keeps, per lane, the largest
+y = x / T (in base 2) and the sum of 2^(y - largest), rescaled online (one exp2 per token); it stores
+the split's largest y and its mass relative to it. The row's last program to arrive (an atomic counter)
+puts the splits' masses on a common scale, finds the split in which u * total falls, and scans that
+split's tiles again with a running sum (tl.cumsum) until it passes the remainder. The logits are read
+once, with little arithmetic per token, so the pass runs near the memory bandwidth; one split per row
+is read again. (The Gumbel-max draw that this replaces cost a Philox call and two logarithms per token,
+and was bound by instruction issue at 4x this pass's time.) One launch matters as much as its GPU time:
+the host spends ~20 us launching a Triton kernel, and a decode step at batch 256 has ~3 ms for all of it.
 
 The split layout depends only on the vocabulary size (DRAW_SPLITS), not on the batch: a row's masses,
 so its token, are the same bits in any batch. u comes from Philox4x32-10 (triton's randint) keyed by
 the row's seed at counter `draw` (0 for the first draw, k for the k-th top-p redraw), so a seeded
-request draws the same token in any batch. Greedy rows (T = 0) take the argmax in the same launches
+request draws the same token in any batch. Greedy rows (T = 0) take the argmax in the same launch
 (ties: the lowest token id, as torch.argmax; NaN never wins).
 
 A per-row floor (kernels/sampling_floor.py: top_k and min_p) limits a sampled row's candidates to
 the logits at or above it. top_p_draw samples the candidates' top-p nucleus without sorting, by
-rejection: the draw above, a split pass for the mass above the drawn token, then redraws for the rows
-whose draw fell outside the nucleus (see its docstring).
+rejection: the draw above, then a split pass for the mass above the drawn token whose last program per
+row redraws the rows whose draw fell outside the nucleus (see its docstring).
 """
 
 from __future__ import annotations
@@ -171,33 +171,18 @@ def _split_tiles(split, tiles_per_split, num_tiles):
     return first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)
 
 
-# The split layout of greedy batches changes with the batch size: one compiled variant for all of it
-# (Triton would otherwise compile one per divisibility class of these ints, mid-run, ~1 s each).
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor"])
-def _stats_kernel(
-    logits_ptr, stride_row, temperature_ptr, floor_ptr, stats_ptr, value_ptr, index_ptr, vocab_size, num_tiles,
-    tiles_per_split, num_splits, has_floor,
-    pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
-    TILE: tl.constexpr, PENALTIES: tl.constexpr,
-):
-    """Pass 1, per (row, split): the split's largest candidate y and mass (sampled rows), or its argmax (greedy)."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    pen = _penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency,
-                     pen_presence, PENALTIES)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
-    temperature = tl.load(temperature_ptr + row)
-    if temperature > 0:
-        top, mass = _split_stats(row_ptr, vocab_size, first_tile, last_tile, LOG2E / temperature,
-                                 _row_floor(floor_ptr, row, has_floor), pen, TILE, PENALTIES)
-        entry = stats_ptr + (row * num_splits + split) * STATS
-        tl.store(entry, top)
-        tl.store(entry + 1, mass)
-    elif temperature == 0:  # greedy rows: no exp at all
-        value, index = _greedy_best(row_ptr, vocab_size, first_tile, last_tile, pen, TILE, PENALTIES)
-        tl.store(value_ptr + row * num_splits + split, value)
-        tl.store(index_ptr + row * num_splits + split, index)
+# The verdicts and draws that need all of a row's splits are made by the last of the row's split programs
+# to arrive (an atomic counter per row), in the same launch: a plain draw is one launch, and top-p's rounds
+# one launch each. The other programs' stores of the launch are read through L2 (.cg), and the counter is
+# left at zero for the next launch.
+@triton.jit
+def _last_to_arrive(arrival_ptr, row, num_splits):
+    """After a split program stored its statistics: whether it is the row's last (it then sees every program's
+    stores: the atomic is acq_rel); the last one resets the counter for the next launch."""
+    last = tl.atomic_add(arrival_ptr + row, 1) == num_splits - 1
+    if last:
+        tl.store(arrival_ptr + row, 0)
+    return last
 
 
 @triton.jit
@@ -205,8 +190,8 @@ def _best_split(value_ptr, index_ptr, row, num_splits, BLOCK: tl.constexpr):
     """The token of the row's best pass-1 partial (the lowest token id among equals)."""
     splits = tl.arange(0, BLOCK)
     mask = splits < num_splits
-    value = tl.load(value_ptr + row * num_splits + splits, mask=mask, other=float("-inf"))
-    index = tl.load(index_ptr + row * num_splits + splits, mask=mask, other=2147483647)
+    value = tl.load(value_ptr + row * num_splits + splits, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    index = tl.load(index_ptr + row * num_splits + splits, mask=mask, other=2147483647, cache_modifier=".cg")
     _, best = _lane_argmax(value, index)
     return best
 
@@ -219,9 +204,9 @@ def _draw_over_splits(row_ptr, stats_ptr, row, num_splits, slot, u, scale, floor
     splits = tl.arange(0, BLOCK)
     valid = splits < num_splits
     entry = stats_ptr + (row * num_splits + splits) * STATS
-    tops = tl.load(entry, mask=valid, other=NO_TOP)
+    tops = tl.load(entry, mask=valid, other=NO_TOP, cache_modifier=".cg")
     row_top = tl.max(tops, 0)
-    weights = tl.load(entry + slot, mask=valid, other=0.0) * tl.exp2(tops - row_top)
+    weights = tl.load(entry + slot, mask=valid, other=0.0, cache_modifier=".cg") * tl.exp2(tops - row_top)
     cumulative = tl.cumsum(weights, 0)
     target = u * tl.max(cumulative, 0)
     chosen = tl.min(tl.where(cumulative > target, splits, BLOCK), 0)
@@ -233,76 +218,74 @@ def _draw_over_splits(row_ptr, stats_ptr, row, num_splits, slot, u, scale, floor
                  (target - before) * tl.exp2(row_top - top), pen, TILE, PENALTIES)
 
 
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor", "draw"])
-def _select_kernel(
-    logits_ptr, stride_row, temperature_ptr, seed_ptr, floor_ptr, stats_ptr, value_ptr, index_ptr, token_ptr,
-    rejected_ptr, vocab_size, num_tiles, tiles_per_split, num_splits, has_floor, draw,
+# The split layout of greedy batches changes with the batch size: one compiled variant for all of it
+# (Triton would otherwise compile one per divisibility class of these ints, mid-run, ~1 s each).
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "has_floor"])
+def _draw_kernel(
+    logits_ptr, stride_row, temperature_ptr, seed_ptr, floor_ptr, stats_ptr, value_ptr, index_ptr, arrival_ptr,
+    token_ptr, vocab_size, num_tiles, tiles_per_split, num_splits, has_floor,
     pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
     BLOCK: tl.constexpr, TILE: tl.constexpr, PENALTIES: tl.constexpr,
 ):
-    """Pass 2, per row: draw 0 (every row: sampled rows by inverse CDF, greedy rows their best split), or
-    top-p redraw `draw` (the rows whose last draw was rejected: among the candidates above it)."""
+    """Per (row, split): the split's largest candidate y and mass (sampled rows), or its argmax (greedy rows);
+    then the row's last program draws its token over the splits, or takes the best split's."""
     row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + row)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    split = tl.program_id(1)
     pen = _penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency,
                      pen_presence, PENALTIES)
-    if draw == 0:
-        if temperature > 0:
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
+    temperature = tl.load(temperature_ptr + row)
+    floor = _row_floor(floor_ptr, row, has_floor)
+    if temperature > 0:
+        scale = LOG2E / temperature
+        top, mass = _split_stats(row_ptr, vocab_size, first_tile, last_tile, scale, floor, pen, TILE, PENALTIES)
+        entry = stats_ptr + (row * num_splits + split) * STATS
+        tl.store(entry, top)
+        tl.store(entry + 1, mass)
+        if _last_to_arrive(arrival_ptr, row, num_splits):
             token = _draw_over_splits(row_ptr, stats_ptr, row, num_splits, 1, _uniform(tl.load(seed_ptr + row), 0),
-                                      LOG2E / temperature, _row_floor(floor_ptr, row, has_floor), float("-inf"),
-                                      vocab_size, num_tiles, tiles_per_split, pen, BLOCK, TILE, PENALTIES)
+                                      scale, floor, float("-inf"), vocab_size, num_tiles, tiles_per_split, pen, BLOCK,
+                                      TILE, PENALTIES)
             tl.store(token_ptr + row, token.to(tl.int64))
-        elif temperature == 0:
+    elif temperature == 0:  # greedy rows: no exp at all
+        value, index = _greedy_best(row_ptr, vocab_size, first_tile, last_tile, pen, TILE, PENALTIES)
+        tl.store(value_ptr + row * num_splits + split, value)
+        tl.store(index_ptr + row * num_splits + split, index)
+        if _last_to_arrive(arrival_ptr, row, num_splits):
             tl.store(token_ptr + row, _best_split(value_ptr, index_ptr, row, num_splits, BLOCK).to(tl.int64))
-    elif tl.load(rejected_ptr + row) != 0:
-        pivot = _load_logits(row_ptr, tl.load(token_ptr + row), vocab_size, pen, PENALTIES)
-        token = _draw_over_splits(row_ptr, stats_ptr, row, num_splits, 2 + (draw - 1) % 2,
-                                  _uniform(tl.load(seed_ptr + row), draw), LOG2E / temperature,
-                                  _row_floor(floor_ptr, row, has_floor), pivot, vocab_size, num_tiles,
-                                  tiles_per_split, pen, BLOCK, TILE, PENALTIES)
-        tl.store(token_ptr + row, token.to(tl.int64))
 
 
-# top-p. The verdict on a row's draw (rejected or not) is made once, by the last of the row's split
-# programs to store its mass above the draw, and kept in a per-row flag: the next launches' programs
-# read one flag, and those of accepted rows exit at once.
+# top-p. Each launch of the mass kernel serves one draw of the rows still undecided: each split program
+# stores the mass above the draw, and the row's last program judges it: kept, or (rejected) redrawn among
+# the tokens above it, which the next launch judges; after the last parallel round, that program goes on
+# alone until a draw is kept.
 @triton.jit
 def _nucleus_verdict(stats_ptr, row, num_splits, top_p, slot, BLOCK: tl.constexpr):
-    """(rejected, row top, candidates' mass, mass above the draw): rejected when the mass above the draw is
-    at least top_p of the candidates' (the draw is outside the nucleus)."""
+    """(rejected, row top, candidates' mass): rejected when the mass above the draw (column 2 + slot) is at
+    least top_p of the candidates' (the draw is outside the nucleus)."""
     splits = tl.arange(0, BLOCK)
     mask = splits < num_splits
     stats = stats_ptr + (row * num_splits + splits) * STATS
-    # .cg (L2, not L1): in _arrive these are other programs' stores of the same launch
     tops = tl.load(stats, mask=mask, other=NO_TOP, cache_modifier=".cg")
     row_top = tl.max(tops, 0)
     scale = tl.exp2(tops - row_top)
     total = tl.sum(tl.load(stats + 1, mask=mask, other=0.0, cache_modifier=".cg") * scale, 0)
     mass = tl.sum(tl.load(stats + 2 + slot, mask=mask, other=0.0, cache_modifier=".cg") * scale, 0)
     limit = top_p * total
-    return (mass >= limit) & (limit > 0), row_top, total, mass
+    return (mass >= limit) & (limit > 0), row_top, total
 
 
-@triton.jit
-def _arrive(arrival_ptr, rejected_ptr, stats_ptr, row, num_splits, top_p, slot, BLOCK: tl.constexpr):
-    """After a split program stored its statistics: the row's last one to arrive judges the draw."""
-    arrived = tl.atomic_add(arrival_ptr + row, 1)  # acq_rel: the last one sees every program's stores
-    if arrived == num_splits - 1:
-        rejected, _, _, _ = _nucleus_verdict(stats_ptr, row, num_splits, top_p, slot, BLOCK)
-        tl.store(rejected_ptr + row, rejected.to(tl.int32))
-        tl.store(arrival_ptr + row, 0)  # the whole row has arrived: the counter serves the next round
-
-
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "draw"])
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "draw", "last_round", "has_floor"])
 def _nucleus_mass_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, token_ptr, stats_ptr, arrival_ptr, rejected_ptr,
-    vocab_size, num_tiles, tiles_per_split, num_splits, draw,
+    logits_ptr, stride_row, temperature_ptr, top_p_ptr, seed_ptr, floor_ptr, token_ptr, stats_ptr, arrival_ptr,
+    rejected_ptr, vocab_size, num_tiles, tiles_per_split, num_splits, draw, last_round, has_floor,
     pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, PENALTIES: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, MAX_DRAWS: tl.constexpr, PENALTIES: tl.constexpr,
 ):
-    """Per (row, split) of the top-p rows (draw 0) or of the rows whose draw `draw` redrew (draw > 0): the
-    mass above the row's draw into the round's slot; the row's last program judges the draw."""
+    """Per (row, split) of the top-p rows (draw 0) or of the rows redrawn (draw > 0): the mass above the row's
+    draw `draw` into slot draw % 2; then the row's last program judges the draw, and redraws a rejected one
+    (draw + 1) or, in the last round, finishes the row alone."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -317,11 +300,28 @@ def _nucleus_mass_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         first_tile, last_tile = _split_tiles(split, tiles_per_split, num_tiles)
         entry = stats_ptr + (row * num_splits + split) * STATS
-        pivot = _load_logits(row_ptr, tl.load(token_ptr + row), vocab_size, pen, PENALTIES)
-        above = _mass_above(row_ptr, vocab_size, first_tile, last_tile, pivot, tl.load(entry), LOG2E / temperature,
-                            pen, TILE, PENALTIES)
+        scale = LOG2E / temperature
+        token = tl.load(token_ptr + row)
+        pivot = _load_logits(row_ptr, token, vocab_size, pen, PENALTIES)
+        above = _mass_above(row_ptr, vocab_size, first_tile, last_tile, pivot, tl.load(entry), scale, pen, TILE,
+                            PENALTIES)
         tl.store(entry + 2 + draw % 2, above)
-        _arrive(arrival_ptr, rejected_ptr, stats_ptr, row, num_splits, top_p, draw % 2, BLOCK)
+        if _last_to_arrive(arrival_ptr, row, num_splits):
+            rejected, row_top, total = _nucleus_verdict(stats_ptr, row, num_splits, top_p, draw % 2, BLOCK)
+            if rejected:
+                seed = tl.load(seed_ptr + row)
+                floor = _row_floor(floor_ptr, row, has_floor)
+                if last_round != 0:  # rare: the rows still rejected go on in this one program
+                    redrawn = _row_top_p_rounds(row_ptr, vocab_size, num_tiles, scale, seed, floor, top_p,
+                                                token.to(tl.int32), row_top, total, draw + 1, pen, TILE, MAX_DRAWS,
+                                                PENALTIES)
+                else:
+                    redrawn = _draw_over_splits(row_ptr, stats_ptr, row, num_splits, 2 + draw % 2,
+                                                _uniform(seed, draw + 1), scale, floor, pivot, vocab_size, num_tiles,
+                                                tiles_per_split, pen, BLOCK, TILE, PENALTIES)
+                tl.store(token_ptr + row, redrawn.to(tl.int64))
+            # the next launch serves the rows redrawn here; after the last round, none
+            tl.store(rejected_ptr + row, tl.where(last_round == 0, rejected.to(tl.int32), 0))
 
 
 @triton.jit
@@ -356,27 +356,6 @@ def row_draw(row_ptr, vocab_size, num_tiles, temperature, seed, floor, top_p, TI
         token = _row_top_p_rounds(row_ptr, vocab_size, num_tiles, scale, seed, floor, top_p, token, top, total,
                                   tl.full([], 1, tl.int32), None, TILE, MAX_DRAWS, False)
     return token
-
-
-@triton.jit(do_not_specialize=["num_splits", "first_draw", "has_floor"])
-def _nucleus_finish_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_p_ptr, floor_ptr, seed_ptr, token_ptr, stats_ptr, rejected_ptr,
-    vocab_size, num_tiles, num_splits, first_draw, has_floor,
-    pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition, pen_frequency, pen_presence,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, MAX_DRAWS: tl.constexpr, PENALTIES: tl.constexpr,
-):
-    """Per top-p row: keep the current draw, or (rarely) go on redrawing in this one program."""
-    row = tl.program_id(0)
-    if tl.load(rejected_ptr + row) != 0:
-        top_p = tl.load(top_p_ptr + row)
-        _, row_top, total, _ = _nucleus_verdict(stats_ptr, row, num_splits, top_p, (first_draw - 1) % 2, BLOCK)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        token = _row_top_p_rounds(row_ptr, vocab_size, num_tiles, LOG2E / tl.load(temperature_ptr + row),
-                                  tl.load(seed_ptr + row), _row_floor(floor_ptr, row, has_floor), top_p,
-                                  tl.load(token_ptr + row).to(tl.int32), row_top, total, first_draw,
-                                  _penalties(row, pen_rows, pen_counts, pen_seen, pen_stride, pen_repetition,
-                                             pen_frequency, pen_presence, PENALTIES), TILE, MAX_DRAWS, PENALTIES)
-        tl.store(token_ptr + row, token.to(tl.int64))
 
 
 @triton.jit
@@ -424,7 +403,6 @@ def categorical_draw(
     floor: torch.Tensor | None = None,  # [num_rows] float32: sampled rows draw among logits >= floor
     tile: int = TILE,
     tiles_per_split: int | None = None,
-    stats: torch.Tensor | None = None,  # [num_rows, num_splits, STATS] float32 out, for top_p_draw
     out: torch.Tensor | None = None,  # [num_rows] int64: the tokens go here (skipped rows keep theirs)
     penalties: Penalties | None = None,  # applied to each logit as it is loaded
     num_warps: int = 4,
@@ -439,11 +417,9 @@ def categorical_draw(
     num_rows, vocab_size = logits.shape
     if out is None:
         out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows == 0:
-        return out
-    num_tiles, tiles_per_split, num_splits = draw_layout(vocab_size, tile, tiles_per_split)
-    _draw(logits, temperature, seeds, floor, tile, num_tiles, tiles_per_split, num_splits, stats, out, penalties,
-          num_warps)
+    if num_rows > 0:
+        _draw(logits, temperature, seeds, floor, draw_layout(vocab_size, tile, tiles_per_split), tile, out, penalties,
+              num_warps=num_warps)
     return out
 
 
@@ -452,62 +428,60 @@ def _penalty_args(penalties: Penalties | None, placeholder: torch.Tensor) -> tup
     return (no_penalties_args(placeholder), False) if penalties is None else (penalties.kernel_args(), True)
 
 
-def _draw(logits, temperature, seeds, floor, tile, num_tiles, tiles_per_split, num_splits, stats, out, penalties,
-          num_warps):
+def _zeroed_counters(num_rows: int, count: int, device: torch.device) -> torch.Tensor:
+    """[count, num_rows] int32 zeros, each row of them 16-byte aligned whatever num_rows (one compiled variant)."""
+    return torch.zeros(count, -(-num_rows // 4) * 4, dtype=torch.int32, device=device)[:, :num_rows]
+
+
+def _draw(logits, temperature, seeds, floor, layout, tile, out, penalties, stats=None, arrivals=None, num_warps=4
+          ) -> torch.Tensor:
+    """_draw_kernel's launch; returns the greedy rows' per-split maxima."""
     num_rows, vocab_size = logits.shape
-    pen_args, has_penalties = _penalty_args(penalties, temperature)
+    num_tiles, tiles_per_split, num_splits = layout
     device = logits.device
+    pen_args, has_penalties = _penalty_args(penalties, temperature)
     values = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
     indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=device)
     if stats is None:
         stats = torch.empty(num_rows, num_splits, STATS.value, dtype=torch.float32, device=device)
+    if arrivals is None:
+        arrivals = _zeroed_counters(num_rows, 1, device)[0]
     has_floor = int(floor is not None)
-    floor = floor if has_floor else temperature
-    _stats_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), temperature, floor, stats, values, indices, vocab_size, num_tiles, tiles_per_split,
-        num_splits, has_floor, *pen_args, TILE=tile, PENALTIES=has_penalties, num_warps=num_warps,
-    )
     # BLOCK from the tile count (>= any split count of this vocabulary): one variant for every layout.
-    _select_kernel[(num_rows,)](
-        logits, logits.stride(0), temperature, seeds, floor, stats, values, indices, out, indices, vocab_size,
-        num_tiles, tiles_per_split, num_splits, has_floor, 0, *pen_args, BLOCK=triton.next_power_of_2(num_tiles),
-        TILE=tile, PENALTIES=has_penalties,
+    _draw_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), temperature, seeds, floor if has_floor else temperature, stats, values, indices,
+        arrivals, out, vocab_size, num_tiles, tiles_per_split, num_splits, has_floor, *pen_args,
+        BLOCK=triton.next_power_of_2(num_tiles), TILE=tile, PENALTIES=has_penalties, num_warps=num_warps,
     )
+    return values
 
 
 def greedy_argmax(logits: torch.Tensor, penalties: Penalties | None = None) -> torch.Tensor:
     """torch.argmax over the last dimension (the lowest index among equal maxima; NaN never wins), through
     categorical_draw's greedy path, which reads the logits once at full bandwidth over a layout as wide as
     the batch needs (an argmax does not depend on it)."""
+    return _greedy(logits, penalties)[0]
+
+
+def split_maxima(logits: torch.Tensor, penalties: Penalties | None = None) -> torch.Tensor:
+    """[num_rows, num_splits] float32: the largest (penalised) logit of each split of split_layout, as
+    candidate_floor's `maxima` (min_p), from greedy_argmax's pass."""
+    return _greedy(logits, penalties)[1]
+
+
+def _greedy(logits: torch.Tensor, penalties: Penalties | None) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
     device = logits.device
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
+    layout = split_layout(num_rows, vocab_size, TILE)
     if num_rows == 0:
-        return out
+        return out, torch.empty(0, layout[2], dtype=torch.float32, device=device)
     zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
-    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE)
-    _draw(logits, zeros, torch.zeros(num_rows, dtype=torch.int64, device=device), None, TILE, num_tiles,
-          tiles_per_split, num_splits, None, out, penalties, 4)
-    return out
-
-
-def split_maxima(logits: torch.Tensor, penalties: Penalties | None = None) -> torch.Tensor:
-    """[num_rows, num_splits] float32: the largest (penalised) logit of each split of split_layout, as
-    candidate_floor's `maxima` (min_p): the greedy path's first pass alone."""
-    num_rows, vocab_size = logits.shape
-    device = logits.device
-    num_tiles, tiles_per_split, num_splits = split_layout(num_rows, vocab_size, TILE)
-    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)
-    indices = torch.empty(num_rows, num_splits, dtype=torch.int32, device=device)
-    zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
-    pen_args, has_penalties = _penalty_args(penalties, zeros)
-    _stats_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), zeros, zeros, maxima, maxima, indices, vocab_size, num_tiles, tiles_per_split,
-        num_splits, 0, *pen_args, TILE=TILE, PENALTIES=has_penalties, num_warps=4,  # the greedy pass's variant
-    )
-    return maxima
+    maxima = _draw(logits, zeros, torch.zeros(num_rows, dtype=torch.int64, device=device), None, layout, TILE, out,
+                   penalties)
+    return out, maxima
 
 
 def top_p_draw(
@@ -531,42 +505,32 @@ def top_p_draw(
     more above it is outside the nucleus (probability about 1 - top_p), and so is every token at most as
     likely: the row redraws among the tokens above it (their mass per split is what the pass found), until
     a draw is inside. The candidates always hold the whole nucleus, so the accepted draw is exactly a draw
-    from the renormalised nucleus. The first `parallel_rounds` redraws run over vocabulary splits, two
-    launches each; rows still rejected after them (rare: each round leaves about 1 - top_p of the rows) go
-    on in one program per row.
+    from the renormalised nucleus. The first `parallel_rounds` redraws are judged over vocabulary splits,
+    one launch each; rows still rejected after them (rare: each round leaves about 1 - top_p of the rows)
+    go on in one program per row. 1 + parallel_rounds + 1 launches in all.
     """
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
     device = logits.device
-    num_tiles, tiles_per_split, num_splits = draw_layout(vocab_size, tile, tiles_per_split)
-    stats = torch.empty(num_rows, num_splits, STATS.value, dtype=torch.float32, device=device)
-    tokens = categorical_draw(logits, temperature, seeds, floor=floor, tile=tile, tiles_per_split=tiles_per_split,
-                              stats=stats, out=out, penalties=penalties)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
-        return tokens
+        return out
+    num_tiles, tiles_per_split, num_splits = layout = draw_layout(vocab_size, tile, tiles_per_split)
+    stats = torch.empty(num_rows, num_splits, STATS.value, dtype=torch.float32, device=device)
+    arrivals, rejected = _zeroed_counters(num_rows, 2, device)  # rows skipped are never rejected
+    _draw(logits, temperature, seeds, floor, layout, tile, out, penalties, stats=stats, arrivals=arrivals)
     pen_args, has_penalties = _penalty_args(penalties, temperature)
-    has_floor, block = int(floor is not None), triton.next_power_of_2(num_tiles)
-    floor = floor if has_floor else temperature
-    # Rows skipped are never rejected. Both start 16-byte aligned whatever num_rows (one compiled variant).
-    arrivals, rejected = torch.zeros(2, -(-num_rows // 4) * 4, dtype=torch.int32, device=device)[:, :num_rows]
-    grid = (num_rows, num_splits)
-    mass_args = (logits, logits.stride(0), temperature, top_p, tokens, stats, arrivals, rejected, vocab_size,
-                 num_tiles, tiles_per_split, num_splits)
-    _nucleus_mass_kernel[grid](*mass_args, 0, *pen_args, BLOCK=block, TILE=tile, PENALTIES=has_penalties)
-    for draw in range(1, parallel_rounds + 1):
-        _select_kernel[(num_rows,)](
-            logits, logits.stride(0), temperature, seeds, floor, stats, stats, rejected, tokens, rejected, vocab_size,
-            num_tiles, tiles_per_split, num_splits, has_floor, draw, *pen_args, BLOCK=block, TILE=tile,
-            PENALTIES=has_penalties,
+    has_floor = int(floor is not None)
+    for draw in range(parallel_rounds + 1):
+        _nucleus_mass_kernel[(num_rows, num_splits)](
+            logits, logits.stride(0), temperature, top_p, seeds, floor if has_floor else temperature, out, stats,
+            arrivals, rejected, vocab_size, num_tiles, tiles_per_split, num_splits, draw,
+            int(draw == parallel_rounds), has_floor, *pen_args, BLOCK=triton.next_power_of_2(num_tiles), TILE=tile,
+            MAX_DRAWS=MAX_DRAWS, PENALTIES=has_penalties,
         )
-        _nucleus_mass_kernel[grid](*mass_args, draw, *pen_args, BLOCK=block, TILE=tile, PENALTIES=has_penalties)
-    _nucleus_finish_kernel[(num_rows,)](
-        logits, logits.stride(0), temperature, top_p, floor, seeds, tokens, stats, rejected, vocab_size, num_tiles,
-        num_splits, parallel_rounds + 1, has_floor, *pen_args, BLOCK=block, TILE=tile, MAX_DRAWS=MAX_DRAWS,
-        PENALTIES=has_penalties, num_warps=8,
-    )
-    return tokens
+    return out
 
 
 def philox_uniform_ref(seeds: np.ndarray, counters: np.ndarray, offsets: np.ndarray) -> np.ndarray:
