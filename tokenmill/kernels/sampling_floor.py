@@ -41,9 +41,7 @@ costs half a 256-bin one: Triton's histogram takes a warp ballot per bin) but ne
 CANDIDATES = 2048
 """Slots per row for the tokens >= L; a row with more takes the radix select."""
 BOUND_SPLITS = 4
-"""Splits per row in pass 1. More splits, looser L: about BOUND_SPLITS * k candidates."""
-BOUND_UNROLL = 4
-"""Tiles loaded per iteration of pass 1."""
+"""Splits per row in pass 1. Fewer splits, looser L: about BOUND_SPLITS * k candidates."""
 MAX_FAST_K = CANDIDATES // BOUND_SPLITS // 2
 """Largest k of the three-pass path: about half the slots filled (at most TILE, the lane maxima sorted)."""
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
@@ -176,10 +174,9 @@ def _fast_path_row(temperature_ptr, top_k_ptr, row, vocab_size, MAX_K: tl.conste
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])
 def _lane_bound_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, bound_ptr, vocab_size, num_tiles, tiles_per_split,
-    num_splits, MAX_K: tl.constexpr, TILE: tl.constexpr, UNROLL: tl.constexpr,
+    num_splits, MAX_K: tl.constexpr, TILE: tl.constexpr,
 ):
-    """Pass 1, per (row, split): the k-th largest of the split's lane maxima. BOUND_SPLITS programs per row
-    are too few to keep enough loads in flight one tile at a time: each iteration loads UNROLL tiles."""
+    """Pass 1, per (row, split): the k-th largest of the split's lane maxima."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     fast, k = _fast_path_row(temperature_ptr, top_k_ptr, row, vocab_size, MAX_K)
@@ -188,13 +185,10 @@ def _lane_bound_kernel(
         cols = tl.arange(0, TILE)
         lane_top = tl.full([TILE], float("-inf"), tl.float32)
         first_tile = split * tiles_per_split
-        last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
-        end = tl.minimum(last_tile * TILE, vocab_size)
-        for tile in range(first_tile, last_tile, UNROLL):
-            for step in tl.static_range(UNROLL):
-                token = (tile + step) * TILE + cols
-                lane_top = tl.maximum(lane_top, tl.load(row_ptr + token, mask=token < end,
-                                                        other=float("-inf")).to(tl.float32))
+        for tile in range(first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)):
+            token = tile * TILE + cols
+            lane_top = tl.maximum(lane_top, tl.load(row_ptr + token, mask=token < vocab_size,
+                                                    other=float("-inf")).to(tl.float32))
         ordered = tl.sort(lane_top, descending=True)
         tl.store(bound_ptr + row * num_splits + split, tl.max(tl.where(cols == k - 1, ordered, float("-inf")), 0))
 
@@ -206,7 +200,7 @@ def _gather_candidates_kernel(
     CAPACITY: tl.constexpr,
 ):
     """Pass 2, per (row, split): the logits >= L into the row's slots (in any order; a count past CAPACITY
-    marks an overflow). One atomic per tile that keeps any: few do."""
+    marks an overflow)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     fast, _ = _fast_path_row(temperature_ptr, top_k_ptr, row, vocab_size, MAX_K)
@@ -221,13 +215,11 @@ def _gather_candidates_kernel(
             token = tile * TILE + cols
             valid = token < vocab_size
             x = tl.load(row_ptr + token, mask=valid, other=float("-inf")).to(tl.float32)
-            kept = (valid & (x >= bound)).to(tl.int32)
-            num_kept = tl.sum(kept, 0)
-            if num_kept > 0:
-                slot = tl.atomic_add(count_ptr + row, num_kept) + tl.cumsum(kept, 0) - 1
-                store = (kept != 0) & (slot < CAPACITY)
-                tl.store(candidate_ptr + row * CAPACITY + slot, x, mask=store)
-                tl.store(id_ptr + row * CAPACITY + slot, token, mask=store)
+            kept = valid & (x >= bound)
+            # One slot per kept token from the row's counter (few tokens pass: few atomics).
+            slot = tl.atomic_add(count_ptr + row + tl.zeros_like(cols), 1, mask=kept)
+            tl.store(candidate_ptr + row * CAPACITY + slot, x, mask=kept & (slot < CAPACITY))
+            tl.store(id_ptr + row * CAPACITY + slot, token, mask=kept & (slot < CAPACITY))
 
 
 @triton.jit(do_not_specialize=["has_min_p", "has_top_p", "draw_here"])
@@ -409,7 +401,7 @@ def _fast_top_k(
     bounds = torch.empty(num_rows, bound_splits, dtype=torch.float32, device=device)
     _lane_bound_kernel[(num_rows, bound_splits)](
         logits, logits.stride(0), temperature, top_k, bounds, vocab_size, num_tiles, bound_tiles, bound_splits,
-        MAX_K=MAX_FAST_K, TILE=TILE, UNROLL=BOUND_UNROLL,
+        MAX_K=MAX_FAST_K, TILE=TILE,
     )
     counts = torch.zeros(num_rows, dtype=torch.int32, device=device)
     candidates = torch.empty(num_rows, CANDIDATES, dtype=torch.float32, device=device)
