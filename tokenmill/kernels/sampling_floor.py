@@ -42,6 +42,8 @@ CANDIDATES = 2048
 """Slots per row for the tokens >= L; a row with more takes the radix select."""
 BOUND_SPLITS = 4
 """Splits per row in pass 1. Fewer splits, looser L: about BOUND_SPLITS * k candidates."""
+SMALL_SLOTS = tl.constexpr(256)
+"""Rows with at most this many candidates sort and draw over these slots only (k <= MAX_FAST_K fits)."""
 MAX_FAST_K = CANDIDATES // BOUND_SPLITS // 2
 """Largest k of the three-pass path: about half the slots filled (at most TILE, the lane maxima sorted)."""
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
@@ -239,22 +241,38 @@ def _select_candidates_kernel(
     if fast:
         count = tl.load(count_ptr + row)
         if count <= CAPACITY:
-            slots = tl.arange(0, CAPACITY)
-            values = tl.load(candidate_ptr + row * CAPACITY + slots, mask=slots < count, other=float("-inf"))
-            ordered = tl.sort(values, descending=True)
-            floor = _with_min_p(tl.max(tl.where(slots == k - 1, ordered, float("-inf")), 0), tl.max(values, 0),
-                                temperature, min_p_ptr, row, has_min_p)
-            tl.store(floor_ptr + row, floor)
             radix = radix * 0
-            if draw_here != 0:
-                row_max = tl.max(values, 0)
-                top_p = tl.where(has_top_p != 0, tl.load(top_p_ptr + row), 1.0)
-                ids = tl.load(id_ptr + row * CAPACITY + slots, mask=slots < count, other=0)
-                token = candidate_draw(tl.where(values >= floor, values, float("-inf")), ids,
-                                       tl.load(seed_ptr + row), temperature, top_p, row_max, vocab_size, MAX_DRAWS)
-                tl.store(token_ptr + row, token.to(tl.int64))
-                tl.store(skip_ptr + row, -1.0)
+        # The sort and the draw cost with the slots they cover: most rows fill few.
+        if count <= SMALL_SLOTS:
+            _floor_and_draw(row, k, count, temperature, min_p_ptr, top_p_ptr, seed_ptr, candidate_ptr, id_ptr,
+                            floor_ptr, token_ptr, skip_ptr, vocab_size, has_min_p, has_top_p, draw_here, CAPACITY,
+                            SMALL_SLOTS, MAX_DRAWS)
+        elif count <= CAPACITY:
+            _floor_and_draw(row, k, count, temperature, min_p_ptr, top_p_ptr, seed_ptr, candidate_ptr, id_ptr,
+                            floor_ptr, token_ptr, skip_ptr, vocab_size, has_min_p, has_top_p, draw_here, CAPACITY,
+                            CAPACITY, MAX_DRAWS)
     tl.store(select_ptr + row, radix)
+
+
+@triton.jit
+def _floor_and_draw(row, k, count, temperature, min_p_ptr, top_p_ptr, seed_ptr, candidate_ptr, id_ptr, floor_ptr,
+                    token_ptr, skip_ptr, vocab_size, has_min_p, has_top_p, draw_here, CAPACITY: tl.constexpr,
+                    SLOTS: tl.constexpr, MAX_DRAWS: tl.constexpr):
+    """Pass 3 for a row whose `count` candidates fit in its first SLOTS slots: the floor, and the draw."""
+    slots = tl.arange(0, SLOTS)
+    values = tl.load(candidate_ptr + row * CAPACITY + slots, mask=slots < count, other=float("-inf"))
+    ordered = tl.sort(values, descending=True)
+    floor = _with_min_p(tl.max(tl.where(slots == k - 1, ordered, float("-inf")), 0), tl.max(values, 0),
+                        temperature, min_p_ptr, row, has_min_p)
+    tl.store(floor_ptr + row, floor)
+    if draw_here != 0:
+        row_max = tl.max(values, 0)
+        top_p = tl.where(has_top_p != 0, tl.load(top_p_ptr + row), 1.0)
+        ids = tl.load(id_ptr + row * CAPACITY + slots, mask=slots < count, other=0)
+        token = candidate_draw(tl.where(values >= floor, values, float("-inf")), ids, tl.load(seed_ptr + row),
+                               temperature, top_p, row_max, vocab_size, MAX_DRAWS)
+        tl.store(token_ptr + row, token.to(tl.int64))
+        tl.store(skip_ptr + row, -1.0)
 
 
 @triton.jit
