@@ -28,11 +28,9 @@ from tokenmill.kernels.sampling_layout import TILE, split_layout  # candidate_fl
 
 
 @triton.jit
-def penalise(x, seen, count, repetition, inv_repetition, frequency, presence):
-    """float32 logits x with the penalties of tokens `seen` (prompt or output) and `count`ed (int32, output).
-    x / repetition is computed as x * (1 / repetition), within an ulp of it: every token pays for both
-    branches of the where, and a division costs about ten times a multiplication."""
-    x = tl.where(seen, tl.where(x > 0, x * inv_repetition, x * repetition), x)
+def penalise(x, seen, count, repetition, frequency, presence):
+    """float32 logits x with the penalties of tokens `seen` (prompt or output) and `count`ed (int32, output)."""
+    x = tl.where(seen, tl.where(x > 0, x / repetition, x * repetition), x)
     x = x - frequency * count.to(tl.float32)
     return x - presence * (count > 0).to(tl.float32)
 
@@ -41,26 +39,26 @@ def penalise(x, seen, count, repetition, inv_repetition, frequency, presence):
 def row_penalties(row, state_row_ptr, counts_ptr, seen_ptr, stride_state, repetition_ptr, frequency_ptr,
                   presence_ptr):
     """Row `row`'s penalties for load_penalised: (its mask row, its counts row, whether it has any, repetition,
-    1 / repetition, frequency, presence)."""
+    frequency, presence)."""
     repetition = tl.load(repetition_ptr + row)
     frequency = tl.load(frequency_ptr + row)
     presence = tl.load(presence_ptr + row)
     penalized = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
     state = tl.load(state_row_ptr + row).to(tl.int64) * stride_state
-    return seen_ptr + state, counts_ptr + state, penalized, repetition, 1.0 / repetition, frequency, presence
+    return seen_ptr + state, counts_ptr + state, penalized, repetition, frequency, presence
 
 
 @triton.jit
 def load_penalised(row_ptr, token, vocab_size, penalties):
     """The row's logits at `token` (-inf past the vocabulary) in float32, penalised. The mask is read only in
     penalised rows and the counts only where a token was seen (predicated loads fetch nothing elsewhere)."""
-    seen_row, counts_row, penalized, repetition, inv_repetition, frequency, presence = penalties
+    seen_row, counts_row, penalized, repetition, frequency, presence = penalties
     valid = token < vocab_size
     x = tl.load(row_ptr + token, mask=valid, other=float("-inf")).to(tl.float32)
     # tl.where, not `valid & penalized`: the interpreter cannot `&` this scalar with a tensor
     seen = tl.load(seen_row + token, mask=tl.where(penalized, valid, False), other=0) != 0
     count = tl.load(counts_row + token, mask=seen, other=0)  # counted tokens are seen
-    return penalise(x, seen, count, repetition, inv_repetition, frequency, presence)
+    return penalise(x, seen, count, repetition, frequency, presence)
 
 
 @dataclass
@@ -93,7 +91,7 @@ def _penalty_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    seen_row, counts_row, penalized, repetition, inv_repetition, frequency, presence = row_penalties(
+    seen_row, counts_row, penalized, repetition, frequency, presence = row_penalties(
         row, state_row_ptr, counts_ptr, seen_ptr, stride_state, repetition_ptr, frequency_ptr, presence_ptr)
     # Four contiguous tokens per thread: the bf16 loads and the float32 stores then share one layout
     # (left alone, the loads take 8 and the stores 4, and every tile goes through shared memory between).
@@ -109,7 +107,7 @@ def _penalty_kernel(
         if penalized:
             seen = tl.load(seen_row + token, mask=valid, other=0) != 0
             count = tl.load(counts_row + token, mask=seen, other=0)  # counted tokens are seen
-            x = penalise(x, seen, count, repetition, inv_repetition, frequency, presence)
+            x = penalise(x, seen, count, repetition, frequency, presence)
         tl.store(out_ptr + row.to(tl.int64) * vocab_size + token, x, mask=valid)
         top = tl.maximum(top, tl.where(valid, x, float("-inf")))
     tl.store(max_ptr + row * num_splits + split, tl.max(top, 0))  # for min_p (kernels/sampling_floor.py)
