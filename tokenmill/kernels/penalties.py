@@ -55,11 +55,10 @@ def load_penalised(row_ptr, token, vocab_size, penalties):
     seen_row, counts_row, penalized, repetition, frequency, presence = penalties
     valid = token < vocab_size
     x = tl.load(row_ptr + token, mask=valid, other=float("-inf")).to(tl.float32)
-    if penalized:  # the mask under `valid` alone, as the logits: the same vector loads
-        seen = tl.load(seen_row + token, mask=valid, other=0) != 0
-        count = tl.load(counts_row + token, mask=seen, other=0)  # counted tokens are seen
-        x = penalise(x, seen, count, repetition, frequency, presence)
-    return x
+    # tl.where, not `valid & penalized`: the interpreter cannot `&` this scalar with a tensor
+    seen = tl.load(seen_row + token, mask=tl.where(penalized, valid, False), other=0) != 0
+    count = tl.load(counts_row + token, mask=seen, other=0)  # counted tokens are seen
+    return penalise(x, seen, count, repetition, frequency, presence)
 
 
 @dataclass
