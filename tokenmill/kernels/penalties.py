@@ -38,27 +38,26 @@ def penalise(x, seen, count, repetition, frequency, presence):
 @triton.jit
 def row_penalties(row, state_row_ptr, counts_ptr, seen_ptr, stride_state, repetition_ptr, frequency_ptr,
                   presence_ptr):
-    """Row `row`'s penalties for load_penalised: (its mask row, its counts row, whether it has any, whether it
-    needs the counts (a frequency or presence penalty), repetition, frequency, presence)."""
+    """Row `row`'s penalties for load_penalised: (its mask row, its counts row, whether it has any, repetition,
+    frequency, presence)."""
     repetition = tl.load(repetition_ptr + row)
     frequency = tl.load(frequency_ptr + row)
     presence = tl.load(presence_ptr + row)
-    counted = (frequency != 0.0) | (presence != 0.0)
-    penalized = (repetition != 1.0) | counted
+    penalized = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
     state = tl.load(state_row_ptr + row).to(tl.int64) * stride_state
-    return seen_ptr + state, counts_ptr + state, penalized, counted, repetition, frequency, presence
+    return seen_ptr + state, counts_ptr + state, penalized, repetition, frequency, presence
 
 
 @triton.jit
 def load_penalised(row_ptr, token, vocab_size, penalties):
     """The row's logits at `token` (-inf past the vocabulary) in float32, penalised. The mask is read only in
     penalised rows and the counts only where a token was seen (predicated loads fetch nothing elsewhere)."""
-    seen_row, counts_row, penalized, counted, repetition, frequency, presence = penalties
+    seen_row, counts_row, penalized, repetition, frequency, presence = penalties
     valid = token < vocab_size
     x = tl.load(row_ptr + token, mask=valid, other=float("-inf")).to(tl.float32)
-    # tl.where, not `valid & penalized`: the interpreter cannot `&` these scalars with a tensor
+    # tl.where, not `valid & penalized`: the interpreter cannot `&` this scalar with a tensor
     seen = tl.load(seen_row + token, mask=tl.where(penalized, valid, False), other=0) != 0
-    count = tl.load(counts_row + token, mask=tl.where(counted, seen, False), other=0)  # counted tokens are seen
+    count = tl.load(counts_row + token, mask=seen, other=0)  # counted tokens are seen
     return penalise(x, seen, count, repetition, frequency, presence)
 
 
@@ -92,7 +91,7 @@ def _penalty_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    seen_row, counts_row, penalized, counted, repetition, frequency, presence = row_penalties(
+    seen_row, counts_row, penalized, repetition, frequency, presence = row_penalties(
         row, state_row_ptr, counts_ptr, seen_ptr, stride_state, repetition_ptr, frequency_ptr, presence_ptr)
     # Four contiguous tokens per thread: the bf16 loads and the float32 stores then share one layout
     # (left alone, the loads take 8 and the stores 4, and every tile goes through shared memory between).
@@ -107,7 +106,7 @@ def _penalty_kernel(
             x += tl.load(mask_ptr + row.to(tl.int64) * vocab_size + token, mask=valid)
         if penalized:
             seen = tl.load(seen_row + token, mask=valid, other=0) != 0
-            count = tl.load(counts_row + token, mask=tl.where(counted, seen, False), other=0)  # counted: seen
+            count = tl.load(counts_row + token, mask=seen, other=0)  # counted tokens are seen
             x = penalise(x, seen, count, repetition, frequency, presence)
         tl.store(out_ptr + row.to(tl.int64) * vocab_size + token, x, mask=valid)
         top = tl.maximum(top, tl.where(valid, x, float("-inf")))
