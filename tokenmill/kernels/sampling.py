@@ -10,7 +10,7 @@ split's tiles again with a running sum (tl.cumsum) until it passes the remainder
 once, with little arithmetic per token, so the pass runs near the memory bandwidth; one split per row
 is read again. (The Gumbel-max draw that this replaces cost a Philox call and two logarithms per token,
 and was bound by instruction issue at 4x this pass's time.) One launch matters as much as its GPU time:
-the host spends ~20 us launching a Triton kernel, and a decode step at batch 256 has ~3 ms for all of it.
+the host spends 20-50 us launching a Triton kernel, and a decode step at batch 256 has ~3 ms for all of it.
 
 The split layout depends only on the vocabulary size (DRAW_SPLITS), not on the batch: a row's masses,
 so its token, are the same bits in any batch. u comes from Philox4x32-10 (triton's randint) keyed by

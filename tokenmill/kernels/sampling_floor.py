@@ -41,7 +41,7 @@ costs half a 256-bin one: Triton's histogram takes a warp ballot per bin) but ne
 CANDIDATES = 2048
 """Slots per row for the tokens >= L; a row with more takes the radix select."""
 BOUND_SPLITS = 4
-"""Splits per row in pass 1. Fewer splits, looser L: about BOUND_SPLITS * k candidates."""
+"""Splits per row in pass 1: more splits, more programs but a looser L (about BOUND_SPLITS * k candidates)."""
 SMALL_SLOTS = tl.constexpr(256)
 """Rows with at most this many candidates sort and draw over these slots only (k <= MAX_FAST_K fits)."""
 MAX_FAST_K = CANDIDATES // BOUND_SPLITS // 2

@@ -17,9 +17,10 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
 
 Two implementations, one per device kind, with the same distribution:
 - On CUDA with triton, Triton kernels (kernels/): the mask and penalties in one pass that reads each
-  row's counts in place; min_p and top_k as a per-row floor on the logits (the k-th largest value
+  row's counts in place (or, in batches without a mask, processors or top_k, the penalties applied as
+  the draw kernels load each logit); min_p and top_k as a per-row floor on the logits (the k-th largest value
   without a sort of the vocabulary; ties with it are kept); the draw over the candidates in one read
-  of the logits plus one split per row, greedy rows in the same launches; rejection rounds instead of
+  of the logits plus one split per row, greedy rows in the same launch; rejection rounds instead of
   a sort for top_p. A row with a top_k of at most 256 is drawn among its gathered candidates instead,
   with the same uniforms and rounds, so the same token up to float rounding in the sums. The uniforms
   are keyed by the row's seed and the split layout by the vocabulary alone, so a seeded row's token
