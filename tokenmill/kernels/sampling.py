@@ -126,16 +126,12 @@ def _split_stats(row_ptr, vocab_size, first_tile, last_tile, scale, floor, pen, 
 @triton.jit
 def _mass_above(row_ptr, vocab_size, first_tile, last_tile, pivot, top, scale, pen, TILE: tl.constexpr,
                 PENALTIES: tl.constexpr):
-    """sum(2^(x * scale - top)) over the tiles' tokens above `pivot` (a candidate: those above it are too).
-    Two tiles per iteration: the top-p rounds run few programs, whose time is the latency of their loads."""
+    """sum(2^(x * scale - top)) over the tiles' tokens above `pivot` (a candidate: those above it are too)."""
     cols = tl.arange(0, TILE)
     total = tl.zeros([TILE], tl.float32)
-    end = tl.minimum(last_tile * TILE, vocab_size)
-    for tile in range(first_tile, last_tile, 2):
-        x = _load_logits(row_ptr, tile * TILE + cols, end, pen, PENALTIES)
-        x_next = _load_logits(row_ptr, (tile + 1) * TILE + cols, end, pen, PENALTIES)
+    for tile in range(first_tile, last_tile):
+        x = _load_logits(row_ptr, tile * TILE + cols, vocab_size, pen, PENALTIES)
         total += tl.where(x > pivot, tl.exp2(x * scale - top), 0.0)
-        total += tl.where(x_next > pivot, tl.exp2(x_next * scale - top), 0.0)
     return tl.sum(total, 0)
 
 
