@@ -50,7 +50,7 @@ def test_paged_attention_options(device, block_size, num_splits, options):
 def test_paged_attention_split_relaunch(device):
     """Two split launches in a row on different data: the last split to arrive resets its arrival counter, so
     the second launch combines too (an unreset counter never reaches num_splits - 1: its rows stay NaN)."""
-    from tokenmill.kernels import decode_attention as module
+    from tokenmill.kernels import arrivals as module
 
     dtype = torch.float16
     for seed, context_lens in enumerate([[300, 2, 90], [45, 260, 7, 0]]):

@@ -9,9 +9,7 @@ cost ~1.7 µs per layer at batch 1, mostly launch and tail). Split-KV keeps the 
 sizes and long contexts. The split count depends only on the batch shape (not on the lengths), so a CUDA
 graph captured for a batch size stays valid for any context length.
 
-The arrival counters live in one persistent, zeroed int32 buffer per device that every launch shares
-(each resets what it used), so launches must not overlap on different streams. The buffer only grows
-outside a CUDA graph capture: the eager run that precedes each capture (worker/cuda_graph.py) grows it.
+The arrival counters are kernels.arrivals' persistent, zeroed buffer (each launch resets what it used).
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.arrivals import arrival_counters
 from tokenmill.kernels.prefill_attention import _tanh, dot_precision
 
 MAX_SPLITS = 16
@@ -154,24 +153,6 @@ def _combine_splits(
              mask=g_mask[:, None] & d_mask[None, :])
 
 
-# device -> its arrival-counter buffers, the current (largest) one last. A replaced buffer stays allocated:
-# a CUDA graph captured before the growth still uses it.
-_arrival_buffers: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_ARRIVALS = 4096  # 16 KiB: more than the automatic split choice ever needs (num_decodes * num_kv_heads < 2 * SMs)
-
-
-def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 arrival counters on `device`: the same buffer launch after launch."""
-    buffers = _arrival_buffers.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"decode_attention needs {count} split arrival counters during a CUDA graph capture but has "
-                f"{buffers[-1].numel() if buffers else 0}: run the same batch shape eagerly before capturing it")
-        buffers.append(torch.zeros(max(count, _MIN_ARRIVALS), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["multiprocessor_count"]
@@ -227,7 +208,7 @@ def decode_attention(
         part_out = torch.empty((num_decodes, num_heads, num_splits, head_dim_pad), dtype=torch.float32,
                                device=query.device)
         part_lse = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32, device=query.device)
-        arrivals = _arrival_counters(query.device, num_decodes * num_kv_heads)
+        arrivals = arrival_counters(query.device, num_decodes * num_kv_heads)
     else:
         part_out = part_lse = arrivals = out  # unused
     k_cache, v_cache = kv_cache[0], kv_cache[1]

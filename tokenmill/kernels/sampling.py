@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.arrivals import arrival_counters
 from tokenmill.kernels.penalties import Penalties, load_penalised, no_penalties_args, row_penalties
 from tokenmill.kernels.sampling_layout import TILE, draw_layout, split_layout
 
@@ -429,8 +430,11 @@ def _penalty_args(penalties: Penalties | None, placeholder: torch.Tensor) -> tup
 
 
 def _zeroed_counters(num_rows: int, count: int, device: torch.device) -> torch.Tensor:
-    """[count, num_rows] int32 zeros, each row of them 16-byte aligned whatever num_rows (one compiled variant)."""
-    return torch.zeros(count, -(-num_rows // 4) * 4, dtype=torch.int32, device=device)[:, :num_rows]
+    """[count, num_rows] of kernels.arrivals' zeroed int32 counters, each row 16-byte aligned whatever num_rows
+    (one compiled variant). The kernels leave them at zero: the last program of a row to arrive resets its
+    arrival counter, and a top-p row's last round clears its rejected flag."""
+    padded = -(-num_rows // 4) * 4
+    return arrival_counters(device, count * padded)[: count * padded].view(count, padded)[:, :num_rows]
 
 
 def _draw(logits, temperature, seeds, floor, layout, tile, out, penalties, stats=None, arrivals=None, num_warps=4
@@ -533,14 +537,14 @@ def top_p_draw(
     return out
 
 
-def philox_uniform_ref(seeds: np.ndarray, counters: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Triton's randint4x + uint_to_uniform_float in numpy: [rows] keys x [cols] counters -> [4, rows, cols]."""
+def philox_uniform_ref(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Triton's randint4x + uint_to_uniform_float in numpy: [rows] keys x [cols] 32-bit counters ->
+    [4, rows, cols]."""
     mask = np.uint64(0xFFFFFFFF)
     seeds = seeds.astype(np.uint64)[:, None]
     k0, k1 = seeds & mask, seeds >> np.uint64(32)
     c0 = np.broadcast_to(counters.astype(np.uint64)[None, :], (len(seeds), len(counters)))
-    c1 = np.broadcast_to(offsets.astype(np.uint64)[:, None] & mask, c0.shape)
-    c2 = c3 = np.zeros_like(c0)
+    c1 = c2 = c3 = np.zeros_like(c0)
     round_a, round_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
     for _ in range(10):
         hi_b, hi_a = (round_b * c2) >> np.uint64(32), (round_a * c0) >> np.uint64(32)
@@ -555,7 +559,7 @@ def philox_uniform_ref(seeds: np.ndarray, counters: np.ndarray, offsets: np.ndar
 def uniform_ref(seeds: torch.Tensor, draw: int) -> np.ndarray:
     """The kernels' uniform of each row's draw number `draw` (float32, as they compute it), as float64."""
     seeds = seeds.cpu().numpy()
-    u = philox_uniform_ref(seeds, np.array([draw]), np.zeros(len(seeds), np.int64))[0, :, 0]
+    u = philox_uniform_ref(seeds, np.array([draw]))[0, :, 0]
     return np.minimum(u, np.float32(U_MAX.value)).astype(np.float64)
 
 
