@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: this machine's CPU build lies on disk; an unpinned torch pulls CUDA.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[server,test]"
+	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
 setup: $(VENV)/.installed
