@@ -56,3 +56,5 @@ class SchedulerStats:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
+    engine_error: str | None = None
+    """Set on the core's last message when a step raised: it is exiting, and every request it held is lost."""

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+"""Integers cross to the engine core as 64-bit values; anything wider is refused when validated."""
+
 LogitsProcessor = Callable[[list[int], "object"], "object"]
 """fn(output_token_ids, logits_row) -> logits_row. Runs in Python per request: the slow path."""
 
@@ -85,6 +88,9 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        for name in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or INT64_MIN <= value <= INT64_MAX, f"{name} must fit in 64 bits, got {value}")
         _check(self.n >= 1, f"n must be at least 1, got {self.n}")
         if self.best_of is not None:
             _check(self.best_of >= self.n, f"best_of ({self.best_of}) must be at least n ({self.n})")
@@ -125,7 +131,8 @@ class SamplingParams:
 
     def clone_for_sample(self, index: int) -> SamplingParams:
         """The params of one of several samples: n=1, and a seed of its own if seeded."""
-        seed = None if self.seed is None else self.seed + index
+        # Wrapped into 64 bits, so a seed near the top of the range gives every sample a valid seed.
+        seed = None if self.seed is None else (self.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
         return replace(self, n=1, best_of=None, seed=seed)
 
 

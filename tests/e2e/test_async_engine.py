@@ -109,9 +109,31 @@ def test_abort_ends_a_waiting_consumer(engine):
     loop.run_until_complete(abort_from_outside())
 
 
-def test_core_death_fails_open_streams(engine):
+def test_a_request_that_cannot_cross_to_the_core_leaves_nothing_behind(engine):
+    engine, loop = engine
+    with pytest.raises(ValueError, match="engine-core process"):
+        engine.add_request("callable", {"prompt_token_ids": PROMPTS[0]},
+                           SamplingParams(n=2, logits_processors=[lambda ids, logits: logits]))
+    assert engine.get_num_unfinished_seqs() == 0 and not engine.output_processor.parents
+
+
+def test_samples_of_a_seed_at_the_top_of_64_bits_all_run(engine):
+    """Each sample's seed is the request's plus its index, wrapped: none may fail to cross to the core."""
+    engine, loop = engine
+    params = SamplingParams(n=3, seed=(1 << 63) - 1, max_tokens=4, ignore_eos=True)
+
+    async def run():
+        return [output async for output in engine.add_request("top-seed", {"prompt_token_ids": PROMPTS[0]}, params)]
+
+    outputs = loop.run_until_complete(run())
+    assert outputs[-1].finished and engine.get_num_unfinished_seqs() == 0
+    assert sorted({c.index for o in outputs for c in o.outputs}) == [0, 1, 2]
+
+
+def test_a_dead_core_fails_open_streams_then_a_new_one_serves(engine):
     """Last: it kills the module's engine core."""
     engine, loop = engine
+    expected = loop.run_until_complete(generate(engine, "before", PROMPTS[0], GREEDY))
 
     async def kill_core_mid_stream():
         stream = engine.add_request("doomed", {"prompt_token_ids": PROMPTS[0]},
@@ -123,6 +145,17 @@ def test_core_death_fails_open_streams(engine):
                 pass
 
     loop.run_until_complete(asyncio.wait_for(kill_core_mid_stream(), timeout=20))
-    assert not engine.is_healthy
+    assert not engine.is_healthy and engine.get_num_unfinished_seqs() == 0
     with pytest.raises(EngineDeadError):
         engine.add_request("late", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+
+    async def wait_healthy(timeout: float = 120):
+        for _ in range(int(timeout / 0.1)):
+            if engine.is_healthy:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"the core was not restarted: {engine.dead_reason}")
+
+    loop.run_until_complete(wait_healthy())
+    assert engine.num_restarts == 1
+    assert loop.run_until_complete(generate(engine, "after", PROMPTS[0], GREEDY)) == expected

@@ -69,6 +69,8 @@ def test_prefix_hit_covers_full_blocks_and_leaves_the_last_token_to_compute():
     first = make_request("a", list(range(10)))
     assert kv.get_computed_blocks(first).num_tokens == 0
     assert kv.allocate_slots(first, 10) is not None
+    assert kv.get_computed_blocks(make_request("x", list(range(10)))).num_tokens == 0  # not registered yet
+    kv.cache_blocks(first, 10)  # the scheduler's call once the step computing them is final
     kv.free(first)
 
     same_prefix = make_request("b", list(range(9)) + [99, 100])
@@ -78,10 +80,21 @@ def test_prefix_hit_covers_full_blocks_and_leaves_the_last_token_to_compute():
     assert kv.get_computed_blocks(exact).num_tokens == 4  # never the whole prompt
 
 
+
+def test_blocks_of_a_request_preempted_before_its_step_was_final_never_become_hits():
+    """Allocation registers nothing: a request scheduled and then preempted in the same step (priority
+    policy) frees blocks it never computed, and no later request may reuse them as its prefix."""
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    scheduled = make_request("a", list(range(12)))
+    assert kv.allocate_slots(scheduled, 12) is not None
+    kv.free(scheduled)  # preempted: its step never computes these blocks
+    assert kv.get_computed_blocks(make_request("b", list(range(13)))).num_tokens == 0
+
 def test_cache_salt_isolates_requests():
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK)
     first = make_request("a", list(range(9)), salt="alice")
     kv.allocate_slots(first, 9, kv.get_computed_blocks(first))
+    kv.cache_blocks(first, 9)
     assert kv.get_computed_blocks(make_request("b", list(range(9)), salt="alice")).num_tokens == 8
     assert kv.get_computed_blocks(make_request("c", list(range(9)), salt="bob")).num_tokens == 0
     assert kv.get_computed_blocks(make_request("d", list(range(9)))).num_tokens == 0
@@ -102,6 +115,7 @@ def test_shared_prefix_blocks_are_reference_counted():
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
     a = make_request("a", list(range(9)))
     kv.allocate_slots(a, 9)
+    kv.cache_blocks(a, 9)
     b = make_request("b", list(range(9)))
     hit = kv.get_computed_blocks(b)
     kv.allocate_slots(b, 1, hit)

@@ -34,5 +34,11 @@ def test_outputs_round_trip():
 
 def test_python_callables_cannot_cross():
     request = EngineRequest("r", [1], SamplingParams(logits_processors=[lambda ids, logits: logits]))
-    with pytest.raises(TypeError, match="engine-core process"):
+    with pytest.raises(ValueError, match="engine-core process"):
+        encode_add(request)
+
+
+def test_integers_past_64_bits_are_the_requests_fault():
+    request = EngineRequest("r", [1], SamplingParams(), priority=1 << 70)
+    with pytest.raises(ValueError, match="ints"):
         encode_add(request)

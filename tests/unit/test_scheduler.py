@@ -246,3 +246,4 @@ def test_a_follower_aborted_before_the_fork_never_runs():
     scheduled = {rid for out in outs for rid in out.num_scheduled_tokens}
     assert scheduled == {"0_r", "2_r"} and not s.forks.followers
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+

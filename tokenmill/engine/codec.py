@@ -32,7 +32,11 @@ _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 
 
 def encode_add(request: EngineRequest) -> list[bytes]:
-    return [RequestKind.ADD.value, _encoder.encode(request)]
+    """ValueError for what cannot cross (Python callables, integers past 64 bits): the request's fault."""
+    try:
+        return [RequestKind.ADD.value, _encoder.encode(request)]
+    except (TypeError, OverflowError) as e:
+        raise ValueError(str(e)) from e
 
 
 def encode_abort(request_ids: list[str]) -> list[bytes]:

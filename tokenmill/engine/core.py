@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.manager import KVCacheManager
@@ -26,22 +27,38 @@ from tokenmill.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+class StepRunner(Protocol):
+    """What the core needs of whatever runs its steps (the worker, or a fake in scheduler tests)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput: ...
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, hf_config, max_model_len: int) -> None:
+    def __init__(self, scheduler: Scheduler, worker: StepRunner, async_scheduling: bool) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+        self.async_scheduling = async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingOutput | ReadyOutput] | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, hf_config, max_model_len: int) -> EngineCore:
+        """Load the model on its device, size and allocate the KV pool, and build the scheduler over it."""
         start = time.perf_counter()
-        self.worker = Worker(config, hf_config, max_model_len)
-        self.kv_cache_spec = self.worker.determine_kv_cache_spec()
-        self.worker.initialize_cache(self.kv_cache_spec)
+        worker = Worker(config, hf_config, max_model_len)
+        kv_cache_spec = worker.determine_kv_cache_spec()
+        worker.initialize_cache(kv_cache_spec)
         kv_cache_manager = KVCacheManager(
-            self.kv_cache_spec.num_blocks,
+            kv_cache_spec.num_blocks,
             config.cache_config.block_size,
             enable_caching=config.cache_config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len)
+        scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len)
         async_scheduling = config.scheduler_config.async_scheduling
-        self.async_scheduling = self.worker.device.type == "cuda" if async_scheduling is None else async_scheduling
-        self._in_flight: tuple[SchedulerOutput, PendingOutput | ReadyOutput] | None = None
+        if async_scheduling is None:
+            async_scheduling = worker.device.type == "cuda"
+        core = cls(scheduler, worker, async_scheduling)
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
+        return core
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(

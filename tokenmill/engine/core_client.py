@@ -76,8 +76,11 @@ class CoreProcessClient:
         assert self._output is not None, "open_output() first"
         return decode_outputs(await self._output.recv())
 
-    def add_request(self, request: EngineRequest) -> None:
-        self._input.send_multipart(encode_add(request), flags=zmq.NOBLOCK)
+    def add_requests(self, requests: list[EngineRequest]) -> None:
+        """Send the samples of one request, all or none: each is encoded before any is sent."""
+        messages = [encode_add(request) for request in requests]
+        for message in messages:
+            self._input.send_multipart(message, flags=zmq.NOBLOCK)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -4,7 +4,8 @@ The frontend starts `run_engine_core` in a spawned child. The child loads the mo
 "ready" (or the startup error) through a pipe, then loops: take requests and aborts from the
 input thread, step the core, hand outputs to the output thread. The socket threads encode and
 decode while the main thread computes. It exits on SIGTERM, when its parent dies, or on a
-fatal error (the frontend notices the exit and reports itself unhealthy).
+fatal error: a step that raises sends the error as its last message, so the frontend fails the
+requests at once and starts a new core (it also notices an exit that sent nothing).
 """
 
 from __future__ import annotations
@@ -48,22 +49,14 @@ def run_engine_core(
         _leave_a_cpu_for_the_frontend(config)
         hf_config = load_hf_config(config.model_config)
         max_model_len = resolve_max_model_len(config.model_config.max_model_len, hf_config)
-        proc = EngineCoreProc(EngineCore(config, hf_config, max_model_len), input_address, output_address)
+        proc = EngineCoreProc(EngineCore.from_config(config, hf_config, max_model_len), input_address, output_address)
     except BaseException:
         ready.send(("error", traceback.format_exc()))
         ready.close()
         raise SystemExit(1) from None
     ready.send(("ready", None))
     ready.close()
-    try:
-        proc.run_busy_loop()
-    except SystemExit:
-        logger.info("engine core shutting down")
-    except Exception:
-        logger.exception("engine core failed; exiting")
-        raise SystemExit(1) from None
-    finally:
-        proc.close()
+    proc.run()
 
 
 def _leave_a_cpu_for_the_frontend(config: EngineConfig) -> None:
@@ -107,6 +100,19 @@ class EngineCoreProc:
         ]
         for thread in self.threads:
             thread.start()
+
+    def run(self) -> None:
+        """The busy loop until SIGTERM; a step that raises is reported to the frontend, then exits 1."""
+        try:
+            self.run_busy_loop()
+        except SystemExit:
+            logger.info("engine core shutting down")
+        except Exception as e:
+            logger.exception("engine core failed; exiting")
+            self.outputs.put(EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}"))
+            raise SystemExit(1) from None
+        finally:
+            self.close()
 
     def run_busy_loop(self) -> None:
         while True:

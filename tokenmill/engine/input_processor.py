@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.tokenizer import TokenizerInfo
 from tokenmill.protocol import EngineRequest
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -54,6 +54,8 @@ class InputProcessor:
     ) -> tuple[str | None, EngineRequest]:
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate(token_ids, params)
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must fit in 64 bits, got {priority}")
         if params.bad_words and not params.bad_words_token_ids:
             params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         request = EngineRequest(

@@ -21,7 +21,7 @@ class LLMEngine:
         self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len
         self.tokenizer = frontend.tokenizer
         self.input_processor, self.output_processor = frontend.input_processor, frontend.output_processor
-        self.core = EngineCore(config, self.hf_config, self.max_model_len)
+        self.core = EngineCore.from_config(config, self.hf_config, self.max_model_len)
         self._request_counter = itertools.count()
         self.last_stats: SchedulerStats | None = None
 
@@ -37,8 +37,17 @@ class LLMEngine:
         cache_salt: str | None = None,
         output_kind: RequestOutputKind | None = None,
     ) -> None:
-        for request in self.frontend.prepare(request_id, prompt, params, priority, cache_salt, output_kind):
-            self.core.add_request(request)
+        requests = self.frontend.prepare(request_id, prompt, params, priority, cache_salt, output_kind)
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.core.add_request(request)
+                added.append(request.request_id)
+        except Exception:
+            # All or nothing: no sample may run for a request the caller was told failed.
+            self.core.abort_requests(added)
+            self.output_processor.abort_requests([request_id])
+            raise
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         self.core.abort_requests([sid for rid in request_ids for sid in self.output_processor.sample_ids(rid)])

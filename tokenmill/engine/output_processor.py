@@ -74,16 +74,17 @@ class OutputProcessor:
         output_kind: RequestOutputKind | None = None,
     ) -> list[tuple[str, SamplingParams]]:
         """Track a request; returns the (core request id, params) of each sample to run."""
-        if request_id in self.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        single = params.num_samples == 1
+        sample_ids = [request_id] if single else [f"{index}_{request_id}" for index in range(params.num_samples)]
+        for used in (request_id, *sample_ids):
+            if used in self.parents or used in self.samples:
+                raise ValueError(f"request id {used!r} is already in use")
         kind = output_kind or params.output_kind
         if params.num_samples > params.n:
             kind = RequestOutputKind.FINAL_ONLY  # the best n are known only at the end
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, kind, RequestMetrics(arrival_time))
         self.parents[request_id] = parent
-        single = params.num_samples == 1
-        for index in range(params.num_samples):
-            sample_id = request_id if single else f"{index}_{request_id}"
+        for index, sample_id in enumerate(sample_ids):
             sample_params = params if single else params.clone_for_sample(index)
             if params.num_samples > params.n and sample_params.logprobs is None:
                 # Ranking by cumulative logprob needs the chosen tokens' logprobs.
@@ -104,7 +105,8 @@ class OutputProcessor:
         return bool(self.parents)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver and the core ids to abort (they hit a stop string)."""
+        """Returns the outputs to deliver and the core ids to abort: samples that hit a stop string, and the
+        other samples of a request the core refused."""
         now = time.time()
         results, to_abort = [], []
         for out in outputs:
@@ -112,6 +114,12 @@ class OutputProcessor:
             if sample is None:
                 continue  # aborted by the caller
             parent = sample.parent
+            if out.finish_reason == FinishReason.ABORT:
+                # The core refused this sample (it aborts nothing by itself): the request fails whole.
+                siblings = [s.request_id for s in parent.samples if s is not sample and s.finish_reason is None]
+                to_abort += siblings
+                results += self.abort_requests([parent.request_id])
+                continue
             if parent.metrics.first_token_time is None and out.new_token_ids:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now

@@ -15,10 +15,17 @@ from tokenmill.request import Request
 
 @dataclass(frozen=True)
 class ComputedBlocks:
-    """A prefix-cache hit: blocks to reuse and the number of tokens they cover."""
+    """KV a request can start from instead of computing it: blocks to reuse and the tokens they cover."""
 
     blocks: list[KVCacheBlock]
+    """Full blocks taken by reference."""
     num_tokens: int
+    copy_from: KVCacheBlock | None = None
+    """A partly filled block whose first `num_tokens % block_size` tokens the request shares (a forked
+    sample's leader's last prompt block): copied into the request's first new block rather than shared,
+    since the request writes its own tokens there."""
+    is_prefix_cache_hit: bool = True
+    """False for a fork: counted apart from the prefix cache's hits."""
 
 
 NO_HIT = ComputedBlocks([], 0)
@@ -44,6 +51,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         """Per request, how many leading blocks are already registered in the prefix cache."""
+        self.block_copies: list[tuple[int, int]] = []
+        """(source, destination) blocks of forks made since the last take_block_copies()."""
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -67,22 +76,27 @@ class KVCacheManager:
             hits.append(block)
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
+    def get_forked_blocks(self, leader: Request, num_tokens: int) -> ComputedBlocks:
+        """The leader's KV for its first `num_tokens` tokens, for another sample of the same prompt: full
+        blocks shared by reference, a partial last block to be copied (allocate_slots does both)."""
+        blocks = self.req_to_blocks[leader.request_id]
+        num_full, partial = divmod(num_tokens, self.block_size)
+        return ComputedBlocks(blocks[:num_full], num_tokens, copy_from=blocks[num_full] if partial else None,
+                              is_prefix_cache_hit=False)
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks = NO_HIT
     ) -> list[int] | None:
         """Give the request room for `num_new_tokens` more tokens after its computed ones.
 
         Returns the ids of blocks newly appended to its block table, or None if the pool cannot
-        hold them (nothing changes then).
+        hold them (nothing changes then). Nothing enters the prefix cache here: the scheduler calls
+        cache_blocks once the step that computes the blocks can no longer be taken back.
         """
         held = self.req_to_blocks.setdefault(request.request_id, [])
         num_tokens_after = request.num_computed_tokens + computed.num_tokens + num_new_tokens
-        if not computed.blocks and num_tokens_after <= len(held) * self.block_size:
-            # The common decode step: the last block still has room, so only newly full blocks need caching.
-            num_cached = self.num_cached_blocks.get(request.request_id, 0)
-            if self.enable_caching and num_tokens_after // self.block_size > num_cached:
-                self._cache_full_blocks(request, held, min(num_tokens_after, request.num_tokens))
-            return []
+        if computed.num_tokens == 0 and num_tokens_after <= len(held) * self.block_size:
+            return []  # the common decode step: the last block still has room
         num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - len(held) - len(computed.blocks))
         # Hits sitting in the free queue stop being allocatable once we take them.
         num_free_hits = sum(1 for block in computed.blocks if block.ref_count == 0)
@@ -90,40 +104,43 @@ class KVCacheManager:
             if not held:
                 del self.req_to_blocks[request.request_id]
             return None
-        if not held and self.enable_caching:
-            # Counted once per admission, so a retry after a failed allocation is not counted twice.
-            self.prefix_cache_stats.queries += request.num_tokens
-            self.prefix_cache_stats.hits += computed.num_tokens
+        if not held:
+            # Blocks taken from the cache or a leader are registered already (or will be, by their owner).
+            self.num_cached_blocks[request.request_id] = len(computed.blocks)
+            if self.enable_caching and computed.is_prefix_cache_hit:
+                # Counted once per admission, so a retry after a failed allocation is not counted twice.
+                self.prefix_cache_stats.queries += request.num_tokens
+                self.prefix_cache_stats.hits += computed.num_tokens
         self.pool.touch(computed.blocks)
         held.extend(computed.blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         held.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, held, min(num_tokens_after, request.num_tokens))
+        if computed.copy_from is not None:
+            # Before this step's forward pass: the leader's KV there came from earlier steps.
+            self.block_copies.append((computed.copy_from.block_id, new_blocks[0].block_id))
         return [block.block_id for block in computed.blocks + new_blocks]
 
-    def can_fork(self, num_tokens: int) -> bool:
-        return num_tokens % self.block_size == 0 or self.pool.num_free_blocks > 0
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks among its first `num_computed_tokens` tokens, whose KV is
+        computed or is computed by a step that will run (a later reader runs after it, or reads it in the
+        same forward pass, after each layer writes its KV). Never earlier: a block scheduled but then
+        not computed (its request preempted in the same step) must not be handed out as a hit."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not self.enable_caching or not blocks:
+            return
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_computed_tokens, request.num_tokens, len(blocks) * self.block_size) // self.block_size
+        if end <= start:
+            return
+        self._update_block_hashes(request, end * self.block_size)
+        for i in range(start, end):
+            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = end
 
-    def fork(self, parent: Request, child: Request, num_tokens: int) -> tuple[int, int] | None:
-        """Give `child` the parent's KV for its first `num_tokens` tokens: full blocks are shared
-        (one more reference each), a partial last block is copied into a new block of the child's
-        (copy-on-write, done at once since the child's next token goes there). Needs can_fork().
-
-        Returns the (source, destination) block ids the worker must copy before the child's first
-        step, or None when every shared block is full.
-        """
-        parent_blocks = self.req_to_blocks[parent.request_id]
-        num_full, partial = divmod(num_tokens, self.block_size)
-        shared = parent_blocks[:num_full]
-        self.pool.touch(shared)
-        held = self.req_to_blocks[child.request_id] = list(shared)
-        child.block_hashes = parent.block_hashes[:num_full]
-        self.num_cached_blocks[child.request_id] = num_full
-        if not partial:
-            return None
-        held.extend(self.pool.get_new_blocks(1))
-        return parent_blocks[num_full].block_id, held[-1].block_id
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) blocks to copy before the next step's forward pass, drained."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
@@ -136,15 +153,6 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
-
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        """Register the request's full blocks, whose token ids are final once scheduled."""
-        self._update_block_hashes(request, num_tokens)
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        end = num_tokens // self.block_size
-        for i in range(start, end):
-            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = max(start, end)
 
     def _update_block_hashes(self, request: Request, num_tokens: int | None = None) -> None:
         num_tokens = request.num_tokens if num_tokens is None else num_tokens

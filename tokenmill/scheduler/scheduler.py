@@ -16,7 +16,7 @@ import time
 from collections import deque
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.kv_cache.manager import NO_HIT, KVCacheManager
+from tokenmill.kv_cache.manager import NO_HIT, ComputedBlocks, KVCacheManager
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.request import Request, RequestStatus, finish_reason_of
 from tokenmill.scheduler.forks import PendingForks
@@ -30,8 +30,19 @@ from tokenmill.scheduler.request_queue import make_request_queue
 from tokenmill.scheduler.stop import check_stop, reaches_length
 
 
+class SchedulerStalledError(RuntimeError):
+    """A step scheduled nothing while requests wait and no step is in flight: nothing can ever change,
+    so the engine would spin forever. Always a bug; raised rather than hidden."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            # A prompt longer than one step's budget could then never be scheduled.
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
+                f"least max_model_len ({max_model_len}): raise it, lower max_model_len or enable chunked prefill"
+            )
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -40,7 +51,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_request_ids: set[str] = set()
         """Requests that left since the last schedule(); the worker must drop their state."""
-        self.forks = PendingForks(kv_cache_manager)
+        self.forks = PendingForks()
         self.steps_in_flight: deque[dict[str, Request]] = deque()
         """The requests of each scheduled step not yet updated, oldest first: every schedule() gets
         its update_from_output(), in order. Outputs go to these objects, since an id aborted while
@@ -78,7 +89,6 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        block_copies = self.forks.take_block_copies()  # forks made last time: after that step's KV writes
         num_scheduled: dict[str, int] = {}
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
@@ -102,6 +112,10 @@ class Scheduler:
             )
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        # Their new full blocks enter the prefix cache only now that no preemption can unschedule them.
+        for request in self.running:
+            if request.request_id in num_scheduled:
+                self.kv.cache_blocks(request, request.num_computed_tokens + num_scheduled[request.request_id])
         # Preemption may have handed back budget; recount from what is actually scheduled.
         budget = self.config.max_num_batched_tokens - sum(num_scheduled.values())
         # After a preemption the cache is full: admitting more would only thrash it.
@@ -113,23 +127,25 @@ class Scheduler:
             # A request preempted with a token in flight gets it back in update_from_output before
             # the next schedule(): admission is closed in the step that preempted it.
             assert request.num_output_placeholders == 0
-            # Prompt logprobs need the logits of every prompt position, so such requests skip the cache.
-            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
-            use_cache = request.num_computed_tokens == 0 and not wants_prompt_logprobs
-            computed = self.kv.get_computed_blocks(request) if use_cache else NO_HIT
-            num_new = request.num_tokens - request.num_computed_tokens - computed.num_tokens
+            # Waiting requests hold no blocks: what running requests free is always enough to admit one.
+            assert request.num_computed_tokens == 0
+            computed = self._get_computed_blocks(request)
+            num_new = request.num_tokens - computed.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new, computed) is None:
                 break
             self.waiting.pop()
+            self.forks.admitted(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens += computed.num_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = request.num_computed_tokens  # prefix-cache hit or forked prompt
                 self.queue_times.append(time.time() - request.arrival_time)
             self.running.append(request)
+            # No preemption follows in this step: later admissions may share these blocks at once.
+            self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
             new_requests.append(
                 NewRequestData(
                     request_id=request.request_id,
@@ -151,18 +167,38 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_request_ids=self.finished_request_ids,
-            block_copies=block_copies,
+            block_copies=self.kv.take_block_copies(),
         )
         self.finished_request_ids = set()
+        if not num_scheduled and not any(self.steps_in_flight) and self.has_requests():
+            raise SchedulerStalledError(self._describe_stall())
         self.steps_in_flight.append({request_id: self.requests[request_id] for request_id in num_scheduled})
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples the request's next token
-            for follower in self.forks.fork_ready(request):
+            for follower in self.forks.release_followers(request):
                 self.waiting.add_preempted(follower)  # to the front: each has one token to compute
         return output
+
+    def _describe_stall(self) -> str:
+        head = self.waiting.peek() if len(self.waiting) else None
+        return (
+            f"the scheduler made no progress: {len(self.running)} running, {len(self.waiting)} waiting "
+            f"(first: {head.request_id if head else None!r}, {head.num_tokens if head else 0} tokens), "
+            f"KV cache {self.kv.usage:.0%} used; this is a bug in tokenmill, please report it"
+        )
+
+    def _get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """What a request being admitted can start from: its leader's prompt KV (a forked sample), the
+        prefix cache, or nothing. Prompt logprobs need every prompt position's logits: no cache then."""
+        leader = self.forks.get_leader_to_share(request)
+        if leader is not None:
+            return self.kv.get_forked_blocks(leader, request.num_prompt_tokens - 1)
+        if request.sampling_params.prompt_logprobs is not None:
+            return NO_HIT
+        return self.kv.get_computed_blocks(request)
 
     def _allocate_or_preempt(
         self,

@@ -34,6 +34,7 @@ class PendingOutput:
         self._states = states
         self._request_ids = request_ids
         self._rows = rows
+        self._generations = states.row_generation[rows]  # [n] a copy: fancy indexing
         self._positions = positions
         self._num_logprobs = num_logprobs
         self._prompt_logprobs = prompt_logprobs or {}
@@ -67,13 +68,12 @@ class PendingOutput:
         return self._output
 
     def _write_host_tokens(self, token_ids: list[int]) -> None:
-        # Skip rows whose request left (and whose row may serve another request) since the launch.
-        row_of = self._states.row_of
-        kept = [i for i, (rid, row) in enumerate(zip(self._request_ids, self._rows.tolist())) if row_of.get(rid) == row]
-        if len(kept) == len(token_ids):
+        # Skip rows whose request left since the launch (the row may serve another request now).
+        kept = self._states.row_generation[self._rows] == self._generations
+        if kept.all():
             self._states.token_ids[self._rows, self._positions] = token_ids
-        elif kept:
-            self._states.token_ids[self._rows[kept], self._positions[kept]] = [token_ids[i] for i in kept]
+        elif kept.any():
+            self._states.token_ids[self._rows[kept], self._positions[kept]] = np.asarray(token_ids)[kept]
 
 
 class ReadyOutput:

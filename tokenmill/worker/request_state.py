@@ -25,6 +25,10 @@ class RequestStates:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.row_generation = np.zeros(max_num_reqs, dtype=np.int64)
+        """Bumped each time a row is given to a request: a step's late host write checks it, so it cannot
+        land in a row that now serves another request, even one with the same id (an id may be reused
+        as soon as it is aborted, while its last step still runs)."""
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -40,6 +44,7 @@ class RequestStates:
         for new in scheduler_output.new_requests:
             row = self._free_rows.pop()
             self.row_of[new.request_id] = row
+            self.row_generation[row] += 1
             n = len(new.token_ids)
             self.token_ids[row, :n] = new.token_ids
             self.num_tokens[row] = n
