@@ -129,19 +129,24 @@ class ServerConfig:
     """Bearer key every route but /health and /version requires (default: $TOKENMILL_API_KEY)."""
     served_model_name: str | None = None
     """The model name clients pass and responses carry; defaults to the model argument."""
-    max_waiting_requests: int | None = None
-    """Answer 503 (with Retry-After) to requests that would make more than this many wait; None: no limit."""
+    max_waiting_requests: int = 1024
+    """Answer 503 (with Retry-After) to requests that would make more than this many sequences wait,
+    rather than queue without bound; -1: no limit."""
     max_request_body_bytes: int = 16 * 1024 * 1024
     """Larger request bodies are refused with 413."""
     metrics_no_auth: bool = False
     """Serve /metrics without the API key (for scrapers that cannot send one)."""
     uvicorn_log_level: str = "info"
     """Log level of the HTTP server: critical | error | warning | info | debug | trace."""
+    trust_request_chat_template: bool = False
+    """Render chat templates sent in requests (`chat_template`); otherwise they are refused with 400. For
+    trusted clients only: transformers' sandboxed Jinja keeps a template from the system, not from
+    taking unbounded time or memory."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be non-negative, got {self.max_waiting_requests}")
+        if self.max_waiting_requests < -1:
+            raise ValueError(f"max_waiting_requests must be non-negative or -1, got {self.max_waiting_requests}")
         if self.max_request_body_bytes <= 0:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import RemoteServer, descendants, is_alive
+from server_harness import HOST, RemoteServer, descendants, is_alive
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +73,14 @@ def test_models_health_version(server, client):
     assert card.id == MODEL and card.max_model_len == MAX_MODEL_LEN
     assert httpx.get(server.url("/health")).status_code == 200
     assert httpx.get(server.url("/version")).json()["version"]
+
+
+def test_models_retrieve(client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("org/unknown-model")
+    assert raised.value.body["code"] == "model_not_found"
 
 
 def test_completion_streamed_and_not_agree_and_count_tokens(server, client, smollm2_tokenizer):
@@ -265,6 +274,41 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     assert_openai_error(response, status)
 
 
+def test_request_chat_template_needs_the_flag(server):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "chat_template": "{{ 'Hi' }}"}
+    error = assert_openai_error(post(server, "/v1/chat/completions", body), 400)
+    assert "--trust-request-chat-template" in error["message"] and error["param"] == "chat_template"
+
+
+def raw_request(server, head: str, body: bytes = b"") -> socket.socket:
+    """An HTTP/1.1 request on a socket of its own, sent as given (`head`: the request line and any
+    headers beyond Host and the key)."""
+    sock = socket.create_connection((HOST, server.port))
+    lines = [head, f"Host: {HOST}", f"Authorization: Bearer {API_KEY}", "", ""]
+    sock.sendall("\r\n".join(lines).encode() + body)
+    return sock
+
+
+def read_status(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    return sock.recv(4096).split(b"\r\n", 1)[0]
+
+
+def test_oversized_body_is_refused_from_its_content_length(server):
+    # The answer comes at once, with no byte of the body sent.
+    with raw_request(server, "POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {10**12}") as sock:
+        assert read_status(sock, timeout=1).startswith(b"HTTP/1.1 413 ")
+
+
+def test_oversized_chunked_body_is_refused_once_past_the_limit(server):
+    # Though the client has not finished the body.
+    chunk = b"x" * (MAX_BODY_BYTES + 1)
+    with raw_request(server, "POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                             "Transfer-Encoding: chunked", f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n") as sock:
+        assert read_status(sock, timeout=1).startswith(b"HTTP/1.1 413 ")
+
+
 def test_context_overflow_names_both_numbers(server, client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=MODEL, prompt="Hello world", max_tokens=MAX_MODEL_LEN)
@@ -317,6 +361,31 @@ def test_client_leaving_a_plain_request_aborts_it(server):
         httpx.post(server.url("/v1/completions"), json=LONG_REQUEST, headers=server.headers, timeout=2)
     wait_until_idle(server)
     assert finished_counts(server)["abort"] == aborted_before + 1
+
+
+HANG_UPS = [
+    ("completion", "/v1/completions", {"prompt": "Tell me a long story."}),
+    ("completion_n2_two_prompts", "/v1/completions", {"prompt": ["Once", "Long ago"], "n": 2}),
+    ("completion_stream_two_prompts", "/v1/completions", {"prompt": ["Once", "Long ago"], "stream": True}),
+    ("chat_n2", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}], "n": 2}),
+    ("chat_stream", "/v1/chat/completions", {"messages": [{"role": "user", "content": "A story?"}], "stream": True}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), [h[1:] for h in HANG_UPS], ids=[h[0] for h in HANG_UPS])
+def test_hang_up_leaves_no_traceback_and_an_idle_engine(server, path, body):
+    log_before = len(server.log_tail(10**9))
+    data = json.dumps({"model": MODEL, "max_tokens": 900, "ignore_eos": True, **body}).encode()
+    head = f"POST {path} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+    with raw_request(server, head, data):
+        deadline = time.monotonic() + 20
+        while metric_samples(server)["tokenmill:num_requests_running"] == 0:  # generating: then hang up
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.05)
+    wait_until_idle(server)
+    assert metric_samples(server)["tokenmill:num_requests_waiting"] == 0
+    new_log = server.log_tail(10**9)[log_before:]
+    assert "Traceback" not in new_log, new_log
 
 
 def test_metrics_parse_and_count(server):

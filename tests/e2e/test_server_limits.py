@@ -12,6 +12,10 @@ import httpx
 import pytest
 from server_harness import RemoteServer, descendants, is_alive
 
+from tokenmill.cli import make_parser
+from tokenmill.cli.args import given_fields
+from tokenmill.config import ServerConfig
+
 pytestmark = pytest.mark.slow
 
 API_KEY = "limits-key"
@@ -58,6 +62,36 @@ def test_overload_answers_503_with_retry_after(server):
             break
         time.sleep(0.2)
     assert response.status_code == 200, response.text
+
+
+class IdleEngine:
+    last_stats = None
+
+    def get_num_unfinished_seqs(self) -> int:
+        return 0
+
+
+def server_config(*argv: str) -> ServerConfig:
+    return ServerConfig(**given_fields(make_parser().parse_args(["serve", *argv]), ServerConfig))
+
+
+def test_waiting_sequences_are_bounded_by_default():
+    from tokenmill.server.errors import APIError
+    from tokenmill.server.state import ServerState
+
+    config = server_config()
+    limit = config.max_waiting_requests
+    assert limit == 1024
+    state = ServerState(IdleEngine(), config, "m", max_num_seqs=4)
+    state.check_capacity(4 + limit)  # the 4 run, the rest wait: exactly the limit
+    with pytest.raises(APIError) as refused:
+        state.check_capacity(4 + limit + 1)
+    assert refused.value.status == 503 and int(refused.value.headers["Retry-After"]) >= 1
+    # The flag raises the bound, or lifts it with -1.
+    ServerState(IdleEngine(), server_config("--max-waiting-requests", "4096"), "m", 4).check_capacity(4 + 4096)
+    ServerState(IdleEngine(), server_config("--max-waiting-requests", "-1"), "m", 4).check_capacity(10**9)
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        server_config("--max-waiting-requests", "-2")
 
 
 def test_engine_core_death_makes_server_unhealthy(server):

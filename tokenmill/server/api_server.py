@@ -18,6 +18,7 @@ from tokenmill.server.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenmill.server.openapi import openapi_spec
 from tokenmill.server.serving_chat import create_chat_completion, render_messages
 from tokenmill.server.serving_completion import create_completion
 from tokenmill.server.state import ServerState
@@ -33,10 +34,18 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
     async def lifespan(app: FastAPI):
         await engine.start()
         yield
+        state.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     install_error_handlers(app)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_spec(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
@@ -56,11 +65,18 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
+                "root": engine.config.model_config.model, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
-                "root": engine.config.model_config.model, "parent": None, "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # served names may hold slashes (paths, "org/model")
+    async def model(model_id: str) -> dict:
+        state.check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -76,11 +92,12 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("pass exactly one of prompt and messages")
         if req.messages is not None:
-            _, token_ids = render_messages(state, req)
+            _, token_ids = await render_messages(state, req)
         elif engine.tokenizer is None:
             raise bad_request("this server was started without a tokenizer")
         else:
-            token_ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            token_ids = await state.off_loop(engine.tokenizer.encode, req.prompt,
+                                             add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids})
 
     @app.post("/detokenize")
@@ -91,7 +108,7 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
         vocab_size = engine.hf_config.vocab_size
         if any(not 0 <= t < vocab_size for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {vocab_size})", param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await state.off_loop(engine.tokenizer.decode, req.tokens)})
 
     # Added last, so it runs first: a request without the key is refused before its body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)

@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+MAX_ERRORS_DESCRIBED = 5
+"""A list of a million bad token ids is one error message of reasonable size."""
 
 
 class APIError(Exception):
@@ -55,7 +57,9 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = "; ".join(_describe(e) for e in errors) or "invalid request"
+        message = "; ".join(_describe(e) for e in errors[:MAX_ERRORS_DESCRIBED]) or "invalid request"
+        if len(errors) > MAX_ERRORS_DESCRIBED:
+            message += f"; and {len(errors) - MAX_ERRORS_DESCRIBED} more errors"
         return error_response(400, message, code=first.get("type"), param=".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)

@@ -8,8 +8,10 @@ exits by itself if this process dies without that chance.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -25,11 +27,30 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 3
 
 
+class CannotListenError(OSError):
+    """host:port cannot be had (taken, not this machine's address, a privileged port): a message for the user."""
+
+
 def _exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail in a moment rather than after the model has loaded: bind host:port the way uvicorn will
+    (SO_REUSEADDR, so a port left in TIME_WAIT counts as free), then let it go."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise CannotListenError(f"port {port} on {host} is already in use; pass --port") from None
+            reason = (e.strerror or str(e)).lower()
+            raise CannotListenError(f"cannot listen on {host} port {port}: {reason}; pass --host or --port") from None
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_name: str) -> None:
+    check_port_free(server_config.host, server_config.port)
     # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C: the core is stopped on the way out.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     registry = CollectorRegistry()

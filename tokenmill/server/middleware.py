@@ -37,7 +37,8 @@ class APIKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """Reads the whole body first (the JSON routes need all of it anyway), answering 413 past the limit."""
+    """Answers 413 for bodies past the limit without reading them: at once from Content-Length, and for
+    chunked bodies as soon as the limit is passed. (uvicorn discards what the client still sends.)"""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -47,21 +48,22 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
-        too_large = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        if declared is not None and declared.isdigit():  # the HTTP server ends the body where it says
+            if int(declared) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":  # disconnected before the body was complete
                 return
-            size += len(message.get("body", b""))
-            too_large = too_large or size > self.max_bytes
-            if not too_large:
-                chunks.append(message.get("body", b""))
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        if too_large:
-            # Answered only once the body is drained, so the client reads the 413, not a reset.
-            return await self._too_large(scope, receive, send)
         body_sent = False
 
         async def replay() -> Message:

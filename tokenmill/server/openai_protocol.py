@@ -1,86 +1,188 @@
 """Pydantic models of the request bodies: OpenAI's fields plus vLLM's sampling extras.
 
+Every bound the server enforces on one field is declared here (ranges, enums, lengths), so that it is
+refused with a 400 before anything reaches the engine and /openapi.json publishes it. The bounds of
+the numeric sampling fields mirror SamplingParams.validate(); checks across fields (min_tokens <=
+max_tokens, best_of >= n, the context length, the vocabulary) stay in sampling.py and the engine.
+
 Unknown fields are ignored, as OpenAI clients send fields a server may not know. Responses are
 plain dicts built in the serving modules, in OpenAI's wire format.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+
+from tokenmill.server.limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_SEQUENCES,
+    MAX_TOKEN_COUNT,
+    TOKEN_ID_END,
+)
 
 
-class StreamOptions(BaseModel):
+def _integral_float_to_int(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+INTEGRAL = BeforeValidator(_integral_float_to_int)
+"""JSON Schema counts 3.0 as an integer; strict validation alone would not (it refuses true and "3",
+as the schema does). After the bounds in an Annotated, so that the schema still shows them."""
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL]
+TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_END), INTEGRAL]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKEN_COUNT), INTEGRAL]
+SampleCount = Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+LogitBias = Annotated[
+    # JSON keys are strings, read as numbers; the key's integer schema alone would not be published.
+    dict[Annotated[int, Field(strict=False, ge=0, lt=TOKEN_ID_END)],
+         Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    Field(json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,10}$"}}),
+]
+
+
+class RequestModel(BaseModel):
+    # Strict: what passes is what the schema says (no true for 1, no "3" for 3). Python's json module
+    # reads NaN and Infinity, which no parameter means anything with.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(BaseModel):
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    # Other fields (tool_calls, tool_call_id, ...) are kept and reach the chat template as sent.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    """Text, or a list of text parts (joined with newlines); no images or audio."""
+    name: str | None = None
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+def _prompt_form(value: Any) -> str:
+    """Which form a prompt takes, so that a malformed one gets the errors of that form alone."""
+    if isinstance(value, str):
+        return "text"
+    first = value[0] if isinstance(value, list) and value else None
+    if isinstance(first, list):
+        return "token_id_lists"
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return "token_ids"
+    return "texts"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS), Tag("texts")]
+    | Annotated[list[TokenId], Field(min_length=1), Tag("token_ids")]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS),
+                Tag("token_id_lists")],
+    Discriminator(_prompt_form),
+]
+
+
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    n: SampleCount = 1
+    best_of: SampleCount | None = None
+    """Samples generated per prompt, of which the n most likely are returned (not streamable if > n)."""
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: LogitBias | None = None
+    """Token id (a decimal string) -> value added to its logit."""
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKEN_COUNT), INTEGRAL] | None = None
+    """0 or -1 disables top-k."""
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT), INTEGRAL] = 0
     ignore_eos: bool = False
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: Int64 = 0
+    """Lower runs first, with --scheduling-policy priority."""
     cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: Prompt = Field(description=f"Text, a list of texts, token ids, or a list of token-id lists; at most "
+                                       f"{MAX_PROMPTS} prompts, and prompts times best_of (or n) at most "
+                                       f"{MAX_SEQUENCES}.")
+    max_tokens: TokenCount | None = 16
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0)
-    suffix: str | None = None
+    logprobs: NumLogprobs | None = None
+    suffix: None = None
+    """Not supported: must be null or absent."""
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
+    messages: Messages
+    max_tokens: TokenCount | None = None
     """Deprecated by OpenAI in favour of max_completion_tokens; both are honoured."""
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: NumLogprobs | None = None
     response_format: dict[str, Any] | None = None
+    """Only {"type": "text"} (the default) is accepted today."""
     tools: list[dict[str, Any]] | None = None
+    """Tools are not supported yet: only none, an empty list, or tool_choice "none" is accepted."""
     tool_choice: str | dict[str, Any] | None = None
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    """A Jinja chat template to use instead of the model's; refused unless the server was started with
+    --trust-request-chat-template."""
     chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template."""
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
+    """Pass exactly one of prompt and messages."""
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)

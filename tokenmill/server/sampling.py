@@ -6,9 +6,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_protocol import SamplingRequest
 
-MAX_LOGPROBS = 20
-"""Most alternatives per position a request may ask for (OpenAI allows 20 in chat)."""
-
 
 def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
     """The output budget: what was asked for, if it fits the context, else a 400; all that fits if None."""
@@ -35,13 +32,6 @@ def to_sampling_params(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if value is not None and value > MAX_LOGPROBS:
-            raise bad_request(f"{name} must be at most {MAX_LOGPROBS}, got {value}", param=name)
-    try:
-        logit_bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
-    except ValueError:
-        raise bad_request("logit_bias keys must be token ids", param="logit_bias") from None
     try:
         return SamplingParams(
             n=req.n,
@@ -54,7 +44,7 @@ def to_sampling_params(
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=logit_bias,
+            logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             max_tokens=max_tokens,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -14,13 +15,13 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body
 from tokenmill.server.logprobs import chat_logprobs
-from tokenmill.server.openai_protocol import ChatCompletionRequest
+from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_id
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 
 
-def render_messages(state: ServerState, req) -> tuple[str, list[int]]:
+async def render_messages(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
     """The prompt of a chat request (also used by /tokenize); 400 for anything the template rejects."""
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
@@ -28,19 +29,27 @@ def render_messages(state: ServerState, req) -> tuple[str, list[int]]:
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
                           "set add_generation_prompt to false", param="continue_final_message")
-    if not req.messages:
-        raise bad_request("messages must not be empty", param="messages")
+    chat_template = getattr(req, "chat_template", None)
+    # A template is code the server runs. render_chat renders through tokenizer.apply_chat_template,
+    # i.e. in transformers' sandboxed Jinja environment, but even sandboxed a template can run for long.
+    if chat_template is not None and not state.config.trust_request_chat_template:
+        raise bad_request("chat templates sent in requests are refused unless the server is started with "
+                          "--trust-request-chat-template", param="chat_template")
+    conversation = [message.model_dump(exclude_none=True) for message in req.messages]
     try:
-        return render_chat(
+        return await state.off_loop(
+            render_chat,
             tokenizer,
-            normalize_messages(req.messages),
-            chat_template=getattr(req, "chat_template", None),
+            normalize_messages(conversation),
+            chat_template=chat_template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             **(getattr(req, "chat_template_kwargs", None) or {}),
         )
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param="messages") from e
+    except Exception as e:  # what a template's own code raises (1 // 0, ...) is this request's fault
+        raise bad_request(f"the chat template failed: {type(e).__name__}: {e}", param="messages") from e
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -56,7 +65,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_model(req.model)
     check_stream_options(req)
     _check_unsupported(req)
-    text, token_ids = render_messages(state, req)
+    text, token_ids = await render_messages(state, req)
     engine = state.engine
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -103,23 +112,24 @@ class ChatResponder:
         return sse({"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model_name, "choices": choices, **extra})
 
-    async def stream(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    async def stream(self, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
         req, num_completion = self.req, 0
         try:
             for index in range(req.n):
                 yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}])
-            async for output in stream:
-                for completion in output.outputs:
-                    num_completion += len(completion.token_ids)
-                    logprobs = self._logprobs(completion.token_ids, completion.logprobs)
-                    if completion.text or logprobs is not None:
-                        yield self._chunk([{"index": completion.index, "delta": {"content": completion.text},
-                                            "logprobs": logprobs, "finish_reason": None}])
-                    if completion.finish_reason is not None:
-                        yield self._chunk([{"index": completion.index, "delta": {}, "logprobs": None,
-                                            "finish_reason": completion.finish_reason,
-                                            "stop_reason": completion.stop_reason}])
+            async with aclosing(stream):  # so that a client leaving aborts the request now, not once collected
+                async for output in stream:
+                    for completion in output.outputs:
+                        num_completion += len(completion.token_ids)
+                        logprobs = self._logprobs(completion.token_ids, completion.logprobs)
+                        if completion.text or logprobs is not None:
+                            yield self._chunk([{"index": completion.index, "delta": {"content": completion.text},
+                                                "logprobs": logprobs, "finish_reason": None}])
+                        if completion.finish_reason is not None:
+                            yield self._chunk([{"index": completion.index, "delta": {}, "logprobs": None,
+                                                "finish_reason": completion.finish_reason,
+                                                "stop_reason": completion.stop_reason}])
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield self._chunk([], usage=usage(self.num_prompt, num_completion))
         except EngineDeadError as e:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body
+from tokenmill.server.limits import MAX_SEQUENCES
 from tokenmill.server.logprobs import CompletionLogprobs
 from tokenmill.server.openai_protocol import CompletionRequest
 from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, to_sampling_params
@@ -24,8 +27,6 @@ def split_prompts(prompt: str | list) -> list[dict]:
     """One engine prompt per entry: a string, a list of strings, token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
-    if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         return [{"prompt_token_ids": prompt}]
     if isinstance(prompt[0], str):
@@ -33,19 +34,28 @@ def split_prompts(prompt: str | list) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompt]
 
 
+def tokenize_prompts(input_processor: InputProcessor, prompts: list[dict]) -> list[dict]:
+    tokenized = []
+    for prompt in prompts:
+        try:
+            text, token_ids = input_processor.tokenize_prompt(prompt)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), param="prompt") from e
+        tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+    return tokenized
+
+
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_model(req.model)
     check_stream_options(req)
-    if req.suffix is not None:
-        raise bad_request("suffix is not supported", param="suffix")
     engine = state.engine
-    prompts = []
-    for prompt in split_prompts(req.prompt):
-        try:
-            text, token_ids = engine.input_processor.tokenize_prompt(prompt)
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e), param="prompt") from e
-        prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+    prompts = split_prompts(req.prompt)
+    num_samples = req.best_of or req.n
+    num_seqs = len(prompts) * num_samples
+    if num_seqs > MAX_SEQUENCES:
+        raise bad_request(f"{len(prompts)} prompts of {num_samples} samples each make {num_seqs} sequences; "
+                          f"one request may start at most {MAX_SEQUENCES}", param="n")
+    prompts = await state.off_loop(tokenize_prompts, engine.input_processor, prompts)
     want_prompt_logprobs = req.echo and req.logprobs is not None
     params = [
         to_sampling_params(
@@ -56,7 +66,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         )
         for p in prompts
     ]
-    state.check_capacity(len(prompts) * params[0].num_samples)
+    state.check_capacity(num_seqs)
     request_id = make_request_id("cmpl")
     streams = state.add_requests(request_id, prompts, params, req.priority, req.cache_salt)
     response = CompletionResponder(state, req, request_id, prompts)
@@ -112,25 +122,27 @@ class CompletionResponder:
         formats: dict[int, CompletionLogprobs] = {}
         num_completion = 0
         try:
-            async for prompt_index, output in merge_streams(streams):
-                prompt = self.prompts[prompt_index]
-                for completion in output.outputs:
-                    index = prompt_index * n + completion.index
-                    first = index not in formats
-                    fmt = formats.setdefault(index, CompletionLogprobs(req.logprobs or 0, self.decode))
-                    text, logprobs = completion.text, None
-                    if req.logprobs is not None:
-                        logprobs = self._echo_logprobs(fmt, prompt, output) if req.echo and first else None
-                        entries = completion.logprobs or [None] * len(completion.token_ids)
-                        logprobs = _concat(logprobs, fmt.format(completion.token_ids, entries))
-                    if req.echo and first:
-                        text = self._prompt_text(prompt) + text
-                    num_completion += len(completion.token_ids)
-                    if not text and completion.finish_reason is None and logprobs is None:
-                        continue  # held back (maybe a stop string's start): nothing to say yet
-                    yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": completion.finish_reason,
-                                           "stop_reason": completion.stop_reason}]))
+            # Closed explicitly, so that a client leaving aborts the requests now, not once collected.
+            async with aclosing(merge_streams(streams)) as outputs:
+                async for prompt_index, output in outputs:
+                    prompt = self.prompts[prompt_index]
+                    for completion in output.outputs:
+                        index = prompt_index * n + completion.index
+                        first = index not in formats
+                        fmt = formats.setdefault(index, CompletionLogprobs(req.logprobs or 0, self.decode))
+                        text, logprobs = completion.text, None
+                        if req.logprobs is not None:
+                            logprobs = self._echo_logprobs(fmt, prompt, output) if req.echo and first else None
+                            entries = completion.logprobs or [None] * len(completion.token_ids)
+                            logprobs = _concat(logprobs, fmt.format(completion.token_ids, entries))
+                        if req.echo and first:
+                            text = self._prompt_text(prompt) + text
+                        num_completion += len(completion.token_ids)
+                        if not text and completion.finish_reason is None and logprobs is None:
+                            continue  # held back (maybe a stop string's start): nothing to say yet
+                        yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
+                                               "finish_reason": completion.finish_reason,
+                                               "stop_reason": completion.stop_reason}]))
             if req.stream_options is not None and req.stream_options.include_usage:
                 num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
                 yield sse(self._body([], usage=usage(num_prompt, num_completion)))

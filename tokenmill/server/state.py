@@ -3,9 +3,13 @@ generation request goes through before it reaches the engine (model name, overlo
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
@@ -16,6 +20,8 @@ from tokenmill.server.errors import APIError, bad_request
 
 RETRY_AFTER_S = 1
 
+T = TypeVar("T")
+
 
 @dataclass
 class ServerState:
@@ -23,6 +29,16 @@ class ServerState:
     config: ServerConfig
     model_name: str
     max_num_seqs: int
+    tokenizer_executor: ThreadPoolExecutor = field(
+        # One thread: a Rust tokenizer used from several threads at once can fail ("Already borrowed").
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"),
+    )
+
+    async def off_loop(self, fn: Callable[..., T], /, *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on the tokenizer thread: chat templates and tokenization of long prompts
+        take long enough to stall every other stream if run on the event loop."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, call)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -32,7 +48,7 @@ class ServerState:
     def check_capacity(self, num_new_seqs: int) -> None:
         """503 when admitting `num_new_seqs` more sequences would leave too many waiting."""
         limit = self.config.max_waiting_requests
-        if limit is None:
+        if limit < 0:  # disabled
             return
         engine = self.engine
         # Beyond max_num_seqs sequences wait for sure; when the core already has some waiting (a
@@ -54,11 +70,13 @@ class ServerState:
         try:
             for rid, prompt, p in zip(ids, prompts, params):
                 streams.append(self.engine.add_request(rid, prompt, p, priority, cache_salt))
-        except ValueError as e:
-            self.engine.abort(ids[: len(streams)])
-            raise bad_request(str(e)) from e
+        except BaseException as e:
+            # Whatever failed, no part of the request stays behind (abort ignores ids it does not hold).
+            self.engine.abort(ids[: len(streams) + 1])
+            if isinstance(e, ValueError):
+                raise bad_request(str(e)) from e
+            raise
         return streams
-
 
     def decode_token(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -57,20 +58,23 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
+        # Decided by the watcher: how cancelled work ends depends on its kind (a gather() future ends
+        # with a CancelledError exception rather than cancelled()).
+        disconnected = watcher.done()
+        for future in (task, watcher):
+            future.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
+    if disconnected:
         raise ClientDisconnected()
     return task.result()
 
 
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several streams as they come, tagged with their stream's index."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
         return
     queue: asyncio.Queue = asyncio.Queue()
     end = object()

@@ -1,0 +1,239 @@
+"""The edge of the server: every bound a request field has is published in /openapi.json and enforced
+with a 400 in OpenAI's format, before anything reaches the engine; request chat templates (trusted
+here) render off the event loop. One `tokenmill serve` on SmolLM2 for the module."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TOKEN_ID_END = 2**31
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    server = RemoteServer(smollm2_path, "--kv-cache-space", "0.25", "--max-model-len", "512",
+                          "--trust-request-chat-template")
+    yield server
+    server.stop()
+
+
+def post(server, path, body, **kwargs) -> httpx.Response:
+    kwargs.setdefault("json", body)
+    return httpx.post(server.url(path), timeout=120, **kwargs)
+
+
+def assert_openai_error(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def completion(**fields) -> tuple[str, dict]:
+    return "/v1/completions", {"prompt": "Hi", "max_tokens": 1, **fields}
+
+
+def chat(**fields) -> tuple[str, dict]:
+    return "/v1/chat/completions", {"messages": HI, "max_tokens": 1, **fields}
+
+
+# ---- the published schema --------------------------------------------------------------------------
+
+
+def member(schema: dict, kind: str) -> dict:
+    """The non-null member of an optional field's schema."""
+    for option in schema.get("anyOf", [schema]):
+        if option.get("type") == kind:
+            return option
+    raise AssertionError(f"no {kind} in {schema}")
+
+
+def test_openapi_publishes_the_bounds(server):
+    spec = httpx.get(server.url("/openapi.json")).json()
+    schemas = spec["components"]["schemas"]
+    completion, chat_request = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
+    fields = completion["properties"]
+    assert (fields["n"]["minimum"], fields["n"]["maximum"]) == (1, 128)
+    assert member(fields["best_of"], "integer")["maximum"] == 128
+    assert member(fields["temperature"], "number")["minimum"] == 0
+    top_p = member(fields["top_p"], "number")
+    assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
+    assert member(fields["top_k"], "integer")["minimum"] == -1
+    assert (member(fields["seed"], "integer")["minimum"], member(fields["seed"], "integer")["maximum"]) == (
+        INT64_MIN, INT64_MAX)
+    assert (fields["priority"]["minimum"], fields["priority"]["maximum"]) == (INT64_MIN, INT64_MAX)
+    assert (fields["presence_penalty"]["minimum"], fields["presence_penalty"]["maximum"]) == (-2, 2)
+    assert member(fields["repetition_penalty"], "number")["exclusiveMinimum"] == 0
+    assert member(fields["max_tokens"], "integer")["minimum"] == 1 and fields["min_tokens"]["minimum"] == 0
+    assert member(fields["logprobs"], "integer")["maximum"] == 20
+    bias = member(fields["logit_bias"], "object")
+    assert (bias["additionalProperties"]["minimum"], bias["additionalProperties"]["maximum"]) == (-100, 100)
+    assert member(fields["stop_token_ids"], "array")["items"]["exclusiveMaximum"] == TOKEN_ID_END
+    assert member(fields["stop"], "string")["minLength"] == 1
+    assert "prompt" in completion["required"]
+    assert [form.get("maxItems") for form in fields["prompt"]["oneOf"]] == [None, 256, None, 256]
+    assert member(chat_request["properties"]["top_logprobs"], "integer")["maximum"] == 20
+    assert chat_request["properties"]["messages"]["minItems"] == 1 and "messages" in chat_request["required"]
+    message = schemas["ChatMessage"]
+    assert message["properties"]["role"]["enum"] == ["system", "user", "assistant", "tool", "developer"]
+    assert message["required"] == ["role"] and message["additionalProperties"] is True
+    assert schemas["TextPart"]["properties"]["type"]["const"] == "text"
+    assert "text" in chat_request["properties"]["response_format"]["description"]
+    # Refusals are documented as they come: 400s in OpenAI's format, not FastAPI's 422s.
+    responses = spec["paths"]["/v1/completions"]["post"]["responses"]
+    assert "422" not in responses and responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/Error")
+
+
+# ---- each bound: just inside is served, just past is a 400 ----------------------------------------
+
+BOUNDS = [  # (name, request at the bound, request just past it)
+    ("n_min", completion(n=1), completion(n=0)),
+    ("n_max", completion(n=128), completion(n=129)),
+    ("best_of_max", completion(best_of=128), completion(best_of=129)),
+    ("temperature_min", completion(temperature=0), completion(temperature=-1e-9)),
+    ("top_p_min", completion(top_p=1e-9), completion(top_p=0)),
+    ("top_p_max", completion(top_p=1), completion(top_p=1.000001)),
+    ("top_k_min", completion(top_k=-1), completion(top_k=-2)),
+    ("top_k_max", completion(top_k=2**31 - 1), completion(top_k=2**31)),
+    ("min_p_min", completion(min_p=0), completion(min_p=-1e-9)),
+    ("min_p_max", completion(min_p=1), completion(min_p=1.000001)),
+    ("presence_penalty_min", completion(presence_penalty=-2), completion(presence_penalty=-2.000001)),
+    ("presence_penalty_max", completion(presence_penalty=2), completion(presence_penalty=2.000001)),
+    ("frequency_penalty_min", completion(frequency_penalty=-2), completion(frequency_penalty=-2.000001)),
+    ("frequency_penalty_max", completion(frequency_penalty=2), completion(frequency_penalty=2.000001)),
+    ("repetition_penalty_min", completion(repetition_penalty=1e-9), completion(repetition_penalty=0)),
+    ("seed_min", completion(seed=INT64_MIN, n=2), completion(seed=INT64_MIN - 1)),
+    ("seed_max", completion(seed=INT64_MAX, n=2), completion(seed=INT64_MAX + 1)),
+    ("priority_min", completion(priority=INT64_MIN), completion(priority=INT64_MIN - 1)),
+    ("priority_max", completion(priority=INT64_MAX), completion(priority=INT64_MAX + 1)),
+    ("max_tokens_min", completion(max_tokens=1), completion(max_tokens=0)),
+    ("min_tokens_min", completion(min_tokens=0), completion(min_tokens=-1)),
+    ("logprobs_min", completion(logprobs=0), completion(logprobs=-1)),
+    ("logprobs_max", completion(logprobs=20, echo=True), completion(logprobs=21, echo=True)),
+    ("logit_bias_min", completion(logit_bias={"1": -100}), completion(logit_bias={"1": -100.000001})),
+    ("logit_bias_max", completion(logit_bias={"1": 100}), completion(logit_bias={"1": 100.000001})),
+    ("logit_bias_key", completion(logit_bias={"0": 1}), completion(logit_bias={"-1": 1})),
+    ("stop_length", completion(stop=["a"]), completion(stop=[""])),
+    ("allowed_token_ids_length", completion(allowed_token_ids=[1]), completion(allowed_token_ids=[])),
+    ("prompts", completion(prompt=["Hi"] * 256), completion(prompt=["Hi"] * 257)),
+    ("prompts_times_n", completion(prompt=["Hi"] * 8, n=128), completion(prompt=["Hi"] * 9, n=114)),
+    ("chat_n_max", chat(n=128), chat(n=129)),
+    ("max_completion_tokens_min", chat(max_completion_tokens=1), chat(max_completion_tokens=0)),
+    ("top_logprobs_max", chat(logprobs=True, top_logprobs=20), chat(logprobs=True, top_logprobs=21)),
+    ("messages_length", chat(messages=HI), chat(messages=[])),
+    ("role", chat(messages=[{"role": "developer", "content": "Hi"}]),
+     chat(messages=[{"role": "robot", "content": "Hi"}])),
+    ("content_part", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]),
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "text": "Hi"}]}])),
+    ("detokenize", ("/detokenize", {"tokens": [0]}), ("/detokenize", {"tokens": [-1]})),
+]
+
+
+@pytest.mark.parametrize(("inside", "past"), [b[1:] for b in BOUNDS], ids=[b[0] for b in BOUNDS])
+def test_bound_is_enforced_where_published(server, inside, past):
+    assert post(server, *inside).status_code == 200, post(server, *inside).text
+    assert_openai_error(post(server, *past))
+
+
+def test_tool_fields_from_clients_are_accepted(server):
+    messages = [HI[0], {"role": "assistant", "content": None, "tool_calls": []},
+                {"role": "tool", "content": "42", "tool_call_id": "call_1"}, {"role": "user", "content": "So?"}]
+    assert post(server, *chat(messages=messages)).status_code == 200
+
+
+# ---- integers past 64 bits, non-finite floats: 400s, not 500s ----------------------------------------
+
+HUGE = 2**64
+WIDE_INTEGERS = [
+    ("seed", completion(seed=HUGE)), ("priority", completion(priority=HUGE)), ("top_k", completion(top_k=HUGE)),
+    ("n", completion(n=HUGE)), ("best_of", completion(best_of=HUGE)), ("max_tokens", completion(max_tokens=HUGE)),
+    ("min_tokens", completion(min_tokens=HUGE, max_tokens=None)), ("logprobs", completion(logprobs=HUGE)),
+    ("prompt_token", completion(prompt=[1, HUGE])), ("prompt_token_lists", completion(prompt=[[1], [HUGE]])),
+    ("stop_token_ids", completion(stop_token_ids=[HUGE])), ("allowed_token_ids", completion(allowed_token_ids=[HUGE])),
+    ("logit_bias_key", completion(logit_bias={str(HUGE): 1})), ("chat_seed", chat(seed=-HUGE)),
+    ("max_completion_tokens", chat(max_completion_tokens=HUGE)),
+    ("top_logprobs", chat(logprobs=True, top_logprobs=HUGE)),
+    ("detokenize", ("/detokenize", {"tokens": [HUGE]})),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), [w[1] for w in WIDE_INTEGERS], ids=[w[0] for w in WIDE_INTEGERS])
+def test_integers_past_64_bits_are_refused(server, path, body):
+    assert_openai_error(post(server, path, body))
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("field", ["temperature", "logit_bias", "repetition_penalty"])
+def test_non_finite_numbers_are_refused(server, field, literal):
+    value = f'{{"1": {literal}}}' if field == "logit_bias" else literal  # Python's json reads these literals
+    body = f'{{"prompt": "Hi", "max_tokens": 1, "{field}": {value}}}'
+    error = assert_openai_error(post(server, "/v1/completions", None, content=body,
+                                     headers={"Content-Type": "application/json"}))
+    assert error["param"].startswith(field)
+
+
+def test_a_long_list_of_bad_values_gets_a_short_message(server):
+    error = assert_openai_error(post(server, "/detokenize", {"tokens": [-1] * 10_000}))
+    assert len(error["message"]) < 1000 and "more errors" in error["message"]
+
+
+def test_refused_requests_leave_the_engine_idle(server):
+    """After all those 400s nothing runs or waits, and requests are served."""
+    deadline = time.monotonic() + 20
+    while True:
+        text = httpx.get(server.url("/metrics")).text
+        gauges = {sample.name: sample.value for family in text_string_to_metric_families(text)
+                  for sample in family.samples if sample.name.startswith("tokenmill:num_requests_")}
+        if gauges["tokenmill:num_requests_running"] == gauges["tokenmill:num_requests_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, gauges
+        time.sleep(0.2)
+    assert post(server, *completion()).json()["usage"]["completion_tokens"] == 1
+
+
+# ---- request chat templates (this server trusts them) -----------------------------------------------
+
+
+def test_request_chat_template_renders(server, smollm2_tokenizer):
+    template = "{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+    response = post(server, *chat(chat_template=template))
+    assert response.status_code == 200, response.text
+    expected = smollm2_tokenizer.encode("[user] Hi\n", add_special_tokens=False)
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+@pytest.mark.parametrize("template", ["{{ 1 // 0 }}", "{{ raise_exception('no') }}", "{% for %}"])
+def test_a_failing_request_chat_template_is_a_400(server, template):
+    assert_openai_error(post(server, *chat(chat_template=template)))
+
+
+def test_a_slow_chat_template_does_not_stall_other_requests(server):
+    # Some 3 s of Jinja on a small CPU (the sandbox caps a range at 100,000 items, not a loop nest).
+    slow = "{% for i in range(400) %}{% for j in range(100000) %}{% set x = i * j %}{% endfor %}{% endfor %}Hi"
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(response=post(server, *chat(chat_template=slow))))
+    started = time.monotonic()
+    thread.start()
+    time.sleep(0.3)  # rendering by now
+    latencies = []
+    for _ in range(5):
+        start = time.monotonic()
+        assert httpx.get(server.url("/health"), timeout=30).status_code == 200
+        latencies.append(time.monotonic() - start)
+    still_rendering = thread.is_alive()
+    thread.join()
+    assert result["response"].status_code == 200, result["response"].text
+    assert still_rendering, f"the template rendered too fast to tell ({time.monotonic() - started:.1f} s)"
+    assert max(latencies) < 0.5, latencies
+

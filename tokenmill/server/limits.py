@@ -1,0 +1,23 @@
+"""What one request may ask for. The request models publish these bounds in /openapi.json, so a client
+(or a fuzzer) learns them from the schema rather than from 400s."""
+
+from __future__ import annotations
+
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN  # noqa: F401 - the range of seed and priority
+
+MAX_N = 128
+"""Most completions per prompt (`n`, `best_of`), as OpenAI allows."""
+MAX_LOGPROBS = 20
+"""Most alternatives per position (`logprobs`, `top_logprobs`), as OpenAI allows."""
+MAX_LOGIT_BIAS = 100.0
+"""`logit_bias` values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's."""
+MAX_PROMPTS = 256
+"""Most prompts in one /v1/completions request."""
+MAX_SEQUENCES = 1024
+"""Most sequences one request may start (prompts times best_of, or n): past it a request is refused
+with 400 rather than left to the overload check, which could never admit it."""
+
+TOKEN_ID_END = 2**31
+"""Token ids lie in [0, TOKEN_ID_END); the engine checks them against the vocabulary."""
+MAX_TOKEN_COUNT = 2**31 - 1
+"""Upper bound of token counts (max_tokens, min_tokens, top_k): no context is longer."""

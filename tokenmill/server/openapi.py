@@ -1,0 +1,40 @@
+"""/openapi.json as the server behaves: FastAPI's schema, with the request models' exact bounds and
+OpenAI-format 400s where FastAPI documents its 422s."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from tokenmill.server.openai_protocol import REQUEST_MODELS
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+    }},
+}
+INVALID_REQUEST = {
+    "description": "The request is invalid (OpenAI's error format).",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+}
+
+
+def openapi_spec(app: FastAPI) -> dict:
+    spec = FastAPI.openapi(app)
+    schemas = spec["components"]["schemas"]
+    # FastAPI's OpenAPI model holds bounds as floats, which turns 2**63 - 1 (seed, priority) into 2**63.
+    for model in REQUEST_MODELS:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update({model.__name__: schema, **schema.pop("$defs", {})})
+    # Validation errors are answered 400 (errors.py), not 422.
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    schemas["Error"] = ERROR_SCHEMA
+    for operation in (op for path in spec["paths"].values() for op in path.values()):
+        if operation["responses"].pop("422", None) is not None:
+            operation["responses"]["400"] = INVALID_REQUEST
+    return spec
