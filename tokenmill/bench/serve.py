@@ -29,7 +29,8 @@ SEED_TEXT = (
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    parser.add_argument("--api-key", default=None, help="bearer key, if the server wants one")
+    parser.add_argument("--api-key", default=None,
+                        help="bearer key, if the server wants one (default: $TOKENMILL_API_KEY)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--random-output-len", type=int, default=64, help="generated tokens per request")
@@ -100,7 +101,10 @@ async def _one_request(client, model: str, prompt: list[int], output_len: int) -
 async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    from tokenmill.cli.args import api_key_or_env
+
+    api_key = api_key_or_env(args.api_key)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
         model, vocab = await _get_model_and_vocab(client, args)

@@ -36,7 +36,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
                        help="draw output lengths uniformly from [LO, HI] instead")
     group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                       help="generate the full output length whatever the tokens (default: on)")
+                       help="generate the full output length whatever the tokens")
     group.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     group.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompts and lengths")
     group.add_argument("--output-json", default=None, help="also write the results to this file")

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tokenmill.cli import bench, chat, generate, serve
+from tokenmill.cli.args import CommandParser
+from tokenmill.cli.errors import user_message
 
 
 def make_parser() -> argparse.ArgumentParser:
     from tokenmill import __version__
 
-    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference and serving")
+    parser = CommandParser(prog="tokenmill", description="tokenmill: LLM inference and serving")
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in (serve, generate, chat, bench):
@@ -29,3 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         return 130
+    except Exception as error:
+        # The one place that turns failures a user can fix into a line or two; bugs keep their traceback.
+        message = user_message(error, args)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 1

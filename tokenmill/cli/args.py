@@ -9,6 +9,8 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
+import re
 import textwrap
 from typing import Any
 
@@ -20,6 +22,41 @@ FLAG_NAMES = {"policy": "scheduling-policy"}
 """Fields whose vLLM flag is not simply the field name with dashes."""
 
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+"""Where `serve`, `chat` and `bench serve` find the API key when --api-key is not given."""
+
+_MENTIONS_DEFAULT = re.compile(r"\bdefault", re.IGNORECASE)
+
+
+def api_key_or_env(api_key: str | None) -> str | None:
+    return api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def help_with_default(text: str, default: Any) -> str:
+    """`text` with the flag's default appended, unless the text already speaks of it or the default is None
+    (the flag is then simply unset, and the text says what that means): each default shows once."""
+    if default is None or default is argparse.SUPPRESS or _MENTIONS_DEFAULT.search(text):
+        return text
+    shown = str(default).replace("%", "%%")
+    return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+class DefaultsOnceFormatter(argparse.HelpFormatter):
+    """Shows the default of every hand-written flag, the way the generated flags show theirs."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
+            return action.help  # a switch like --local: its default is its absence
+        return help_with_default(action.help or "", action.default)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of `tokenmill` and its subcommands (add_subparsers makes children of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsOnceFormatter)
+        super().__init__(*args, **kwargs)
 
 
 @functools.cache
@@ -62,10 +99,12 @@ def add_dataclass_args(
     skip: tuple[str, ...] = (),
     only: tuple[str, ...] | None = None,
     defaults: dict[str, Any] | None = None,
+    helps: dict[str, str] | None = None,
 ) -> None:
-    """One flag per field; `defaults` replaces a field's own default for this command."""
+    """One flag per field; `defaults` replaces a field's own default for this command, `helps` gives the
+    help of fields that have no docstring."""
     defaults = defaults or {}
-    docs = field_docs(cls)
+    docs = {**(helps or {}), **field_docs(cls)}
     for f in dataclasses.fields(cls):
         if f.name in skip or (only is not None and f.name not in only):
             continue
@@ -76,7 +115,7 @@ def add_dataclass_args(
         default = defaults.get(f.name, _default_of(f))
         doc = docs.get(f.name, "").replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": f.name, "default": default if f.name in defaults else argparse.SUPPRESS,
-                                  "help": f"{doc} (default: {default})" if doc else f"default: {default}"}
+                                  "help": help_with_default(doc, default)}
         if element is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

@@ -4,12 +4,10 @@ client) or, with --local, a model loaded in this process."""
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 
-from tokenmill.cli.args import add_engine_args, engine_kwargs_from_args
+from tokenmill.cli.args import API_KEY_ENV, add_engine_args, api_key_or_env, engine_kwargs_from_args
 
-API_KEY_ENV = "TOKENMILL_API_KEY"
 EXIT_COMMANDS = ("/exit", "/quit")
 
 Reply = Callable[[list[dict]], str]
@@ -27,13 +25,14 @@ def register(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
     parser.add_argument("--local", action="store_true", help="load the model here instead of calling a server")
     add_engine_args(parser, model_positional=False)  # used with --local
-    parser.set_defaults(handler=run)
+    # url_flag, model_flag: what the hint of a connection or model-not-found error names (cli/errors.py).
+    parser.set_defaults(handler=run, url_flag="--url", model_flag="--model-name")
 
 
 def _server_reply(args: argparse.Namespace) -> Reply:
     from openai import OpenAI
 
-    client = OpenAI(base_url=args.url, api_key=args.api_key or os.environ.get(API_KEY_ENV) or "EMPTY")
+    client = OpenAI(base_url=args.url, api_key=api_key_or_env(args.api_key) or "EMPTY")
     model = args.model_name or client.models.list().data[0].id
 
     def reply(conversation: list[dict]) -> str:

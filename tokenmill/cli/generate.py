@@ -11,6 +11,13 @@ SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repet
                   "ignore_eos", "min_tokens")
 """The sampling fields offered as flags (--seed is the engine's: it seeds unseeded sampling)."""
 
+SAMPLING_HELP = {
+    "top_p": "Sample from the most likely tokens whose probabilities add up to top_p.",
+    "stop": "Stop generating when one of these strings appears.",
+    "ignore_eos": "Keep generating past the end-of-sequence token.",
+}
+"""Help of the sampling flags whose field has no docstring."""
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text for prompts, offline (no server)")
@@ -18,7 +25,7 @@ def register(subparsers) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     # SamplingParams' 16 tokens are too few to try a model.
     add_dataclass_args(parser.add_argument_group("sampling"), SamplingParams, only=SAMPLING_FLAGS,
-                       defaults={"max_tokens": 128})
+                       defaults={"max_tokens": 128}, helps=SAMPLING_HELP)
     add_engine_args(parser, model_positional=False)
     parser.set_defaults(handler=run)
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from tokenmill.cli.args import add_dataclass_args, add_engine_args, engine_config_from_args, given_fields
+from tokenmill.cli.args import (
+    add_dataclass_args,
+    add_engine_args,
+    api_key_or_env,
+    engine_config_from_args,
+    given_fields,
+)
 from tokenmill.config import ServerConfig
-
-API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
 def register(subparsers) -> None:
@@ -30,11 +34,13 @@ def served_model_name(args: argparse.Namespace, model_path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.server.launch import run_server  # the server's dependencies load only here
+    from tokenmill.server.launch import check_port_free, run_server  # the server's dependencies load only here
 
-    engine_config = engine_config_from_args(args)
     server_kwargs = given_fields(args, ServerConfig)
-    server_kwargs.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
+    server_kwargs.setdefault("api_key", api_key_or_env(None))
     server_config = ServerConfig(**server_kwargs)
+    # Before the default model is resolved, which may mean downloading it (run_server checks again).
+    check_port_free(server_config.host, server_config.port)
+    engine_config = engine_config_from_args(args)
     run_server(engine_config, server_config, served_model_name(args, engine_config.model_config.model))
     return 0

@@ -1,0 +1,109 @@
+"""The `tokenmill` command's failures, as a newcomer meets them: each is one or two lines on stderr
+and a non-zero exit status, never a traceback. Real processes, and one real server with an API key
+for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from server_harness import HOST, RemoteServer, free_port
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "cli-test-key"
+API_KEY_ENV = "TOKENMILL_API_KEY"
+QUICK_FAILURE_S = 15
+"""Far less than loading a model and starting the engine (~20 s on a small CPU machine)."""
+
+
+def tokenmill(*argv: str, api_key_env: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    if api_key_env is not None:
+        env[API_KEY_ENV] = api_key_env
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def assert_short_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr and 1 <= len(lines) <= 2, result.stderr
+    assert lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+def test_chat_without_a_server():
+    port = free_port()
+    result = tokenmill("chat", "--url", f"http://{HOST}:{port}/v1", "-q", "hi")
+    assert_short_error(result, f"cannot reach the server at http://{HOST}:{port}: connection refused", "--url")
+
+
+def test_bench_serve_without_a_server():
+    port = free_port()
+    result = tokenmill("bench", "serve", "--base-url", f"http://{HOST}:{port}", "--num-prompts", "1")
+    assert_short_error(result, f"cannot reach the server at http://{HOST}:{port}", "--base-url")
+
+
+def test_serve_fails_at_once_on_a_taken_port(smollm2_path):
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        try:
+            result = tokenmill("serve", smollm2_path, "--port", str(port), timeout=QUICK_FAILURE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"tokenmill serve on a taken port was still running after {QUICK_FAILURE_S} s")
+    assert time.monotonic() - start < QUICK_FAILURE_S
+    assert result.returncode != 0
+    assert result.stderr == f"error: port {port} on {HOST} is already in use; pass --port\n"
+
+
+def test_serve_reports_a_missing_model_in_one_line(tmp_path):
+    result = tokenmill("serve", str(tmp_path / "missing.gguf"), "--port", str(free_port()))
+    assert_short_error(result, "missing.gguf")
+
+
+def test_serve_reports_an_unsupported_architecture_in_one_line(tmp_path):
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 2,
+              "vocab_size": 100, "bos_token_id": 0, "eos_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = tokenmill("serve", str(tmp_path), "--load-format", "dummy", "--port", str(free_port()))
+    assert_short_error(result, "GPT2LMHeadModel", "not supported")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    server = RemoteServer(smollm2_path, "--kv-cache-space", "0.25", "--max-model-len", "512", api_key=API_KEY)
+    yield server
+    server.stop()
+
+
+def test_chat_with_a_wrong_key(server):
+    result = tokenmill("chat", "--url", server.url("/v1"), "--api-key", "wrong", "-q", "hi")
+    assert_short_error(result, "the server refused the API key (401)", "--api-key", API_KEY_ENV)
+
+
+def test_chat_with_a_model_the_server_does_not_serve(server):
+    result = tokenmill("chat", "--url", server.url("/v1"), "--model-name", "no-such-model", "-q", "hi",
+                       api_key_env=API_KEY)
+    assert_short_error(result, "no-such-model", "404", "--model-name")
+
+
+def test_bench_serve_takes_the_key_from_the_environment(server):
+    result = tokenmill("bench", "serve", "--base-url", server.base_url, "--num-prompts", "2",
+                       "--random-input-len", "8", "--random-output-len", "4", api_key_env=API_KEY)
+    assert result.returncode == 0, result.stderr
+    assert "completed                        2" in result.stdout
+
+
+def test_bench_serve_with_a_wrong_key(server):
+    result = tokenmill("bench", "serve", "--base-url", server.base_url, "--num-prompts", "1", api_key_env="wrong")
+    assert_short_error(result, "the server refused the API key (401)")
