@@ -14,15 +14,22 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# Flags or a model path for `tokenmill serve`/`generate`: make serve ARGS="path/to/model.gguf --port 8001"
+ARGS ?=
+PROMPT ?= The capital of France is
+
 serve: setup
-	$(VENV)/bin/tokenmill serve
+	$(VENV)/bin/tokenmill serve $(ARGS)
 
 generate: setup
-	$(VENV)/bin/tokenmill generate "The capital of France is"
+	$(VENV)/bin/tokenmill generate "$(PROMPT)" $(ARGS)
 
 test: setup
 	$(PY) -m ruff check tokenmill tests
 	$(PY) -m pytest -q -m "not gpu"
+# The kernel tests' small cases on the CPU, under Triton's interpreter: a process of its own, since the
+# variable must be set before triton is imported and must not reach the run above.
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpret tests/kernels
 
 lint: setup
 	$(PY) -m ruff check tokenmill tests

@@ -1,4 +1,7 @@
-"""Each Triton kernel against its float64 (attention) or same-dtype (elementwise) torch reference."""
+"""Each Triton kernel against its float64 (attention) or same-dtype (elementwise) torch reference.
+
+The cases marked `interpret` are the subset CI runs on the CPU under TRITON_INTERPRET=1 (`make test`): every
+kernel and its main variants, small enough for the interpreter."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import cases  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+interpret = pytest.mark.interpret
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -25,7 +29,8 @@ BATCHES = {
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("batch", list(BATCHES))
+# Under the interpreter: the mixed batch (decode and prefill kernels, chunked prefill), every head layout.
+@pytest.mark.parametrize("batch", [pytest.param(b, marks=interpret) if b == "mixed" else b for b in BATCHES])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 1)], ids=["mha", "gqa4", "mqa"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_paged_attention(device, dtype, batch, heads, head_dim):
@@ -39,7 +44,8 @@ def test_paged_attention(device, dtype, batch, heads, head_dim):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 37}, {"logits_soft_cap": 5.0},
-                                     {"sliding_window": 8, "logits_soft_cap": 1.0}], ids=str)
+                                     pytest.param({"sliding_window": 8, "logits_soft_cap": 1.0}, marks=interpret)],
+                         ids=str)
 def test_paged_attention_options(device, block_size, num_splits, options):
     dtype = torch.float16
     case = cases.make_paged_case([1, 40, 1, 3], [500, 70, 5, 90], 8, 2, 128 if device == "cuda" else 32,
@@ -47,6 +53,7 @@ def test_paged_attention_options(device, block_size, num_splits, options):
     assert cases.run_paged_attention(case, num_splits=num_splits, **options) < cases.TOLERANCE[dtype]
 
 
+@interpret
 def test_paged_attention_split_relaunch(device):
     """Two split launches in a row on different data: the last split to arrive resets its arrival counter, so
     the second launch combines too (an unreset counter never reaches num_splits - 1: its rows stay NaN)."""
@@ -70,11 +77,12 @@ def test_paged_attention_many_splits(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(1, 1, 64), (37, 8, 128), (300, 4, 256)])
+@pytest.mark.parametrize("shape", [(1, 1, 64), pytest.param((37, 8, 128), marks=interpret), (300, 4, 256)])
 def test_reshape_and_cache(device, dtype, shape):
     assert cases.run_reshape_and_cache(*shape, 16, dtype, device, seed=0) == 0.0
 
 
+@interpret
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
@@ -84,6 +92,7 @@ def test_rms_norm(device, dtype, residual, offset):
     assert cases.run_rms_norm(7, 128, dtype, device, 1, False, offset, heads=4) < tol
 
 
+@interpret
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rotary(device, dtype, rotary_dim):
@@ -94,9 +103,11 @@ def test_rotary(device, dtype, rotary_dim):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm_offset", [None, 0.0, 1.0], ids=["no_norm", "qk_norm", "qk_norm_offset"])
 # (heads, kv_heads, head_dim, rotary_dim): GQA with a full rotary, MHA rotating 3/4 of each head, MQA half.
-@pytest.mark.parametrize("shape", [(8, 2, 64, 64), (8, 8, 128, 96), (16, 1, 256, 128)], ids=str)
+@pytest.mark.parametrize("shape", [pytest.param((8, 2, 64, 64), marks=interpret), (8, 8, 128, 96), (16, 1, 256, 128)],
+                         ids=str)
 def test_qk_norm_rope_cache(device, dtype, norm_offset, shape):
-    mismatches, error = cases.run_qk_norm_rope_cache(37, *shape, norm_offset, dtype, device, seed=0)
+    num_tokens = 37 if device == "cuda" else 13  # a program per token and head: few under the interpreter
+    mismatches, error = cases.run_qk_norm_rope_cache(num_tokens, *shape, norm_offset, dtype, device, seed=0)
     # The rotary rounds each product and sum as torch does (no fused multiply-adds); Triton's interpreter
     # truncates float32 to bfloat16 instead of rounding it, so there bfloat16 can only be close.
     if norm_offset is None and (device == "cuda" or dtype != torch.bfloat16):
@@ -104,6 +115,7 @@ def test_qk_norm_rope_cache(device, dtype, norm_offset, shape):
     assert error < (1e-6 if dtype == torch.float32 else cases.TOLERANCE[dtype])
 
 
+@interpret
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul(device, dtype):
     tol = 1e-6 if dtype == torch.float32 else cases.TOLERANCE[dtype]
@@ -111,7 +123,7 @@ def test_silu_and_mul(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, pytest.param(5, marks=interpret), 16])
 @pytest.mark.parametrize("config", [None, (32, 128, 4, 2)], ids=["tuned", "small_tiles"])
 def test_skinny_gemm(device, dtype, rows, config):
     from tokenmill.kernels.skinny_gemm import skinny_gemm, skinny_gemm_ref
@@ -120,8 +132,9 @@ def test_skinny_gemm(device, dtype, rows, config):
         pytest.skip("the interpreter's tl.dot takes bfloat16's bits for integers")
 
     g = torch.Generator().manual_seed(rows)
-    # n and k not multiples of the tiles (masked edges); x a strided view, as the rows of a wider output are
-    n, k = 4096 + 40, 4096 + 72
+    # n and k not multiples of the tiles (masked edges); x a strided view, as the rows of a wider output are.
+    # Under the interpreter a quarter of each (the same tuned tiles).
+    n, k = (4096 + 40, 4096 + 72) if device == "cuda" else (1024 + 40, 1024 + 72)
     x = torch.randn(rows, k + 24, generator=g).to(dtype).to(device)[:, :k]
     weight = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype).to(device)
     assert cases.rel_error(skinny_gemm(x, weight, config), skinny_gemm_ref(x, weight)) < cases.TOLERANCE[dtype]

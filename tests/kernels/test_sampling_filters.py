@@ -1,7 +1,8 @@
 """The candidate floor (kernels/sampling_floor.py: top_k by radix select, min_p), the draws among the
 candidates, and the fused mask + penalty pass (kernels/penalties.py), against torch.
 
-Under TRITON_INTERPRET=1 a program costs tens of milliseconds, so the cases stay small there.
+Under TRITON_INTERPRET=1 a program costs tens of milliseconds, so the cases stay small there; CI runs the ones
+marked `interpret` so (a tl.sort of a 1024-token tile, in the three-pass top_k, takes about a second there).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tokenmill.sample.sampler import Sampler, apply_penalties
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
+interpret = pytest.mark.interpret
 
 
 def kept(logits: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
@@ -23,7 +25,11 @@ def kept(logits: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_top_k_floor_keeps_the_k_largest_and_their_ties(device, dtype):
+# Three splits per row, and one; the lane-maxima path for k <= 1024 (row 3's candidates overflow), or the radix
+# select for every row (the interpreter's case: the lane maxima's sort of a 1024-token tile is slow there).
+@pytest.mark.parametrize("layout", [(1, 8, True), (None, 4, True), pytest.param((1, 8, False), marks=interpret),
+                                    (None, 4, False)], ids=["split_fast", "whole_fast", "split_radix", "whole_radix"])
+def test_top_k_floor_keeps_the_k_largest_and_their_ties(device, dtype, layout):
     from tokenmill.kernels.sampling_floor import candidate_floor, candidate_floor_ref
 
     gen = torch.Generator().manual_seed(0)
@@ -37,20 +43,20 @@ def test_top_k_floor_keeps_the_k_largest_and_their_ties(device, dtype):
     temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 2.0, 1.0, 0.0, 0.5])
     ref = candidate_floor_ref(logits, temperature, top_k, None)
     sampled = temperature > 0
-    # Three splits per row, and one; the lane-maxima path for k <= 1024 (row 3's candidates overflow), or
-    # the radix select for every row.
-    for tiles_per_split, digit_bits, fast in ((1, 8, True), (None, 4, True), (1, 8, False), (None, 4, False)):
-        floor = candidate_floor(logits.to(device), temperature.to(device), top_k.to(device), None,
-                                tiles_per_split=tiles_per_split, digit_bits=digit_bits, fast_top_k=fast).cpu()
-        assert torch.equal(kept(logits, floor)[sampled], kept(logits, ref)[sampled])
-        assert floor[5] == float("-inf")  # top_k = vocab: no floor
-        counts = kept(logits, floor).sum(-1)
-        assert counts[1] > 5  # row 1 keeps its ties
-        if dtype == torch.float32:  # no ties elsewhere (16-bit values may tie at the k-th)
-            assert counts[[0, 2, 3, 4]].tolist() == [1, 50, 1000, vocab - 1]
+    tiles_per_split, digit_bits, fast = layout
+    floor = candidate_floor(logits.to(device), temperature.to(device), top_k.to(device), None,
+                            tiles_per_split=tiles_per_split, digit_bits=digit_bits, fast_top_k=fast).cpu()
+    assert torch.equal(kept(logits, floor)[sampled], kept(logits, ref)[sampled])
+    assert floor[5] == float("-inf")  # top_k = vocab: no floor
+    counts = kept(logits, floor).sum(-1)
+    assert counts[1] > 5  # row 1 keeps its ties
+    if dtype == torch.float32:  # no ties elsewhere (16-bit values may tie at the k-th)
+        assert counts[[0, 2, 3, 4]].tolist() == [1, 50, 1000, vocab - 1]
 
 
-def test_min_p_floor_alone_and_with_top_k(device):
+# min_p alone under the interpreter: a top_k takes the three passes, whose sort of a 1024-token tile is slow there.
+@pytest.mark.parametrize("with_top_k", [pytest.param(False, marks=interpret), True], ids=["min_p", "min_p+top_k"])
+def test_min_p_floor_alone_and_with_top_k(device, with_top_k):
     from tokenmill.kernels.sampling_floor import candidate_floor, candidate_floor_ref
 
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 2
@@ -59,7 +65,7 @@ def test_min_p_floor_alone_and_with_top_k(device):
     top_k = torch.tensor([300, 300, 10, 5, 3, 300])
     args = [t.to(device) for t in (logits, temperature)]
     given = logits.amax(-1, keepdim=True).to(device)  # one split per row here
-    for k, maxima in ((None, None), (None, given), (top_k, None), (top_k, given)):
+    for k, maxima in ((top_k, None), (top_k, given)) if with_top_k else ((None, None), (None, given)):
         floor = candidate_floor(*args, None if k is None else k.to(device), min_p.to(device), maxima=maxima).cpu()
         ref = candidate_floor_ref(logits, temperature, k, min_p)
         torch.testing.assert_close(floor[:5], ref[:5], rtol=1e-6, atol=1e-6)
@@ -69,7 +75,8 @@ def test_min_p_floor_alone_and_with_top_k(device):
             True if k is None else kept(logits, ref)[:3]))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=interpret), torch.bfloat16],
+                         ids=str)
 def test_draws_among_the_candidates_match_reference(device, dtype):
     from tokenmill.kernels.sampling import categorical_draw, categorical_draw_ref, top_p_draw, top_p_draw_ref
     from tokenmill.kernels.sampling_floor import candidate_floor_ref
@@ -117,6 +124,7 @@ def test_top_k_top_p_draws_follow_the_nucleus_of_the_top_k(device):
     assert float(((counts[probs > 0] - expected) ** 2 / expected).sum()) < chi_square_critical(df)
 
 
+@interpret
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_penalties_equal_the_torch_reference(device, dtype):
     from tokenmill.kernels.penalties import apply_penalties_fused
@@ -147,6 +155,7 @@ def test_fused_penalties_equal_the_torch_reference(device, dtype):
         torch.testing.assert_close(maxima.cpu(), expected, rtol=2e-6, atol=0)
 
 
+@interpret
 def test_sampler_penalties_and_filters_agree_with_the_torch_path(device):
     """Greedy rows after penalties and a mask: the kernels' tokens are torch's; sampled rows stay inside
     their top_k and min_p."""
@@ -208,6 +217,7 @@ def test_rows_drawn_among_their_candidates_get_the_full_vocabulary_draw(device):
     assert torch.equal(kept(logits, floor)[sampled], kept(logits, floor_ref)[sampled])
 
 
+@interpret
 def test_rows_whose_candidates_overflow_take_one_program_each(device):
     """With every top_k small, rows whose candidates overflow the slots (ties) get their floor and token from
     the per-row program: the same as the reference, like the rows served by the three passes."""
@@ -258,6 +268,7 @@ def test_sampler_with_small_top_k_in_every_row_draws_each_row_by_itself(device):
     assert run([seeded], [0])[0] == expected[0] == run([seeded, other], [0, 1])[0]
 
 
+@interpret
 def test_penalties_applied_on_load_equal_the_penalty_pass(device):
     """Penalised rows without a top_k: the draw kernels penalise each logit as they load it. In every row a
     seen token leads an unseen one by 0.5, far above the rest: each penalised row's penalty puts the unseen

@@ -4,7 +4,7 @@ reference for sampled rows, softmax(logits / T) for the draws, and the sampler's
 Small tiles (16 tokens) split a small vocabulary into several tiles and programs. Under TRITON_INTERPRET=1
 a program costs tens of milliseconds, so the cases stay small there. The kernels sum in float32 and the
 references in float64: a token differs only where a uniform falls within rounding of a boundary between
-two tokens, which these fixed seeds never hit.
+two tokens, which these fixed seeds never hit. The tests marked `interpret` are those CI runs so.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tokenmill.sample.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
+interpret = pytest.mark.interpret
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -27,6 +28,7 @@ def make_seeds(num_rows: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2**63 - 1, (num_rows,), generator=torch.Generator().manual_seed(seed))
 
 
+@interpret
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_greedy_rows_are_torch_argmax(device, dtype):
     from tokenmill.kernels.sampling import categorical_draw, greedy_argmax
@@ -44,6 +46,7 @@ def test_greedy_rows_are_torch_argmax(device, dtype):
     assert torch.equal(greedy_argmax(logits).cpu(), expected)
 
 
+@interpret
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_draw_matches_reference_for_any_split(device, dtype):
     from tokenmill.kernels.sampling import categorical_draw, categorical_draw_ref
@@ -59,6 +62,7 @@ def test_draw_matches_reference_for_any_split(device, dtype):
     assert expected[0] == logits[0].float().argmax().cpu()
 
 
+@interpret
 def test_draw_matches_reference_with_production_tiles(device):
     from tokenmill.kernels.sampling import TILE, categorical_draw, categorical_draw_ref
 
@@ -121,6 +125,7 @@ def nucleus_probs(row: torch.Tensor, temperature: float, top_p: float) -> torch.
     return kept / kept.sum()
 
 
+@interpret
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_top_p_draw_matches_reference(device, dtype):
     from tokenmill.kernels.sampling import categorical_draw, top_p_draw, top_p_draw_ref
@@ -172,6 +177,7 @@ def test_top_p_draws_follow_the_renormalised_nucleus(device, case):
     assert float(((counts[probs > 0] - expected) ** 2 / expected).sum()) < chi_square_critical(df)
 
 
+@interpret
 def test_sampler_draws_each_row_by_its_own_parameters(device):
     """A seeded row draws the same token alone, beside other rows, and beside top-p, top-k and min_p rows:
     every row takes the fused draw, each by its own parameters."""

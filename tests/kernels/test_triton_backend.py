@@ -15,6 +15,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.worker.cuda_graph import pad_layout
 
 pytestmark = pytest.mark.gpu
+interpret = pytest.mark.interpret
 
 # What the layer does to q and k before attention: nothing, Llama's rotary, or Qwen3's q/k norms with a
 # rotary over part of each head (the fused kernel's every branch).
@@ -56,7 +57,8 @@ def _make_step(q_lens, context_lens, block_size, num_blocks, rng):
     )
 
 
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 20, "logits_soft_cap": 3.0}], ids=str)
+@pytest.mark.parametrize("options", [{}, pytest.param({"sliding_window": 20, "logits_soft_cap": 3.0}, marks=interpret)],
+                         ids=str)
 @pytest.mark.parametrize("qk_transform", QK_TRANSFORMS)
 def test_mixed_step_matches_torch_backend(device, options, qk_transform):
     from tokenmill.attention.triton_attn import TritonAttentionBackend
@@ -84,6 +86,7 @@ def test_mixed_step_matches_torch_backend(device, options, qk_transform):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@interpret
 @pytest.mark.parametrize("qk_transform", QK_TRANSFORMS)
 def test_padded_decode_matches_unpadded(device, qk_transform):
     from tokenmill.attention.triton_attn import TritonAttentionBackend
