@@ -94,7 +94,16 @@ def test_waiting_sequences_are_bounded_by_default():
         server_config("--max-waiting-requests", "-2")
 
 
-def test_engine_core_death_makes_server_unhealthy(server):
+def wait_for_health(server: RemoteServer, status: int, timeout: float) -> float:
+    """Seconds until /health answers `status`."""
+    start = time.monotonic()
+    while (code := httpx.get(server.url("/health"), timeout=5).status_code) != status:
+        assert time.monotonic() - start < timeout, f"/health still answers {code} after {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_engine_core_death_fails_its_requests_then_the_server_recovers(server):
     core_pid = server.engine_core_pid()
     with httpx.Client(timeout=30) as http, long_stream(http, server) as stream:
         lines = stream.iter_lines()
@@ -105,11 +114,20 @@ def test_engine_core_death_makes_server_unhealthy(server):
     assert httpx.get(server.url("/health")).status_code == 503
     refused = httpx.post(server.url("/v1/completions"), json={"prompt": "Hi"}, headers=server.headers, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+    # A new engine core, with the same configuration, serves again without anyone's help.
+    wait_for_health(server, 200, timeout=120)
+    assert server.engine_core_pid() != core_pid
+    response = httpx.post(server.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 3},
+                          headers=server.headers, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    assert "Traceback" not in server.log_tail(100_000).split("engine core process exited")[-1]
 
 
-def test_sigterm_after_core_death_exits_cleanly(server):
+def test_sigterm_while_the_core_restarts_exits_cleanly(server):
+    os.kill(server.engine_core_pid(), signal.SIGKILL)
+    wait_for_health(server, 503, timeout=10)
     children = descendants(server.proc.pid)
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=15) == 0
     time.sleep(0.5)
-    assert not [pid for pid in children if is_alive(pid)]
+    assert not [pid for pid in [*children, *descendants(server.proc.pid)] if is_alive(pid)]

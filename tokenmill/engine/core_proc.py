@@ -46,7 +46,6 @@ def run_engine_core(
         from tokenmill.engine.frontend import resolve_max_model_len
         from tokenmill.model.loader import load_hf_config
 
-        _leave_a_cpu_for_the_frontend(config)
         hf_config = load_hf_config(config.model_config)
         max_model_len = resolve_max_model_len(config.model_config.max_model_len, hf_config)
         proc = EngineCoreProc(EngineCore.from_config(config, hf_config, max_model_len), input_address, output_address)
@@ -59,22 +58,9 @@ def run_engine_core(
     proc.run()
 
 
-def _leave_a_cpu_for_the_frontend(config: EngineConfig) -> None:
-    """On CPU, torch's intra-op threads spin on every core; the frontend process (HTTP, tokenizing,
-    detokenizing) then starves them and a step takes many times longer. Leave it one core, unless
-    the user chose the thread count (OMP_NUM_THREADS)."""
-    import torch
-
-    from tokenmill.worker.worker import resolve_device
-
-    num_cpus = len(os.sched_getaffinity(0))
-    if resolve_device(config.device_config.device).type != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
-    if num_cpus > 1 and torch.get_num_threads() >= num_cpus:
-        torch.set_num_threads(num_cpus - 1)
-
-
 def _exit_on_signal(signum: int, frame) -> None:
+    # Once: a second SIGTERM during the cleanup would raise again inside it (or in an atexit callback).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(0)
 
 

@@ -96,12 +96,19 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        num_input = num_output = 0
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    num_input += len(output.prompt_token_ids)
+                    num_output += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"est. speed input: {num_input / elapsed:.1f} toks/s, "
+                                        f"output: {num_output / elapsed:.1f} toks/s", refresh=False)
+                    bar.update(1)
         return [finished[rid] for rid in request_ids]
 
     @staticmethod

@@ -14,6 +14,7 @@ from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_ca
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.worker.cpu_threads import leave_a_core_free
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
@@ -38,6 +39,8 @@ class Worker:
         self.hf_config = hf_config
         self.max_model_len = max_model_len
         self.device = resolve_device(config.device_config.device)
+        if self.device.type == "cpu":
+            leave_a_core_free()  # the server's core process and the offline LLM alike
         self.dtype = resolve_dtype(config.model_config, hf_config, self.device)
         torch.manual_seed(config.model_config.seed)
         # The sampler's kernels depend only on the vocabulary and dtype: they compile in another process

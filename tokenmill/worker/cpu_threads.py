@@ -1,0 +1,27 @@
+"""How many threads torch computes with on the CPU: all cores but one, unless the user chose.
+
+torch's intra-op (OpenMP) threads spin while they wait for each other, so one busy core slows every
+step down to that core's pace: with the frontend process (HTTP, tokenizing, detokenizing) or anything
+else running, a step on all cores takes several times longer than on one fewer. Measured on 2 cores
+(BENCHMARKS.md, CPU section): 2.1-2.9x faster with one thread while another process is busy. The cost
+is an idle machine's batched throughput (0.71x on 2 cores with a batch of 16); the more cores, the
+smaller it is. OMP_NUM_THREADS, or a torch.set_num_threads() below the core count, is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def leave_a_core_free() -> None:
+    num_cpus = len(os.sched_getaffinity(0))
+    if "OMP_NUM_THREADS" in os.environ or num_cpus < 2 or torch.get_num_threads() < num_cpus:
+        return
+    torch.set_num_threads(num_cpus - 1)
+    logger.info("CPU: torch computes with %d threads of %d cores, one left for the rest (OMP_NUM_THREADS "
+                "overrides)", num_cpus - 1, num_cpus)
