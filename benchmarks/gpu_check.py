@@ -133,9 +133,10 @@ def check_kernels() -> None:
 
 def check_engine() -> None:
     """The engine tests whose mechanisms differ on the GPU (async scheduling, forked samples' block copies,
-    the fused sampler), run on the GPU."""
+    the fused sampler, ids reused while a step is in flight, the core process and its restart), run on the GPU."""
     run_pytest("pytest engine tests on the GPU", "tests/e2e/test_async_scheduling.py",
-               "tests/e2e/test_forked_samples.py")
+               "tests/e2e/test_forked_samples.py", "tests/e2e/test_request_ids.py", "tests/e2e/test_prefix_caching.py",
+               "tests/e2e/test_engine_loop.py", "tests/e2e/test_async_engine.py")
 
 
 def run_script(path: str, timeout: float, *args: str) -> None:
