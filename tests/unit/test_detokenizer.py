@@ -3,14 +3,26 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, find_stop_string, make_detokenizer
+
+DETOKENIZERS = {
+    "python": IncrementalDetokenizer,
+    "stream": lambda tok, prompt, skip_special_tokens: StreamDetokenizer(tok._tokenizer, prompt, skip_special_tokens),
+}
 
 # Accents, CJK, emoji and a ZWJ sequence: byte-level BPE cuts many of these inside a character.
 MULTIBYTE = "Café naïve 日本語のテキスト 🚀🔥 👩\u200d👩\u200d👧 ∑∫ Ελληνικά, done."
 
 
-def feed(detokenizer: IncrementalDetokenizer, token_ids: list[int], chunk: int = 1) -> list[str]:
+@pytest.fixture(params=list(DETOKENIZERS))
+def make(request):
+    return DETOKENIZERS[request.param]
+
+
+def feed(detokenizer, token_ids: list[int], chunk: int = 1) -> list[str]:
     return [detokenizer.update(token_ids[i : i + chunk]) for i in range(0, len(token_ids), chunk)]
 
 
@@ -21,10 +33,10 @@ def test_the_text_really_splits_characters_across_tokens(smollm2_tokenizer):
 
 
 @pytest.mark.parametrize("prompt", ["", "Translate this:"])
-def test_one_token_at_a_time_never_emits_half_a_character(smollm2_tokenizer, prompt):
+def test_one_token_at_a_time_never_emits_half_a_character(smollm2_tokenizer, make, prompt):
     tok = smollm2_tokenizer
     prompt_ids, ids = tok.encode(prompt), tok.encode(MULTIBYTE)
-    deltas = feed(IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=True), ids)
+    deltas = feed(make(tok, prompt_ids, skip_special_tokens=True), ids)
     assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids) == MULTIBYTE
     # No lag either: after each token, the text of every token up to the last one that ends on a
@@ -35,29 +47,47 @@ def test_one_token_at_a_time_never_emits_half_a_character(smollm2_tokenizer, pro
 
 
 @pytest.mark.parametrize("chunk", [2, 3, 7])
-def test_several_tokens_per_step_give_the_same_text(smollm2_tokenizer, chunk):
+def test_several_tokens_per_step_give_the_same_text(smollm2_tokenizer, make, chunk):
     tok = smollm2_tokenizer
     ids = tok.encode(MULTIBYTE)
-    deltas = feed(IncrementalDetokenizer(tok, tok.encode("Hi"), skip_special_tokens=True), ids, chunk)
+    deltas = feed(make(tok, tok.encode("Hi"), skip_special_tokens=True), ids, chunk)
     assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas) == MULTIBYTE
 
 
-def test_output_continues_the_prompt_text(smollm2_tokenizer):
+def test_output_continues_the_prompt_text(smollm2_tokenizer, make):
     # The prompt ends mid-word; the output's first token must join it without an extra space.
     tok = smollm2_tokenizer
     ids = tok.encode("The capital of France is Paris, a city of lights.")
     prompt_ids, output_ids = ids[:6], ids[6:]
-    deltas = feed(IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=True), output_ids)
+    deltas = feed(make(tok, prompt_ids, skip_special_tokens=True), output_ids)
     assert tok.decode(prompt_ids) + "".join(deltas) == tok.decode(ids)
 
 
 @pytest.mark.parametrize("skip, expected", [(True, " bye"), (False, " bye<|im_end|>")])
-def test_special_tokens_follow_skip_special_tokens(smollm2_tokenizer, skip, expected):
+def test_special_tokens_follow_skip_special_tokens(smollm2_tokenizer, make, skip, expected):
     tok = smollm2_tokenizer
     ids = tok.encode(" bye") + [tok.eos_token_id]
-    assert "".join(feed(IncrementalDetokenizer(tok, tok.encode("Say"), skip_special_tokens=skip), ids)) == expected
+    assert "".join(feed(make(tok, tok.encode("Say"), skip_special_tokens=skip), ids)) == expected
 
+
+
+def test_a_fast_tokenizer_gets_the_streaming_detokenizer(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert isinstance(make_detokenizer(tok, tok.encode("Hello there"), True), StreamDetokenizer)
+    partial_byte = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")
+    assert isinstance(make_detokenizer(tok, [*tok.encode("Hi"), partial_byte], True), IncrementalDetokenizer)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(0, 49151), max_size=8), output=st.lists(st.integers(0, 49151), max_size=24),
+       chunk=st.integers(1, 4), skip=st.booleans())
+def test_both_detokenizers_give_the_same_text_on_any_tokens(smollm2_tokenizer, prompt, output, chunk, skip):
+    """Random tokens: partial characters anywhere, special tokens, prompts that end inside a character (for
+    which make_detokenizer keeps the Python one)."""
+    tok = smollm2_tokenizer
+    expected = feed(IncrementalDetokenizer(tok, prompt, skip), output, chunk)
+    assert feed(make_detokenizer(tok, prompt, skip), output, chunk) == expected
 
 @pytest.mark.parametrize(
     "text, num_new, stops, expected",

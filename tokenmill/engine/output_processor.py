@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, find_stop_string, make_detokenizer
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.protocol import EngineCoreOutput
 from tokenmill.request import FinishReason
@@ -47,7 +47,7 @@ class SampleState:
     index: int
     parent: ParentRequest
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
@@ -91,7 +91,7 @@ class OutputProcessor:
                 sample_params.logprobs = 0
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             sample = SampleState(sample_id, index, parent, sample_params, detokenizer)
             parent.samples.append(sample)
             self.samples[sample_id] = sample
