@@ -7,7 +7,6 @@ exits by itself if this process dies without that chance.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import signal
@@ -71,6 +70,6 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
         logger.info("serving %s on http://%s:%d", model_name, server_config.host, server_config.port)
-        asyncio.run(server.serve())
+        server.run()  # on uvloop with httptools when installed (uvicorn picks them), else asyncio and h11
     finally:
         engine.shutdown()
