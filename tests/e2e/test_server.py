@@ -122,6 +122,21 @@ def test_chat_streamed_and_not_agree_and_count_tokens(server, client, smollm2_to
     assert usage["choices"] == [] and usage["usage"] == full.usage.model_dump(exclude_none=True)
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_every_token_arrives_in_a_chunk_of_its_own_even_when_its_text_is_held_back(server, route):
+    """Clients (vLLM's benchmark among them) time chunks as tokens: a step whose text is held back (here
+    all of it, behind a long stop string's possible start) still sends a chunk, with empty text."""
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stop": ["a stop string far longer than the whole output could ever be"]}
+    body |= {"prompt": "Once upon a time"} if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "Tell me a story."}]}
+    events = sse_events(post(server, route, body))[:-1]
+    if route == "/v1/chat/completions":  # the role chunk first, the finish chunk last
+        events = [e for e in events[1:-1] if e["choices"][0]["finish_reason"] is None]
+        assert len(events) == 8 and not any(e["choices"][0]["delta"]["content"] for e in events[:-1])
+    else:
+        assert len(events) == 8 and not any(e["choices"][0]["text"] for e in events[:-1])
+
 def test_n_samples_are_seeded_and_distinct(client):
     def sample():
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, seed=7,

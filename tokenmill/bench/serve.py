@@ -83,7 +83,7 @@ async def _one_request(client, model: str, prompt: list[int], output_len: int) -
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices"):  # every chunk, its text empty or not, as vLLM's benchmark counts
                     now = time.perf_counter()
                     if num_chunks == 0:
                         result.ttft = now - start

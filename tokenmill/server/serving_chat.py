@@ -123,7 +123,9 @@ class ChatResponder:
                     for completion in output.outputs:
                         num_completion += len(completion.token_ids)
                         logprobs = self._logprobs(completion.token_ids, completion.logprobs)
-                        if completion.text or logprobs is not None:
+                        # A chunk per step with new tokens, even when their text is held back: clients
+                        # count chunks as tokens arriving.
+                        if completion.text or completion.token_ids or logprobs is not None:
                             yield self._chunk([{"index": completion.index, "delta": {"content": completion.text},
                                                 "logprobs": logprobs, "finish_reason": None}])
                         if completion.finish_reason is not None:

@@ -138,8 +138,10 @@ class CompletionResponder:
                         if req.echo and first:
                             text = self._prompt_text(prompt) + text
                         num_completion += len(completion.token_ids)
-                        if not text and completion.finish_reason is None and logprobs is None:
-                            continue  # held back (maybe a stop string's start): nothing to say yet
+                        # A chunk per step with new tokens, even when their text is held back (part of a
+                        # character, or maybe a stop string's start): clients count chunks as tokens arriving.
+                        if not text and not completion.token_ids and completion.finish_reason is None:
+                            continue
                         yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
                                                "finish_reason": completion.finish_reason,
                                                "stop_reason": completion.stop_reason}]))
