@@ -129,7 +129,8 @@ def main() -> None:
         bench = subprocess.run(
             [sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--base-url", url,
              "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
-             "--random-output-len", str(args.output_len), "--request-rate", args.request_rate,
+             "--random-output-len", str(args.output_len), "--request-rate", args.request_rate, "--ignore-eos",
+             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
              "--result-file", result_file],
             env=env, capture_output=True, text=True,
         )

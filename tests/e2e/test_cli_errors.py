@@ -97,11 +97,18 @@ def test_chat_with_a_model_the_server_does_not_serve(server):
     assert_short_error(result, "no-such-model", "404", "--model-name")
 
 
-def test_bench_serve_takes_the_key_from_the_environment(server):
-    result = tokenmill("bench", "serve", "--base-url", server.base_url, "--num-prompts", "2",
-                       "--random-input-len", "8", "--random-output-len", "4", api_key_env=API_KEY)
+def test_bench_serve_takes_the_key_from_the_environment_and_vllms_flags(server, tmp_path):
+    host, port = server.base_url.removeprefix("http://").split(":")
+    result = tokenmill("bench", "serve", "--backend", "vllm", "--host", host, "--port", port, "--dataset-name",
+                       "random", "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
+                       "--ignore-eos", "--request-rate", "50", "--burstiness", "0.5", "--percentile-metrics",
+                       "ttft,e2el", "--metric-percentiles", "90,99", "--save-result", "--result-dir", str(tmp_path),
+                       "--result-filename", "r.json", api_key_env=API_KEY)
     assert result.returncode == 0, result.stderr
     assert "completed                        2" in result.stdout
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["completed"] == 2 and saved["total_output_tokens"] == 8 and saved["max_concurrent_requests"] >= 1
+    assert {"median_ttft_ms", "p90_e2el_ms", "p99_ttft_ms"} <= set(saved) and "mean_itl_ms" not in saved
 
 
 def test_bench_serve_with_a_wrong_key(server):

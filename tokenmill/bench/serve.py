@@ -1,10 +1,13 @@
 """`tokenmill bench serve`: load an OpenAI-compatible server (tokenmill's, vLLM's, ...) with streamed
-completions of random prompts, and report throughput and latency percentiles.
+completions of random prompts, and report throughput and latency, with vLLM's `vllm bench serve` flags,
+metrics and JSON result keys, so the two can be compared run for run.
 
 Prompts are random token ids drawn from the server's own tokenization of a built-in text, sent as
-token-id prompts, so every request has exactly --random-input-len tokens; outputs ignore EOS, so
-every request generates exactly --random-output-len tokens. Requests arrive as a Poisson process
-at --request-rate (all at once by default), at most --max-concurrency in flight.
+token-id prompts, so every request has exactly --random-input-len tokens; with --ignore-eos every request
+generates exactly --random-output-len tokens. Requests arrive at --request-rate per second (all at once
+by default): Poisson arrivals, or gamma-distributed gaps with --burstiness other than 1 (as vLLM's); at
+most --max-concurrency in flight. Every streamed chunk counts as tokens arriving (for ITL), as vLLM's
+benchmark counts them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -27,19 +31,37 @@ SEED_TEXT = (
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
+    parser.add_argument("--base-url", default=None, help="the server, without /v1 (default: http://HOST:PORT)")
+    parser.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
+    parser.add_argument("--port", type=int, default=8000, help="the server's port, without --base-url")
+    parser.add_argument("--backend", default="openai", choices=["openai", "vllm", "tokenmill"],
+                        help="accepted for vLLM's command lines: every choice speaks OpenAI's completions API")
+    parser.add_argument("--endpoint", default="/v1/completions", help="the completions route")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=None,
                         help="bearer key, if the server wants one (default: $TOKENMILL_API_KEY)")
+    parser.add_argument("--dataset-name", default="random", choices=["random"],
+                        help="where prompts come from: random token ids (the only dataset here)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--random-output-len", type=int, default=64, help="generated tokens per request")
+    parser.add_argument("--random-output-len", type=int, default=64, help="generated tokens per request (max_tokens)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate all --random-output-len tokens, whatever the model samples")
     parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second, Poisson arrivals (default: inf, all at once)")
+                        help="requests per second (default: inf, all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    parser.add_argument("--percentiles", default="50,90,99", help="comma-separated latency percentiles")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                        help="metrics whose percentiles are reported, of ttft, tpot, itl, e2el")
+    parser.add_argument("--metric-percentiles", "--percentiles", default="99",
+                        help="comma-separated percentiles reported for those metrics (the median always is)")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
-    parser.add_argument("--result-file", default=None, help="also write the results as JSON here")
+    parser.add_argument("--save-result", action="store_true", help="write the results as JSON")
+    parser.add_argument("--result-dir", default=".", help="folder of --save-result's file")
+    parser.add_argument("--result-filename", default=None,
+                        help="name of --save-result's file (default: tokenmill-<rate>qps-<date>.json)")
+    parser.add_argument("--result-file", default=None, help="write the results as JSON to this path")
 
 
 @dataclass
@@ -63,14 +85,14 @@ async def _get_model_and_vocab(client, args) -> tuple[str, list[int]]:
     return model, sorted(set(response.json()["tokens"]))
 
 
-async def _one_request(client, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def _one_request(client, args: argparse.Namespace, model: str, prompt: list[int]) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": args.random_output_len, "temperature": 0.0,
+            "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult()
     start = last = time.perf_counter()
     num_chunks = 0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", args.endpoint, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
@@ -98,7 +120,30 @@ async def _one_request(client, model: str, prompt: list[int], output_len: int) -
     return result
 
 
-async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+def arrival_gaps(num: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Seconds before each request after the first: gamma-distributed with mean 1 / rate (burstiness 1:
+    exponential, i.e. Poisson arrivals), or none at an infinite rate."""
+    if not math.isfinite(rate):
+        return [0.0] * num
+    return [0.0] + [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(num - 1)]
+
+
+@dataclass
+class Concurrency:
+    """Requests in flight, and the most there were at once."""
+
+    now: int = 0
+    peak: int = 0
+
+    def enter(self) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+
+    def leave(self) -> None:
+        self.now -= 1
+
+
+async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float, int]:
     import httpx
 
     from tokenmill.cli.args import api_key_or_env
@@ -110,39 +155,55 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
         model, vocab = await _get_model_and_vocab(client, args)
         rng = random.Random(args.seed)
         prompts = [[rng.choice(vocab) for _ in range(args.random_input_len)] for _ in range(args.num_prompts)]
+        gaps = arrival_gaps(args.num_prompts, args.request_rate, args.burstiness, rng)
         semaphore = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+        in_flight = Concurrency()
 
         async def limited(prompt: list[int]) -> RequestResult:
             async with semaphore:
-                return await _one_request(client, model, prompt, args.random_output_len)
+                in_flight.enter()
+                try:
+                    return await _one_request(client, args, model, prompt)
+                finally:
+                    in_flight.leave()
 
         start = time.perf_counter()
         tasks = []
-        for prompt in prompts:
+        for prompt, gap in zip(prompts, gaps):
+            if gap:
+                await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(limited(prompt)))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, in_flight.peak
 
 
-def summarize(results: list[RequestResult], duration: float, input_len: int, percentiles: list[float]) -> dict:
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def summarize(results: list[RequestResult], duration: float, input_len: int, metrics: list[str],
+              percentiles: list[float], peak_concurrency: int = 0) -> dict:
+    """vLLM's result keys: throughputs, then mean / median / std / chosen percentiles (ms) of each metric."""
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     summary = {
         "completed": len(done),
         "failed": len(results) - len(done),
-        "duration_s": duration,
+        "duration": duration,
+        "total_input_tokens": input_len * len(done),
+        "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + input_len * len(done)) / duration,
+        "max_concurrent_requests": peak_concurrency,
     }
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     series = {"ttft": [r.ttft for r in done], "tpot": tpots, "itl": [x for r in done for x in r.itl],
               "e2el": [r.latency for r in done]}
-    for name, values in series.items():
-        values_ms = np.array(values or [0.0]) * 1000
+    for name in metrics:
+        values_ms = np.array(series[name] or [0.0]) * 1000
         summary[f"mean_{name}_ms"] = float(values_ms.mean())
+        summary[f"median_{name}_ms"] = float(np.median(values_ms))
+        summary[f"std_{name}_ms"] = float(values_ms.std())
         for p in percentiles:
             summary[f"p{p:g}_{name}_ms"] = float(np.percentile(values_ms, p))
     errors = sorted({r.error for r in results if not r.ok and r.error})
@@ -151,14 +212,32 @@ def summarize(results: list[RequestResult], duration: float, input_len: int, per
     return summary
 
 
+def result_path(args: argparse.Namespace) -> str | None:
+    if args.result_file:
+        return args.result_file
+    if not args.save_result:
+        return None
+    rate = "inf" if not math.isfinite(args.request_rate) else f"{args.request_rate:g}"
+    name = args.result_filename or f"tokenmill-{rate}qps-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return os.path.join(args.result_dir, name)
+
+
 def main(args: argparse.Namespace) -> int:
-    results, duration = asyncio.run(_run(args))
-    percentiles = [float(p) for p in args.percentiles.split(",")]
-    summary = summarize(results, duration, args.random_input_len, percentiles)
+    args.base_url = args.base_url or f"http://{args.host}:{args.port}"
+    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = sorted(set(metrics) - set(METRICS))
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)}; choose from {', '.join(METRICS)}")
+    if args.burstiness <= 0:
+        raise ValueError(f"--burstiness must be positive, got {args.burstiness}")
+    results, duration, peak = asyncio.run(_run(args))
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    summary = summarize(results, duration, args.random_input_len, metrics, percentiles, peak)
     print(f"{'=' * 16} tokenmill bench serve {'=' * 16}")
     for key, value in summary.items():
         print(f"{key:<32} {value:>12.2f}" if isinstance(value, float) else f"{key:<32} {value}")
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump({**vars(args), **summary}, f, indent=2, default=str)
+    path = result_path(args)
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump({**vars(args), "request_rate": str(args.request_rate), **summary}, f, indent=2, default=str)
     return 0 if summary["completed"] else 1
