@@ -111,6 +111,17 @@ def test_bench_serve_takes_the_key_from_the_environment_and_vllms_flags(server, 
     assert {"median_ttft_ms", "p90_e2el_ms", "p99_ttft_ms"} <= set(saved) and "mean_itl_ms" not in saved
 
 
+def test_bench_serve_sweeps_rates_into_a_table_and_a_plot(server, tmp_path):
+    plot = tmp_path / "sweep.png"
+    result = tokenmill("bench", "serve", "--base-url", server.base_url, "--num-prompts", "3",
+                       "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos",
+                       "--request-rate", "20,inf", "--plot", str(plot), api_key_env=API_KEY)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("completed                        3") == 2
+    table = result.stdout[result.stdout.index("out tok/s"):].splitlines()
+    assert [row.split()[0] for row in table[1:3]] == ["20", "inf"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
 def test_bench_serve_with_a_wrong_key(server):
     result = tokenmill("bench", "serve", "--base-url", server.base_url, "--num-prompts", "1", api_key_env="wrong")
     assert_short_error(result, "the server refused the API key (401)")

@@ -47,8 +47,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-output-len", type=int, default=64, help="generated tokens per request (max_tokens)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate all --random-output-len tokens, whatever the model samples")
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second (default: inf, all at once)")
+    parser.add_argument("--request-rate", type=_rates, default=[math.inf],
+                        help="requests per second (default: inf, all at once); several, comma-separated "
+                             "(4,8,16,inf), sweep: one run per rate, a table, and --plot")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="with several rates: TTFT and TPOT against the rate, drawn with matplotlib")
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
@@ -118,6 +121,13 @@ async def _one_request(client, args: argparse.Namespace, model: str, prompt: lis
     except Exception as e:  # a benchmark reports failures rather than dying on the first one
         result.error = repr(e)
     return result
+
+
+def _rates(text: str) -> list[float]:
+    rates = [float(part) for part in text.split(",") if part.strip()]
+    if not rates or any(rate <= 0 for rate in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive numbers or inf, got {text!r}")
+    return rates
 
 
 def arrival_gaps(num: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
@@ -222,6 +232,46 @@ def result_path(args: argparse.Namespace) -> str | None:
     return os.path.join(args.result_dir, name)
 
 
+def run_one_rate(args: argparse.Namespace, metrics: list[str], percentiles: list[float]) -> dict:
+    results, duration, peak = asyncio.run(_run(args))
+    summary = summarize(results, duration, args.random_input_len, metrics, percentiles, peak)
+    print(f"{'=' * 16} tokenmill bench serve, {args.request_rate:g} req/s {'=' * 16}")
+    for key, value in summary.items():
+        print(f"{key:<32} {value:>12.2f}" if isinstance(value, float) else f"{key:<32} {value}")
+    path = result_path(args)
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump({**vars(args), "request_rate": str(args.request_rate), **summary}, f, indent=2, default=str)
+    return summary
+
+
+def plot_sweep(rates: list[float], summaries: list[dict], path: str) -> None:
+    """Median and p99 TTFT and TPOT against the request rate: where the server saturates."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    finite = [r for r in rates if math.isfinite(r)]
+    shown = [r if math.isfinite(r) else 2 * max(finite, default=1) for r in rates]  # inf: drawn past the last
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("ttft", "tpot")):
+        for stat in ("median", "p99"):
+            values = [s.get(f"{stat}_{metric}_ms") for s in summaries]
+            if all(v is not None for v in values):
+                ax.plot(shown, values, marker="o", label=stat)
+        ax.set_xlabel("request rate (req/s; the last point is inf)" if len(finite) < len(rates) else "request rate")
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+        ax.set_xticks(shown, [f"{r:g}" for r in rates])
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main(args: argparse.Namespace) -> int:
     args.base_url = args.base_url or f"http://{args.host}:{args.port}"
     metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
@@ -230,14 +280,19 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)}; choose from {', '.join(METRICS)}")
     if args.burstiness <= 0:
         raise ValueError(f"--burstiness must be positive, got {args.burstiness}")
-    results, duration, peak = asyncio.run(_run(args))
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
-    summary = summarize(results, duration, args.random_input_len, metrics, percentiles, peak)
-    print(f"{'=' * 16} tokenmill bench serve {'=' * 16}")
-    for key, value in summary.items():
-        print(f"{key:<32} {value:>12.2f}" if isinstance(value, float) else f"{key:<32} {value}")
-    path = result_path(args)
-    if path is not None:
-        with open(path, "w") as f:
-            json.dump({**vars(args), "request_rate": str(args.request_rate), **summary}, f, indent=2, default=str)
-    return 0 if summary["completed"] else 1
+    if args.plot and not {"ttft", "tpot"} <= set(metrics):
+        raise ValueError("--plot draws TTFT and TPOT: keep both in --percentile-metrics")
+    rates, summaries = args.request_rate, []
+    for rate in rates:
+        args.request_rate = rate
+        summaries.append(run_one_rate(args, metrics, percentiles))
+    if len(rates) > 1:
+        print(f"{'rate':>8} {'out tok/s':>10} {'TTFT med':>9} {'TPOT med':>9} {'ITL mean':>9}")
+        for rate, summary in zip(rates, summaries):
+            cells = [summary.get(k, float("nan")) for k in ("output_throughput", "median_ttft_ms",
+                                                              "median_tpot_ms", "mean_itl_ms")]
+            print(f"{rate:>8g} " + " ".join(f"{c:>9.1f}" for c in cells))
+    if args.plot:
+        plot_sweep(rates, summaries, args.plot)
+    return 0 if all(s["completed"] for s in summaries) else 1
