@@ -8,8 +8,9 @@ from importlib.metadata import PackageNotFoundError, packages_distributions, req
 
 import tokenmill
 
-OPTIONAL = {"triton"}
-"""Imported only where installed (tokenmill.kernels.triton_available)."""
+OPTIONAL = {"triton", "matplotlib"}
+"""Imported only where installed (tokenmill.kernels.triton_available), or only for an optional feature that says
+what to install when it is missing (matplotlib: bench serve --plot, the `bench` extra)."""
 
 
 def base_distributions() -> set[str]:
