@@ -113,9 +113,9 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         # Their new full blocks enter the prefix cache only now that no preemption can unschedule them.
-        for request in self.running:
-            if request.request_id in num_scheduled:
-                self.kv.cache_blocks(request, request.num_computed_tokens + num_scheduled[request.request_id])
+        for request_id, num_new in num_scheduled.items():
+            request = self.requests[request_id]
+            self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
         # Preemption may have handed back budget; recount from what is actually scheduled.
         budget = self.config.max_num_batched_tokens - sum(num_scheduled.values())
         # After a preemption the cache is full: admitting more would only thrash it.
