@@ -74,17 +74,74 @@ class DeviceConfig:
     """Attention implementation; None picks the platform default."""
 
 
+SPECULATIVE_METHODS = ("ngram",)
+"""Proposers a user can name; spec/proposers.py maps each to its class."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's `speculative_config` keys: a proposer drafts up to
+    `num_speculative_tokens` tokens per request per step and one forward pass verifies them."""
+
+    method: str
+    """ngram: prompt lookup over the request's own prompt and output."""
+    num_speculative_tokens: int
+    """Most draft tokens per request per step (k); each step emits 1 to k + 1 tokens per request."""
+    prompt_lookup_min: int | None = None
+    """ngram: shortest suffix to look up (default: prompt_lookup_max, or 5)."""
+    prompt_lookup_max: int | None = None
+    """ngram: longest suffix to look up, tried first (default: prompt_lookup_min, or 5)."""
+    model: str | None = None
+    """Draft model path (draft-model methods; not available yet)."""
+    disable_by_batch_size: int | None = None
+    """Draft nothing in steps with more running requests than this (None: the step-cost policy decides)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got "
+                             f"{self.num_speculative_tokens!r}")
+        if self.model is not None:
+            raise ValueError(f"speculative method {self.method!r} takes no draft model")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        low, high = (low or high or 5), (high or low or 5)
+        if not 1 <= low <= high:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be positive, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Route vLLM-style flat engine arguments to the sub-config that owns each one."""
         parts: dict[str, dict[str, Any]] = {}
+        speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
         owners = {
             "model_config": ModelConfig,
             "cache_config": CacheConfig,
@@ -99,7 +156,8 @@ class EngineConfig:
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
         built = {part: klass(**parts.get(part, {})) for part, klass in owners.items() if part != "model_config"}
-        return cls(model_config=ModelConfig(model=model, **parts.get("model_config", {})), **built)
+        return cls(model_config=ModelConfig(model=model, **parts.get("model_config", {})), **built,
+                   speculative_config=speculative)
 
     def __post_init__(self) -> None:
         cache, sched = self.cache_config, self.scheduler_config

@@ -34,10 +34,36 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request."""
     num_cached_tokens: int = 0
-    new_logprobs: TokenLogprobs | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    """One entry per new token, for requests that asked for logprobs."""
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     """Prompt logprobs arrive with the step that completes the prompt (chunks are gathered by the
     worker until then)."""
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding's cumulative counters (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0
+    """Request-steps that verified at least one draft token."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    """Drafts accepted at each draft position (0 = the first draft of a step)."""
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.accepted_per_position))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verifying request-step: 1 + accepted drafts (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -50,6 +76,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     queue_times: list[float] = field(default_factory=list)
     """Seconds from arrival to first scheduling, of each request first scheduled since the last stats."""
+    spec_decoding: SpecDecodingStats | None = None
+    """None when speculative decoding is off."""
 
 
 @dataclass

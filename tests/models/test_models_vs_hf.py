@@ -1,8 +1,9 @@
 """Every supported architecture, tiny and random: tokenmill's greedy tokens equal transformers'.
 
-Float32 on CPU, so the tokens must be identical, under three schedules: one prefill per prompt,
-prefill chunked into 16-token steps, and a KV pool so small that requests get preempted and
-recomputed. The tiny models and their reference outputs come from conftest.py.
+Float32 on CPU, so the tokens must be identical, under these schedules: one prefill per prompt,
+prefill chunked into 16-token steps, a KV pool so small that requests get preempted and recomputed,
+and speculative decoding (n-gram drafts verified in one pass) alone and with the last two. The tiny
+models and their reference outputs come from conftest.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ from tokenmill.model.registry import get_model_class, supported_architectures
 # second per engine; the pool's size changes nothing the test checks.
 BASE_ARGS = {"skip_tokenizer_init": True, "device": "cpu", "dtype": "float32", "kv_cache_space": 0.01}
 
+# Short n-grams: the tiny models' outputs repeat often enough that drafts are accepted and rejected.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
 ENGINE_SETTINGS = {
     "default": {},
     "chunked-prefill": {"max_num_batched_tokens": 16},
     # 6 blocks of 16 tokens, while the four requests need 12 between them.
     "preemption": {"num_gpu_blocks_override": 6, "max_model_len": 64, "max_num_batched_tokens": 16},
+    "ngram": {"speculative_config": NGRAM},
+    "ngram-chunked-preemption": {"num_gpu_blocks_override": 6, "max_model_len": 64, "max_num_batched_tokens": 16,
+                                 "speculative_config": NGRAM, "async_scheduling": True},
 }
 
 
@@ -35,11 +42,17 @@ def test_every_registered_architecture_is_covered(tiny_model_architectures):
 def test_greedy_tokens_match_hf(references, model_name: str, setting: str):
     ref = references(model_name)
     llm = LLM(ref.path, **BASE_ARGS, **ENGINE_SETTINGS[setting])
+    if "ngram" in setting:
+        budget = llm.engine.core.scheduler.draft_budget
+        budget.cost, budget.min_gain = None, 0.0  # draft every step: a random model's drafts gain little
     params = SamplingParams(temperature=0, max_tokens=len(ref.expected[0]), ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == ref.expected
-    if setting == "preemption":
-        assert llm.engine.last_stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
+    stats = llm.engine.last_stats
+    if "preemption" in setting:
+        assert stats.num_preemptions > 0, "the tiny KV pool should have forced preemption"
+    if "ngram" in setting:
+        assert stats.spec_decoding.num_drafts > 0, "no step verified a draft"
 
 
 def test_gemma2_final_logits_are_soft_capped(references):

@@ -25,7 +25,7 @@ def test_abort_round_trip():
 def test_outputs_round_trip():
     outputs = EngineCoreOutputs(
         [EngineCoreOutput("r1", [5], FinishReason.STOP, stop_reason=2, num_cached_tokens=16,
-                          new_logprobs=TokenLogprobs([5, 6], [-0.1, -2.0], rank=1)),
+                          new_logprobs=[TokenLogprobs([5, 6], [-0.1, -2.0], rank=1)]),
          EngineCoreOutput("r2", [7, 8])],
         SchedulerStats(num_running_reqs=2, kv_cache_usage=0.25, prefix_cache_hits=16, queue_times=[0.5]),
     )

@@ -21,7 +21,7 @@ def test_a_late_token_of_an_aborted_request_never_lands_in_a_new_request_with_it
     # "a" is aborted while its step runs, and a new request takes the id (and the freed row) at once.
     states.apply(SchedulerOutput([new_request("a", [5, 6, 7, 8, 9])], [], {"a": 5}, 5, finished_request_ids={"a"}))
     assert states.row_of["a"] == rows[0]
-    assert pending.result().sampled_token_ids == {"a": 99}  # the old request's token, for the scheduler to drop
+    assert pending.result().sampled_token_ids == {"a": [99]}  # the old request's token, for the scheduler to drop
     assert states.token_ids[rows[0], :5].tolist() == [5, 6, 7, 8, 9]
 
 

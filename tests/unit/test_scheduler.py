@@ -34,7 +34,7 @@ def run_step(scheduler: Scheduler, token=7) -> SchedulerOutput:
     for rid in out.num_scheduled_tokens:
         req = scheduler.requests[rid]
         if req.num_computed_tokens == req.num_tokens:
-            sampled[rid] = token
+            sampled[rid] = [token]
     scheduler.update_from_output(out, ModelRunnerOutput(sampled))
     return out
 
@@ -110,10 +110,10 @@ def test_eos_and_length_finish_reasons():
     s = make_scheduler()
     s.add_request(make_request("eos", 5, max_tokens=10))
     s.add_request(make_request("len", 5, max_tokens=2, first_token=50))
-    first = s.update_from_output(s.schedule(), ModelRunnerOutput({"eos": EOS, "len": 3})).outputs
+    first = s.update_from_output(s.schedule(), ModelRunnerOutput({"eos": [EOS], "len": [3]})).outputs
     assert [(r.request_id, r.finish_reason and r.finish_reason.value, r.stop_reason) for r in first] == [
         ("eos", "stop", None), ("len", None, None)]
-    second = s.update_from_output(s.schedule(), ModelRunnerOutput({"len": 3})).outputs
+    second = s.update_from_output(s.schedule(), ModelRunnerOutput({"len": [3]})).outputs
     assert [(r.request_id, r.finish_reason.value) for r in second] == [("len", "length")]
 
 
@@ -140,7 +140,7 @@ def test_priority_policy_runs_and_keeps_the_most_urgent_request():
     s.add_request(make_request("mid", 7, max_tokens=12, priority=1, arrival=2, first_token=90))
     first = s.schedule()
     assert set(first.num_scheduled_tokens) == {"high", "mid"}  # lower value runs first
-    s.update_from_output(first, ModelRunnerOutput({"high": 7, "mid": 7}))
+    s.update_from_output(first, ModelRunnerOutput({"high": [7], "mid": [7]}))
     high, mid = s.requests["high"], s.requests["mid"]
     while high.status == RequestStatus.RUNNING:
         run_step(s)
@@ -188,12 +188,12 @@ def test_async_steps_are_scheduled_before_the_last_step_is_updated():
     first = s.schedule()  # the prompt; samples token 1
     second = s.schedule()  # token 1 is in flight: its decode is scheduled anyway
     assert second.num_scheduled_tokens == {"a": 1}
-    s.update_from_output(first, ModelRunnerOutput({"a": 11}))
+    s.update_from_output(first, ModelRunnerOutput({"a": [11]}))
     third = s.schedule()  # token 2 in flight; token 3 will be the last
-    s.update_from_output(second, ModelRunnerOutput({"a": 12}))
+    s.update_from_output(second, ModelRunnerOutput({"a": [12]}))
     fourth = s.schedule()  # the step in flight gives the last token: nothing more to schedule
     assert fourth.num_scheduled_tokens == {}
-    outputs = s.update_from_output(third, ModelRunnerOutput({"a": 13})).outputs
+    outputs = s.update_from_output(third, ModelRunnerOutput({"a": [13]})).outputs
     assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([13], "length")]
     s.update_from_output(fourth, ModelRunnerOutput({}))
     assert not s.has_requests() and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
@@ -206,8 +206,8 @@ def test_a_token_in_flight_goes_to_the_request_that_was_scheduled_not_to_a_new_o
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # aborted while its step runs
     s.add_request(make_request("a", 3, max_tokens=4, first_token=20))  # the id is free again
     second = s.schedule()
-    assert s.update_from_output(first, ModelRunnerOutput({"a": 99})).outputs == []
-    outputs = s.update_from_output(second, ModelRunnerOutput({"a": 7})).outputs
+    assert s.update_from_output(first, ModelRunnerOutput({"a": [99]})).outputs == []
+    outputs = s.update_from_output(second, ModelRunnerOutput({"a": [7]})).outputs
     assert [o.new_token_ids for o in outputs] == [[7]] and s.requests["a"].output_token_ids == [7]
 
 
@@ -219,7 +219,7 @@ def test_forked_samples_share_the_prompt_blocks_and_compute_one_token_each():
         s.add_request(Request(f"{i}_r", prompt, SamplingParams(max_tokens=2), fork_of="0_r"))
     first = s.schedule()
     assert first.num_scheduled_tokens == {"0_r": 10}  # the followers wait for the leader's prompt
-    s.update_from_output(first, ModelRunnerOutput({"0_r": 5}))
+    s.update_from_output(first, ModelRunnerOutput({"0_r": [5]}))
     second = s.schedule()
     assert second.num_scheduled_tokens == {"0_r": 1, "1_r": 1, "2_r": 1}
     leader_blocks = s.kv.get_block_ids("0_r")
@@ -228,7 +228,7 @@ def test_forked_samples_share_the_prompt_blocks_and_compute_one_token_each():
         blocks = s.kv.get_block_ids(follower)
         assert blocks[:2] == leader_blocks[:2]  # full blocks shared
         assert copies[blocks[2]] == leader_blocks[2]  # the partial one copied into a block of its own
-    s.update_from_output(second, ModelRunnerOutput({"0_r": 6, "1_r": 7, "2_r": 8}))
+    s.update_from_output(second, ModelRunnerOutput({"0_r": [6], "1_r": [7], "2_r": [8]}))
     drain(s)
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
 

@@ -8,9 +8,14 @@ own sequence's KV: a prefix-cache hit, a fork or a reused block that serves stal
 at once. Its sampled token is a pure function of the request id and its tokens so far, so the tokens
 each request must receive, and where it must stop, are known in advance.
 
+With speculative decoding, the fake runner drafts into the lookahead it is given (some drafts right,
+some wrong, some steps none) and verifies them against the same function: the emitted run is the
+longest right prefix plus one token, and the KV of rejected drafts must be written again before anyone
+reads it.
+
 Random sequences of adds (shared prefixes, n > 1 forks, priorities, salts), aborts, stop-string stops
-and steps run on tiny pools, under FCFS and priority, with and without prefix caching, chunked prefill
-and async scheduling. After every step: waiting requests hold no blocks, the block reference counts
+and steps run on tiny pools, under FCFS and priority, with and without prefix caching, chunked prefill,
+async scheduling and speculative decoding. After every step: waiting requests hold no blocks, the block reference counts
 add up, the limits hold; at the end every request finished exactly once with the right tokens, and
 every block is free. A step that schedules nothing while work waits raises SchedulerStalledError.
 """
@@ -31,6 +36,7 @@ from tokenmill.kv_cache.manager import KVCacheManager, cdiv
 from tokenmill.protocol import EngineRequest
 from tokenmill.request import FinishReason, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.draft_budget import DraftBudget
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.worker.pending_output import ReadyOutput
@@ -45,6 +51,28 @@ def next_token(request_id: str, token_ids: list[int]) -> int:
     """The fake model's choice: depends only on the request id and its tokens; EOS about one time in eight."""
     value = zlib.crc32(f"{request_id}:{token_ids}".encode())
     return EOS if value % 8 == 0 else 1 + value % (VOCAB - 1)
+
+
+def fake_drafts(request_id: str, token_ids: list[int], max_drafts: int) -> list[int]:
+    """Up to max_drafts guesses, each right two times in three (wrong ones stay wrong), sometimes none."""
+    value = zlib.crc32(f"draft:{request_id}:{token_ids}".encode())
+    drafts, tokens = [], list(token_ids)
+    for i in range(value % (max_drafts + 1)):
+        right = next_token(request_id, tokens)
+        drafts.append(right if (value >> (i + 4)) % 3 else (right + 1) % VOCAB)
+        tokens.append(drafts[-1])
+    return drafts
+
+
+def verify(request_id: str, token_ids: list[int], drafts: list[int]) -> list[int]:
+    """The drafts the fake model agrees with, then its own next token."""
+    emitted = []
+    for draft in drafts:
+        target = next_token(request_id, token_ids + emitted)
+        if draft != target:
+            return emitted + [target]
+        emitted.append(draft)
+    return emitted + [next_token(request_id, token_ids + emitted)]
 
 
 @dataclass
@@ -85,34 +113,46 @@ class FakeRunner:
             self.rows[new.request_id] = Row(new.request_id, list(new.token_ids), list(new.block_ids),
                                             new.num_computed_tokens)
         for cached in out.cached_requests:
-            row = self.rows[cached.request_id]
-            assert row.num_computed == cached.num_computed_tokens
-            row.block_ids += cached.new_block_ids
+            self.rows[cached.request_id].block_ids += cached.new_block_ids
         for src, dst in out.block_copies:
             for offset in range(self.block_size):
                 if (src, offset) in self.kv:
                     self.kv[dst, offset] = self.kv[src, offset]
-        scheduled = [(self.rows[rid], n) for rid, n in out.num_scheduled_tokens.items()]
-        # Each layer writes the whole batch's KV before any token attends (so one step can share a prefix).
-        for row, n in scheduled:
+        scheduled = []
+        for rid, n in out.num_scheduled_tokens.items():
+            row, lookahead = self.rows[rid], out.num_lookahead_tokens.get(rid, 0)
+            assert len(row.block_ids) >= cdiv(row.num_computed + n, self.block_size)  # room for every draft
+            n -= lookahead
             assert row.num_computed + n <= len(row.token_ids)
-            assert len(row.block_ids) >= cdiv(row.num_computed + n, self.block_size)
+            drafts = []
+            if lookahead:
+                assert row.num_computed + n == len(row.token_ids), "lookahead for a request mid-prompt"
+                drafts = fake_drafts(rid, row.token_ids, lookahead)
+            scheduled.append((row, n + len(drafts), drafts))
+            row.token_ids += drafts
+        # Each layer writes the whole batch's KV before any token attends (so one step can share a prefix).
+        for row, n, _ in scheduled:
             for position in range(row.num_computed, row.num_computed + n):
                 self.kv[self.slot(row, position)] = self.content(row, position)
         # Only computed blocks may be handed out as prefix-cache hits.
         for block in self.cached_blocks():
             assert all((block.block_id, offset) in self.kv for offset in range(self.block_size)), (
                 f"block {block.block_id} is in the prefix cache but was never computed")
-        sampled = {}
-        for row, n in scheduled:
+        sampled, num_drafts = {}, {}
+        for row, n, drafts in scheduled:
             row.num_computed += n
             for position in range(row.num_computed):
                 assert self.kv.get(self.slot(row, position)) == self.content(row, position), (
                     f"{row.request_id} read stale KV at position {position}")
             if row.num_computed == len(row.token_ids):
-                sampled[row.request_id] = next_token(row.request_id, row.token_ids)
-                row.token_ids.append(sampled[row.request_id])
-        return ReadyOutput(ModelRunnerOutput(sampled))
+                known = row.token_ids[: len(row.token_ids) - len(drafts)]
+                emitted = verify(row.request_id, known, drafts)
+                sampled[row.request_id] = emitted
+                row.token_ids = known + emitted
+                row.num_computed = len(row.token_ids) - 1  # the last emitted token has no KV yet
+                if drafts:
+                    num_drafts[row.request_id] = len(drafts)
+        return ReadyOutput(ModelRunnerOutput(sampled, num_draft_tokens=num_drafts))
 
 
 @dataclass
@@ -162,6 +202,7 @@ def engine_configs(draw):
         caching=draw(st.booleans()),
         chunked=chunked,
         async_scheduling=draw(st.booleans()),
+        num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
     )
 
 
@@ -185,7 +226,9 @@ class Driver:
             enable_chunked_prefill=config["chunked"],
         )
         self.kv = KVCacheManager(config["num_blocks"], config["block_size"], enable_caching=config["caching"])
-        self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len)
+        k = config.get("num_speculative_tokens", 0)
+        self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len,
+                                   DraftBudget(k, cost=None) if k else None)
         self.salts: dict[str, str | None] = {}
         self.runner = FakeRunner(config["block_size"], config["budget"], self.salts,
                                  lambda: self.kv.pool.cached_blocks.values())
@@ -290,3 +333,16 @@ def test_a_forked_request_and_another_on_a_tiny_pool_finish():
     driver.add_prompt(list(range(50, 66)), 1, params)
     driver.add_prompt([1, 2, 3, 4], 2, params)
     driver.drain()
+
+
+def test_speculative_runs_stop_exactly_at_eos_and_max_tokens():
+    """Accepted runs that cross EOS or max_tokens are cut there, with async scheduling and a tiny pool."""
+    config = dict(block_size=4, max_model_len=32, num_blocks=10, budget=12, max_num_seqs=3, policy="fcfs",
+                  caching=True, chunked=True, async_scheduling=True, num_speculative_tokens=3)
+    driver = Driver(config)
+    for max_tokens in (1, 2, 5, 13):
+        driver.add_prompt(list(range(1, 9)), 1, SamplingParams(max_tokens=max_tokens))
+        driver.add_prompt(list(range(20, 26)), 2, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    driver.drain()
+    assert driver.scheduler.spec_stats.num_drafts > 0
+    assert 0 < driver.scheduler.spec_stats.num_accepted_tokens < driver.scheduler.spec_stats.num_draft_tokens

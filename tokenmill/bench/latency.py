@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from tokenmill.bench import spec_decode
 from tokenmill.bench.offline import add_engine_args, make_llm, random_prompts, vocab_size_of
 
 
@@ -45,14 +46,21 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--output-len must be at least 2 to separate decode from prefill")
     llm = make_llm(args)
     rng = np.random.default_rng(args.prompt_seed)
-    prompts = random_prompts(rng, np.full(args.batch_size, args.input_len), vocab_size_of(llm))
+    vocab_size = vocab_size_of(llm)
+    prompts = random_prompts(rng, np.full(args.batch_size, args.input_len), vocab_size)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     prefill_params = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)
+
     # Prefix caching would turn every repeat of the same prompts into a cache hit: vary the first token.
+    def time_fresh_batch(sampling) -> float:
+        return _time_batch(llm, _fresh(prompts, rng, vocab_size), sampling)
+
     for _ in range(args.num_iters_warmup):
-        _time_batch(llm, _fresh(prompts, rng), params)
-    latencies = np.array([_time_batch(llm, _fresh(prompts, rng), params) for _ in range(args.num_iters)])
-    prefills = np.array([_time_batch(llm, _fresh(prompts, rng), prefill_params) for _ in range(args.num_iters)])
+        time_fresh_batch(params)
+    spec_before = spec_decode.stats_of(llm)
+    latencies = np.array([time_fresh_batch(params) for _ in range(args.num_iters)])
+    spec_run = spec_decode.difference(spec_before, spec_decode.stats_of(llm))  # of the timed runs
+    prefills = np.array([time_fresh_batch(prefill_params) for _ in range(args.num_iters)])
     prefill = float(np.median(prefills))
     results = {
         "batch_size": args.batch_size,
@@ -65,21 +73,25 @@ def main(args: argparse.Namespace) -> int:
         "decode_ms_per_token": (float(np.median(latencies)) - prefill) / (args.output_len - 1) * 1e3,
         "e2e_ms_per_output_token": float(np.median(latencies)) / args.output_len * 1e3,
         "latencies_s": latencies.tolist(),
+        **spec_decode.summary(spec_run),
     }
     print(f"Latency (batch {args.batch_size}, {args.input_len} in, {args.output_len} out, {args.num_iters} runs): "
           f"mean {results['mean_s'] * 1e3:.1f} ms, median {results['median_s'] * 1e3:.1f} ms, "
           f"p99 {results['p99_s'] * 1e3:.1f} ms")
     print(f"Prefill (1 output token) median {prefill * 1e3:.1f} ms; decode {results['decode_ms_per_token']:.3f} ms "
           f"per token; end to end {results['e2e_ms_per_output_token']:.3f} ms per output token")
+    if (line := spec_decode.describe(results)) is not None:
+        print(line)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
 
 
-def _fresh(prompts: list[dict], rng: np.random.Generator) -> list[dict]:
+def _fresh(prompts: list[dict], rng: np.random.Generator, vocab_size: int) -> list[dict]:
     """The same prompts with a new first token each, so no run hits the prefix cache of an earlier one."""
-    return [{"prompt_token_ids": [int(rng.integers(3, 1000))] + p["prompt_token_ids"][1:]} for p in prompts]
+    return [{"prompt_token_ids": [int(rng.integers(3, min(1000, vocab_size)))] + p["prompt_token_ids"][1:]}
+            for p in prompts]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ token-id prompts, so every request has exactly --random-input-len tokens; with -
 generates exactly --random-output-len tokens. Requests arrive at --request-rate per second (all at once
 by default): Poisson arrivals, or gamma-distributed gaps with --burstiness other than 1 (as vLLM's); at
 most --max-concurrency in flight. Every streamed chunk counts as tokens arriving (for ITL), as vLLM's
-benchmark counts them.
+benchmark counts them. A server that decodes speculatively (its /metrics has tokenmill's or vLLM's
+spec_decode_* counters) also has the run's acceptance rate and length reported, from those counters
+read before and after the run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from tokenmill.bench import spec_decode
 
 SEED_TEXT = (
     "The quick brown fox jumps over the lazy dog while the river runs past old mills, grinding grain "
@@ -123,6 +127,16 @@ async def _one_request(client, args: argparse.Namespace, model: str, prompt: lis
     return result
 
 
+async def _spec_decode_counters(client):
+    """The server's speculative decoding counters (a SpecDecodingStats); None when /metrics has none, or
+    cannot be read (a server without it, a key it refuses): the report then leaves them out."""
+    try:
+        response = await client.get("/metrics")
+        return spec_decode.from_metrics(response.text) if response.status_code == 200 else None
+    except Exception:  # whatever stops the read, the benchmark itself is not at stake
+        return None
+
+
 def _rates(text: str) -> list[float]:
     rates = [float(part) for part in text.split(",") if part.strip()]
     if not rates or any(rate <= 0 for rate in rates):
@@ -153,7 +167,8 @@ class Concurrency:
         self.now -= 1
 
 
-async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float, int]:
+async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float, int, dict]:
+    """The requests' results, the run's duration, the peak concurrency, and spec_decode.summary() of the run."""
     import httpx
 
     from tokenmill.cli.args import api_key_or_env
@@ -177,6 +192,7 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float, in
                 finally:
                     in_flight.leave()
 
+        spec_before = await _spec_decode_counters(client)
         start = time.perf_counter()
         tasks = []
         for prompt, gap in zip(prompts, gaps):
@@ -184,7 +200,9 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float, in
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(limited(prompt)))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start, in_flight.peak
+        duration = time.perf_counter() - start
+        spec_run = spec_decode.difference(spec_before, await _spec_decode_counters(client))
+        return results, duration, in_flight.peak, spec_decode.summary(spec_run)
 
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -222,6 +240,14 @@ def summarize(results: list[RequestResult], duration: float, input_len: int, met
     return summary
 
 
+def format_result_line(key: str, value) -> str:
+    if isinstance(value, float):
+        return f"{key:<32} {value:>12.2f}"
+    if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+        return f"{key:<32} {', '.join(f'{v:.2f}' for v in value)}"  # the per-position acceptance rates
+    return f"{key:<32} {value}"
+
+
 def result_path(args: argparse.Namespace) -> str | None:
     if args.result_file:
         return args.result_file
@@ -233,11 +259,11 @@ def result_path(args: argparse.Namespace) -> str | None:
 
 
 def run_one_rate(args: argparse.Namespace, metrics: list[str], percentiles: list[float]) -> dict:
-    results, duration, peak = asyncio.run(_run(args))
-    summary = summarize(results, duration, args.random_input_len, metrics, percentiles, peak)
+    results, duration, peak, spec_summary = asyncio.run(_run(args))
+    summary = {**summarize(results, duration, args.random_input_len, metrics, percentiles, peak), **spec_summary}
     print(f"{'=' * 16} tokenmill bench serve, {args.request_rate:g} req/s {'=' * 16}")
     for key, value in summary.items():
-        print(f"{key:<32} {value:>12.2f}" if isinstance(value, float) else f"{key:<32} {value}")
+        print(format_result_line(key, value))
     path = result_path(args)
     if path is not None:
         with open(path, "w") as f:

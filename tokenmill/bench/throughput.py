@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from tokenmill.bench import spec_decode
 from tokenmill.bench.offline import (
     add_engine_args,
     draw_lengths,
@@ -56,9 +57,11 @@ def main(args: argparse.Namespace) -> int:
               for n in output_lens]
 
     with host_profile(args.cprofile):
+        spec_before = spec_decode.stats_of(llm)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        spec_run = spec_decode.difference(spec_before, spec_decode.stats_of(llm))
 
     num_input = int(input_lens.sum())
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -71,10 +74,13 @@ def main(args: argparse.Namespace) -> int:
         "input_tokens_per_s": num_input / elapsed,
         "output_tokens_per_s": num_output / elapsed,
         "total_tokens_per_s": (num_input + num_output) / elapsed,
+        **spec_decode.summary(spec_run),
     }
     print(f"Throughput: {results['requests_per_s']:.2f} requests/s, {results['total_tokens_per_s']:.1f} total tokens/s "
           f"({results['input_tokens_per_s']:.1f} input, {results['output_tokens_per_s']:.1f} output tokens/s); "
           f"{len(outputs)} requests, {num_input} input + {num_output} output tokens in {elapsed:.2f} s")
+    if (line := spec_decode.describe(results)) is not None:
+        print(line)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)

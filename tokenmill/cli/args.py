@@ -9,12 +9,20 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import os
 import re
 import textwrap
 from typing import Any
 
-from tokenmill.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)
 
@@ -25,6 +33,9 @@ _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 """Where `serve`, `chat` and `bench serve` find the API key when --api-key is not given."""
+
+SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+"""What --speculative-config looks like (vLLM's spelling)."""
 
 _MENTIONS_DEFAULT = re.compile(r"\bdefault", re.IGNORECASE)
 
@@ -147,6 +158,41 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
     for cls in ENGINE_CONFIGS:
         group = parser.add_argument_group(f"engine: {cls.__name__}")
         add_dataclass_args(group, cls, skip=("model",))
+    # A dict-typed field, which add_dataclass_args leaves out: a JSON object, as vLLM spells it. Parsed by
+    # engine_kwargs_from_args, so a bad value is the one-line ValueError of the CLI's error path.
+    parser.add_argument_group("engine: SpeculativeConfig").add_argument(
+        "--speculative-config", dest="speculative_config", default=None, metavar="JSON",
+        help=f"Speculative decoding: a JSON object of vLLM's speculative_config keys ({_speculative_keys()}), "
+             f"e.g. {SPECULATIVE_EXAMPLE!r} (default: off)")
+
+
+def _speculative_keys() -> str:
+    return ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name != "model")  # no draft models yet
+
+
+def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
+    """--speculative-config's JSON object, checked against SpeculativeConfig's keys and values; a bad one
+    raises a ValueError that says what is wrong in a line."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON ({e}); expected e.g. "
+                         f"'{SPECULATIVE_EXAMPLE}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, e.g. '{SPECULATIVE_EXAMPLE}'")
+    for f in dataclasses.fields(SpeculativeConfig):
+        expected = (_flag_type(f.type) or (None,))[0]
+        given = value.get(f.name)
+        if expected in (int, str) and given is not None and (type(given) is not expected):
+            kind = "an integer" if expected is int else "a string"
+            raise ValueError(f"--speculative-config: {f.name} must be {kind}, got {json.dumps(given)}")
+    try:
+        SpeculativeConfig.from_dict(value)
+    except (TypeError, ValueError) as e:  # TypeError: a value of the wrong type, e.g. a string for a number
+        raise ValueError(f"--speculative-config: {e}") from None
+    return value
 
 
 def resolve_model(model: str | None) -> str:
@@ -162,6 +208,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> tuple[str, dict[str, An
     kwargs: dict[str, Any] = {}
     for cls in ENGINE_CONFIGS:
         kwargs.update(given_fields(args, cls, skip=("model",)))
+    speculative = parse_speculative_config(getattr(args, "speculative_config", None))
+    if speculative is not None:
+        kwargs["speculative_config"] = speculative
     return resolve_model(args.model), kwargs
 
 

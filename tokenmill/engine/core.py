@@ -19,6 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.protocol import EngineCoreOutputs, EngineRequest
 from tokenmill.request import Request, RequestStatus
+from tokenmill.scheduler.draft_budget import DraftBudget
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
@@ -52,7 +53,12 @@ class EngineCore:
             config.cache_config.block_size,
             enable_caching=config.cache_config.enable_prefix_caching,
         )
-        scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len)
+        draft_budget = None
+        if config.speculative_config is not None:
+            spec = config.speculative_config
+            draft_budget = DraftBudget(spec.num_speculative_tokens, worker.measure_step_cost(),
+                                       spec.disable_by_batch_size, worker.max_verify_tokens)
+        scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len, draft_budget)
         async_scheduling = config.scheduler_config.async_scheduling
         if async_scheduling is None:
             async_scheduling = worker.device.type == "cuda"

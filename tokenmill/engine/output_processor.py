@@ -126,15 +126,23 @@ class OutputProcessor:
             parent.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None] + [self._to_logprob_dict(e) for e in out.new_prompt_logprobs]
-            sample.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs is not None:
-                self._append_logprobs(sample, out.new_logprobs)
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             # A stop token's own text is left out unless include_stop_str_in_output asks for it.
             stopped_by_token = isinstance(out.stop_reason, int) and not sample.params.include_stop_str_in_output
             text_ids = out.new_token_ids[:-1] if stopped_by_token else out.new_token_ids
-            if sample.detokenizer is not None and self._update_text(sample, text_ids):
-                to_abort.append(out.request_id)
+            # Several tokens in one step (accepted drafts): a stop string met by one of them ends the sample
+            # there, so they are decoded one by one and the tokens after it are dropped.
+            pieces = [text_ids] if len(text_ids) < 2 or not sample.params.stop else [[t] for t in text_ids]
+            num_kept = len(out.new_token_ids)
+            for i, piece in enumerate(pieces):
+                if sample.detokenizer is not None and self._update_text(sample, piece):
+                    to_abort.append(out.request_id)
+                    num_kept = i + 1 if len(pieces) > 1 else num_kept
+                    break
+            sample.token_ids.extend(out.new_token_ids[:num_kept])
+            if out.new_logprobs is not None:
+                for entry in out.new_logprobs[:num_kept]:
+                    self._append_logprobs(sample, entry)
             result = self._make_output(sample, now)
             if result is not None:
                 results.append(result)

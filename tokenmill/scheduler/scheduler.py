@@ -6,6 +6,12 @@ each step the scheduler hands out a token budget to close that gap, running requ
 full, the lowest-priority running request is preempted: its blocks are freed and it is recomputed
 later from its prompt and the tokens it had already generated.
 
+A step that reaches the end of a request's tokens may also give it lookahead: room (budget and KV
+slots) for up to k draft tokens that the worker's proposer fills and one forward pass verifies
+(speculative decoding). Such a step emits 1 to k + 1 tokens; plain decoding is k = 0. While a step is
+in flight its request's counters assume every draft is accepted (`num_computed_tokens` and
+`num_output_placeholders` are upper bounds); the update takes back what was not.
+
 This file must only contain what every request and model needs; rarer features live behind their
 own modules and touch it in a few lines at most.
 """
@@ -17,8 +23,9 @@ from collections import deque
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache.manager import NO_HIT, ComputedBlocks, KVCacheManager
-from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 from tokenmill.request import Request, RequestStatus, finish_reason_of
+from tokenmill.scheduler.draft_budget import DraftBudget, can_draft
 from tokenmill.scheduler.forks import PendingForks
 from tokenmill.scheduler.output import (
     CachedRequestData,
@@ -36,7 +43,8 @@ class SchedulerStalledError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 draft_budget: DraftBudget | None = None) -> None:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # A prompt longer than one step's budget could then never be scheduled.
             raise ValueError(
@@ -52,10 +60,13 @@ class Scheduler:
         self.finished_request_ids: set[str] = set()
         """Requests that left since the last schedule(); the worker must drop their state."""
         self.forks = PendingForks()
-        self.steps_in_flight: deque[dict[str, Request]] = deque()
-        """The requests of each scheduled step not yet updated, oldest first: every schedule() gets
-        its update_from_output(), in order. Outputs go to these objects, since an id aborted while
-        its step ran may already name a new request."""
+        self.draft_budget = draft_budget
+        """None: no speculative decoding, no lookahead."""
+        self.spec_stats = SpecDecodingStats()
+        self.steps_in_flight: deque[dict[str, tuple[Request, int]]] = deque()
+        """The requests of each scheduled step not yet updated, with the lookahead each was given, oldest
+        first: every schedule() gets its update_from_output(), in order. Outputs go to these objects,
+        since an id aborted while its step ran may already name a new request."""
         self.num_preemptions = 0
         self.queue_times: list[float] = []
         """Arrival-to-first-scheduling seconds not yet reported in stats."""
@@ -92,7 +103,9 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
+        lookahead: dict[str, int] = {}
         num_preemptions_before = self.num_preemptions
+        drafts_per_request = self.draft_budget.drafts_per_request(len(self.running)) if self.draft_budget else 0
 
         for request in list(self.running):
             if budget == 0:
@@ -103,18 +116,21 @@ class Scheduler:
                 request, self.max_model_len, request.num_output_placeholders
             ):
                 continue  # the step in flight gives its last token; the update will finish it
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new, num_scheduled, cached_requests)
+            num_left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            num_new = min(num_left, budget)
+            num_drafts = self._lookahead(request, num_new == num_left, budget - num_new, drafts_per_request)
+            new_block_ids = self._allocate_or_preempt(request, num_new + num_drafts, num_scheduled, cached_requests)
             if new_block_ids is None:
                 continue
-            cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            cached_requests.append(CachedRequestData(request.request_id, new_block_ids))
+            num_scheduled[request.request_id] = num_new + num_drafts
+            if num_drafts:
+                lookahead[request.request_id] = num_drafts
+            budget -= num_new + num_drafts
         # Their new full blocks enter the prefix cache only now that no preemption can unschedule them.
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
+            # Known tokens only (cache_blocks stops at num_tokens): drafts may still be rejected.
             self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
         # Preemption may have handed back budget; recount from what is actually scheduled.
         budget = self.config.max_num_batched_tokens - sum(num_scheduled.values())
@@ -133,8 +149,9 @@ class Scheduler:
             num_new = request.num_tokens - computed.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
+            num_drafts = self._lookahead(request, num_new <= budget, budget - num_new, drafts_per_request)
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, computed) is None:
+            if self.kv.allocate_slots(request, num_new + num_drafts, computed) is None:
                 break
             self.waiting.pop()
             self.forks.admitted(request)
@@ -157,8 +174,10 @@ class Scheduler:
                     eos_token_ids=request.eos_token_ids,
                 )
             )
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            num_scheduled[request.request_id] = num_new + num_drafts
+            if num_drafts:
+                lookahead[request.request_id] = num_drafts
+            budget -= num_new + num_drafts
 
         # Decodes first in the batch: running requests were scheduled before waiting ones.
         output = SchedulerOutput(
@@ -168,19 +187,35 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_request_ids=self.finished_request_ids,
             block_copies=self.kv.take_block_copies(),
+            num_lookahead_tokens=lookahead,
         )
         self.finished_request_ids = set()
         if not num_scheduled and not any(self.steps_in_flight) and self.has_requests():
             raise SchedulerStalledError(self._describe_stall())
-        self.steps_in_flight.append({request_id: self.requests[request_id] for request_id in num_scheduled})
+        self.steps_in_flight.append(
+            {request_id: (self.requests[request_id], lookahead.get(request_id, 0)) for request_id in num_scheduled})
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples the request's next token
+            num_drafts = lookahead.get(request_id, 0)
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders + num_drafts:
+                # This step samples the request's next token, and up to one more per draft.
+                request.num_output_placeholders += 1 + num_drafts
             for follower in self.forks.release_followers(request):
                 self.waiting.add_preempted(follower)  # to the front: each has one token to compute
         return output
+
+    def _lookahead(self, request: Request, reaches_end: bool, budget_left: int, drafts_per_request: int) -> int:
+        """Draft tokens a request may have verified in this step: only when the step reaches the end of its
+        tokens, within the budget, and never past max_tokens or max_model_len (drafts there are wasted)."""
+        if drafts_per_request == 0 or not reaches_end or not can_draft(request.sampling_params):
+            return 0
+        params = request.sampling_params
+        max_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
+        in_flight = request.num_output_placeholders
+        room = min(max_tokens - request.num_output_tokens - in_flight,
+                   self.max_model_len - request.num_tokens - in_flight) - 1
+        return max(0, min(drafts_per_request, budget_left, room))
 
     def _describe_stall(self) -> str:
         head = self.waiting.peek() if len(self.waiting) else None
@@ -243,12 +278,40 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         scheduled = self.steps_in_flight.popleft() if self.steps_in_flight else {}
-        for request_id, token_id in runner_output.sampled_token_ids.items():
-            request = scheduled.get(request_id)
+        num_with_lookahead = num_accepted = 0
+        for request_id, token_ids in runner_output.sampled_token_ids.items():
+            request, num_drafts = scheduled.get(request_id, (None, 0))
             if request is None or request.is_finished:
                 continue  # finished or aborted while the step ran
-            # A request preempted while this step ran still gets the token: its KV was intact then.
-            request.num_output_placeholders -= 1
+            self._record_drafts(runner_output.num_draft_tokens.get(request_id, 0), len(token_ids) - 1)
+            if num_drafts:
+                num_with_lookahead += 1
+                num_accepted += len(token_ids) - 1
+            # A request preempted while this step ran still gets the tokens: its KV was intact then.
+            request.num_output_placeholders -= 1 + num_drafts
+            if request.status == RequestStatus.RUNNING:
+                # The KV of rejected drafts is not part of the sequence: those slots are written again.
+                request.num_computed_tokens -= 1 + num_drafts - len(token_ids)
+            new_token_ids = self._append_until_stop(request, token_ids)
+            logprobs = runner_output.logprobs.get(request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=finish_reason_of(request.status),
+                    stop_reason=request.stop_token_id,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                    new_logprobs=None if logprobs is None else logprobs[: len(new_token_ids)],
+                    new_prompt_logprobs=runner_output.prompt_logprobs.get(request_id),
+                )
+            )
+        if self.draft_budget is not None:
+            self.draft_budget.record_step(num_with_lookahead, num_accepted)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append a step's tokens one by one; a stop condition met inside the run drops the rest."""
+        for i, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)
             status = check_stop(request, self.max_model_len)
             if status is not None:
@@ -257,18 +320,22 @@ class Scheduler:
                 else:
                     self.waiting.remove(request)
                 self._finish(request, status)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request_id,
-                    new_token_ids=[token_id],
-                    finish_reason=finish_reason_of(request.status),
-                    stop_reason=request.stop_token_id,
-                    num_cached_tokens=request.num_cached_tokens or 0,
-                    new_logprobs=runner_output.logprobs.get(request_id),
-                    new_prompt_logprobs=runner_output.prompt_logprobs.get(request_id),
-                )
-            )
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+                return token_ids[: i + 1]
+        return token_ids
+
+    def _record_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        if len(stats.accepted_per_position) < num_drafts:
+            stats.accepted_per_position += [0] * (num_drafts - len(stats.accepted_per_position))
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
+        if self.draft_budget is not None:
+            self.draft_budget.record(num_drafts, num_accepted)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -289,4 +356,5 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
             queue_times=queue_times,
+            spec_decoding=self.spec_stats.copy() if self.draft_budget is not None else None,
         )

@@ -53,7 +53,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
     # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C: the core is stopped on the way out.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     registry = CollectorRegistry()
-    engine = AsyncEngine(engine_config, stat_logger=PrometheusStatLogger(model_name, registry))
+    speculative = engine_config.speculative_config
+    stat_logger = PrometheusStatLogger(model_name, registry,
+                                       None if speculative is None else speculative.num_speculative_tokens)
+    engine = AsyncEngine(engine_config, stat_logger=stat_logger)
     try:
         state = ServerState(engine, server_config, model_name, engine_config.scheduler_config.max_num_seqs)
         app = build_app(state, registry)

@@ -2,7 +2,8 @@
 
 Latencies come from the frontend's per-request timestamps; gauges and cache/preemption counters
 from the SchedulerStats the core sends with each step (its counters are cumulative, so they are
-turned into increments here).
+turned into increments here), and so do speculative decoding's counters (vLLM's spec_decode_*
+names), which exist only while speculation is on.
 """
 
 from __future__ import annotations
@@ -12,16 +13,61 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.protocol import SchedulerStats
+from tokenmill.protocol import SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
+class SpecDecodingMetrics:
+    """vLLM's speculative decoding counters; the acceptance rate is num_accepted_tokens / num_draft_tokens,
+    the mean acceptance length 1 + num_accepted_tokens / num_drafts, and position i's acceptance rate
+    num_accepted_tokens_per_pos{position="i"} / num_drafts."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry, num_positions: int = 0) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        self._model_name = model_name
+        self.num_drafts = counter("spec_decode_num_drafts", "Request-steps that verified draft tokens.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by draft position (0: a step's first draft).",
+                                ["model_name", "position"], registry=registry)
+        self.accepted_per_pos: list[Counter] = []
+        self._grow(num_positions)  # every position shows from the start, at 0
+        self._last = SpecDecodingStats()
+
+    def _grow(self, num_positions: int) -> None:
+        while len(self.accepted_per_pos) < num_positions:
+            self.accepted_per_pos.append(self._per_pos.labels(self._model_name, str(len(self.accepted_per_pos))))
+
+    def record(self, totals: SpecDecodingStats) -> None:
+        """Increments since the last totals (the core's counters are cumulative)."""
+        last = self._last
+        for metric, new, old in (
+            (self.num_drafts, totals.num_drafts, last.num_drafts),
+            (self.num_draft_tokens, totals.num_draft_tokens, last.num_draft_tokens),
+            (self.num_accepted_tokens, totals.num_accepted_tokens, last.num_accepted_tokens),
+        ):
+            if new > old:
+                metric.inc(new - old)
+        self._grow(len(totals.accepted_per_position))
+        for position, new in enumerate(totals.accepted_per_position):
+            old = last.accepted_per_position[position] if position < len(last.accepted_per_position) else 0
+            if new > old:
+                self.accepted_per_pos[position].inc(new - old)
+        self._last = totals
+
+
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry, num_speculative_tokens: int | None = None) -> None:
+        """`num_speculative_tokens`: with speculative decoding on, its metrics show from the start (else
+        they appear with the first stats that carry speculative decoding's counters)."""
         labels = {"model_name": model_name}
         self._model_name = model_name
+        self._registry = registry
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"tokenmill:{name}", doc, list(labels), registry=registry).labels(**labels)
@@ -54,6 +100,8 @@ class PrometheusStatLogger:
         self._last_token_time: dict[str, dict[int, float]] = {}
         """Per open request, per sample index: when its last token arrived."""
         self._last_totals = SchedulerStats()
+        self.spec_decoding = (None if num_speculative_tokens is None
+                              else SpecDecodingMetrics(model_name, registry, num_speculative_tokens))
 
     def record(self, outputs: list[RequestOutput], stats: SchedulerStats | None) -> None:
         now = time.time()
@@ -97,4 +145,8 @@ class PrometheusStatLogger:
                 metric.inc(new - old)
         for seconds in stats.queue_times:
             self.queue_time.observe(seconds)
+        if stats.spec_decoding is not None:
+            if self.spec_decoding is None:
+                self.spec_decoding = SpecDecodingMetrics(self._model_name, self._registry)
+            self.spec_decoding.record(stats.spec_decoding)
         self._last_totals = stats

@@ -1,4 +1,11 @@
-"""InputBatch: the flat token layout of one step, built with numpy from the persistent rows."""
+"""InputBatch: the flat token layout of one step, built with numpy from the persistent rows.
+
+A request's tokens this step are its scheduled ones, less the lookahead its proposer did not fill: a
+decode with d drafts computes 1 + d tokens and needs logits at all of them (d to verify, one more to
+sample after them). A step of decodes and verifications only is laid out for attention one row per
+token: each token attends to the cache up to itself, as a decode does (the layer writes the whole
+step's KV before attending), so the decode kernels and the decode CUDA graphs run it.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +25,11 @@ class InputBatch:
     input_ids: np.ndarray  # [num_tokens] int64
     positions: np.ndarray  # [num_tokens] int64
     layout: BatchLayout
-    logits_indices: np.ndarray  # [num_sampled] flat index of each sampled request's last token
+    query_start_loc: np.ndarray  # [num_reqs + 1] each request's tokens in the flat batch
+    num_new: np.ndarray  # [num_reqs] tokens computed per request
+    logits_indices: np.ndarray  # [sum(1 + drafts)] flat indices of the sampled requests' last 1 + d tokens
     sampled_rows: np.ndarray  # [num_sampled] rows of the requests that get a new token
+    sampled_num_drafts: np.ndarray  # [num_sampled] drafts each of them verifies
     last_token_dst: np.ndarray  # flat indices of input tokens sampled by the last step...
     last_token_src: np.ndarray  # ...and their indices in that step's sampled tokens (on the device)
 
@@ -28,10 +38,19 @@ class InputBatch:
         return len(self.input_ids)
 
 
-def prepare_inputs(scheduler_output: SchedulerOutput, states: RequestStates, block_size: int) -> InputBatch:
+def prepare_inputs(
+    scheduler_output: SchedulerOutput, states: RequestStates, block_size: int, num_drafts: np.ndarray | None = None
+) -> InputBatch:
+    """`num_drafts` [num_reqs]: draft tokens written after each request's known tokens (None: none)."""
     request_ids = list(scheduler_output.num_scheduled_tokens)
     rows = np.fromiter((states.row_of[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
     num_new = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(request_ids))
+    if scheduler_output.num_lookahead_tokens:
+        lookahead = scheduler_output.num_lookahead_tokens
+        num_new -= np.fromiter((lookahead.get(r, 0) for r in request_ids), dtype=np.int64, count=len(request_ids))
+    if num_drafts is None:
+        num_drafts = np.zeros(len(request_ids), dtype=np.int64)
+    num_new += num_drafts
     query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(num_new, out=query_start_loc[1:])
     num_computed = states.num_computed_tokens[rows]
@@ -48,22 +67,31 @@ def prepare_inputs(scheduler_output: SchedulerOutput, states: RequestStates, blo
 
     seq_lens = (num_computed + num_new).astype(np.int32)
     max_blocks = int(-(-seq_lens.max() // block_size))
-    # A request gets a new token only when this step reaches the end of its known tokens.
-    is_sampled = seq_lens == states.num_tokens[rows]
+    layout = BatchLayout(query_start_loc, seq_lens, states.block_table[rows, :max_blocks], slot_mapping, block_size)
+    if num_drafts.any() and (num_new == 1 + num_drafts).all():
+        layout = BatchLayout(np.arange(len(positions) + 1, dtype=np.int32), (positions + 1).astype(np.int32),
+                             states.block_table[token_rows, :max_blocks], slot_mapping, block_size)
+    # A request gets a new token only when this step reaches the end of its known tokens (and drafts).
+    is_sampled = seq_lens == states.num_tokens[rows] + num_drafts
+    ends = query_start_loc[1:][is_sampled]
+    sampled_num_drafts = num_drafts[is_sampled]
+    if sampled_num_drafts.any():
+        counts = 1 + sampled_num_drafts
+        first = np.cumsum(counts) - counts
+        logits_indices = np.repeat(ends - counts, counts) + np.arange(counts.sum()) - np.repeat(first, counts)
+    else:
+        logits_indices = ends - 1
     return InputBatch(
         request_ids=request_ids,
         rows=rows,
         input_ids=input_ids,
         positions=positions,
-        layout=BatchLayout(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=states.block_table[rows, :max_blocks],
-            slot_mapping=slot_mapping,
-            block_size=block_size,
-        ),
-        logits_indices=query_start_loc[1:][is_sampled] - 1,
+        layout=layout,
+        query_start_loc=query_start_loc,
+        num_new=num_new,
+        logits_indices=logits_indices,
         sampled_rows=rows[is_sampled],
+        sampled_num_drafts=sampled_num_drafts,
         last_token_dst=last_token_dst,
         last_token_src=last_index[last_token_dst],
     )

@@ -1,8 +1,9 @@
 """ModelRunner: one scheduled step -> forward pass -> sampled tokens.
 
 This file must only contain the path common to every model and request: update the persistent
-request rows, build inputs, run the model under the step's forward context, sample. Rarer
-features belong in their own modules behind these calls.
+request rows, draft tokens where the step gives lookahead, build inputs, run the model under the
+step's forward context, sample (and verify the drafts). Rarer features belong in their own modules
+behind these calls.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from tokenmill.sample.logprobs import PromptLogprobsCollector
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.spec.proposers import Proposer
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.request_state import RequestStates
+from tokenmill.worker.speculative import SpeculativeDecoding
 
 EMPTY_OUTPUT = ReadyOutput(ModelRunnerOutput(sampled_token_ids={}))
 
@@ -35,6 +38,8 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         vocab_size: int,
+        proposer: Proposer | None = None,
+        max_drafts: int = 0,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -47,12 +52,17 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self.cuda_graphs: CudaGraphRunner | None = None
         """Decode graphs, set by the worker after the KV pool exists (None: always eager)."""
+        self.speculative = None if proposer is None else SpeculativeDecoding(proposer, self.sampler, self._to_device)
+        """Drafts and verification; None without speculative decoding."""
         self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
         self._last_pending: PendingOutput | None = None
         # Pinned landing buffers for sampled tokens; two, since a step's copy may still be read
         # while the next step is launched.
         pinned = device.type == "cuda"
-        self._host_buffers = [torch.empty(max_num_reqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        # A verifying step's rows carry a count and up to 1 + max_drafts tokens.
+        width = 1 if max_drafts == 0 else 2 + max_drafts
+        self._host_buffers = [torch.empty(max_num_reqs * width, dtype=torch.int64, pin_memory=pinned)
+                              for _ in range(2)]
         self._num_launched = 0
 
     @torch.inference_mode()
@@ -69,7 +79,16 @@ class ModelRunner:
                 self.prompt_logprobs.start(new.request_id)
         if scheduler_output.is_empty:
             return EMPTY_OUTPUT
-        batch = prepare_inputs(scheduler_output, self.states, self.block_size)
+        last = self._last_pending
+        if last is not None and (last.verified is not None or scheduler_output.num_lookahead_tokens):
+            # Drafts need the last step's tokens on the host, and after a verifying step so do the positions.
+            last.result()
+            self.states.last_step_index.fill(-1)
+        num_drafts = None
+        if scheduler_output.num_lookahead_tokens and self.speculative is not None:
+            num_drafts = self.speculative.propose(scheduler_output, self.states)
+        batch = prepare_inputs(scheduler_output, self.states, self.block_size, num_drafts)
+        self.states.num_computed_tokens[batch.rows] += batch.num_new
         hidden_states = self._forward(batch)
         if self.prompt_logprobs.pending:
             self._collect_prompt_logprobs(batch, hidden_states)
@@ -96,7 +115,13 @@ class ModelRunner:
         if self._last_pending is not None and self.sampling_state.needs_output_ids[rows].any():
             self._last_pending.result()  # the slow path reads the last step's tokens on the host
         metadata = self.sampling_state.build_metadata(rows, self.states)
-        output = self.sampler(logits, metadata)
+        verifying = bool(batch.sampled_num_drafts.any())
+        if verifying:
+            tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,
+                                                                self.sampling_state)
+        else:
+            output = self.sampler(logits, metadata)
+            tokens = output.token_ids
         self.sampling_state.record_sampled(rows, output.token_ids, metadata.penalty_rows)
         row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))
         sampled_ids = [row_to_id[row] for row in rows.tolist()]
@@ -110,16 +135,17 @@ class ModelRunner:
                 if taken is not None:
                     prompt_logprobs[rid] = taken
         positions = self.states.reserve_sampled_tokens(rows)
-        self._last_sampled = output.token_ids
+        # After a verifying step the next one reads every input on the host (execute_model waits for it).
+        self._last_sampled = None if verifying else output.token_ids
         self._num_launched += 1
         self._last_pending = PendingOutput(
-            self.states, sampled_ids, rows, positions, output.token_ids, output.logprobs, num_logprobs,
+            self.states, sampled_ids, rows, positions, tokens, output.logprobs, num_logprobs,
             prompt_logprobs, host_buffer=self._host_buffers[self._num_launched % 2],
         )
         return self._last_pending
 
     def _collect_prompt_logprobs(self, batch: InputBatch, hidden_states: torch.Tensor) -> None:
-        starts = batch.layout.query_start_loc
+        starts = batch.query_start_loc
         for i, (rid, row) in enumerate(zip(batch.request_ids, batch.rows.tolist())):
             if rid not in self.prompt_logprobs.pending:
                 continue

@@ -4,9 +4,14 @@ The model runner returns as soon as a step's kernels are queued; the tokens (and
 copied to pinned host memory behind them on the same stream. `result()` waits for that copy only
 when the engine needs the tokens, which with async scheduling is after the next step is queued, so
 the host's scheduling and bookkeeping overlap the GPU's work.
+
+A step that verified drafts emits a varying number of tokens per request: its tokens come as [n, k + 1]
+with a count per row, and the row's token count and KV count are settled when they arrive.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +22,18 @@ from tokenmill.scheduler.output import ModelRunnerOutput, TokenLogprobs
 from tokenmill.worker.request_state import RequestStates
 
 
+@dataclass
+class VerifiedTokens:
+    """What a step that verified drafts emits: tokens [n, k + 1] and their count per row [n], on the device."""
+
+    token_ids: torch.Tensor
+    num_emitted: torch.Tensor
+    num_drafts: np.ndarray
+    """[n] drafts verified per row (0 for rows that only sampled)."""
+    logprob_starts: np.ndarray
+    """[n] each row's first entry in the step's logprobs, which has one entry per verified position."""
+
+
 class PendingOutput:
     def __init__(
         self,
@@ -24,13 +41,14 @@ class PendingOutput:
         request_ids: list[str],
         rows: np.ndarray,
         positions: np.ndarray,
-        token_ids: torch.Tensor,
+        token_ids: torch.Tensor | VerifiedTokens,
         logprobs: LogprobsTensors | None = None,
         num_logprobs: list[int | None] | None = None,
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
         host_buffer: torch.Tensor | None = None,
     ) -> None:
-        """`token_ids` [n] on the device; `host_buffer`, pinned and at least n long, receives them."""
+        """`token_ids` [n] on the device (one per row) or a verifying step's tokens; `host_buffer`, pinned
+        and long enough, receives them."""
         self._states = states
         self._request_ids = request_ids
         self._rows = rows
@@ -40,6 +58,10 @@ class PendingOutput:
         self._prompt_logprobs = prompt_logprobs or {}
         self._output: ModelRunnerOutput | None = None
         self._event = None
+        self.verified = token_ids if isinstance(token_ids, VerifiedTokens) else None
+        if self.verified is not None:
+            # One copy: the counts as column 0, the tokens after them.
+            token_ids = torch.cat([self.verified.num_emitted.unsqueeze(1), self.verified.token_ids], dim=1).flatten()
         if token_ids.is_cuda:
             self._host_tokens = host_buffer[: len(token_ids)]
             self._host_tokens.copy_(token_ids, non_blocking=True)
@@ -52,28 +74,64 @@ class PendingOutput:
             self._host_tokens = token_ids
         self._logprobs = logprobs
 
+    @property
+    def is_done(self) -> bool:
+        return self._output is not None
+
     def result(self) -> ModelRunnerOutput:
         """Wait for the copy, store the tokens in the worker's rows, and return the step's output."""
         if self._output is not None:
             return self._output
         if self._event is not None:
             self._event.synchronize()
-        token_ids = self._host_tokens.tolist()
-        self._write_host_tokens(token_ids)
+        num_drafts = {}
+        if self.verified is None:
+            flat = self._host_tokens.tolist()
+            self._write_host_tokens(flat)
+            token_ids = [[t] for t in flat]
+            logprob_slices = [slice(i, i + 1) for i in range(len(flat))]
+        else:
+            packed = self._host_tokens.numpy().reshape(len(self._rows), -1)
+            counts = packed[:, 0]
+            token_ids = [packed[i, 1 : 1 + c].tolist() for i, c in enumerate(counts.tolist())]
+            self._write_verified_tokens(token_ids, counts)
+            starts = self.verified.logprob_starts
+            logprob_slices = [slice(s, s + c) for s, c in zip(starts.tolist(), counts.tolist())]
+            num_drafts = {rid: d for rid, d in zip(self._request_ids, self.verified.num_drafts.tolist()) if d}
         logprobs = {}
         if self._logprobs is not None:
-            entries = to_token_logprobs(self._logprobs, [k or 0 for k in self._num_logprobs])
-            logprobs = {rid: e for rid, e, k in zip(self._request_ids, entries, self._num_logprobs) if k is not None}
-        self._output = ModelRunnerOutput(dict(zip(self._request_ids, token_ids)), logprobs, self._prompt_logprobs)
+            entries = to_token_logprobs(self._logprobs, self._num_top_per_entry())
+            logprobs = {rid: entries[where] for rid, where, k
+                        in zip(self._request_ids, logprob_slices, self._num_logprobs) if k is not None}
+        self._output = ModelRunnerOutput(dict(zip(self._request_ids, token_ids)), logprobs, self._prompt_logprobs,
+                                         num_drafts)
         return self._output
 
+    def _num_top_per_entry(self) -> list[int]:
+        per_row = [k or 0 for k in self._num_logprobs]
+        if self.verified is None:
+            return per_row
+        return np.repeat(per_row, 1 + self.verified.num_drafts).tolist()
+
+    def _kept_rows(self) -> np.ndarray:
+        # Rows whose request left since the launch may serve another request now: never write there.
+        return self._states.row_generation[self._rows] == self._generations
+
     def _write_host_tokens(self, token_ids: list[int]) -> None:
-        # Skip rows whose request left since the launch (the row may serve another request now).
-        kept = self._states.row_generation[self._rows] == self._generations
+        kept = self._kept_rows()
         if kept.all():
             self._states.token_ids[self._rows, self._positions] = token_ids
         elif kept.any():
             self._states.token_ids[self._rows[kept], self._positions[kept]] = np.asarray(token_ids)[kept]
+
+    def _write_verified_tokens(self, token_ids: list[list[int]], counts: np.ndarray) -> None:
+        """The emitted tokens replace the drafts in the rows; rejected drafts leave the KV count."""
+        states = self._states
+        for i in np.flatnonzero(self._kept_rows()).tolist():
+            row, position, count = self._rows[i], self._positions[i], counts[i]
+            states.token_ids[row, position : position + count] = token_ids[i]
+            states.num_tokens[row] += count - 1  # the launch counted one
+            states.num_computed_tokens[row] -= 1 + self.verified.num_drafts[i] - count
 
 
 class ReadyOutput:

@@ -21,6 +21,9 @@ class RequestStates:
         """Index of each row in the last launched step's sampled tokens, -1 if not sampled there:
         that token may not be on the host yet, so the next step reads it on the device."""
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        """Tokens with KV in the cache, as this worker knows it: advanced by each launched step, and taken
+        back by the drafts its verification rejected (the scheduler's own count may be ahead of that
+        while a step is in flight)."""
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -56,9 +59,7 @@ class RequestStates:
             self.sampling_params[row] = new.sampling_params
             added.append((row, new))
         for cached in scheduler_output.cached_requests:
-            row = self.row_of[cached.request_id]
-            self.num_computed_tokens[row] = cached.num_computed_tokens
-            self._append_blocks(row, cached.new_block_ids)
+            self._append_blocks(self.row_of[cached.request_id], cached.new_block_ids)
         return added
 
     def output_token_ids(self, row: int) -> list[int]:
@@ -66,7 +67,8 @@ class RequestStates:
 
     def reserve_sampled_tokens(self, rows: np.ndarray) -> np.ndarray:
         """Count one token being sampled on the device for each of these (distinct) rows; returns
-        the positions where the host copies will go once they arrive."""
+        the positions where the host copies will go once they arrive. (A verifying row may emit more:
+        its output adds them when it arrives, before the next step reads the row.)"""
         positions = self.num_tokens[rows].copy()
         self.num_tokens[rows] += 1
         self.last_step_index.fill(-1)

@@ -13,7 +13,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.spec.proposers import make_proposer
 from tokenmill.worker.cpu_threads import leave_a_core_free
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
@@ -54,6 +56,7 @@ class Worker:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_backend = get_attention_backend(config.device_config.attention_backend, self.device)
         self.model_runner: ModelRunner | None = None
+        self.num_kv_blocks = 0
 
     def kv_cache_shape(self) -> KVCacheShape:
         layer = self.attn_layers[0]
@@ -84,7 +87,7 @@ class Worker:
 
         start = time.perf_counter()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        peak = profile_peak_memory(self)
+        peak = profile_peak_memory(self) + self._verification_bytes()
         budget = int(total * self.config.cache_config.gpu_memory_utilization)
         logger.info("memory profile: peak %.2f GiB of %.2f GiB budget (%.1f s)", peak / GiB, budget / GiB,
                     time.perf_counter() - start)
@@ -95,13 +98,28 @@ class Worker:
             )
         return budget - peak
 
+    @property
+    def max_verify_tokens(self) -> int:
+        """Most tokens a step verifying drafts may compute: a decode CUDA graph's worth (the largest batch
+        graphs are captured for), so that those steps replay graphs too."""
+        return self.config.scheduler_config.max_num_seqs
+
+    def _verification_bytes(self) -> int:
+        """Draft verification's temporaries (spec/rejection.py: about four float32 [positions, vocab]
+        tensors), which the profiled step does not make."""
+        if self.config.speculative_config is None:
+            return 0
+        return 4 * self.max_verify_tokens * self.hf_config.vocab_size * 4
+
     def initialize_cache(self, spec: KVCacheSpec) -> None:
         shape = spec.shape
+        self.num_kv_blocks = spec.num_blocks
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(
                 (2, spec.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
                 dtype=self.dtype, device=self.device,
             )
+        speculative = self.config.speculative_config
         self.model_runner = ModelRunner(
             self.model,
             self.attn_backend,
@@ -110,6 +128,8 @@ class Worker:
             max_num_reqs=self.config.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
             vocab_size=self.hf_config.vocab_size,
+            proposer=None if speculative is None else make_proposer(speculative),
+            max_drafts=0 if speculative is None else speculative.num_speculative_tokens,
         )
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
             self._capture_cuda_graphs(shape.block_size)
@@ -127,6 +147,12 @@ class Worker:
                                  max_batch_size=self.config.scheduler_config.max_num_seqs)
         runner.capture()
         self.model_runner.cuda_graphs = runner
+
+    def measure_step_cost(self) -> StepCost:
+        """t(n) of this device's forward pass, for the draft budget; before any request runs."""
+        from tokenmill.worker.step_cost import measure_step_cost
+
+        return measure_step_cost(self, min(self.max_verify_tokens, self.num_kv_blocks))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
         """Queue the step on the device; result() on the return value waits for its output."""

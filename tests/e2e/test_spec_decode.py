@@ -1,0 +1,163 @@
+"""Speculative decoding through the whole engine: emitted tokens and logprobs equal plain decoding's.
+
+The n-gram proposer rarely finds long runs in a random model's output, so most tests here swap in a
+scripted proposer that knows the plain run's continuation and drafts it with mistakes at known places:
+every mechanism (long accepted runs, rejections at each position, stops inside a run) is then exercised
+on purpose, in every engine mode (async on and off, chunked prefill, preemption, prefix caching, n > 1).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+ENGINES = {
+    "default": dict(kv_cache_space=0.01),
+    "async": dict(kv_cache_space=0.01, async_scheduling=True),
+    "chunked-prefill": dict(kv_cache_space=0.01, max_num_batched_tokens=16, async_scheduling=True),
+    "preempting": dict(num_gpu_blocks_override=10, max_num_batched_tokens=64),
+    "no-prefix-caching": dict(kv_cache_space=0.01, enable_prefix_caching=False),
+}
+
+
+class ScriptedProposer:
+    """Drafts the known continuation of each sequence, wrong at about one draft in four (a deterministic
+    choice per position), and nothing at about one step in six."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+        self.num_proposed = 0
+
+    def continuation(self, tokens: list[int]) -> list[int]:
+        for sequence in self.sequences:
+            if sequence[: len(tokens)] == tokens:
+                return sequence[len(tokens):]
+        return []
+
+    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
+        drafts = []
+        for row, length, k in zip(token_ids, num_tokens.tolist(), max_drafts.tolist()):
+            tokens = row[:length].tolist()
+            key = zlib.crc32(str(tokens).encode())
+            draft = self.continuation(tokens)[:k] if key % 6 else []
+            draft = [t if zlib.crc32(f"{key}:{i}".encode()) % 4 else (t + 1) % 200 for i, t in enumerate(draft)]
+            self.num_proposed += len(draft)
+            drafts.append(np.array(draft, dtype=np.int64))
+        return drafts
+
+
+def use_scripted_proposer(llm: LLM, proposer: ScriptedProposer) -> None:
+    llm.engine.core.worker.model_runner.speculative.proposer = proposer
+    always_draft(llm)
+
+
+def always_draft(llm: LLM) -> None:
+    """The full lookahead every step (the measured step cost would often choose fewer, and steps that gain
+    little pause drafting): every depth and every rejection is tested."""
+    budget = llm.engine.core.scheduler.draft_budget
+    budget.cost, budget.min_gain = None, 0.0
+
+
+def workload():
+    shared = [(5 * j) % 200 + 1 for j in range(20)]  # a common prefix: prefix-cache hits
+    prompts = [{"prompt_token_ids": shared + [(7 * i + 3 * j) % 200 + 1 for j in range(3 + 7 * i)]} for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, min_tokens=9),
+        SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True, presence_penalty=0.5),  # never drafted
+    ]
+    return prompts, params
+
+
+def run(tiny_llama, engine: dict, spec: dict | None = None, proposer_sequences=None):
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", **engine,
+              **({"speculative_config": spec} if spec else {}))
+    proposer = None
+    if proposer_sequences is not None:
+        use_scripted_proposer(llm, proposer := ScriptedProposer(proposer_sequences))
+    prompts, params = workload()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.core.has_requests()
+    kv = llm.engine.core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks, "blocks leaked"
+    return outputs, llm, proposer
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    outputs, _, _ = run(tiny_llama, ENGINES["default"])
+    return outputs
+
+
+def sequences_of(outputs) -> list[list[int]]:
+    return [out.prompt_token_ids + c.token_ids for out in outputs for c in out.outputs]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_drafted_runs_give_exactly_the_plain_tokens_and_logprobs(tiny_llama, plain, engine):
+    outputs, llm, proposer = run(tiny_llama, ENGINES[engine], SPEC, sequences_of(plain))
+    for got, want in zip(outputs, plain):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        for g, w in zip(got.outputs, want.outputs):
+            assert (g.logprobs is None) == (w.logprobs is None)
+            for g_pos, w_pos in zip(g.logprobs or [], w.logprobs or []):
+                assert list(g_pos) == list(w_pos)
+                for token in g_pos:
+                    assert g_pos[token].logprob == pytest.approx(w_pos[token].logprob, abs=1e-4)
+                    assert g_pos[token].rank == w_pos[token].rank
+    stats = llm.engine.last_stats.spec_decoding
+    assert proposer.num_proposed > 0 and stats.num_draft_tokens == proposer.num_proposed
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_position[3] > 0, "no run of four accepted drafts"
+    if engine == "preempting":
+        assert llm.engine.last_stats.num_preemptions > 0
+
+
+def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_llama, plain):
+    # The stop token is the 6th output token of a long request: drafts run past it, emission must not.
+    long_output = plain[1].outputs[0].token_ids
+    stop = long_output[5]
+    first = long_output.index(stop)
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", kv_cache_space=0.01,
+              speculative_config=SPEC)
+    use_scripted_proposer(llm, ScriptedProposer(sequences_of(plain)))
+    prompt = {"prompt_token_ids": plain[1].prompt_token_ids}
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == long_output[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_ngram_proposer_keeps_greedy_tokens_and_seeded_sampling_repeats(tiny_llama, plain):
+    outputs, llm, _ = run(tiny_llama, ENGINES["async"], {**SPEC, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
+    assert llm.engine.last_stats.spec_decoding.num_drafts > 0
+    # A seeded request decodes without drafts: its tokens are exactly those it gets without speculation.
+    prompts = [{"prompt_token_ids": [3, 3, 3, 3, 9, 3, 3, 3]}] * 2
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=40, ignore_eos=True)
+    drafts_before = llm.engine.last_stats.spec_decoding.num_draft_tokens
+    seeded = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.last_stats.spec_decoding.num_draft_tokens == drafts_before
+    plain_llm = LLM(tiny_llama.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", kv_cache_space=0.01)
+    assert [o.outputs[0].token_ids for o in seeded] == [o.outputs[0].token_ids
+                                                         for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_speculative_config_is_checked_at_start_up(tiny_llama):
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "medusa",
+                                                                         "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
+                                                                         "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
+                                                                         "num_speculative_tokens": 2, "k": 1})

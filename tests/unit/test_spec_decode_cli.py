@@ -1,0 +1,75 @@
+"""--speculative-config: vLLM's JSON flag on every command that builds an engine, and its mistakes as
+one-line errors of the CLI's error path."""
+
+import json
+
+import pytest
+
+from tokenmill.cli import main, make_parser
+from tokenmill.cli.args import engine_config_from_args, engine_kwargs_from_args
+from tokenmill.cli.bench import BENCHMARKS
+from tokenmill.config import SpeculativeConfig
+
+VLLM_SPELLING = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
+
+def test_the_flag_reaches_the_engine_config():
+    config = engine_config_from_args(make_parser().parse_args(["serve", "m", "--speculative-config", VLLM_SPELLING]))
+    assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                          prompt_lookup_min=4, prompt_lookup_max=4)
+
+
+def test_without_the_flag_speculation_is_off():
+    model, kwargs = engine_kwargs_from_args(make_parser().parse_args(["generate", "Hi", "--model", "m"]))
+    assert "speculative_config" not in kwargs
+    assert engine_config_from_args(make_parser().parse_args(["serve", "m"])).speculative_config is None
+
+
+@pytest.mark.parametrize("argv", [["generate", "Hi", "--model", "m"], ["chat", "--local", "--model", "m"]])
+def test_generate_and_chat_take_it_as_a_dict_for_llm(argv):
+    model, kwargs = engine_kwargs_from_args(make_parser().parse_args([*argv, "--speculative-config", VLLM_SPELLING]))
+    assert (model, kwargs) == ("m", {"speculative_config": json.loads(VLLM_SPELLING)})
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "bench throughput", "bench latency"])
+def test_every_engine_command_offers_it(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*command.split(), "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--speculative-config JSON" in help_text and "num_speculative_tokens" in help_text
+
+
+def test_bench_serve_builds_no_engine_and_has_no_such_flag(capsys):
+    assert "serve" in BENCHMARKS
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--help"])
+    assert "--speculative-config" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("value", "fragments"), [
+    ('{"method": "ngram", "num_speculative_tokens": 4', ["is not valid JSON", "Expecting", VLLM_SPELLING]),
+    ("ngram", ["is not valid JSON"]),
+    ('[4]', ["must be a JSON object"]),
+    ('{"method": "ngram"}', ["needs 'method' and 'num_speculative_tokens'"]),
+    ('{"method": "eagle", "num_speculative_tokens": 4}', ["'eagle' is not supported", "ngram"]),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}', ["unknown speculative_config keys",
+                                                                         "['lookahead']"]),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', ["num_speculative_tokens must be an integer in [1, 32]"]),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": "4"}',
+     ['prompt_lookup_max must be an integer, got "4"']),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+     ["prompt_lookup_min <= prompt_lookup_max"]),
+])
+def test_a_bad_value_is_a_one_line_error(value, fragments, capsys):
+    # Checked before the model is even looked for: no model path needed, nothing loaded.
+    assert main(["generate", "Hi", "--model", "/no/such/model", "--speculative-config", value]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --speculative-config") and len(err.strip().splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_bench_throughput_reports_a_bad_value_the_same_way(capsys):
+    assert main(["bench", "throughput", "--model", "/no/such/model", "--speculative-config", "{"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --speculative-config is not valid JSON") and err.count("\n") == 1, err

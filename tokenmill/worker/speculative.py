@@ -1,0 +1,92 @@
+"""Speculative decoding's part of a step on the worker: drafting into the lookahead, and verification.
+
+Before the forward pass, the proposer writes up to the scheduled lookahead of draft tokens after each
+request's known tokens (in its row of RequestStates). After it, the sampler draws at each request's
+last position as in plain decoding, and spec/rejection.py decides how many drafts before it stand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
+from tokenmill.sample.state import SamplingState
+from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.spec.proposers import Proposer
+from tokenmill.spec.rejection import VerifyBatch, verify_drafts
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.pending_output import VerifiedTokens
+from tokenmill.worker.request_state import RequestStates
+
+
+class SpeculativeDecoding:
+    def __init__(self, proposer: Proposer, sampler: Sampler, to_device: Callable[[np.ndarray], torch.Tensor]) -> None:
+        self.proposer = proposer
+        self.sampler = sampler
+        self.to_device = to_device
+
+    def propose(self, scheduler_output: SchedulerOutput, states: RequestStates) -> np.ndarray:
+        """Draft tokens for the requests given lookahead, written after their known tokens; returns the
+        number of drafts of each request of the step, in batch order."""
+        request_ids = list(scheduler_output.num_scheduled_tokens)
+        num_drafts = np.zeros(len(request_ids), dtype=np.int64)
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        candidates = [(index[rid], states.row_of[rid], k) for rid, k in scheduler_output.num_lookahead_tokens.items()]
+        # Before min_tokens the EOS ban depends on the position: those requests decode one token per step.
+        num_output = states.num_tokens - states.num_prompt_tokens
+        candidates = [(i, row, k) for i, row, k in candidates
+                      if num_output[row] >= states.sampling_params[row].min_tokens]
+        if not candidates:
+            return num_drafts
+        positions, rows, max_drafts = (np.array(column, dtype=np.int64) for column in zip(*candidates))
+        lengths = states.num_tokens[rows]
+        drafts = self.proposer.propose(states.token_ids[rows, : int(lengths.max())], lengths, max_drafts)
+        for i, row, length, draft in zip(positions.tolist(), rows.tolist(), lengths.tolist(), drafts):
+            states.token_ids[row, length : length + len(draft)] = draft
+            num_drafts[i] = len(draft)
+        return num_drafts
+
+    def sample_and_verify(
+        self, logits: torch.Tensor, batch: InputBatch, metadata: SamplingMetadata, states: RequestStates,
+        sampling_state: SamplingState,
+    ) -> tuple[VerifiedTokens, SamplerOutput]:
+        """The sampler draws at each request's last position, as in plain decoding; the draft positions
+        before it are verified against the target (spec/rejection.py), which decides what is emitted."""
+        counts = 1 + batch.sampled_num_drafts
+        starts = np.cumsum(counts) - counts
+        output = self.sampler(logits[self.to_device(starts + counts - 1)], metadata)
+        verifying = np.flatnonzero(batch.sampled_num_drafts)
+        max_drafts = int(batch.sampled_num_drafts.max())
+        offsets = np.minimum(np.arange(max_drafts)[None, :], batch.sampled_num_drafts[verifying, None] - 1)
+        logit_positions = starts[verifying, None] + offsets
+        draft_rows = batch.sampled_rows[verifying]
+        first_draft = states.num_tokens[draft_rows]
+        draft_ids = states.token_ids[draft_rows[:, None], first_draft[:, None] + offsets]
+        is_greedy = sampling_state.columns.is_greedy[draft_rows]
+        host = [verifying, draft_ids, batch.sampled_num_drafts[verifying], logit_positions, is_greedy]
+        rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t = (self.to_device(np.ascontiguousarray(a))
+                                                                    for a in host)
+        verify = VerifyBatch(rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t, bool(is_greedy.all()))
+        verified, num_verified = verify_drafts(logits, output.token_ids[rows_t], verify, metadata)
+        tokens = torch.full((len(counts), 1 + max_drafts), -1, dtype=torch.int64, device=logits.device)
+        tokens[:, 0] = output.token_ids
+        tokens[rows_t] = verified
+        num_emitted = torch.ones(len(counts), dtype=torch.int64, device=logits.device)
+        num_emitted[rows_t] = num_verified
+        if metadata.max_num_logprobs is not None:
+            output.logprobs = self._verified_logprobs(logits, tokens, counts, metadata.max_num_logprobs)
+        return VerifiedTokens(tokens, num_emitted, batch.sampled_num_drafts, starts), output
+
+    def _verified_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, counts: np.ndarray,
+                           num_top: int) -> LogprobsTensors:
+        """Raw logprobs at every verified position, of the token emitted there (the positions past a
+        rejection carry a placeholder; nobody reads them)."""
+        row_of_position = np.repeat(np.arange(len(counts)), counts)
+        column = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        index = self.to_device(np.stack([row_of_position, column]))
+        emitted = tokens[index[0], index[1]].clamp(min=0)
+        return gather_logprobs(logits.float().log_softmax(dim=-1), emitted, num_top)
