@@ -54,10 +54,11 @@ class OracleProposer:
     def __init__(self, sequences: list[list[int]]) -> None:
         self.sequences = sequences
 
-    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
+    def propose(self, states, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
         drafts = []
-        for row, length, k in zip(token_ids, num_tokens.tolist(), max_drafts.tolist()):
-            prefix = row[:length].tolist()
+        for row, k in zip(rows.tolist(), max_drafts.tolist()):
+            length = int(states.num_tokens[row])
+            prefix = states.token_ids[row, :length].tolist()
             found = next((s[length : length + k] for s in self.sequences if s[:length] == prefix), [])
             drafts.append(np.array(found, dtype=np.int64))
         return drafts

@@ -74,7 +74,7 @@ class DeviceConfig:
     """Attention implementation; None picks the platform default."""
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 """Proposers a user can name; spec/proposers.py maps each to its class."""
 
 
@@ -84,7 +84,8 @@ class SpeculativeConfig:
     `num_speculative_tokens` tokens per request per step and one forward pass verifies them."""
 
     method: str
-    """ngram: prompt lookup over the request's own prompt and output."""
+    """ngram: prompt lookup over the request's own prompt and output; draft_model: a smaller model with the
+    target's vocabulary (`model`) drafts greedily."""
     num_speculative_tokens: int
     """Most draft tokens per request per step (k); each step emits 1 to k + 1 tokens per request."""
     prompt_lookup_min: int | None = None
@@ -92,7 +93,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     """ngram: longest suffix to look up, tried first (default: prompt_lookup_min, or 5)."""
     model: str | None = None
-    """Draft model path (draft-model methods; not available yet)."""
+    """draft_model: the draft model's Hugging Face folder or .gguf file (loaded with the target's dtype and
+    load_format)."""
     disable_by_batch_size: int | None = None
     """Draft nothing in steps with more running requests than this (None: the step-cost policy decides)."""
 
@@ -103,8 +105,9 @@ class SpeculativeConfig:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got "
                              f"{self.num_speculative_tokens!r}")
-        if self.model is not None:
-            raise ValueError(f"speculative method {self.method!r} takes no draft model")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative method 'draft_model' needs a 'model' (the draft model's path), and only "
+                             "it takes one")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         low, high = (low or high or 5), (high or low or 5)
         if not 1 <= low <= high:

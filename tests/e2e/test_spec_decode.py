@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 
@@ -39,10 +40,10 @@ class ScriptedProposer:
                 return sequence[len(tokens):]
         return []
 
-    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
+    def propose(self, states, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
         drafts = []
-        for row, length, k in zip(token_ids, num_tokens.tolist(), max_drafts.tolist()):
-            tokens = row[:length].tolist()
+        for row, k in zip(rows.tolist(), max_drafts.tolist()):
+            tokens = states.token_ids[row, : states.num_tokens[row]].tolist()
             key = zlib.crc32(str(tokens).encode())
             draft = self.continuation(tokens)[:k] if key % 6 else []
             draft = [t if zlib.crc32(f"{key}:{i}".encode()) % 4 else (t + 1) % 200 for i, t in enumerate(draft)]
@@ -151,6 +152,52 @@ def test_ngram_proposer_keeps_greedy_tokens_and_seeded_sampling_repeats(tiny_lla
                                                          for o in plain_llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.fixture(scope="module")
+def other_tiny_llama(tmp_path_factory):
+    """Another seeded random Llama of the same vocabulary, smaller: a draft model that is often wrong."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         eos_token_id=255, bos_token_id=1)
+    path = tmp_path_factory.mktemp("draft-llama")
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_draft_model_equal_to_the_target_drafts_right_and_changes_no_token(tiny_llama, plain, engine):
+    spec = {"method": "draft_model", "model": tiny_llama.path, "num_speculative_tokens": 3}
+    outputs, llm, _ = run(tiny_llama, ENGINES[engine], spec)
+    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.num_drafts > 0 and stats.acceptance_rate > 0.9, stats
+    if engine == "preempting":
+        assert llm.engine.last_stats.num_preemptions > 0
+
+
+def test_a_different_draft_model_is_mostly_rejected_and_changes_no_token(tiny_llama, plain, other_tiny_llama):
+    spec = {"method": "draft_model", "model": other_tiny_llama, "num_speculative_tokens": 2}
+    outputs, llm, _ = run(tiny_llama, ENGINES["chunked-prefill"], spec)
+    always_draft(llm)
+    outputs = llm.generate(*workload(), use_tqdm=False)
+    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.9, stats
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={
+            "method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+
+
 def test_speculative_config_is_checked_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match="not supported"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "medusa",
@@ -158,6 +205,9 @@ def test_speculative_config_is_checked_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
                                                                          "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="needs a 'model'"):
+        LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "draft_model",
+                                                                         "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
                                                                          "num_speculative_tokens": 2, "k": 1})

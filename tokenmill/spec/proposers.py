@@ -1,27 +1,42 @@
 """The proposer of each speculative method: what drafts the tokens a step verifies.
 
-A proposer sees the verifying rows' known tokens (prompt and output, on the host) and returns up to
-`max_drafts` tokens per row. A new method is one more entry here and one more file beside this one.
+A proposer sees the verifying rows of the worker's RequestStates (tokens known on the host, block
+tables) and returns up to `max_drafts` tokens per row. A new method is one more entry here and one
+more file beside this one.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.spec.ngram import NgramProposer
 
+if TYPE_CHECKING:
+    from tokenmill.worker.request_state import RequestStates
+
 
 class Proposer(Protocol):
-    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
-        """`token_ids` [n, width] the rows' tokens (the first `num_tokens` of each are real); returns each
-        row's drafts, at most `max_drafts` of them, maybe none."""
+    def propose(self, states: RequestStates, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
+        """Each row's drafts, at most `max_drafts` of them, maybe none; the rows' first `num_tokens` are known."""
         ...
 
 
+class TokenProposer:
+    """A proposer that needs only the rows' known tokens (n-gram lookup)."""
+
+    def __init__(self, propose_tokens) -> None:
+        self.propose_tokens = propose_tokens
+
+    def propose(self, states: RequestStates, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
+        lengths = states.num_tokens[rows]
+        return self.propose_tokens(states.token_ids[rows, : int(lengths.max())], lengths, max_drafts)
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposers that need nothing of the worker; draft models are built by the worker (it owns the device)."""
     if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        return TokenProposer(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max).propose)
     raise ValueError(f"no proposer for speculative method {config.method!r}")

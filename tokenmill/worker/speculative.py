@@ -44,7 +44,7 @@ class SpeculativeDecoding:
             return num_drafts
         positions, rows, max_drafts = (np.array(column, dtype=np.int64) for column in zip(*candidates))
         lengths = states.num_tokens[rows]
-        drafts = self.proposer.propose(states.token_ids[rows, : int(lengths.max())], lengths, max_drafts)
+        drafts = self.proposer.propose(states, rows, max_drafts)
         for i, row, length, draft in zip(positions.tolist(), rows.tolist(), lengths.tolist(), drafts):
             states.token_ids[row, length : length + len(draft)] = draft
             num_drafts[i] = len(draft)

@@ -15,9 +15,11 @@ from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.spec.draft_model import DraftModelProposer
 from tokenmill.spec.proposers import make_proposer
 from tokenmill.worker.cpu_threads import leave_a_core_free
 from tokenmill.worker.cuda_graph import CudaGraphRunner
+from tokenmill.worker.draft_model import attention_layers, kv_bytes_per_block, load_draft_model
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.sampler_warmup import compile_sampler_in_background, warm_up_sampler
@@ -55,6 +57,12 @@ class Worker:
                     time.perf_counter() - start)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_backend = get_attention_backend(config.device_config.attention_backend, self.device)
+        speculative = config.speculative_config
+        self.draft_model = None
+        self.draft_attn_layers: list[Attention] = []
+        if speculative is not None and speculative.method == "draft_model":
+            self.draft_model = load_draft_model(config, hf_config, self.device, self.dtype, max_model_len)
+            self.draft_attn_layers = attention_layers(self.draft_model)
         self.model_runner: ModelRunner | None = None
         self.num_kv_blocks = 0
 
@@ -79,6 +87,10 @@ class Worker:
             available = int(DEFAULT_CPU_KV_CACHE_GIB * GiB)
         else:
             available = self._profile_available_gpu_memory()
+        if self.draft_model is not None and cache.num_gpu_blocks_override is None:
+            # Every block holds the draft model's KV of its tokens too.
+            draft_bytes = kv_bytes_per_block(self.draft_attn_layers, self.dtype, shape.block_size)
+            available = available * shape.bytes_per_block // (shape.bytes_per_block + draft_bytes)
         return make_kv_cache_spec(shape, available, self.max_model_len)
 
     def _profile_available_gpu_memory(self) -> int:
@@ -114,9 +126,9 @@ class Worker:
     def initialize_cache(self, spec: KVCacheSpec) -> None:
         shape = spec.shape
         self.num_kv_blocks = spec.num_blocks
-        for layer in self.attn_layers:
+        for layer in self.attn_layers + self.draft_attn_layers:
             layer.kv_cache = torch.empty(
-                (2, spec.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
+                (2, spec.num_blocks, shape.block_size, layer.num_kv_heads, layer.head_dim),
                 dtype=self.dtype, device=self.device,
             )
         speculative = self.config.speculative_config
@@ -128,7 +140,7 @@ class Worker:
             max_num_reqs=self.config.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
             vocab_size=self.hf_config.vocab_size,
-            proposer=None if speculative is None else make_proposer(speculative),
+            proposer=self._make_proposer(shape.block_size),
             max_drafts=0 if speculative is None else speculative.num_speculative_tokens,
         )
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
@@ -138,15 +150,28 @@ class Worker:
                             background=self._sampler_compile)
             self._sampler_compile = None
 
+    def _make_proposer(self, block_size: int):
+        speculative = self.config.speculative_config
+        if speculative is None:
+            return None
+        if self.draft_model is not None:
+            return DraftModelProposer(self.draft_model, self.attn_backend, self.device, block_size,
+                                      self.config.scheduler_config.max_num_seqs)
+        return make_proposer(speculative)
+
     def _capture_cuda_graphs(self, block_size: int) -> None:
         if not self.attn_backend.supports_cuda_graphs:
             logger.info("attention backend %r cannot be captured: decode runs eagerly", self.attn_backend.name)
             return
-        runner = CudaGraphRunner(self.model, self.attn_backend, self.device, block_size,
-                                 max_blocks_per_req=-(-self.max_model_len // block_size),
-                                 max_batch_size=self.config.scheduler_config.max_num_seqs)
-        runner.capture()
-        self.model_runner.cuda_graphs = runner
+        models = [(self.model, self.model_runner)]
+        if self.draft_model is not None:
+            models.append((self.draft_model, self.model_runner.speculative.proposer))
+        for model, owner in models:
+            runner = CudaGraphRunner(model, self.attn_backend, self.device, block_size,
+                                     max_blocks_per_req=-(-self.max_model_len // block_size),
+                                     max_batch_size=self.config.scheduler_config.max_num_seqs)
+            runner.capture()
+            owner.cuda_graphs = runner
 
     def measure_step_cost(self) -> StepCost:
         """t(n) of this device's forward pass, for the draft budget; before any request runs."""
@@ -165,5 +190,5 @@ class Worker:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks in every layer (a forked sample's own copy of its parent's partial block)."""
         src, dst = torch.tensor(copies, dtype=torch.int64).T.to(self.device)
-        for layer in self.attn_layers:
+        for layer in self.attn_layers + self.draft_attn_layers:
             layer.kv_cache[:, dst] = layer.kv_cache[:, src]
