@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -26,6 +27,47 @@ class RequestOutputKind(enum.Enum):
     """Every output carries only what is new (streaming)."""
     FINAL_ONLY = "final_only"
     """Only the finished output is produced (the offline default)."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a structure (vLLM's names); exactly one of these is set. Grammars are
+    compiled by xgrammar (tokenmill/structured/) and enforced with a token bitmask at every step."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (as a dict or its JSON text): the output is a JSON value that validates against it,
+    written compactly (no whitespace between tokens of JSON: small models otherwise loop on whitespace)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (GBNF-style, with a `root` rule)."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, regex, choice, grammar or json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs' choice must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the grammar is compiled from, and its cache key."""
+        import json
+
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
 
 
 @dataclass
@@ -72,6 +114,9 @@ class SamplingParams:
     detokenize: bool = True
     logits_processors: list[LogitsProcessor] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (logprobs are then those of the
+    constrained distribution: the bitmask is applied before everything else)."""
 
     # Token ids of bad_words, filled by the input processor (it owns the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)

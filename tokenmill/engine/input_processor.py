@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from tokenmill.engine.tokenizer import TokenizerInfo
 from tokenmill.protocol import EngineRequest
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from tokenmill.structured.grammar import validate as validate_structured_outputs
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -79,6 +80,10 @@ class InputProcessor:
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias keys")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer, and this engine has none")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer, and this engine has none")
+            validate_structured_outputs(params.structured_outputs)
         num = len(token_ids)
         if num >= self.max_model_len:
             raise ValueError(

@@ -35,6 +35,7 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
         await engine.start()
         yield
         state.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
+        state.grammar_checker.shutdown()
         engine.shutdown()
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenmill.server.limits import (
     INT64_MAX,
@@ -91,6 +91,60 @@ def _prompt_form(value: Any) -> str:
     return "texts"
 
 
+class JsonSchemaSpec(RequestModel):
+    """OpenAI's response_format.json_schema."""
+
+    name: str
+    """Required, as by OpenAI; it names the schema and does not change the output."""
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """The JSON schema the output validates against; absent or null: any JSON value."""
+    strict: bool | None = None
+    """Accepted and ignored: the schema is always enforced (as with OpenAI's strict=true)."""
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's response_format. One model rather than a union tagged by type, so that an error names
+    the field as sent (response_format.json_schema.name, not a path through the union's tag)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    """structural_tag (vLLM's) is refused with a 400: not supported yet."""
+    json_schema: JsonSchemaSpec | None = None
+    """Required with type json_schema, ignored otherwise."""
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar and json_object.
+
+    Options of vLLM's that only pick how the constraint is enforced are accepted and ignored
+    (disable_fallback, disable_any_whitespace, disable_additional_properties: xgrammar always enforces,
+    with compact whitespace and no properties a schema does not name); so is the older top-level
+    guided_decoding_backend. Any other key here (structural_tag, whitespace_pattern, ...) and the older
+    guided_whitespace_pattern are refused with a 400 naming them rather than ignored: the client would
+    expect a shape of output that does not hold."""
+
+    model_config = ConfigDict(extra="allow")
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    """A JSON schema, as an object or its JSON text."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    """The output is exactly one of these (non-empty) strings."""
+    grammar: str | None = None
+    """An EBNF grammar (GBNF-style, with a `root` rule)."""
+    json_object: bool = False
+    """Any JSON object."""
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
 Prompt = Annotated[
     Annotated[str, Tag("text")]
     | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS), Tag("texts")]
@@ -134,6 +188,21 @@ class SamplingRequest(RequestModel):
     priority: Int64 = 0
     """Lower runs first, with --scheduling-policy priority."""
     cache_salt: str | None = None
+    # Structured outputs: at most one of response_format (other than text), structured_outputs and the
+    # guided_* aliases; a second one is a 400, as is a schema, regex or grammar that does not compile.
+    response_format: ResponseFormat | None = None
+    """{"type": "text"} (the default), {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}: the output is then a JSON object, or a JSON value valid for the schema."""
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    """vLLM's older name of structured_outputs.json (likewise guided_regex, guided_choice, guided_grammar)."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    """Accepted and ignored: the backend is always xgrammar."""
+    guided_whitespace_pattern: str | None = None
+    """Not supported: a 400 unless null or absent (whitespace in JSON output is always compact)."""
 
 
 class CompletionRequest(SamplingRequest):
@@ -154,8 +223,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    response_format: dict[str, Any] | None = None
-    """Only {"type": "text"} (the default) is accepted today."""
     tools: list[dict[str, Any]] | None = None
     """Tools are not supported yet: only none, an empty list, or tool_choice "none" is accepted."""
     tool_choice: str | dict[str, Any] | None = None

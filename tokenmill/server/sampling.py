@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_protocol import SamplingRequest
 
@@ -31,6 +31,7 @@ def to_sampling_params(
     max_tokens: int,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -56,6 +57,7 @@ def to_sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:
         raise bad_request(str(e)) from e

@@ -19,6 +19,7 @@ from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequ
 from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_id
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
+from tokenmill.server.structured_outputs import constraint_of
 
 
 async def render_messages(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
@@ -55,8 +56,6 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
 def _check_unsupported(req: ChatCompletionRequest) -> None:
     if req.tools and req.tool_choice != "none":
         raise bad_request("tools are not supported by this server yet", param="tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported yet", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -65,12 +64,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_model(req.model)
     check_stream_options(req)
     _check_unsupported(req)
+    constraint = constraint_of(req)
+    if constraint is not None:
+        await state.grammar_checker.check(constraint)
     text, token_ids = await render_messages(state, req)
     engine = state.engine
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, param)
-    params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                structured_outputs=None if constraint is None else constraint.params)
     state.check_capacity(params.num_samples)
     request_id = make_request_id("chatcmpl")
     prompt = {"prompt": text, "prompt_token_ids": token_ids}

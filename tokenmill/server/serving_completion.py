@@ -21,6 +21,7 @@ from tokenmill.server.openai_protocol import CompletionRequest
 from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_id
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, merge_streams, sse
+from tokenmill.server.structured_outputs import constraint_of
 
 
 def split_prompts(prompt: str | list) -> list[dict]:
@@ -55,6 +56,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if num_seqs > MAX_SEQUENCES:
         raise bad_request(f"{len(prompts)} prompts of {num_samples} samples each make {num_seqs} sequences; "
                           f"one request may start at most {MAX_SEQUENCES}", param="n")
+    constraint = constraint_of(req)
+    if constraint is not None:
+        await state.grammar_checker.check(constraint)
     prompts = await state.off_loop(tokenize_prompts, engine.input_processor, prompts)
     want_prompt_logprobs = req.echo and req.logprobs is not None
     params = [
@@ -63,6 +67,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), engine.max_model_len, "max_tokens"),
             logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
+            structured_outputs=None if constraint is None else constraint.params,
         )
         for p in prompts
     ]

@@ -17,6 +17,7 @@ from tokenmill.engine.input_processor import PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.structured_outputs import GrammarChecker
 
 RETRY_AFTER_S = 1
 
@@ -33,6 +34,8 @@ class ServerState:
         # One thread: a Rust tokenizer used from several threads at once can fail ("Already borrowed").
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"),
     )
+    grammar_checker: GrammarChecker = field(default_factory=GrammarChecker)
+    """Structured outputs' schemas, regexes and grammars are checked on a thread of their own."""
 
     async def off_loop(self, fn: Callable[..., T], /, *args, **kwargs) -> T:
         """fn(*args, **kwargs) on the tokenizer thread: chat templates and tokenization of long prompts

@@ -19,6 +19,7 @@ from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec.proposers import Proposer
+from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
@@ -52,6 +53,8 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self.cuda_graphs: CudaGraphRunner | None = None
         """Decode graphs, set by the worker after the KV pool exists (None: always eager)."""
+        self.grammar_rows: GrammarRows | None = None
+        """Structured outputs' per-row grammars; set by the worker when the engine enables them."""
         self.speculative = None if proposer is None else SpeculativeDecoding(proposer, self.sampler, self._to_device)
         """Drafts and verification; None without speculative decoding."""
         self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
@@ -74,6 +77,9 @@ class ModelRunner:
             self.sampling_state.add_request(
                 row, new.sampling_params, new.eos_token_ids, new.token_ids, new.num_prompt_tokens
             )
+            if new.sampling_params.structured_outputs is not None:
+                # A resumed request's matcher replays its output at its next sampling.
+                self.grammar_rows.add(row, self.states, new.eos_token_ids)
             # Only a fresh prompt yields prompt logprobs; a resumed request already returned them.
             if new.sampling_params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
                 self.prompt_logprobs.start(new.request_id)
@@ -115,6 +121,10 @@ class ModelRunner:
         if self._last_pending is not None and self.sampling_state.needs_output_ids[rows].any():
             self._last_pending.result()  # the slow path reads the last step's tokens on the host
         metadata = self.sampling_state.build_metadata(rows, self.states)
+        if self.grammar_rows is not None and (constrained := self.grammar_rows.constrained(rows, self.states)):
+            # Each sampled request's distribution is at its last logits row (after its drafts, if any).
+            last_rows = np.cumsum(1 + batch.sampled_num_drafts) - 1
+            self.grammar_rows.apply(logits, rows, last_rows, self.states, constrained)
         verifying = bool(batch.sampled_num_drafts.any())
         if verifying:
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,

@@ -17,6 +17,8 @@ from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.spec.draft_model import DraftModelProposer
 from tokenmill.spec.proposers import make_proposer
+from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cpu_threads import leave_a_core_free
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.draft_model import attention_layers, kv_bytes_per_block, load_draft_model
@@ -172,6 +174,11 @@ class Worker:
                                      max_batch_size=self.config.scheduler_config.max_num_seqs)
             runner.capture()
             owner.cuda_graphs = runner
+
+    def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
+        """Grammars for structured outputs, compiled by `compiler` (the engine core's, which also uses it to
+        hold requests back until their grammar is ready)."""
+        self.model_runner.grammar_rows = GrammarRows(compiler, self.hf_config.vocab_size, self.device)
 
     def measure_step_cost(self) -> StepCost:
         """t(n) of this device's forward pass, for the draft budget; before any request runs."""

@@ -1,0 +1,256 @@
+"""Structured outputs through the server (issue 18): response_format, vLLM's structured_outputs and its
+older guided_* keys on /v1/chat/completions and /v1/completions, through the openai SDK against a real
+`tokenmill serve` on SmolLM2 (one server for the module). What does not compile is a 400 naming the
+field it came in; what does constrains the output, greedy and sampled."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from server_harness import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+MAX_TOKENS = 200
+"""Room enough for every constrained output below to end by itself (finish_reason stop)."""
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PHONE = r"[0-9]{3}-[0-9]{4}"
+COLORS = ["red", "green", "blue"]
+YES_NO = 'root ::= "yes" | "no"'
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+ASK_PHONE = [{"role": "user", "content": "Give me a phone number."}]
+ASK_COLOR = [{"role": "user", "content": "What color is the sky?"}]
+SAMPLED = {"temperature": 0.8, "seed": 1234}
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    server = RemoteServer(smollm2_path, "--served-model-name", MODEL, "--kv-cache-space", "0.25",
+                          "--max-model-len", "512")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY", max_retries=0, timeout=120)
+
+
+def chat(client, messages, **kwargs) -> str:
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, **kwargs)
+    [choice] = response.choices
+    assert choice.finish_reason == "stop", choice  # the constraint ended the output, not max_tokens
+    return choice.message.content
+
+
+def complete(client, prompt, **kwargs) -> str:
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, **kwargs)
+    [choice] = response.choices
+    assert choice.finish_reason == "stop", choice
+    return choice.text
+
+
+def json_schema_format(schema: dict | None, name: str = "person") -> dict:
+    spec = {"name": name, "strict": True}
+    if schema is not None:
+        spec["schema"] = schema
+    return {"type": "json_schema", "json_schema": spec}
+
+
+# ---- what does not compile, or is not supported: 400s naming the field ---------------------------
+
+def expect_400(call, param: str, *words: str) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    error = info.value
+    assert error.status_code == 400 and error.param == param, (error.param, error.body)
+    message = error.body["message"] if isinstance(error.body, dict) else str(error)
+    for word in words:
+        assert word in message, message
+    return error
+
+
+INVALID = [  # (id, extra_body, param, words in the message)
+    ("response_format_schema", {"response_format": json_schema_format({"type": "nonsense"})},
+     "response_format", ["JSON schema"]),
+    ("structured_outputs_schema", {"structured_outputs": {"json": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/missing"}}}}}, "structured_outputs", ["JSON schema"]),
+    ("structured_outputs_schema_text", {"structured_outputs": {"json": "{not json"}}, "structured_outputs",
+     ["not valid JSON"]),
+    ("guided_json", {"guided_json": {"type": "nonsense"}}, "guided_json", ["JSON schema"]),
+    ("structured_outputs_regex", {"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", ["regex"]),
+    ("guided_regex", {"guided_regex": "(unclosed"}, "guided_regex", ["regex"]),
+    ("structured_outputs_grammar", {"structured_outputs": {"grammar": "root ::= undefined_rule"}},
+     "structured_outputs", ["grammar"]),
+    ("guided_grammar", {"guided_grammar": "this is not ebnf"}, "guided_grammar", ["grammar"]),
+    ("empty_choice", {"structured_outputs": {"choice": []}}, "structured_outputs", ["choice"]),
+    ("nothing_in_structured_outputs", {"structured_outputs": {}}, "structured_outputs", ["exactly one"]),
+    ("two_in_structured_outputs", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     ["exactly one"]),
+    ("response_format_and_structured_outputs", {"response_format": {"type": "json_object"},
+                                                "structured_outputs": {"regex": "a+"}},
+     "structured_outputs", ["response_format", "structured_outputs"]),
+    ("structured_outputs_and_guided", {"structured_outputs": {"regex": "a+"}, "guided_choice": ["a"]},
+     "guided_choice", ["structured_outputs", "guided_choice"]),
+    ("two_guided", {"guided_json": PERSON, "guided_regex": "a+"}, "guided_regex", ["guided_json", "guided_regex"]),
+    ("structural_tag", {"structured_outputs": {"structural_tag": json.dumps({"structures": [], "triggers": []})}},
+     "structured_outputs", ["structural_tag", "not supported"]),
+    ("response_format_structural_tag", {"response_format": {"type": "structural_tag", "structures": [],
+                                                            "triggers": []}},
+     "response_format", ["structural_tag", "not supported"]),
+    ("unknown_structured_outputs_option", {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}},
+     "structured_outputs", ["whitespace_pattern"]),
+    ("guided_whitespace_pattern", {"guided_json": PERSON, "guided_whitespace_pattern": r"[\n ]*"},
+     "guided_whitespace_pattern", ["not supported"]),
+    ("json_schema_without_name", {"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}},
+     "response_format.json_schema.name", []),
+    ("json_schema_missing", {"response_format": {"type": "json_schema"}}, "response_format", ["json_schema"]),
+    ("unknown_response_format", {"response_format": {"type": "xml"}}, "response_format.type", []),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_chat_requests_are_400s(client, extra, param, words):
+    expect_400(lambda: client.chat.completions.create(model=MODEL, messages=ASK_PHONE, max_tokens=5,
+                                                      extra_body=extra), param, *words)
+
+
+@pytest.mark.parametrize("name", ["response_format_schema", "guided_regex", "structured_outputs_grammar",
+                                  "two_guided", "structural_tag"])
+def test_invalid_completion_requests_are_400s(client, name):
+    [(extra, param, words)] = [c[1:] for c in INVALID if c[0] == name]
+    expect_400(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body=extra),
+               param, *words)
+
+
+def test_tools_stay_refused_unless_tool_choice_is_none(client):
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    expect_400(lambda: client.chat.completions.create(model=MODEL, messages=ASK_PHONE, max_tokens=3, tools=tools),
+               "tools")
+    response = client.chat.completions.create(model=MODEL, messages=ASK_PHONE, max_tokens=3, tools=tools,
+                                              tool_choice="none")
+    assert response.choices[0].message.content is not None
+
+
+def test_response_format_text_is_unconstrained(client):
+    response = client.chat.completions.create(model=MODEL, messages=ASK_PHONE, max_tokens=3,
+                                              response_format={"type": "text"})
+    assert response.choices[0].finish_reason == "length"
+
+
+# ---- valid requests constrain the output (these need the engine side of structured outputs) -------
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_chat_json_schema(client, sampling):
+    text = chat(client, ASK_PERSON, response_format=json_schema_format(PERSON), **sampling)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_chat_json_object(client, sampling):
+    text = chat(client, ASK_PERSON, response_format={"type": "json_object"}, **sampling)
+    assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_chat_regex(client, sampling):
+    text = chat(client, ASK_PHONE, extra_body={"structured_outputs": {"regex": PHONE}}, **sampling)
+    assert re.fullmatch(PHONE, text), text
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_chat_choice(client, sampling):
+    assert chat(client, ASK_COLOR, extra_body={"structured_outputs": {"choice": COLORS}}, **sampling) in COLORS
+
+
+def test_chat_grammar(client):
+    text = chat(client, [{"role": "user", "content": "Is the sky blue?"}],
+                extra_body={"structured_outputs": {"grammar": YES_NO}}, **GREEDY)
+    assert text in ("yes", "no")
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_chat_guided_json_alias(client, sampling):
+    # guided_decoding_backend is accepted and ignored (always xgrammar).
+    text = chat(client, ASK_PERSON, extra_body={"guided_json": PERSON, "guided_decoding_backend": "xgrammar"},
+                **sampling)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_chat_guided_aliases(client):
+    assert re.fullmatch(PHONE, chat(client, ASK_PHONE, extra_body={"guided_regex": PHONE}, **GREEDY))
+    assert chat(client, ASK_COLOR, extra_body={"guided_choice": COLORS}, **GREEDY) in COLORS
+    assert chat(client, ASK_COLOR, extra_body={"guided_grammar": YES_NO}, **GREEDY) in ("yes", "no")
+
+
+def test_chat_schema_as_json_text(client):
+    text = chat(client, ASK_PERSON, extra_body={"structured_outputs": {"json": json.dumps(PERSON)}}, **GREEDY)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_chat_json_schema_streamed_with_n(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=MAX_TOKENS, n=2,
+                                            stream=True, response_format=json_schema_format(PERSON), **SAMPLED)
+    texts, finish = ["", ""], [None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert finish == ["stop", "stop"]
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+PERSON_PROMPT = "Here is a person described as JSON with a name and an age:"
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_completion_json_schema(client, sampling):
+    text = complete(client, PERSON_PROMPT, extra_body={"response_format": json_schema_format(PERSON)}, **sampling)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_completion_json_object(client):
+    text = complete(client, PERSON_PROMPT, extra_body={"response_format": {"type": "json_object"}}, **GREEDY)
+    assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_completion_regex_and_choice(client, sampling):
+    text = complete(client, "My phone number is", extra_body={"structured_outputs": {"regex": PHONE}}, **sampling)
+    assert re.fullmatch(PHONE, text), text
+    text = complete(client, "The sky is", extra_body={"structured_outputs": {"choice": COLORS}}, **sampling)
+    assert text in COLORS
+
+
+def test_completion_guided_json_alias(client):
+    text = complete(client, PERSON_PROMPT, extra_body={"guided_json": PERSON}, **GREEDY)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_completion_several_prompts_share_the_constraint(client):
+    response = client.completions.create(model=MODEL, prompt=["My number:", "Call me at"], max_tokens=MAX_TOKENS,
+                                         extra_body={"guided_regex": PHONE}, **GREEDY)
+    assert len(response.choices) == 2
+    for choice in response.choices:
+        assert choice.finish_reason == "stop" and re.fullmatch(PHONE, choice.text), choice
+
+
+def test_the_server_still_serves(client):
+    """After the 400s and the constrained requests, an unconstrained request is served as before."""
+    response = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length" and len(response.choices[0].text) > 0

@@ -1,0 +1,103 @@
+"""Structured outputs through the offline engine on the real default model: every output obeys its spec
+(JSON schemas checked with jsonschema), in every engine mode, with n > 1, logprobs and speculation."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import StructuredOutputsParams
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Describe a fictional person as JSON with a name and an age."}]
+REGEX = r"(yes|no), because [a-z ]{3,30}\."
+CHOICES = ["Paris", "London", "Rome"]
+GRAMMAR = 'root ::= "The answer is " digit digit? "."\ndigit ::= [0-9]'
+
+
+def check(spec: StructuredOutputsParams, text: str) -> None:
+    if spec.json is not None:
+        jsonschema.validate(json.loads(text), spec.json)
+    elif spec.json_object:
+        assert isinstance(json.loads(text), dict), text
+    elif spec.regex is not None:
+        assert re.fullmatch(spec.regex, text), text
+    elif spec.choice is not None:
+        assert text in spec.choice, text
+    else:
+        assert re.fullmatch(r"The answer is [0-9][0-9]?\.", text), text
+
+
+SPECS = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(json_object=True),
+         StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=CHOICES),
+         StructuredOutputsParams(grammar=GRAMMAR)]
+
+
+def generate_all(llm: LLM, temperature: float = 0.0, **params):
+    sampling = [SamplingParams(temperature=temperature, max_tokens=80, structured_outputs=spec, **params)
+                for spec in SPECS]
+    return llm.chat([ASK] * len(SPECS), sampling, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def busy_llm(smollm2_path):
+    """Async scheduling, 16-token prefill chunks and a pool so small that requests get preempted (no prefix
+    caching, so the samples of one prompt do not share its blocks)."""
+    return LLM(smollm2_path, max_model_len=256, num_gpu_blocks_override=17, max_num_batched_tokens=16,
+               async_scheduling=True, enable_prefix_caching=False)
+
+
+def test_every_kind_of_spec_is_obeyed(smollm2_llm):
+    for spec, out in zip(SPECS, generate_all(smollm2_llm)):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+        check(spec, out.outputs[0].text)
+
+
+def test_specs_hold_under_async_scheduling_chunked_prefill_and_preemption(busy_llm):
+    # Prompts of ~8 blocks each, 5 of them (their 2 samples share one): more than the pool's 17 blocks.
+    story = "Once upon a time a clockmaker lived at the edge of a forest and wound his clocks every morning. " * 5
+    ask = [{"role": "user", "content": story + ASK[0]["content"]}]
+    sampling = [SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=80, structured_outputs=spec) for spec in SPECS]
+    outputs = busy_llm.chat([ask] * len(SPECS), sampling, use_tqdm=False)
+    for spec, out in zip(SPECS, outputs):
+        assert len(out.outputs) == 2
+        for sample in out.outputs:
+            if sample.finish_reason == "stop":
+                check(spec, sample.text)
+    assert busy_llm.engine.last_stats.num_preemptions > 0
+
+
+def test_max_tokens_inside_the_structure_ends_with_length_and_logprobs_are_finite(smollm2_llm):
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=2, structured_outputs=SPECS[0])
+    out = smollm2_llm.chat(ASK, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert out.text.startswith("{")
+    for position, token in zip(out.logprobs, out.token_ids):
+        assert position[token].logprob > float("-inf")
+
+
+def test_bad_specs_fail_before_anything_is_scheduled(smollm2_llm):
+    for bad, match in [(StructuredOutputsParams(json='{"type": '), "not valid JSON"),
+                       (StructuredOutputsParams(regex="(abc"), "invalid regex"),
+                       (StructuredOutputsParams(grammar="root ::= "), "invalid grammar")]:
+        with pytest.raises(ValueError, match=match):
+            smollm2_llm.generate("Hi", SamplingParams(structured_outputs=bad), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+
+
+def test_constrained_requests_decode_exactly_beside_drafting_ones(smollm2_path):
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    copy = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat."}]
+    outs = llm.chat([ASK, copy], [SamplingParams(temperature=0, max_tokens=80, structured_outputs=SPECS[0]),
+                                  SamplingParams(temperature=0, max_tokens=40)], use_tqdm=False)
+    check(SPECS[0], outs[0].outputs[0].text)
+    plain = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1)
+    expected = plain.chat([ASK], SamplingParams(temperature=0, max_tokens=80, structured_outputs=SPECS[0]),
+                          use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == expected[0].outputs[0].token_ids

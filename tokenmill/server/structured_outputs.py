@@ -1,0 +1,104 @@
+"""A request's structured outputs -> one StructuredOutputsParams, checked before it reaches the engine.
+
+Three ways to ask, one per request: OpenAI's response_format (json_object, json_schema), vLLM's
+structured_outputs object, and vLLM's older top-level guided_json / guided_regex / guided_choice /
+guided_grammar. A spec that does not compile (a bad schema, regex or grammar) is a 400 naming the field
+it came in; compiling it needs no tokenizer and runs off the event loop, as a large schema takes a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.errors import bad_request
+from tokenmill.server.openai_protocol import SamplingRequest
+from tokenmill.structured.grammar import validate
+
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+MAX_REMEMBERED = 1024
+"""Specs that compiled, remembered by digest: clients send the same schema with every request."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    params: StructuredOutputsParams
+    param: str
+    """The request field it came from, which a 400 names."""
+
+
+def constraint_of(req: SamplingRequest) -> Constraint | None:
+    """The request's structured outputs, or None; a 400 for two ways at once or an unsupported option."""
+    ways: list[tuple[str, dict[str, Any]]] = []  # (field, StructuredOutputsParams' kwargs)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "structural_tag":
+        raise bad_request("response_format of type structural_tag is not supported by this server yet; use "
+                          "json_schema or json_object", param="response_format")
+    if fmt is not None and fmt.type == "json_object":
+        ways.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_
+        ways.append(("response_format", {"json": {} if schema is None else schema}))  # {}: any JSON value
+    so = req.structured_outputs
+    if so is not None:
+        if so.model_extra:
+            name = sorted(so.model_extra)[0]
+            raise bad_request(f"structured_outputs.{name} is not supported by this server yet; use one of json, "
+                              f"regex, choice, grammar or json_object", param="structured_outputs")
+        given = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
+        kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        if so.json_object:
+            kwargs["json_object"] = True
+        ways.append(("structured_outputs", kwargs))
+    for alias, name in GUIDED_ALIASES.items():
+        if getattr(req, alias) is not None:
+            ways.append((alias, {name: getattr(req, alias)}))
+    if req.guided_whitespace_pattern is not None:
+        raise bad_request("guided_whitespace_pattern is not supported: whitespace in JSON output is always compact",
+                          param="guided_whitespace_pattern")
+    if not ways:
+        return None
+    if len(ways) > 1:
+        fields = ", ".join(name for name, _ in ways)
+        raise bad_request(f"structured outputs are asked for in more than one way ({fields}); give only one",
+                          param=ways[1][0])
+    param, kwargs = ways[0]
+    try:
+        return Constraint(StructuredOutputsParams(**kwargs), param)
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from e
+
+
+class GrammarChecker:
+    """Compiles specs on a thread of its own (not the tokenizer's: a large schema would hold up every
+    prompt's tokenization). That one thread alone touches the memory of the specs that passed."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._passed: OrderedDict[bytes, None] = OrderedDict()
+
+    async def check(self, constraint: Constraint) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._check, constraint.params)
+        except ValueError as e:
+            raise bad_request(str(e), param=constraint.param) from e
+
+    def _check(self, params: StructuredOutputsParams) -> None:
+        kind, text = params.key  # the JSON text of a schema: not free for a large one either
+        digest = hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).digest()
+        if digest in self._passed:
+            self._passed.move_to_end(digest)
+            return
+        validate(params)
+        self._passed[digest] = None
+        if len(self._passed) > MAX_REMEMBERED:
+            self._passed.popitem(last=False)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,60 @@
+"""Grammar compilation against the model's vocabulary, in a thread pool, cached per spec.
+
+Compiling a JSON schema takes milliseconds to seconds; the engine core submits a request's grammar when
+the request arrives and schedules the request only once it is compiled, so the batch never waits for it.
+Requests with the same spec share one compilation (and xgrammar's own cache shares sub-grammars).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from threading import Lock
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured.grammar import build_grammar
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED = 1024
+"""Distinct specs kept compiled; beyond it the oldest are forgotten (recompiled if asked again)."""
+
+
+class GrammarCompiler:
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, num_threads: int = 2) -> None:
+        """`load_tokenizer`: the model's Hugging Face tokenizer, loaded in a compile thread on first use."""
+        self._load_tokenizer = load_tokenizer
+        self._vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        self._lock = Lock()
+        self._compiler = None
+        self._compiled: dict[tuple[str, str], Future] = {}
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar of a spec (a future: done at once when the spec was compiled before)."""
+        key = params.key
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is None:
+                if len(self._compiled) >= MAX_CACHED:
+                    self._compiled.pop(next(iter(self._compiled)))
+                future = self._compiled[key] = self._pool.submit(self._compile, params)
+        return future
+
+    def get(self, params: StructuredOutputsParams):
+        """A compiled grammar; blocks if it is still compiling."""
+        return self.submit(params).result()
+
+    def _compile(self, params: StructuredOutputsParams):
+        import xgrammar as xgr
+
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self._vocab_size)
+                self._compiler = xgr.GrammarCompiler(info)
+            compiler = self._compiler
+        return compiler.compile_grammar(build_grammar(params))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
