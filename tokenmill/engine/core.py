@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
@@ -25,6 +24,7 @@ from tokenmill.scheduler.draft_budget import DraftBudget
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.waiting import AwaitingGrammar
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.worker import Worker
 
@@ -43,10 +43,9 @@ class EngineCore:
         self.scheduler = scheduler
         self.worker = worker
         self.async_scheduling = async_scheduling
-        self.grammars = grammars
-        """Compiles structured outputs' grammars; None when the engine has no tokenizer."""
-        self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
-        """Requests whose grammar is compiling: the scheduler sees them once it is compiled."""
+        self.awaiting_grammar = AwaitingGrammar(grammars) if grammars is not None else None
+        """Structured-output requests whose grammar is compiling: the scheduler sees them once it is compiled
+        (None when the engine has no tokenizer, hence no grammars)."""
         self._in_flight: tuple[SchedulerOutput, PendingOutput | ReadyOutput] | None = None
 
     @classmethod
@@ -80,9 +79,9 @@ class EngineCore:
 
     def add_request(self, request: EngineRequest) -> None:
         structured = request.sampling_params.structured_outputs
-        if structured is not None and self.grammars is None:
+        if structured is not None and self.awaiting_grammar is None:
             raise ValueError("structured outputs need a tokenizer, and this engine has none")
-        if request.request_id in self._awaiting_grammar:
+        if self.awaiting_grammar is not None and request.request_id in self.awaiting_grammar:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         core_request = Request(
             request_id=request.request_id,
@@ -95,42 +94,30 @@ class EngineCore:
             fork_of=request.fork_of,
         )
         if structured is not None:
-            self._awaiting_grammar[request.request_id] = (core_request, self.grammars.submit(structured))
+            self.awaiting_grammar.add(core_request)
         else:
             self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str], status=RequestStatus.FINISHED_ABORTED) -> None:
-        for request_id in request_ids:
-            self._awaiting_grammar.pop(request_id, None)
+        if self.awaiting_grammar is not None:
+            self.awaiting_grammar.abort(request_ids)
         self.scheduler.finish_requests(request_ids, status)
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests() or self._in_flight is not None or bool(self._awaiting_grammar)
-
-    def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Hand the requests whose grammar is compiled to the scheduler; a failed compilation aborts its
-        request (its output says so in the log; the frontend validated the spec, so this is rare)."""
-        if not self.scheduler.has_requests() and self._in_flight is None:
-            # Nothing else to do: wait for a compilation rather than spin.
-            wait([future for _, future in self._awaiting_grammar.values()], timeout=0.05,
-                 return_when=FIRST_COMPLETED)
-        failed = []
-        for request_id, (request, future) in list(self._awaiting_grammar.items()):
-            if not future.done():
-                continue
-            del self._awaiting_grammar[request_id]
-            if future.exception() is not None:
-                logger.error("request %s: its grammar failed to compile: %s", request_id, future.exception())
-                failed.append(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT))
-            else:
-                self.scheduler.add_request(request)
-        return failed
+        return (self.scheduler.has_requests() or self._in_flight is not None
+                or bool(self.awaiting_grammar))
 
     def step(self) -> EngineCoreOutputs:
-        failed = self._admit_compiled() if self._awaiting_grammar else []
+        failed = []
+        if self.awaiting_grammar:
+            ready, failed = self.awaiting_grammar.take_ready(idle=not self.scheduler.has_requests()
+                                                             and self._in_flight is None)
+            for request in ready:
+                self.scheduler.add_request(request)
         outputs = self._step()
-        if failed:
-            outputs.outputs = failed + outputs.outputs
+        if failed:  # the frontend fails the whole request (all its samples)
+            outputs.outputs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in failed] + \
+                outputs.outputs
         return outputs
 
     def _step(self) -> EngineCoreOutputs:
