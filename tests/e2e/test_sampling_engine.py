@@ -16,7 +16,9 @@ def tiny(tiny_llama):
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    return LLM(tiny[0], skip_tokenizer_init=True, kv_cache_space=0.01, max_num_batched_tokens=16)
+    # float32: compared with transformers' float32 logprobs (dtype 'auto' picks bfloat16 on a CPU with
+    # bfloat16 units)
+    return LLM(tiny[0], skip_tokenizer_init=True, kv_cache_space=0.01, max_num_batched_tokens=16, dtype="float32")
 
 
 def run(llm, prompts, params):
@@ -34,7 +36,7 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption(tiny, llm):
     others = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
     batched = run(llm, PROMPTS, [params, others, others])[0].outputs[0].token_ids
     tight = LLM(tiny[0], skip_tokenizer_init=True, num_gpu_blocks_override=6, max_model_len=64,
-                max_num_batched_tokens=16)
+                max_num_batched_tokens=16, dtype="float32")
     preempted = run(tight, PROMPTS, [params, others, others])
     assert tight.engine.last_stats.num_preemptions > 0
     assert alone == batched == preempted[0].outputs[0].token_ids
@@ -134,7 +136,7 @@ def test_greedy_penalties_equal_transformers_and_the_openai_formula(tiny, llm, r
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=repetition,
                             frequency_penalty=frequency, presence_penalty=presence)
     tight = LLM(tiny[0], skip_tokenizer_init=True, num_gpu_blocks_override=6, max_model_len=64,
-                max_num_batched_tokens=16)
+                max_num_batched_tokens=16, dtype="float32")
     preempted = run(tight, PROMPTS, params)
     assert tight.engine.last_stats.num_preemptions > 0
     for prompt, out, again in zip(PROMPTS, run(llm, PROMPTS, params), preempted):

@@ -16,7 +16,7 @@ PROMPT = [{"role": "user", "content": f"Repeat this Python function exactly, the
 
 @pytest.fixture(scope="module")
 def speculative_llm(smollm2_path):
-    return LLM(smollm2_path, kv_cache_space=0.5, max_model_len=2048,
+    return LLM(smollm2_path, kv_cache_space=0.5, max_model_len=2048, dtype="float32",  # as smollm2_llm
                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                                    "prompt_lookup_min": 2})
 

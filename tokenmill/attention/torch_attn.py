@@ -1,19 +1,28 @@
-"""PyTorch attention over the paged KV pool: the CPU backend (the GPU kernels' float64 reference is
+"""Attention over the paged KV pool for the CPU (the GPU kernels' float64 reference is
 kernels.prefill_attention.paged_attention_ref).
 
-Single-token (decode) requests are attended together in one batched matmul over their gathered,
-padded K/V. Requests with several new tokens (prefill chunks) are attended one by one with a causal
-mask offset by the tokens already in the cache.
+On the CPU, float32 and bfloat16 go through a C kernel (attention.cpu_kernel) that reads each request's
+context in place through its block table, whatever the number of new tokens per request. The torch
+path below is the fallback (no C compiler, float16, another device): single-token (decode) requests are
+attended together in one batched matmul over their gathered, padded K/V; requests with several new
+tokens (prefill chunks) one by one, with a causal mask offset by the tokens already in the cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.attention.cpu_kernel import (
+    kernel_applies,
+    paged_attention_cpu,
+    rope_and_cache,
+    rope_and_cache_applies,
+)
 
 
 @dataclass
@@ -22,6 +31,9 @@ class TorchAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int64
     query_start_loc: list[int]  # [num_reqs + 1], host side: the per-request loop needs no sync
     seq_lens: list[int]  # [num_reqs]
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int64, for the C kernel
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int64
+    max_seq_len: int
     block_size: int
     decode_token_ids: torch.Tensor  # [num_decodes] flat index of each single-token request's query
     decode_seq_lens: torch.Tensor  # [num_decodes] int64
@@ -138,6 +150,9 @@ class TorchAttentionBackend(AttentionBackend):
             block_table=to_device(layout.block_table),
             query_start_loc=qsl.tolist(),
             seq_lens=layout.seq_lens.tolist(),
+            query_start_loc_cpu=torch.from_numpy(qsl.astype(np.int64)),
+            seq_lens_cpu=torch.from_numpy(layout.seq_lens.astype(np.int64)),
+            max_seq_len=int(layout.seq_lens.max()) if len(layout.seq_lens) else 0,
             block_size=layout.block_size,
             decode_token_ids=to_device(qsl[:-1][is_decode]),
             decode_seq_lens=to_device(decode_seq_lens),
@@ -147,6 +162,16 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(
         self, layer, positions, query, key, value, kv_cache, metadata: TorchAttentionMetadata
     ) -> torch.Tensor:
+        if kernel_applies(query, kv_cache):
+            if rope_and_cache_applies(layer, positions, key, value, metadata.max_seq_len):
+                query = rope_and_cache(layer, positions, query, key, value, kv_cache, metadata.slot_mapping)
+            else:
+                query, key = layer.transform_qk(positions, query, key)
+                write_kv(kv_cache, key, value, metadata.slot_mapping)
+            return paged_attention_cpu(
+                query, kv_cache, metadata.block_table, metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
+                layer.scale, layer.sliding_window, layer.logits_soft_cap,
+            )
         query, key = layer.transform_qk(positions, query, key)
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         num_decodes = len(metadata.decode_token_ids)

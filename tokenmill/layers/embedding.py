@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size
+from tokenmill.layers.cpu_gemm import cpu_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,7 +48,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
+        if hidden_states.device.type == "cpu":
+            # The largest GEMM of a decode step: prepacked. Logits in float32, since the sampler's argmax
+            # over bfloat16 is ~9x slower on the CPU (24 ms at batch 64 against a 1 ms conversion).
+            logits = cpu_linear(hidden_states, self.weight, self.bias).float()
+        else:
+            logits = F.linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
         if self.tp_size > 1:
             gathered = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(gathered, logits)

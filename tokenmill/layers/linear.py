@@ -13,6 +13,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size
 from tokenmill.kernels import use_triton
+from tokenmill.layers.cpu_gemm import cpu_linear
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
@@ -21,7 +22,10 @@ def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias; decode batches of a few tokens on CUDA take the skinny GEMM (no split-K)."""
+    """x @ weight.T + bias; decode batches of a few tokens on CUDA take the skinny GEMM (no split-K), the
+    CPU takes oneDNN with prepacked weights (layers.cpu_gemm)."""
+    if x.device.type == "cpu":
+        return cpu_linear(x, weight, bias)
     if use_triton(x):
         from tokenmill.kernels.skinny_gemm import skinny_gemm, skinny_gemm_applies
 

@@ -42,11 +42,37 @@ def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
     return AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
 
 
+# CPU flags (as /proc/cpuinfo names them) of units that compute bfloat16 natively: AVX512_BF16's dot
+# products, AMX's tiles. Without them bfloat16 is converted to float32 and back around every op, which on
+# the CPU is several times slower than float32 itself.
+_CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags; empty where /proc/cpuinfo cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def cpu_auto_dtype(flags: set[str]) -> tuple[torch.dtype, str]:
+    """dtype='auto' on the CPU: bfloat16 where the CPU has bfloat16 units, else float32; and why."""
+    found = [flag for flag in _CPU_BF16_FLAGS if flag in flags]
+    if found:
+        return torch.bfloat16, f"the CPU computes bfloat16 natively ({', '.join(found)})"
+    return torch.float32, f"the CPU has no bfloat16 units ({' or '.join(_CPU_BF16_FLAGS)}): float32 is faster"
+
+
 def resolve_dtype(model_config: ModelConfig, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     if model_config.dtype != "auto":
         return _DTYPES[model_config.dtype]
     if device.type == "cpu":
-        return torch.float32
+        dtype, reason = cpu_auto_dtype(cpu_flags())
+        logger.info("dtype 'auto' on the CPU: %s, since %s (dtype=... overrides)", str(dtype).removeprefix("torch."),
+                    reason)
+        return dtype
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     ckpt = _DTYPES.get(ckpt, ckpt) if isinstance(ckpt, str) else ckpt
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16

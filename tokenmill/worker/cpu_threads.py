@@ -6,6 +6,12 @@ else running, a step on all cores takes several times longer than on one fewer. 
 (BENCHMARKS.md, CPU section): 2.1-2.9x faster with one thread while another process is busy. The cost
 is an idle machine's batched throughput (0.71x on 2 cores with a batch of 16); the more cores, the
 smaller it is. OMP_NUM_THREADS, or a torch.set_num_threads() below the core count, is left alone.
+
+Re-measured for issue 23 with the CPU's fast paths (C attention kernel, prepacked oneDNN GEMMs), same
+machine: on an idle machine both cores give 1.6x at batch 64, but with one core busy they give 0.25x
+(51 against 204 output tok/s), so the choice stands. vLLM-CPU chooses alike: it reserves a core and binds
+its one compute thread to the other. No core binding here (not measured yet): an unbound thread can be
+moved off a core that something else takes, a bound one has to share it.
 """
 
 from __future__ import annotations
