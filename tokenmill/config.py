@@ -20,7 +20,8 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer folder; defaults to the model path (or the GGUF file's embedded tokenizer)."""
     dtype: str = "auto"
-    """auto | float32 | bfloat16 | float16. auto: float32 on CPU, the checkpoint's 16-bit type on GPU."""
+    """auto | float32 | bfloat16 | float16. auto: on the CPU bfloat16 where it has bfloat16 units (AVX512_BF16,
+    AMX) else float32 (logged at start-up); on the GPU the checkpoint's 16-bit type."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; defaults to the model's max_position_embeddings."""
     load_format: str = "auto"
@@ -203,8 +204,27 @@ class ServerConfig:
     """Render chat templates sent in requests (`chat_template`); otherwise they are refused with 400. For
     trusted clients only: transformers' sandboxed Jinja keeps a template from the system, not from
     taking unbounded time or memory."""
+    enable_auto_tool_choice: bool = False
+    """Let the model decide when to call tools (tool_choice "auto", the default with tools); needs
+    --tool-call-parser."""
+    tool_call_parser: str | None = None
+    """How the model writes tool calls, for tool_choice "auto": hermes | llama3_json | mistral | pythonic |
+    qwen3_coder."""
+    reasoning_parser: str | None = None
+    """Split the model's reasoning into reasoning_content: deepseek_r1 | qwen3."""
 
     def __post_init__(self) -> None:
+        # The parsers' registries import nothing heavy (no fastapi): checked here, at start-up.
+        if self.tool_call_parser is not None:
+            from tokenmill.server.tool_parsers import get_tool_parser
+
+            get_tool_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+        if self.reasoning_parser is not None:
+            from tokenmill.server.reasoning_parsers import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.max_waiting_requests < -1:

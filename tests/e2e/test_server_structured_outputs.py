@@ -136,10 +136,11 @@ def test_invalid_completion_requests_are_400s(client, name):
                param, *words)
 
 
-def test_tools_stay_refused_unless_tool_choice_is_none(client):
+def test_auto_tool_choice_is_refused_without_the_flags(client):
+    """tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice (test_server_tools.py)."""
     tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
     expect_400(lambda: client.chat.completions.create(model=MODEL, messages=ASK_PHONE, max_tokens=3, tools=tools),
-               "tools")
+               "tool_choice", "--enable-auto-tool-choice")
     response = client.chat.completions.create(model=MODEL, messages=ASK_PHONE, max_tokens=3, tools=tools,
                                               tool_choice="none")
     assert response.choices[0].message.content is not None

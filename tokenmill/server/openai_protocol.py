@@ -66,14 +66,65 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: NonEmptyStr
+    arguments: str
+    """A JSON object, as text (as OpenAI sends it); the chat template sees it parsed."""
+
+
+class MessageToolCall(RequestModel):
+    """One of an assistant message's tool_calls, as OpenAI returned it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
-    # Other fields (tool_calls, tool_call_id, ...) are kept and reach the chat template as sent.
+    # Other fields are kept and reach the chat template as sent.
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     """Text, or a list of text parts (joined with newlines); no images or audio."""
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls (its content may then be null)."""
+    tool_call_id: str | None = None
+    """Required in a tool message: the id of the call it answers."""
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may have tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+
+class FunctionDefinition(RequestModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The JSON schema of the arguments; absent: an object with no parameters."""
+    strict: bool | None = None
+    """Accepted; with tool_choice required or a named function the schema is always enforced."""
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
@@ -223,9 +274,13 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    tools: list[dict[str, Any]] | None = None
-    """Tools are not supported yet: only none, an empty list, or tool_choice "none" is accepted."""
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    """Function tools, passed to the chat template."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Absent: "auto" with tools, "none" without. "required" and a named function are enforced with structured
+    outputs; "auto" needs the server's --enable-auto-tool-choice and --tool-call-parser."""
+    parallel_tool_calls: bool = True
+    """False: at most one call."""
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -242,6 +297,7 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -32,7 +32,9 @@ def to_sampling_params(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
+    """skip_special_tokens: overrides the request's (the server needs them to parse tool calls)."""
     try:
         return SamplingParams(
             n=req.n,
@@ -56,7 +58,7 @@ def to_sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             structured_outputs=structured_outputs,
         )
     except ValueError as e:

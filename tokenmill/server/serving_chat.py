@@ -20,6 +20,7 @@ from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, 
 from tokenmill.server.state import ServerState, make_request_id
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
+from tokenmill.server.tools import ChoiceText, ToolPlan, plan_tools, reasoning_parser_of, template_messages
 
 
 async def render_messages(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
@@ -36,8 +37,13 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
     if chat_template is not None and not state.config.trust_request_chat_template:
         raise bad_request("chat templates sent in requests are refused unless the server is started with "
                           "--trust-request-chat-template", param="chat_template")
-    conversation = [message.model_dump(exclude_none=True) for message in req.messages]
+    template_kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    if req.tools:
+        if "tools" in template_kwargs:
+            raise bad_request("pass tools in tools, not in chat_template_kwargs", param="chat_template_kwargs")
+        template_kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
     try:
+        conversation = template_messages([message.model_dump(exclude_none=True) for message in req.messages])
         return await state.off_loop(
             render_chat,
             tokenizer,
@@ -45,7 +51,7 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
             chat_template=chat_template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            **(getattr(req, "chat_template_kwargs", None) or {}),
+            **template_kwargs,
         )
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param="messages") from e
@@ -54,8 +60,6 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("tools are not supported by this server yet", param="tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -65,6 +69,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_stream_options(req)
     _check_unsupported(req)
     constraint = constraint_of(req)
+    plan = plan_tools(req, state.config, constrained=constraint is not None)
+    reasoning = reasoning_parser_of(state.config, constrained=constraint is not None or plan.mode == "forced")
+    if plan.constraint is not None:
+        constraint = plan.constraint
     if constraint is not None:
         await state.grammar_checker.check(constraint)
     text, token_ids = await render_messages(state, req)
@@ -73,12 +81,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, param)
     params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                structured_outputs=None if constraint is None else constraint.params)
+                                structured_outputs=None if constraint is None else constraint.params,
+                                # Tool-call markers ([TOOL_CALLS], <tool_call>) may be special tokens.
+                                skip_special_tokens=False if plan.mode == "auto" else None)
     state.check_capacity(params.num_samples)
     request_id = make_request_id("chatcmpl")
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
     [stream] = state.add_requests(request_id, [prompt], [params], req.priority, req.cache_salt)
-    responder = ChatResponder(state, req, request_id, len(token_ids))
+    responder = ChatResponder(state, req, request_id, len(token_ids), plan, reasoning)
     if req.stream:
         return SSEResponse(responder.stream(stream))
     _, choices = await cancel_on_disconnect(raw, collect(stream, params))
@@ -86,8 +96,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 class ChatResponder:
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, num_prompt: int) -> None:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, num_prompt: int,
+                 plan: ToolPlan | None = None, reasoning=None) -> None:
         self.req, self.request_id, self.num_prompt = req, request_id, num_prompt
+        self.plan = plan if plan is not None else ToolPlan(None)
+        self.reasoning = reasoning
+        self.plain = self.plan.mode == "none" and reasoning is None
+        """No tools to parse and no reasoning to split: the text goes out as it came."""
         self.model_name = state.model_name
         self.decode = state.decode_token
         self.created = int(time.time())
@@ -100,11 +115,13 @@ class ChatResponder:
     def full(self, choices: list) -> dict:
         body = []
         for index, choice in enumerate(choices):
+            text = ChoiceText(self.plan, self.reasoning)
+            message = {"content": choice.text} if self.plain else text.full(choice.text)
             body.append({
                 "index": index,
-                "message": {"role": "assistant", "content": choice.text},
+                "message": {"role": "assistant", **message},
                 "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
-                "finish_reason": choice.finish_reason,
+                "finish_reason": text.finish_reason(choice.finish_reason),
                 "stop_reason": choice.stop_reason,
             })
         num_completion = sum(len(c.token_ids) for c in choices)
@@ -117,6 +134,8 @@ class ChatResponder:
 
     async def stream(self, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
         req, num_completion = self.req, 0
+        texts: dict[int, ChoiceText] = {}
+        held = {} if self.plan.mode == "forced" else {"content": ""}  # a step whose text is all held back
         try:
             for index in range(req.n):
                 yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -126,14 +145,23 @@ class ChatResponder:
                     for completion in output.outputs:
                         num_completion += len(completion.token_ids)
                         logprobs = self._logprobs(completion.token_ids, completion.logprobs)
+                        text = texts.setdefault(completion.index, ChoiceText(self.plan, self.reasoning))
+                        if self.plain:
+                            delta = {"content": completion.text}
+                        else:
+                            delta = text.feed(completion.text)
+                            if completion.finish_reason is not None:
+                                for key, value in text.finish().items():
+                                    delta[key] = delta[key] + value if key in delta else value
                         # A chunk per step with new tokens, even when their text is held back: clients
                         # count chunks as tokens arriving.
-                        if completion.text or completion.token_ids or logprobs is not None:
-                            yield self._chunk([{"index": completion.index, "delta": {"content": completion.text},
+                        visible = bool(completion.text) if self.plain else bool(delta)
+                        if visible or completion.token_ids or logprobs is not None:
+                            yield self._chunk([{"index": completion.index, "delta": delta or held,
                                                 "logprobs": logprobs, "finish_reason": None}])
                         if completion.finish_reason is not None:
                             yield self._chunk([{"index": completion.index, "delta": {}, "logprobs": None,
-                                                "finish_reason": completion.finish_reason,
+                                                "finish_reason": text.finish_reason(completion.finish_reason),
                                                 "stop_reason": completion.stop_reason}])
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield self._chunk([], usage=usage(self.num_prompt, num_completion))

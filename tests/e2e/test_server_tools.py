@@ -1,0 +1,185 @@
+"""Tool calling and reasoning through the server (issue 18), through the openai SDK against a real `tokenmill
+serve` on SmolLM2: tool_choice "required" and a named function are enforced with structured outputs and come
+back as tool_calls whose arguments validate, streamed or not; "auto" needs --enable-auto-tool-choice and
+--tool-call-parser; --reasoning-parser splits reasoning_content off. Two servers: one started plain, one with
+the flags."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from server_harness import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+MAX_TOKENS = 120
+GREEDY = {"temperature": 0.0}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string",
+                                                                          "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}},
+               "required": ["timezone"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                      "parameters": WEATHER_PARAMS, "strict": True}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone.",
+                                      "parameters": TIME_PARAMS}},
+]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SERVER_ARGS = ("--served-model-name", MODEL, "--kv-cache-space", "0.25", "--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    server = RemoteServer(smollm2_path, *SERVER_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                          "--reasoning-parser", "deepseek_r1")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def plain_client(smollm2_path):
+    """A server started without the tool and reasoning flags."""
+    server = RemoteServer(smollm2_path, *SERVER_ARGS)
+    yield openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY", max_retries=0, timeout=120)
+    server.stop()
+
+
+def check_calls(tool_calls, names: set[str]) -> list[tuple[str, dict]]:
+    calls = []
+    for call in tool_calls:
+        assert call.type == "function" and call.id.startswith("call_"), call
+        assert call.function.name in names, call
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+def streamed(client, **kwargs) -> tuple[str | None, list[tuple[str, str, str]], str]:
+    """(content, [(id, name, arguments)], finish_reason) assembled from the chunks, as a client does."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, ["", "", ""])
+                call[0] = delta.id or call[0]
+                call[1] = (delta.function.name if delta.function else None) or call[1]
+                call[2] += (delta.function.arguments if delta.function else None) or ""
+            finish = choice.finish_reason or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required(client, parallel):
+    kwargs = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+                  max_tokens=MAX_TOKENS, **GREEDY)
+    response = client.chat.completions.create(model=MODEL, **kwargs)
+    [choice] = response.choices
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    calls = check_calls(choice.message.tool_calls, set(SCHEMAS))
+    assert calls and (parallel or len(calls) == 1)
+    content, streamed_calls, finish = streamed(client, **kwargs)
+    assert content is None and finish == "tool_calls"
+    assert [(name, json.loads(arguments)) for _, name, arguments in streamed_calls] == calls
+    assert all(call_id.startswith("call_") for call_id, _, _ in streamed_calls)
+
+
+def test_named(client):
+    kwargs = dict(messages=[{"role": "user", "content": "What time is it in Tokyo?"}], tools=TOOLS,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=MAX_TOKENS, **GREEDY)
+    response = client.chat.completions.create(model=MODEL, **kwargs)
+    [choice] = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [(name, arguments)] = check_calls(choice.message.tool_calls, {"get_time"})
+    _, streamed_calls, finish = streamed(client, **kwargs)
+    assert finish == "tool_calls"
+    assert [(n, json.loads(a)) for _, n, a in streamed_calls] == [(name, arguments)]
+
+
+def test_auto_and_reasoning(client):
+    """SmolLM2 neither writes <tool_call> nor thinks in tags: no calls, and deepseek_r1 (which takes text not
+    opened by <think> for reasoning, the template having opened it) gives the whole text as reasoning."""
+    kwargs = dict(messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS, max_tokens=16, **GREEDY)
+    response = client.chat.completions.create(model=MODEL, **kwargs)
+    [choice] = response.choices
+    assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
+    reasoning = choice.message.model_extra["reasoning_content"]
+    assert reasoning and choice.message.content is None
+    text = ""
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        for c in chunk.choices:
+            text += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            assert not c.delta.content and not c.delta.tool_calls
+    assert text == reasoning
+
+
+def test_tool_result_conversation(plain_client):
+    arguments = json.dumps({"city": "Paris", "unit": "celsius"})
+    messages = [*ASK,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_abc123", "type": "function", "function": {"name": "get_weather",
+                                                                         "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_abc123", "content": json.dumps({"temperature": 21})}]
+    response = plain_client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
+                                                    max_tokens=16, **GREEDY)
+    [choice] = response.choices
+    assert choice.message.content and not choice.message.tool_calls
+    # With tool_choice "none" the tools still reach the template; without tools it renders too.
+    response = plain_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **GREEDY,
+                                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert response.choices[0].message.content is not None
+
+
+def expect_400(call, param: str, *words: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    error = info.value
+    assert error.status_code == 400 and error.param == param, (error.param, error.body)
+    message = error.body["message"] if isinstance(error.body, dict) else str(error)
+    for word in words:
+        assert word in message, message
+
+
+def test_auto_needs_the_flags(plain_client):
+    for choice in ("auto", openai.NOT_GIVEN):
+        expect_400(lambda choice=choice: plain_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                                                              tool_choice=choice, max_tokens=4),
+                   "tool_choice", "--enable-auto-tool-choice", "--tool-call-parser")
+
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    ({"tool_choice": {"type": "function", "function": {"name": "no_such_tool"}}}, "tool_choice", ["no_such_tool"]),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", ["response_format"]),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}},
+      "extra_body": {"structured_outputs": {"regex": "a+"}}}, "tool_choice", ["structured outputs"]),
+], ids=["unknown_name", "required_and_response_format", "named_and_structured_outputs"])
+def test_refused(client, kwargs, param, words):
+    expect_400(lambda: client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4, **kwargs),
+               param, *words)
+
+
+def test_bad_tool_messages(client):
+    bad_arguments = [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}]}]
+    expect_400(lambda: client.chat.completions.create(model=MODEL, messages=bad_arguments, max_tokens=4),
+               "messages", "arguments")
+    no_id = [*ASK, {"role": "tool", "content": "21"}]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=no_id, max_tokens=4)

@@ -1,0 +1,116 @@
+"""tool_choice and reasoning in the chat server, without an engine: what a request's tools plan, and one
+choice's text turned into message fields, whole and streamed (a stream cut anywhere assembles to the whole)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.config import ServerConfig
+from tokenmill.server.errors import APIError
+from tokenmill.server.openai_protocol import ChatCompletionRequest
+from tokenmill.server.reasoning_parsers import get_reasoning_parser
+from tokenmill.server.tools import ChoiceText, plan_tools, template_messages
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+AUTO = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+def request(**kwargs) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **kwargs})
+
+
+def streamed(text: ChoiceText, pieces: list[str], reason: str = "stop") -> dict:
+    """The deltas of a stream assembled as a client does."""
+    message: dict = {}
+    calls: dict[int, dict] = {}
+    deltas = [text.feed(piece) for piece in pieces] + [text.finish()]
+    for delta in deltas:
+        for key in ("content", "reasoning_content"):
+            if delta.get(key):
+                message[key] = message.get(key, "") + delta[key]
+        for entry in delta.get("tool_calls", []):
+            call = calls.setdefault(entry["index"], {"id": entry.get("id"), "type": "function",
+                                                     "function": {"name": None, "arguments": ""}})
+            call["function"]["name"] = entry["function"].get("name") or call["function"]["name"]
+            call["function"]["arguments"] += entry["function"].get("arguments", "")
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    message["finish_reason"] = text.finish_reason(reason)
+    return message
+
+
+def strip_ids(message: dict) -> dict:
+    for call in message.get("tool_calls", []):
+        assert call["id"].startswith("call_")
+        call["id"] = None
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def test_plans():
+    assert plan_tools(request(), AUTO, False).mode == "none"
+    assert plan_tools(request(tools=[WEATHER], tool_choice="none"), ServerConfig(), False).mode == "none"
+    assert plan_tools(request(tools=[WEATHER]), AUTO, False).mode == "auto"
+    with pytest.raises(APIError, match="--enable-auto-tool-choice"):
+        plan_tools(request(tools=[WEATHER]), ServerConfig(), False)
+    with pytest.raises(APIError, match="not in tools"):
+        plan_tools(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}), AUTO, False)
+    with pytest.raises(APIError, match="response_format"):
+        plan_tools(request(tools=[WEATHER], tool_choice="required"), AUTO, True)
+    with pytest.raises(APIError, match="needs tools"):
+        plan_tools(request(tool_choice="required"), AUTO, False)
+    plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), AUTO, False)
+    schema = json.loads(plan.constraint.params.key[1])
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    named = plan_tools(request(tools=[WEATHER, TIME], tool_choice={"type": "function",
+                                                                   "function": {"name": "get_time"}}), AUTO, False)
+    assert named.named == "get_time"
+
+
+def test_template_messages_parse_arguments():
+    [message] = template_messages([{"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}])
+    assert message["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    with pytest.raises(ValueError, match="arguments"):
+        template_messages([{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}])
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7])
+def test_forced_whole_equals_streamed(cut):
+    plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required"), AUTO, False)
+    output = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{}}]'
+    whole = ChoiceText(plan, None)
+    message = whole.full(output)
+    assert message["content"] is None and whole.finish_reason("stop") == "tool_calls"
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris"}, {}]
+    pieces = [output[i:i + cut] for i in range(0, len(output), cut)]
+    stream = streamed(ChoiceText(plan, None), pieces)
+    assert strip_ids(stream) == {**strip_ids(message), "finish_reason": "tool_calls"}
+    cut_off = ChoiceText(plan, None)
+    assert cut_off.full(output[:20]) == {"content": output[:20]} and cut_off.finish_reason("length") == "length"
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 11])
+def test_auto_with_reasoning_whole_equals_streamed(cut):
+    plan = plan_tools(request(tools=[WEATHER]), AUTO, False)
+    reasoning = get_reasoning_parser("deepseek_r1")
+    output = ('<think>They want the weather.</think>Let me look.\n<tool_call>\n{"name": "get_weather", '
+              '"arguments": {"city": "Paris"}}\n</tool_call>')
+    whole = ChoiceText(plan, reasoning)
+    message = whole.full(output)
+    assert message["reasoning_content"] == "They want the weather."
+    assert message["content"] == "Let me look.\n"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    pieces = [output[i:i + cut] for i in range(0, len(output), cut)]
+    assert strip_ids(streamed(ChoiceText(plan, reasoning), pieces)) == {**strip_ids(message),
+                                                                         "finish_reason": "tool_calls"}
+
+
+def test_auto_without_calls_is_content():
+    plan = plan_tools(request(tools=[WEATHER]), AUTO, False)
+    text = ChoiceText(plan, None)
+    assert text.full("Hello there") == {"content": "Hello there"} and text.finish_reason("stop") == "stop"

@@ -1,0 +1,32 @@
+"""Reasoning parsers: the model's text split into reasoning_content and content, whole or streamed.
+
+    parser_class = get_reasoning_parser("deepseek_r1")
+    parser_class.split(text) -> (reasoning, content)
+    parser = parser_class(); parser.feed(delta) -> (reasoning_delta, content_delta); parser.finish() -> (...)
+
+A new parser is a module here with a ReasoningParser subclass, and one line in _PARSERS.
+"""
+
+from __future__ import annotations
+
+from tokenmill.server.reasoning_parsers.base import ReasoningParser
+from tokenmill.server.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
+from tokenmill.server.reasoning_parsers.qwen3 import Qwen3ReasoningParser
+
+_PARSERS: dict[str, type[ReasoningParser]] = {
+    DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser.name: Qwen3ReasoningParser,
+}
+
+REASONING_PARSERS: tuple[str, ...] = tuple(sorted(_PARSERS))
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    """The parser class registered under `name`; ValueError naming the known ones otherwise."""
+    try:
+        return _PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSERS)}") from None
+
+
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "get_reasoning_parser"]

@@ -1,0 +1,47 @@
+"""Tool-call parsers: the model's text in, OpenAI tool calls out, whole (`parse`) or streamed (`feed`).
+
+    parser_class = get_tool_parser("hermes")
+    parser_class.parse(text, tools) -> ParsedToolCalls(content, tool_calls)
+    parser = parser_class(tools); parser.feed(delta_text) -> [str | ToolCallDelta]; parser.finish() -> [...]
+
+A new parser is a module here with a ToolParser subclass, and one line in _PARSERS.
+"""
+
+from __future__ import annotations
+
+from tokenmill.server.tool_parsers.base import (
+    Delta,
+    ParsedToolCalls,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    assemble,
+    make_tool_call_id,
+)
+from tokenmill.server.tool_parsers.hermes import HermesToolParser
+from tokenmill.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from tokenmill.server.tool_parsers.mistral import MistralToolParser
+from tokenmill.server.tool_parsers.pythonic import PythonicToolParser
+from tokenmill.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+
+_PARSERS: dict[str, type[ToolParser]] = {
+    HermesToolParser.name: HermesToolParser,
+    Llama3JsonToolParser.name: Llama3JsonToolParser,
+    MistralToolParser.name: MistralToolParser,
+    PythonicToolParser.name: PythonicToolParser,
+    Qwen3CoderToolParser.name: Qwen3CoderToolParser,
+}
+
+TOOL_PARSERS: tuple[str, ...] = tuple(sorted(_PARSERS))
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class registered under `name`; ValueError naming the known ones otherwise."""
+    try:
+        return _PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(TOOL_PARSERS)}") from None
+
+
+__all__ = ["TOOL_PARSERS", "Delta", "ParsedToolCalls", "ToolCall", "ToolCallDelta", "ToolParser", "assemble",
+           "get_tool_parser", "make_tool_call_id"]

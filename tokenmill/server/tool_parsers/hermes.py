@@ -1,0 +1,53 @@
+"""Hermes 2 Pro / 3, Qwen2.5 and Qwen3: each call is a JSON object in its own tags,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+one after another for several calls, with content before them (Qwen's template puts a blank line between).
+"""
+
+from __future__ import annotations
+
+import json
+
+from tokenmill.server.tool_parsers.base import Call, ToolParser, dump_arguments
+
+
+def json_call(obj, id_key: str | None = None) -> Call | None:
+    """{"name": ..., "arguments": {...}} (or "parameters", as Llama names them) as a call; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    dumped = dump_arguments(arguments)
+    if dumped is None:
+        return None
+    given_id = obj.get(id_key) if id_key else None
+    return obj["name"], dumped, given_id if isinstance(given_id, str) and given_id else None
+
+
+def load_json(text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    markers = ("<tool_call>",)
+    end = "</tool_call>"
+
+    def _begin(self) -> None:
+        self._search = self._body
+
+    def _scan(self, text, final):
+        i = text.find(self.end, self._search)
+        if i < 0:
+            self._search = max(self._body, len(text) - len(self.end) + 1)
+            return None
+        call = self._call(text[self._body:i])
+        return i + len(self.end), [call] if call else None
+
+    def _call(self, body: str) -> Call | None:
+        return json_call(load_json(body))

@@ -1,0 +1,228 @@
+"""Tool calling and reasoning on /v1/chat/completions: what a request's tools and tool_choice mean, and the
+model's text turned into message (or delta) fields: reasoning_content, content and tool_calls.
+
+tool_choice decides how calls come out:
+- "none": tools reach the chat template, nothing is parsed;
+- "required" or a named function: generated under a JSON schema (structured outputs) of the call(s), whose
+  JSON becomes tool_calls; the model's own format is never seen, so any model can do it;
+- "auto" (the default with tools): the model writes calls its own way, which --tool-call-parser reads back;
+  it needs the server's --enable-auto-tool-choice, as in vLLM.
+
+--reasoning-parser splits the reasoning off first; what is left is the content, which the tool parser reads.
+It is off when the output is constrained (tool calls forced, response_format): the constraint leaves no room
+for a think block, and a parser that takes unopened text for reasoning would take all of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.config import ServerConfig
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.errors import bad_request
+from tokenmill.server.openai_protocol import ChatCompletionRequest
+from tokenmill.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from tokenmill.server.structured_outputs import Constraint
+from tokenmill.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, get_tool_parser, make_tool_call_id
+
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: list[dict[str, Any]] | None
+    """As sent (nulls dropped): for the chat template and the tool parser."""
+    mode: str = "none"
+    """none | forced | auto."""
+    named: str | None = None
+    """The one function a named tool_choice forces."""
+    parallel: bool = True
+    constraint: Constraint | None = None
+    """The schema forced calls are generated under."""
+    parser: type[ToolParser] | None = None
+    """The parser of auto mode."""
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    return {"type": "object",
+            "properties": {"name": {"type": "string", "enum": [function["name"]]},
+                           "parameters": function.get("parameters") or NO_PARAMETERS},
+            "required": ["name", "parameters"], "additionalProperties": False}
+
+
+def plan_tools(req: ChatCompletionRequest, config: ServerConfig, constrained: bool) -> ToolPlan:
+    """What the request's tools ask for; a 400 for what cannot be done. `constrained`: the request has its
+    own structured outputs (response_format, ...)."""
+    tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none":
+        return ToolPlan(tools)
+    if tools is None:
+        raise bad_request("tool_choice other than \"none\" needs tools", param="tool_choice")
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools must have distinct function names", param="tools")
+    if choice == "auto":
+        if not (config.enable_auto_tool_choice and config.tool_call_parser):
+            raise bad_request("\"auto\" tool choice requires the server to be started with --enable-auto-tool-choice "
+                              "and --tool-call-parser NAME; or pass tool_choice \"required\", a named function or "
+                              "\"none\"", param="tool_choice")
+        return ToolPlan(tools, "auto", parallel=req.parallel_tool_calls,
+                        parser=get_tool_parser(config.tool_call_parser))
+    if constrained:
+        raise bad_request("tool_choice \"required\" or a named function cannot be combined with response_format or "
+                          "structured outputs", param="tool_choice")
+    if choice == "required":
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": {"anyOf": [_call_schema(tool) for tool in tools]}}
+        if not req.parallel_tool_calls:
+            schema["maxItems"] = 1
+        named = None
+    else:
+        named = choice.function.name
+        if named not in names:
+            raise bad_request(f"tool_choice names the function {named!r}, which is not in tools "
+                              f"({', '.join(names)})", param="tool_choice")
+        schema = _call_schema(tools[names.index(named)])
+    try:
+        constraint = Constraint(StructuredOutputsParams(json=schema), "tools")
+    except ValueError as e:
+        raise bad_request(str(e), param="tools") from e
+    return ToolPlan(tools, "forced", named=named, parallel=req.parallel_tool_calls, constraint=constraint)
+
+
+def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls' arguments as the objects chat templates expect (OpenAI sends JSON text)."""
+    out = []
+    for i, message in enumerate(conversation):
+        calls = message.get("tool_calls")
+        if calls:
+            parsed = []
+            for j, call in enumerate(calls):
+                try:
+                    arguments = json.loads(call["function"]["arguments"])
+                except ValueError:
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
+                parsed.append({**call, "function": {**call["function"], "arguments": arguments}})
+            message = {**message, "tool_calls": parsed}
+        out.append(message)
+    return out
+
+
+def forced_calls(text: str, named: str | None) -> list[ToolCall] | None:
+    """The calls in the JSON a forced tool_choice generated; None if it is not whole (cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    items = [value] if named is not None else value
+    if not isinstance(items, list) or not all(isinstance(item, dict) and "name" in item for item in items):
+        return None
+    return [ToolCall(make_tool_call_id(), item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
+            for item in items]
+
+
+def _call_entries(deltas: list[ToolCallDelta]) -> list[dict]:
+    """Deltas as delta.tool_calls entries, a call's head and its arguments in one entry when they come together."""
+    entries: list[dict] = []
+    for delta in deltas:
+        entry = delta.to_openai()
+        if delta.name is None and entries and entries[-1]["index"] == delta.index:
+            entries[-1]["function"]["arguments"] += entry["function"]["arguments"]
+        else:
+            entries.append(entry)
+    return entries
+
+
+class ChoiceText:
+    """One choice's text -> its message fields (`full`) or its delta fields step by step (`feed`, `finish`)."""
+
+    def __init__(self, plan: ToolPlan, reasoning: type[ReasoningParser] | None) -> None:
+        self.plan = plan
+        self.reasoning_cls = reasoning
+        self.reasoning = reasoning() if reasoning is not None else None
+        self.tool_parser = plan.parser(plan.tools) if plan.parser is not None else None
+        self.held = ""  # forced mode: the JSON so far
+        self.called = False
+
+    # -- whole
+
+    def full(self, text: str) -> dict[str, Any]:
+        plan = self.plan
+        if plan.mode == "forced":
+            calls = forced_calls(text, plan.named)
+            if calls is None:
+                return {"content": text}
+            self.called = True
+            return {"content": None, "tool_calls": [call.to_openai() for call in calls]}
+        message: dict[str, Any] = {"content": text}
+        if self.reasoning_cls is not None:
+            reasoning, message["content"] = self.reasoning_cls.split(text)
+            message["reasoning_content"] = reasoning
+        if self.tool_parser is not None and message["content"]:
+            parsed = type(self.tool_parser).parse(message["content"], plan.tools)
+            calls = parsed.tool_calls if plan.parallel else parsed.tool_calls[:1]
+            message["content"] = parsed.content
+            if calls:
+                self.called = True
+                message["tool_calls"] = [call.to_openai() for call in calls]
+        return message
+
+    # -- streamed
+
+    def feed(self, text: str) -> dict[str, Any]:
+        return self._step(text, final=False)
+
+    def finish(self) -> dict[str, Any]:
+        return self._step("", final=True)
+
+    def _step(self, text: str, final: bool) -> dict[str, Any]:
+        plan = self.plan
+        if plan.mode == "forced":
+            self.held += text
+            if not final:
+                return {}
+            calls = forced_calls(self.held, plan.named)
+            if calls is None:
+                return {"content": self.held} if self.held else {}
+            self.called = True
+            return {"tool_calls": [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]}
+        delta: dict[str, Any] = {}
+        content: str | None = text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text) if text else (None, None)
+            if final:
+                more_reasoning, more_content = self.reasoning.finish()
+                reasoning = (reasoning or "") + (more_reasoning or "") or None
+                content = (content or "") + (more_content or "") or None
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        if self.tool_parser is None:
+            if content:
+                delta["content"] = content
+            return delta
+        out = self.tool_parser.feed(content) if content else []
+        if final:
+            out += self.tool_parser.finish()
+        texts = "".join(piece for piece in out if isinstance(piece, str))
+        deltas = [piece for piece in out if isinstance(piece, ToolCallDelta) and (plan.parallel or piece.index == 0)]
+        if texts:
+            delta["content"] = texts
+        if deltas:
+            self.called = True
+            delta["tool_calls"] = _call_entries(deltas)
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.called and reason == "stop" else reason
+
+
+def reasoning_parser_of(config: ServerConfig, constrained: bool) -> type[ReasoningParser] | None:
+    if config.reasoning_parser is None or constrained:
+        return None
+    return get_reasoning_parser(config.reasoning_parser)
