@@ -90,14 +90,23 @@ def test_bad_specs_fail_before_anything_is_scheduled(smollm2_llm):
         StructuredOutputsParams(regex="a", choice=["a"])
 
 
-def test_constrained_requests_decode_exactly_beside_drafting_ones(smollm2_path):
-    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1,
+def test_constrained_requests_draft_and_verify_exactly(smollm2_path):
+    """Speculation on a constrained request: the grammar masks every draft position, and the tokens are
+    exactly those of the same request without speculation."""
+    # float32: the tokens must equal plain decoding's exactly (bfloat16 rounds a verify step differently).
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32",
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
-    copy = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat."}]
-    outs = llm.chat([ASK, copy], [SamplingParams(temperature=0, max_tokens=80, structured_outputs=SPECS[0]),
-                                  SamplingParams(temperature=0, max_tokens=40)], use_tqdm=False)
+    budget = llm.engine.core.scheduler.draft_budget
+    budget.cost, budget.min_gain = None, 0.0  # draft every step, whatever the measured step cost says
+    copy = [{"role": "user", "content": 'Repeat this JSON exactly: {"name": "Alice Smith", "age": 30}'}]
+    asks = [copy, ASK]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=SPECS[0]),
+              SamplingParams(temperature=0, max_tokens=60, structured_outputs=SPECS[2])]
+    outs = llm.chat(asks, params, use_tqdm=False)
     check(SPECS[0], outs[0].outputs[0].text)
-    plain = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1)
-    expected = plain.chat([ASK], SamplingParams(temperature=0, max_tokens=80, structured_outputs=SPECS[0]),
-                          use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    check(SPECS[2], outs[1].outputs[0].text)
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    plain = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32")
+    expected = plain.chat(asks, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]

@@ -53,10 +53,10 @@ def can_draft(params: SamplingParams) -> bool:
     tokens before each position, which the verification does not model; a seeded request's draws are keyed
     by its seed and position, so with drafts its tokens would depend on how many each step had (and so on
     the batch). Those requests decode one token per step: exactly, and with the same tokens as without
-    speculation, but without its speed-up. So do requests under a grammar (structured outputs), whose
-    bitmask would be needed at every draft position."""
+    speculation, but without its speed-up. (Requests under a grammar do draft: structured/matchers.py masks
+    every draft position.)"""
     return not (params.has_penalties or params.bad_words_token_ids or params.logits_processors
-                or (params.seed is not None and not params.is_greedy) or params.structured_outputs is not None)
+                or (params.seed is not None and not params.is_greedy))
 
 
 class DraftBudget:

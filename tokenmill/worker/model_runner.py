@@ -122,9 +122,10 @@ class ModelRunner:
             self._last_pending.result()  # the slow path reads the last step's tokens on the host
         metadata = self.sampling_state.build_metadata(rows, self.states)
         if self.grammar_rows is not None and (constrained := self.grammar_rows.constrained(rows, self.states)):
-            # Each sampled request's distribution is at its last logits row (after its drafts, if any).
-            last_rows = np.cumsum(1 + batch.sampled_num_drafts) - 1
-            self.grammar_rows.apply(logits, rows, last_rows, self.states, constrained)
+            # Each sampled request has 1 + drafts logits rows, in order.
+            counts = 1 + batch.sampled_num_drafts
+            self.grammar_rows.apply(logits, rows, np.cumsum(counts) - counts, batch.sampled_num_drafts,
+                                    self.states, constrained)
         verifying = bool(batch.sampled_num_drafts.any())
         if verifying:
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,
