@@ -7,6 +7,7 @@ travel as their own objects (`KVCacheSpec`, `TokenizerInfo`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,10 +101,17 @@ class SpeculativeConfig:
     """Draft nothing in steps with more running requests than this (None: the step-cost policy decides)."""
 
     def __post_init__(self) -> None:
+        # Values from JSON or Python alike: a string for a number is named here, not a TypeError further on.
+        for name, kind in (("method", str), ("model", str), ("num_speculative_tokens", int),
+                           ("prompt_lookup_min", int), ("prompt_lookup_max", int), ("disable_by_batch_size", int)):
+            value = getattr(self, name)
+            if value is not None and type(value) is not kind:
+                what = "an integer" if kind is int else "a string"
+                raise ValueError(f"{name} must be {what}, got {json.dumps(value, default=repr)}")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+        if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got "
                              f"{self.num_speculative_tokens!r}")
         if (self.method == "draft_model") != (self.model is not None):

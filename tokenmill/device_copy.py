@@ -35,3 +35,11 @@ def pack_to_device(
         for array, start in zip(arrays, starts)
     ]
     return packed, starts, views
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host array on the device: through pinned memory and without blocking on a GPU, as is on the CPU."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

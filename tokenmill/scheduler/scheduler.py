@@ -118,7 +118,8 @@ class Scheduler:
                 continue  # the step in flight gives its last token; the update will finish it
             num_left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             num_new = min(num_left, budget)
-            num_drafts = self._lookahead(request, num_new == num_left, budget - num_new, drafts_per_request)
+            num_drafts = (self._lookahead(request, num_new == num_left, budget - num_new, drafts_per_request)
+                          if drafts_per_request else 0)
             new_block_ids = self._allocate_or_preempt(request, num_new + num_drafts, num_scheduled, cached_requests)
             if new_block_ids is None:
                 continue
@@ -149,7 +150,8 @@ class Scheduler:
             num_new = request.num_tokens - computed.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_drafts = self._lookahead(request, num_new <= budget, budget - num_new, drafts_per_request)
+            num_drafts = (self._lookahead(request, num_new <= budget, budget - num_new, drafts_per_request)
+                          if drafts_per_request else 0)
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new + num_drafts, computed) is None:
                 break
@@ -208,7 +210,7 @@ class Scheduler:
     def _lookahead(self, request: Request, reaches_end: bool, budget_left: int, drafts_per_request: int) -> int:
         """Draft tokens a request may have verified in this step: only when the step reaches the end of its
         tokens, within the budget, and never past max_tokens or max_model_len (drafts there are wasted)."""
-        if drafts_per_request == 0 or not reaches_end or not can_draft(request.sampling_params):
+        if not reaches_end or not can_draft(request.sampling_params):
             return 0
         params = request.sampling_params
         max_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
@@ -283,7 +285,8 @@ class Scheduler:
             request, num_drafts = scheduled.get(request_id, (None, 0))
             if request is None or request.is_finished:
                 continue  # finished or aborted while the step ran
-            self._record_drafts(runner_output.num_draft_tokens.get(request_id, 0), len(token_ids) - 1)
+            if runner_output.num_draft_tokens:
+                self._record_drafts(runner_output.num_draft_tokens.get(request_id, 0), len(token_ids) - 1)
             if num_drafts:
                 num_with_lookahead += 1
                 num_accepted += len(token_ids) - 1

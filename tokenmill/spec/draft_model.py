@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.device_copy import to_device
 from tokenmill.forward_context import forward_context
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.request_state import RequestStates
@@ -99,7 +100,4 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden_states).argmax(dim=-1)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return to_device(array, self.device)

@@ -67,10 +67,12 @@ def prepare_inputs(
 
     seq_lens = (num_computed + num_new).astype(np.int32)
     max_blocks = int(-(-seq_lens.max() // block_size))
-    layout = BatchLayout(query_start_loc, seq_lens, states.block_table[rows, :max_blocks], slot_mapping, block_size)
     if num_drafts.any() and (num_new == 1 + num_drafts).all():
         layout = BatchLayout(np.arange(len(positions) + 1, dtype=np.int32), (positions + 1).astype(np.int32),
                              states.block_table[token_rows, :max_blocks], slot_mapping, block_size)
+    else:
+        layout = BatchLayout(query_start_loc, seq_lens, states.block_table[rows, :max_blocks], slot_mapping,
+                             block_size)
     # A request gets a new token only when this step reaches the end of its known tokens (and drafts).
     is_sampled = seq_lens == states.num_tokens[rows] + num_drafts
     ends = query_start_loc[1:][is_sampled]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
+from tokenmill.device_copy import to_device
 from tokenmill.forward_context import forward_context
 from tokenmill.sample.logprobs import PromptLogprobsCollector
 from tokenmill.sample.sampler import Sampler
@@ -55,7 +56,7 @@ class ModelRunner:
         """Decode graphs, set by the worker after the KV pool exists (None: always eager)."""
         self.grammar_rows: GrammarRows | None = None
         """Structured outputs' per-row grammars; set by the worker when the engine enables them."""
-        self.speculative = None if proposer is None else SpeculativeDecoding(proposer, self.sampler, self._to_device)
+        self.speculative = None if proposer is None else SpeculativeDecoding(proposer, self.sampler, device)
         """Drafts and verification; None without speculative decoding."""
         self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
         self._last_pending: PendingOutput | None = None
@@ -171,7 +172,4 @@ class ModelRunner:
             )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return to_device(array, self.device)

@@ -7,11 +7,10 @@ last position as in plain decoding, and spec/rejection.py decides how many draft
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
+from tokenmill.device_copy import pack_to_device, to_device
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
 from tokenmill.sample.state import SamplingState
@@ -24,10 +23,10 @@ from tokenmill.worker.request_state import RequestStates
 
 
 class SpeculativeDecoding:
-    def __init__(self, proposer: Proposer, sampler: Sampler, to_device: Callable[[np.ndarray], torch.Tensor]) -> None:
+    def __init__(self, proposer: Proposer, sampler: Sampler, device: torch.device) -> None:
         self.proposer = proposer
         self.sampler = sampler
-        self.to_device = to_device
+        self.device = device
 
     def propose(self, scheduler_output: SchedulerOutput, states: RequestStates) -> np.ndarray:
         """Draft tokens for the requests given lookahead, written after their known tokens; returns the
@@ -58,7 +57,6 @@ class SpeculativeDecoding:
         before it are verified against the target (spec/rejection.py), which decides what is emitted."""
         counts = 1 + batch.sampled_num_drafts
         starts = np.cumsum(counts) - counts
-        output = self.sampler(logits[self.to_device(starts + counts - 1)], metadata)
         verifying = np.flatnonzero(batch.sampled_num_drafts)
         max_drafts = int(batch.sampled_num_drafts.max())
         offsets = np.minimum(np.arange(max_drafts)[None, :], batch.sampled_num_drafts[verifying, None] - 1)
@@ -67,9 +65,11 @@ class SpeculativeDecoding:
         first_draft = states.num_tokens[draft_rows]
         draft_ids = states.token_ids[draft_rows[:, None], first_draft[:, None] + offsets]
         is_greedy = sampling_state.columns.is_greedy[draft_rows]
-        host = [verifying, draft_ids, batch.sampled_num_drafts[verifying], logit_positions, is_greedy]
-        rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t = (self.to_device(np.ascontiguousarray(a))
-                                                                    for a in host)
+        # One host-to-device copy for everything the verification indexes with.
+        host = [starts + counts - 1, verifying, draft_ids, batch.sampled_num_drafts[verifying], logit_positions,
+                is_greedy]
+        last_t, rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t = pack_to_device(host, self.device)[2]
+        output = self.sampler(logits[last_t], metadata)
         verify = VerifyBatch(rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t, bool(is_greedy.all()))
         verified, num_verified = verify_drafts(logits, output.token_ids[rows_t], verify, metadata)
         tokens = torch.full((len(counts), 1 + max_drafts), -1, dtype=torch.int64, device=logits.device)
@@ -78,15 +78,15 @@ class SpeculativeDecoding:
         num_emitted = torch.ones(len(counts), dtype=torch.int64, device=logits.device)
         num_emitted[rows_t] = num_verified
         if metadata.max_num_logprobs is not None:
-            output.logprobs = self._verified_logprobs(logits, tokens, counts, metadata.max_num_logprobs)
+            output.logprobs = self._verified_logprobs(logits, tokens, counts, starts, metadata.max_num_logprobs)
         return VerifiedTokens(tokens, num_emitted, batch.sampled_num_drafts, starts), output
 
-    def _verified_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, counts: np.ndarray,
+    def _verified_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, counts: np.ndarray, starts: np.ndarray,
                            num_top: int) -> LogprobsTensors:
         """Raw logprobs at every verified position, of the token emitted there (the positions past a
         rejection carry a placeholder; nobody reads them)."""
         row_of_position = np.repeat(np.arange(len(counts)), counts)
-        column = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        index = self.to_device(np.stack([row_of_position, column]))
+        column = np.arange(counts.sum()) - np.repeat(starts, counts)
+        index = to_device(np.stack([row_of_position, column]), self.device)
         emitted = tokens[index[0], index[1]].clamp(min=0)
         return gather_logprobs(logits.float().log_softmax(dim=-1), emitted, num_top)
