@@ -60,6 +60,10 @@ WORKLOADS = {
     "W4": ["tokenmill.bench.throughput", "--model", LLAMA_8B, *DUMMY, "--num-prompts", "1000",
            "--input-len", "1024", "--output-len", "128"],
 }
+# Quantized variants (issue 19): the same commands with one engine flag more.
+WORKLOADS["W1-fp8"] = [*WORKLOADS["W1"], "--quantization", "fp8"]
+WORKLOADS["W4-fp8"] = [*WORKLOADS["W4"], "--quantization", "fp8"]
+WORKLOADS["W3-fp8kv"] = [*WORKLOADS["W3"], "--kv-cache-dtype", "fp8"]
 SUMMARY: list[tuple[str, str]] = []
 RESULTS: dict = {}
 
@@ -365,7 +369,7 @@ def decode_anatomy(model: str, sizes: tuple[int, ...], num_prompts: int, input_l
     total = time.perf_counter() - start
     note(f"{name} {num_prompts}x({input_len} in, {output_len} out)",
          f"{total:.3f} s; prefill {prefill:.3f} s; decode {(total - prefill) / (output_len - 1) * 1e3:.2f} ms/step")
-    runner = llm.engine.core.worker.model_runner
+    runner = llm.engine.core.executor.driver_worker.model_runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     copy_tbs = RESULTS.get("ceilings", {}).get("copy_TBps", 4.3)
     for size in sizes:
@@ -442,6 +446,8 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     timeouts = {"W1": 120, "W2": 100, "W3": 100, "W4": 180}
+    timeouts.update({f"{name}-{variant}": timeouts[name] for name, variant in
+                     (("W1", "fp8"), ("W4", "fp8"), ("W3", "fp8kv"))})
     for sec in args.sections.split(","):
         elapsed = time.perf_counter() - start
         if elapsed > args.budget_s:

@@ -89,7 +89,8 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
 
 def section_correct() -> None:
     tests = ["tests/e2e/test_spec_decode.py", "tests/unit/test_rejection_sampler.py",
-             "tests/unit/test_ngram_proposer.py", "tests/unit/test_scheduler_properties.py"]
+             "tests/unit/test_ngram_proposer.py", "tests/unit/test_scheduler_properties.py",
+             "tests/e2e/test_structured_outputs.py"]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
                             capture_output=True, text=True)
     print(result.stdout[-3000:], result.stderr[-2000:])
@@ -112,13 +113,13 @@ def section_oracle(ks: tuple[int, ...] = (2, 4), num_runs: int = 3) -> None:
     note("oracle: plain batch 1", f"{512 / plain:.1f} tok/s ({plain * 1e3 / 512:.3f} ms/token)")
     for k in ks:
         llm = make_llm(speculative_config={**NGRAM, "num_speculative_tokens": k})
-        llm.engine.core.worker.model_runner.speculative.proposer = OracleProposer([reference])
+        llm.engine.core.executor.driver_worker.model_runner.speculative.proposer = OracleProposer([reference])
         scheduler = llm.engine.core.scheduler
         cost = scheduler.draft_budget.cost
         spec_times, kept = [], []
         for _ in range(num_runs + 1):  # the first run warms up
             # A fresh budget each run: its pause state would otherwise carry over from the last run.
-            scheduler.draft_budget = DraftBudget(k, cost, None, llm.engine.core.worker.max_verify_tokens)
+            scheduler.draft_budget = DraftBudget(k, cost, None, llm.engine.core.executor.max_verify_tokens)
             outputs, seconds = timed_generate(llm, prompts, params)
             spec_times.append(seconds)
             got = outputs[0].outputs[0].token_ids

@@ -24,8 +24,9 @@ def smollm2_llm(smollm2_path):
     from tokenmill import LLM
 
     # float32: the tests compare exact greedy tokens with transformers' float32 (dtype 'auto' would pick
-    # bfloat16 on a CPU with bfloat16 units).
-    llm = LLM(smollm2_path, kv_cache_space=0.5, max_model_len=2048, dtype="float32")
+    # bfloat16 on a CPU with bfloat16 units). Dequantized at load, as transformers reads the file (the
+    # kept-quantized engine's own test compares the two: tests/e2e/test_gguf_quantized.py).
+    llm = LLM(smollm2_path, kv_cache_space=0.5, max_model_len=2048, dtype="float32", gguf_dequantize=True)
     yield llm
     assert not llm.engine.has_unfinished_requests(), "a test left requests in the shared engine"
 

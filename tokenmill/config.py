@@ -13,6 +13,9 @@ from typing import Any
 
 DEFAULT_BLOCK_SIZE = 16
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""kv_cache_dtype values; fp8 is e4m3 (vLLM's meaning of "fp8"); e5m2 is not implemented."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -35,6 +38,15 @@ class ModelConfig:
     """Path to a Jinja chat template overriding the model's own."""
     skip_tokenizer_init: bool = False
     """Load no tokenizer: prompts must be token ids and outputs carry no text."""
+    quantization: str | None = None
+    """Quantize a 16-bit checkpoint at load: fp8 (e4m3 weights with per-channel scales, dynamic per-token
+    activation scales). Quantized checkpoints (fp8, compressed-tensors) are recognised from their
+    quantization_config without it, and so are .gguf files (gguf: their linear weights are kept in their GGML
+    types)."""
+    gguf_dequantize: bool = False
+    """GGUF files: dequantize every tensor to the model's dtype at load (the dense path) instead of keeping the
+    linear layers' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized and multiplying them in place (the CPU
+    default). The GPU has no GGUF GEMM yet and always dequantizes at load."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,14 @@ class CacheConfig:
     """Exact number of KV blocks; for tests that need a tiny pool."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model's dtype) | fp8 | fp8_e4m3: the KV pool in float8_e4m3fn (1 byte per element, twice the
+    tokens of bfloat16), K and V scaled by the checkpoint's per-layer k_scale / v_scale (1.0 without them)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -75,6 +95,44 @@ class DeviceConfig:
     attention_backend: str | None = None
     """Attention implementation; None picks the platform default."""
 
+
+EXECUTOR_BACKENDS = ("uni", "mp")
+"""How the ranks run: uni (one rank, in the engine core's process) | mp (a process per rank on this host)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over devices, with vLLM's argument names."""
+
+    tensor_parallel_size: int = 1
+    """Ranks each layer's heads and features are split over (all-reduce after row-parallel layers)."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (layers split over ranks); only 1 is built so far."""
+    distributed_executor_backend: str | None = None
+    """uni | mp (None: uni for one rank, mp for several)."""
+
+    def __post_init__(self) -> None:
+        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline parallelism is not built yet: pipeline_parallel_size must be 1, got "
+                             f"{self.pipeline_parallel_size!r}")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
+        elif backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend {backend!r} is not supported; choose one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}")
+        elif backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; {self.world_size} need 'mp'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "gguf")
+"""What --quantization may name; layers/quant maps each to its config (checkpoints name theirs)."""
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 """Proposers a user can name; spec/proposers.py maps each to its class."""
@@ -147,6 +205,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
 
     @classmethod
@@ -159,6 +218,7 @@ class EngineConfig:
             "cache_config": CacheConfig,
             "scheduler_config": SchedulerConfig,
             "device_config": DeviceConfig,
+            "parallel_config": ParallelConfig,
         }
         for key, value in kwargs.items():
             for part, klass in owners.items():
@@ -185,6 +245,13 @@ class EngineConfig:
             raise ValueError(f"unsupported dtype {self.model_config.dtype!r}")
         if self.model_config.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"unsupported load_format {self.model_config.load_format!r}")
+        if self.model_config.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"unknown quantization {self.model_config.quantization!r}; choose one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with a draft model does not run tensor-parallel yet: use "
+                             "tensor_parallel_size 1, or the ngram method")
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class ScriptedProposer:
 
 
 def use_scripted_proposer(llm: LLM, proposer: ScriptedProposer) -> None:
-    llm.engine.core.worker.model_runner.speculative.proposer = proposer
+    llm.engine.core.executor.driver_worker.model_runner.speculative.proposer = proposer
     always_draft(llm)
 
 

@@ -75,8 +75,11 @@ def run_paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> float:
-    """Decode kernel for the one-token requests, prefill kernel for the rest; relative error of all rows."""
+    """Decode kernel for the one-token requests, prefill kernel for the rest; relative error of all rows.
+    k_scale / v_scale: an fp8 pool's scales (the reference dequantizes with them)."""
     from tokenmill.kernels.decode_attention import decode_attention
     from tokenmill.kernels.prefill_attention import paged_attention_ref, prefill_attention
 
@@ -86,7 +89,8 @@ def run_paged_attention(
     decode_ids = torch.tensor([i for i, n in enumerate(q_lens) if n == 1], dtype=torch.int32, device=device)
     prefill_ids = torch.tensor([i for i, n in enumerate(q_lens) if n > 1], dtype=torch.int32, device=device)
     out = torch.full_like(case.query, float("nan"))
-    args = dict(scale=case.scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    args = dict(scale=case.scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scale=k_scale,
+                v_scale=v_scale)
     decode_attention(case.query, case.kv_cache, out, qsl, seq_lens, case.block_table, decode_ids,
                      num_splits=num_splits, **args)
     max_prefill = max([n for n in q_lens if n > 1], default=0)

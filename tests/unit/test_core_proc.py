@@ -20,6 +20,9 @@ class CoreWhoseStepRaises:
     def step(self):
         raise RuntimeError("boom in the forward pass")
 
+    def shutdown(self) -> None:
+        pass
+
 
 def test_a_step_that_raises_is_reported_before_the_core_exits():
     folder = tempfile.mkdtemp(prefix="tokenmill-test-")

@@ -14,6 +14,8 @@ FORBIDDEN = {
     "model": ("tokenmill.engine", "tokenmill.scheduler", "tokenmill.server"),
     "layers": ("tokenmill.engine", "tokenmill.scheduler", "tokenmill.server"),
     "worker": ("tokenmill.engine", "tokenmill.server"),
+    "executor": ("tokenmill.engine", "tokenmill.server"),
+    "distributed": ("tokenmill.engine", "tokenmill.server", "tokenmill.worker", "tokenmill.model"),
     "engine": ("fastapi", "uvicorn", "tokenmill.server"),
 }
 

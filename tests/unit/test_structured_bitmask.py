@@ -19,3 +19,40 @@ def test_unpacked_bitmask_masks_what_xgrammar_masks():
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert torch.equal(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
     assert 0 < int(allowed.sum()) < 3 * vocab
+
+
+def test_a_model_vocab_larger_than_the_tokenizers_is_masked_past_the_tokenizer():
+    """Qwen3-0.6B's 151,936 logits under SmolLM2's 49,152-token tokenizer (the structured-outputs benchmark's
+    pairing): ids the tokenizer lacks are never allowed, in any state, and logits wider still are masked."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from tokenmill.sampling_params import StructuredOutputsParams
+    from tokenmill.structured.compiler import GrammarCompiler
+
+    folder = Path(__file__).resolve().parents[2] / "benchmarks/models/smollm2-tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model_vocab = 151_936
+    assert len(tokenizer) == 49_152
+    compiler = GrammarCompiler(lambda: tokenizer, model_vocab, num_threads=1)
+    try:
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
+        matcher = xgr.GrammarMatcher(compiler.get(StructuredOutputsParams(json=schema)),
+                                     override_stop_tokens=[tokenizer.eos_token_id, 151_645])
+    finally:
+        compiler.shutdown()
+    bitmask = xgr.allocate_token_bitmask(1, model_vocab)
+    text = json.dumps({"ok": True})  # xgrammar writes ", " and ": " without any_whitespace
+    for token in [*tokenizer.encode(text, add_special_tokens=False), None]:
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = unpack_bitmask(bitmask, model_vocab + 64)  # 64 more logits than the model's vocab
+        assert allowed.shape == (1, model_vocab + 64)
+        assert allowed[0, :49_152].any() and not allowed[0, 49_152:151_645].any()
+        assert not allowed[0, 151_646:].any()
+        if token is not None:
+            assert matcher.accept_token(token), tokenizer.decode([token])
+    # At the end only the stop tokens are allowed: the tokenizer's EOS and the model's (an id past the tokenizer).
+    assert allowed[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id, 151_645]

@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
 import subprocess
-import tempfile
 
 import torch
 
+from tokenmill.cpu_compile import FLAGS, build_error_message, compile_library
+
 logger = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
+_FLAGS = FLAGS
 
 _SOURCE = r"""
 #include <math.h>
@@ -241,42 +239,13 @@ _MAX_HEADS, _MAX_HEAD_DIM = 64, 512  # the kernel's stack rows (MAX_HEADS, MAX_H
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and flags: a -march=native build must not be reused on another CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _build(path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
-        source = os.path.join(tmp, "paged_attention.c")
-        with open(source, "w") as f:
-            f.write(_SOURCE)
-        built = os.path.join(tmp, "kernel.so")
-        compiler = os.environ.get("CC", "cc")
-        subprocess.run([compiler, *_FLAGS, source, "-o", built], check=True, capture_output=True, text=True)
-        os.replace(built, path)  # atomic: processes building at once each install a whole file
-
-
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
-    from tokenmill.default_model import cache_dir
-
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), "cpu_kernels", f"paged_attention_{key}.so")
     try:
-        if not os.path.exists(path):
-            _build(path)
-        lib = ctypes.CDLL(path)
+        lib = compile_library("paged_attention", _SOURCE, _FLAGS)
     except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", None) or error
         logger.warning("CPU attention: the C kernel could not be built (%s); using the slower torch path",
-                       str(detail).strip().splitlines()[-1] if str(detail).strip() else error)
+                       build_error_message(error))
         return None
     lib.rope_and_cache.restype = None
     lib.rope_and_cache.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_int]

@@ -6,6 +6,8 @@ context in place through its block table, whatever the number of new tokens per 
 path below is the fallback (no C compiler, float16, another device): single-token (decode) requests are
 attended together in one batched matmul over their gathered, padded K/V; requests with several new
 tokens (prefill chunks) one by one, with a causal mask offset by the tokens already in the cache.
+An fp8 pool (kv_cache_dtype fp8) always takes the torch path: K/V are quantized as they are written and
+dequantized (kernels.kv_fp8) as each request's context is gathered.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tokenmill.attention.cpu_kernel import (
     rope_and_cache,
     rope_and_cache_applies,
 )
+from tokenmill.kernels.kv_fp8 import as_bytes, dequantize_kv, quantize_kv
 
 
 @dataclass
@@ -40,10 +43,12 @@ class TorchAttentionMetadata:
     decode_block_table: torch.Tensor  # [num_decodes, max_decode_blocks] int64
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    for pool, x, scale in ((kv_cache[0], key, k_scale), (kv_cache[1], value, v_scale)):
+        stored = quantize_kv(x, scale, kv_cache.dtype)
+        as_bytes(pool).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, as_bytes(stored))
 
 
 def paged_attention_torch(
@@ -56,6 +61,8 @@ def paged_attention_torch(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     skip_decodes: bool = False,
+    k_scale: torch.Tensor | None = None,  # [] float32: an fp8 pool's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for every request, one at a time; `skip_decodes` leaves single-token requests'
     rows unwritten for the batched decode path to fill."""
@@ -73,7 +80,7 @@ def paged_attention_torch(
         # index_select: plain advanced indexing on the pool is orders of magnitude slower on CPU.
         k = key_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         v = value_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        k, v = k.to(query.dtype), v.to(query.dtype)
+        k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
         q = query[start:end].transpose(0, 1)  # [num_heads, n, head_dim]
         unmasked = num_queries == 1 and (sliding_window is None or seq_len <= sliding_window)
         if unmasked and logits_soft_cap is None:
@@ -110,6 +117,8 @@ def batched_decode_attention(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     num_decodes, max_blocks = block_table.shape
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
@@ -120,7 +129,8 @@ def batched_decode_attention(
     k = kv_cache[0].index_select(0, flat_blocks).view(num_decodes, length, num_kv_heads, head_dim).transpose(1, 2)
     v = kv_cache[1].index_select(0, flat_blocks).view(num_decodes, length, num_kv_heads, head_dim).transpose(1, 2)
     q = query.index_select(0, token_ids).view(num_decodes, num_kv_heads, groups, head_dim)
-    scores = torch.matmul(q, k.to(q.dtype).transpose(2, 3)).float() * scale  # [n, kv_heads, groups, length]
+    k = dequantize_kv(k, k_scale, q.dtype)
+    scores = torch.matmul(q, k.transpose(2, 3)).float() * scale  # [n, kv_heads, groups, length]
     if logits_soft_cap is not None:
         scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     positions = torch.arange(length, device=query.device)
@@ -130,7 +140,7 @@ def batched_decode_attention(
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     # Slots past a request's length were never written (the pool is torch.empty): they may hold NaN,
     # and a zero attention weight times NaN is still NaN.
-    v = v.to(q.dtype).masked_fill(~visible[:, None, :, None], 0.0)
+    v = dequantize_kv(v, v_scale, q.dtype).masked_fill(~visible[:, None, :, None], 0.0)
     o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [n, kv_heads, groups, head_dim]
     out.index_copy_(0, token_ids, o.reshape(num_decodes, -1, head_dim))
 
@@ -173,15 +183,16 @@ class TorchAttentionBackend(AttentionBackend):
                 layer.scale, layer.sliding_window, layer.logits_soft_cap,
             )
         query, key = layer.transform_qk(positions, query, key)
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)
+        write_kv(kv_cache, key, value, metadata.slot_mapping, **scales)
         num_decodes = len(metadata.decode_token_ids)
         out = paged_attention_torch(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
-            layer.scale, layer.sliding_window, layer.logits_soft_cap, skip_decodes=num_decodes > 0,
+            layer.scale, layer.sliding_window, layer.logits_soft_cap, skip_decodes=num_decodes > 0, **scales,
         )
         if num_decodes:
             batched_decode_attention(
                 out, query, kv_cache, metadata.decode_token_ids, metadata.decode_seq_lens,
-                metadata.decode_block_table, layer.scale, layer.sliding_window, layer.logits_soft_cap,
+                metadata.decode_block_table, layer.scale, layer.sliding_window, layer.logits_soft_cap, **scales,
             )
         return out

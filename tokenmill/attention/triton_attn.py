@@ -57,12 +57,15 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if layer.rotary_emb is not None:
             query = qk_norm_rope_cache(positions, query, key, value, kv_cache, metadata.slot_mapping,
-                                       layer.rotary_emb.cos_sin_cache, layer.q_norm, layer.k_norm)
+                                       layer.rotary_emb.cos_sin_cache, layer.q_norm, layer.k_norm,
+                                       layer.k_scale, layer.v_scale)
         else:
             query, key = layer.transform_qk(positions, query, key)
-            reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+            reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, layer.k_scale, layer.v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        args = dict(scale=layer.scale, sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap)
+        # The scales go by pointer (fp8 pools only read them): a captured graph reads their current values.
+        args = dict(scale=layer.scale, sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
+                    k_scale=layer.k_scale, v_scale=layer.v_scale)
         if metadata.decode_req_ids.numel():
             decode_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
                              metadata.block_table, metadata.decode_req_ids, **args)

@@ -20,14 +20,18 @@ from tokenmill.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
 
 FLAG_NAMES = {"policy": "scheduling-policy"}
 """Fields whose vLLM flag is not simply the field name with dashes."""
+
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+"""vLLM's short spellings."""
 
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
 
@@ -136,7 +140,7 @@ def add_dataclass_args(
         flag = FLAG_NAMES.get(f.name, f.name.replace("_", "-"))
         if element is not bool:
             kwargs["metavar"] = flag.upper().replace("-", "_")
-        parser.add_argument("--" + flag, **kwargs)
+        parser.add_argument("--" + flag, *([SHORT_FLAGS[f.name]] if f.name in SHORT_FLAGS else []), **kwargs)
 
 
 def given_fields(

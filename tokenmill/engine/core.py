@@ -11,12 +11,14 @@ model code. It runs in the caller's process (offline LLM) or in its own (server)
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.tokenizer import load_tokenizer
+from tokenmill.executor.base import make_executor
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineRequest
 from tokenmill.request import FinishReason, Request, RequestStatus
@@ -26,22 +28,21 @@ from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.waiting import AwaitingGrammar
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
-from tokenmill.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
-    """What the core needs of whatever runs its steps (the worker, or a fake in scheduler tests)."""
+    """What the core needs of whatever runs its steps (the executor, or a fake in scheduler tests)."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput: ...
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, worker: StepRunner, async_scheduling: bool,
+    def __init__(self, scheduler: Scheduler, executor: StepRunner, async_scheduling: bool,
                  grammars: GrammarCompiler | None = None) -> None:
         self.scheduler = scheduler
-        self.worker = worker
+        self.executor = executor
         self.async_scheduling = async_scheduling
         self.awaiting_grammar = AwaitingGrammar(grammars) if grammars is not None else None
         """Structured-output requests whose grammar is compiling: the scheduler sees them once it is compiled
@@ -52,9 +53,17 @@ class EngineCore:
     def from_config(cls, config: EngineConfig, hf_config, max_model_len: int) -> EngineCore:
         """Load the model on its device, size and allocate the KV pool, and build the scheduler over it."""
         start = time.perf_counter()
-        worker = Worker(config, hf_config, max_model_len)
-        kv_cache_spec = worker.determine_kv_cache_spec()
-        worker.initialize_cache(kv_cache_spec)
+        executor = make_executor(config, hf_config, max_model_len)
+        try:
+            return cls._build(config, hf_config, max_model_len, executor, start)
+        except BaseException:
+            executor.shutdown()
+            raise
+
+    @classmethod
+    def _build(cls, config: EngineConfig, hf_config, max_model_len: int, executor, start: float) -> EngineCore:
+        kv_cache_spec = executor.determine_kv_cache_spec()
+        executor.initialize_cache(kv_cache_spec)
         kv_cache_manager = KVCacheManager(
             kv_cache_spec.num_blocks,
             config.cache_config.block_size,
@@ -63,17 +72,19 @@ class EngineCore:
         draft_budget = None
         if config.speculative_config is not None:
             spec = config.speculative_config
-            draft_budget = DraftBudget(spec.num_speculative_tokens, worker.measure_step_cost(),
-                                       spec.disable_by_batch_size, worker.max_verify_tokens)
+            draft_budget = DraftBudget(spec.num_speculative_tokens, executor.measure_step_cost(),
+                                       spec.disable_by_batch_size, executor.max_verify_tokens)
         scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len, draft_budget)
         async_scheduling = config.scheduler_config.async_scheduling
         if async_scheduling is None:
-            async_scheduling = worker.device.type == "cuda"
+            async_scheduling = executor.device.type == "cuda"
         grammars = None
         if not config.model_config.skip_tokenizer_init:
-            grammars = GrammarCompiler(lambda: load_tokenizer(config.model_config, hf_config), hf_config.vocab_size)
-            worker.enable_structured_outputs(grammars)
-        core = cls(scheduler, worker, async_scheduling, grammars)
+            # A partial, not a lambda: other ranks get the compiler pickled (as its recipe).
+            grammars = GrammarCompiler(functools.partial(load_tokenizer, config.model_config, hf_config),
+                                       hf_config.vocab_size)
+            executor.enable_structured_outputs(grammars)
+        core = cls(scheduler, executor, async_scheduling, grammars)
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
         return core
 
@@ -124,7 +135,7 @@ class EngineCore:
         launched = None
         if self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
-            launched = scheduler_output, self.worker.execute_model(scheduler_output)
+            launched = scheduler_output, self.executor.execute_model(scheduler_output)
         if not self.async_scheduling:
             return self._update(launched)
         finished, self._in_flight = self._in_flight, launched
@@ -141,3 +152,9 @@ class EngineCore:
             return EngineCoreOutputs()
         scheduler_output, pending = step
         return self.scheduler.update_from_output(scheduler_output, pending.result())
+
+    def shutdown(self) -> None:
+        """Stop the executor's other processes (tensor-parallel ranks), if it has any."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

@@ -162,5 +162,6 @@ class EngineCoreProc:
         self.outputs.put(None)
         for thread in self.threads:
             thread.join(timeout=2.0)
+        self.core.shutdown()  # after the last message went out; the tensor-parallel ranks must not outlive us
         if not any(thread.is_alive() for thread in self.threads):
             self.context.term()  # would block on a socket still open; the process exits anyway

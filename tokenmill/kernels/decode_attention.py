@@ -10,6 +10,7 @@ sizes and long contexts. The split count depends only on the batch shape (not on
 graph captured for a batch size stays valid for any context length.
 
 The arrival counters are kernels.arrivals' persistent, zeroed buffer (each launch resets what it used).
+An fp8 pool is dequantized in registers as in kernels.prefill_attention.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.arrivals import arrival_counters
+from tokenmill.kernels.kv_fp8 import kv_scales
 from tokenmill.kernels.prefill_attention import _tanh, dot_precision
 
 MAX_SPLITS = 16
@@ -32,7 +34,7 @@ MAX_SPLITS = 16
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, softcap, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
@@ -40,7 +42,7 @@ def _decode_kernel(
     IS_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,6 +68,8 @@ def _decode_kernel(
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     block_row = block_table_ptr + req * stride_bt
     kv_offset = kv_head * stride_ch
+    if IS_FP8:  # q . (k * k_scale) = (q . k) * k_scale: the scale goes on the scores
+        sm_scale = sm_scale * tl.load(k_scale_ptr)
     qk_scale = sm_scale * 1.4426950408889634
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -77,7 +81,7 @@ def _decode_kernel(
         page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
         k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if USE_SOFTCAP:
             s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
@@ -90,11 +94,13 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if IS_FP8:  # sum p (v * v_scale) = v_scale * sum p v; the splits' combine is linear in them too
+        out = out * tl.load(v_scale_ptr)
     mask = g_mask[:, None] & d_mask[None, :]
     if not IS_SPLIT:
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -188,6 +194,8 @@ def decode_attention(
     logits_soft_cap: float | None = None,
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
+    k_scale: torch.Tensor | None = None,  # [] float32; an fp8 pool's scales, unused otherwise
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """config: (BLOCK_N, num_warps, num_stages), to override the tuned choice (benchmarks)."""
     num_decodes = req_ids.numel()
@@ -212,9 +220,10 @@ def decode_attention(
     else:
         part_out = part_lse = arrivals = out  # unused
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scale, v_scale, is_fp8 = kv_scales(kv_cache, k_scale, v_scale)
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, arrivals,
-        query_start_loc, seq_lens, block_table, req_ids,
+        query_start_loc, seq_lens, block_table, req_ids, k_scale, v_scale,
         scale, logits_soft_cap or 1.0, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -223,7 +232,7 @@ def decode_attention(
         QUERIES_PER_KV=group, GROUP_PAD=max(16, group_pow2), GROUP_POW2=group_pow2,
         BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype), IS_FP8=is_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -4,6 +4,12 @@ One program computes one tile of BLOCK_M query tokens of one request for one que
 that request's K/V (cached prefix and this step's tokens alike, already in the pool) through its block
 table with an online softmax. The grid is (tiles of the longest request, requests, heads); tiles past a
 request's end return at once, and the heaviest (last) tiles are started first.
+
+An fp8 (float8_e4m3fn) pool is dequantized in registers, here and in the decode kernel: each K/V tile is
+widened to the query's dtype (exactly: every e4m3 value is a float16, bfloat16 and float32 value), and the
+layer's scales, read through pointers so that a CUDA graph sees their current values, multiply the scores
+(k_scale, folded into the softmax scale) and the output (v_scale): the products of scaling every element,
+with one multiply per score or output element instead of one per K/V element.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.kv_fp8 import is_fp8, kv_scales
 
 
 @triton.jit
@@ -27,14 +34,14 @@ def _tanh(x):
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     head_dim,
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     req = tl.load(req_ids_ptr + tl.program_id(1)).to(tl.int64)
@@ -63,6 +70,8 @@ def _prefill_kernel(
         lo = (lo // BLOCK_N) * BLOCK_N
     block_row = block_table_ptr + req * stride_bt
     kv_offset = kv_head * stride_ch
+    if IS_FP8:  # q . (k * k_scale) = (q . k) * k_scale: the scale goes on the scores
+        sm_scale = sm_scale * tl.load(k_scale_ptr)
     qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -74,7 +83,7 @@ def _prefill_kernel(
         page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
         k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if USE_SOFTCAP:
             s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
@@ -90,10 +99,12 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if IS_FP8:  # sum p (v * v_scale) = v_scale * sum p v
+        out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -125,6 +136,8 @@ def prefill_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     config: tuple[int, int, int, int] | None = None,
+    k_scale: torch.Tensor | None = None,  # [] float32; an fp8 pool's scales, unused otherwise
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """config: (BLOCK_M, BLOCK_N, num_warps, num_stages), to override the tuned choice (benchmarks)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -135,10 +148,11 @@ def prefill_attention(
         query = query.contiguous()
     block_m, block_n, num_warps, num_stages = config or _config(head_dim, query.dtype)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scale, v_scale, is_fp8 = kv_scales(kv_cache, k_scale, v_scale)
     grid = (triton.cdiv(max_query_len, block_m), req_ids.numel(), num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_table, req_ids,
+        query_start_loc, seq_lens, block_table, req_ids, k_scale, v_scale,
         scale, logits_soft_cap or 1.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -147,7 +161,7 @@ def prefill_attention(
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype), IS_FP8=is_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -162,8 +176,11 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     dtype: torch.dtype = torch.float64,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense per-request attention in `dtype` (float64 by default): the reference for both kernels."""
+    """Dense per-request attention in `dtype` (float64 by default): the reference for both kernels. An fp8
+    pool's K and V are dequantized first (fp8 * scale, in `dtype`)."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     groups = query.shape[1] // num_kv_heads
     out = torch.zeros(query.shape, dtype=dtype, device=query.device)
@@ -174,6 +191,8 @@ def paged_attention_ref(
         blocks = block_table[i, : math.ceil(seq_len / block_size)].long()
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(dtype)
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(dtype)
+        if is_fp8(kv_cache.dtype):
+            k, v = k * k_scale.to(dtype), v * v_scale.to(dtype)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         q = query[start:end].to(dtype)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale

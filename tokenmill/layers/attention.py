@@ -16,6 +16,17 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
+def load_kv_scale(buffer: torch.Tensor, loaded: torch.Tensor) -> None:
+    """A checkpoint's per-layer k_scale / v_scale (one value, maybe as shape [1]) into its 0-d buffer."""
+    if loaded.numel() != 1:
+        raise ValueError(f"KV cache scales must be one value per layer; got shape {tuple(loaded.shape)} "
+                         f"(per-head scales are not supported)")
+    value = float(loaded.reshape(()).float())
+    if not value > 0.0 or value == float("inf"):
+        raise ValueError(f"a KV cache scale must be positive and finite, got {value}")
+    buffer.fill_(value)
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -41,6 +52,11 @@ class Attention(nn.Module):
         object.__setattr__(self, "k_norm", k_norm)
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the worker after sizing.
         self.kv_cache = torch.empty(0)
+        # An fp8 pool's per-layer scales (attention.kv_quant). Buffers rather than parameters: a checkpoint
+        # without them is complete, and dummy weights leave them at 1.0.
+        for name in ("k_scale", "v_scale"):
+            self.register_buffer(name, torch.ones((), dtype=torch.float32), persistent=False)
+            getattr(self, name).weight_loader = load_kv_scale
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """positions [num_tokens]; q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim]."""

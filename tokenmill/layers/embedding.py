@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size
+from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from tokenmill.layers.cpu_gemm import cpu_linear
 
 
@@ -30,9 +30,9 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         in_shard = (local >= 0) & (local < self.shard_size)
+        # Ids of other ranks' rows read row 0 and are zeroed: the sum over ranks holds each id's one row.
         out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * in_shard.unsqueeze(-1)
-        torch.distributed.all_reduce(out)
-        return out
+        return tp_all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -54,8 +54,6 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = cpu_linear(hidden_states, self.weight, self.bias).float()
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
-        if self.tp_size > 1:
-            gathered = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(gathered, logits)
-            logits = torch.cat(gathered, dim=-1)
+        # Every rank gets the whole vocabulary's logits (and samples alike): [num_tokens, tp * shard_size].
+        logits = tp_all_gather(logits)
         return logits[..., : self.vocab_size]

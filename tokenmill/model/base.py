@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -18,6 +19,21 @@ LLAMA_STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+# A checkpoint's per-layer KV cache scales, wherever its exporter put them: on the projections
+# (self_attn.k_proj.k_scale), on the attention module (self_attn.k_scale, vLLM's self_attn.attn.k_scale),
+# or one kv_scale for both (older fp8 exports). They belong to the Attention layer at self_attn.attn.
+_KV_SCALE_NAME = re.compile(r"(?P<attn>.*\.self_attn)(?:\.(?:k_proj|v_proj|qkv_proj|attn))?\."
+                            r"(?P<kind>k_scale|v_scale|kv_scale)")
+
+
+def kv_scale_targets(name: str) -> list[str] | None:
+    """The Attention buffers a checkpoint KV-scale tensor fills; None for any other tensor."""
+    match = _KV_SCALE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    kinds = ("k_scale", "v_scale") if match["kind"] == "kv_scale" else (match["kind"],)
+    return [f"{match['attn']}.attn.{kind}" for kind in kinds]
 
 
 class CausalLM(Protocol):
@@ -41,11 +57,20 @@ def load_weights_by_name(
 ) -> None:
     """Copy checkpoint tensors into parameters through their weight loaders; fail on gaps."""
     params = dict(model.named_parameters())
+    # Optional tensors (KV scales): loaded when the checkpoint has them, never reported missing.
+    buffers = {name: b for name, b in model.named_buffers() if hasattr(b, "weight_loader")}
     loaded: set[str] = set()
     for name, tensor in weights:
         if rename is not None:
             name = rename(name)
         if name is None or name.startswith(skip_prefixes) or "rotary_emb.inv_freq" in name:
+            continue
+        scale_targets = kv_scale_targets(name)
+        if scale_targets is not None:
+            for target in scale_targets:
+                if target not in buffers:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching KV scale in {type(model).__name__}")
+                buffers[target].weight_loader(buffers[target], tensor)
             continue
         shard_id = None
         for ckpt_name, (fused_name, sid) in stacked_params.items():

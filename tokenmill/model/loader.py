@@ -1,4 +1,5 @@
-"""Build a model on its device and fill it: sharded safetensors, GGUF (dequantized), or dummy."""
+"""Build a model on its device and fill it: sharded safetensors, GGUF (linear weights kept quantized on the
+CPU, else dequantized), or dummy."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -15,6 +16,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from tokenmill.config import ModelConfig
+from tokenmill.layers.quant import process_weights_after_loading, quantize_linear_layers, resolve_quant_config
+from tokenmill.model.base import LLAMA_STACKED_PARAMS
 from tokenmill.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -92,18 +95,68 @@ def load_model(
     model_config: ModelConfig, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
 ) -> nn.Module:
     model_class = get_model_class(hf_config.architectures)
-    with torch.device(device), _default_dtype(dtype):
-        model = model_class(hf_config)
     load_format = model_config.load_format
     if load_format == "auto":
         load_format = "gguf" if is_gguf(model_config.model) else "safetensors"
+    requested, checkpoint_quant = model_config.quantization, getattr(hf_config, "quantization_config", None)
+    if load_format == "gguf":
+        if _keep_gguf_quantized(model_config, device):
+            checkpoint_quant = {"quant_method": "gguf"}  # the file's own types, as a checkpoint would name them
+        elif requested == "gguf":
+            requested = None  # named, but this device dequantizes (logged)
+    quant_config = resolve_quant_config(requested, checkpoint_quant)
+    stacked_params = None
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(hf_config)
+        if quant_config is not None:
+            stacked_params = getattr(model, "stacked_params", LLAMA_STACKED_PARAMS)
+            quantize_linear_layers(model, quant_config, stacked_params)
     if load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     elif load_format == "gguf":
-        model.load_weights(iter_gguf_weights(model_config.model, hf_config))
+        keep = _gguf_quantized_weights(model, stacked_params) if stacked_params is not None else None
+        model.load_weights(iter_gguf_weights(model_config.model, hf_config, keep))
     else:
         model.load_weights(iter_safetensors_weights(model_config.model))
+    with torch.device(device):
+        process_weights_after_loading(model)
+    if quant_config is not None and device.type == "cuda":
+        torch.cuda.empty_cache()  # the 16-bit weights an online method replaced
     return model.eval()
+
+
+def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device) -> bool:
+    """Whether a GGUF's linear weights stay in their GGML types (layers.quant.gguf): on the CPU unless
+    `gguf_dequantize`; elsewhere there is no quantized GEMM yet."""
+    if model_config.gguf_dequantize:
+        if model_config.quantization == "gguf":
+            raise ValueError("quantization 'gguf' keeps GGUF weights quantized and gguf_dequantize dequantizes "
+                             "them: pass one of the two")
+        return False
+    if model_config.quantization not in (None, "gguf"):
+        # Another method (fp8) quantizes the GGUF's dequantized weights: it starts from the dense model.
+        return False
+    if device.type != "cpu":
+        logger.info("GGUF on %s: no quantized GEMM for this device yet, every tensor is dequantized at load",
+                    device.type)
+        return False
+    return True
+
+
+def _gguf_quantized_weights(model: nn.Module, stacked_params: dict[str, tuple[str, str | int]]):
+    """name -> whether the Hugging Face tensor `name` loads into a layer that keeps GGUF blocks."""
+    from tokenmill.layers.quant.gguf import GGUFLinearMethod
+
+    layers = {name for name, module in model.named_modules()
+              if isinstance(getattr(module, "quant_method", None), GGUFLinearMethod)}
+
+    def keep(name: str) -> bool:
+        module, _, kind = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        leaf = stacked_params.get(leaf, (leaf,))[0]  # q_proj -> qkv_proj
+        return kind == "weight" and (f"{prefix}.{leaf}" if prefix else leaf) in layers
+
+    return keep
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -136,9 +189,12 @@ def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized tensors of a dense model under Hugging Face names: gguf's reader and name map,
-    plus transformers' per-family fixes.
+def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
+                      keep_quantized: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a dense model under Hugging Face names: gguf's reader and name map, plus
+    transformers' per-family fixes. Tensors are dequantized to float32, except where `keep_quantized(name)`
+    holds for a tensor of a type layers.quant.gguf multiplies: those come as their raw rows, a uint8
+    [rows, row_bytes] tensor tagged with its GGML type (layers.quant.gguf.tag_ggml).
 
     NOTE: transformers' load_gguf_checkpoint does the same but re-parses the metadata and builds the
     name map once per submodule (~8 s of a ~20 s load for SmolLM2-135M); here each happens once.
@@ -146,7 +202,10 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
     import numpy as np
     from gguf import MODEL_ARCH_NAMES, GGUFReader, dequantize, get_tensor_name_map
     from transformers import AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
+
+    from tokenmill.layers.quant.gguf import QUANTIZED_TYPES, tag_ggml
 
     reader = GGUFReader(path)
     arch_name = read_field(reader, "general.architecture")[0]
@@ -160,10 +219,17 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
     to_hf = {gguf_name: n for n in hf_names if (gguf_name := name_map.get_name(n, (".weight", ".bias")))}
     # The processor undoes llama.cpp's conversion tweaks (the q/k rotary permutation for llama).
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=hf_config.to_dict())
+    # Processors known to move only whole rows of linear weights (llama's permutation) or to touch only
+    # norms: raw rows go through them unchanged in meaning. Others see dequantized values only.
+    if type(processor) not in (TensorProcessor, hf_gguf.LlamaTensorProcessor, hf_gguf.Gemma2TensorProcessor):
+        keep_quantized = None
     for tensor in reader.tensors:
-        result = processor.process(
-            weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
-            tensor_key_mapping=to_hf, parsed_parameters={"tensors": {}},
-        )
+        hf_name = to_hf.get(tensor.name)
+        raw = (keep_quantized is not None and hf_name is not None and int(tensor.tensor_type) in QUANTIZED_TYPES
+               and len(tensor.data.shape) == 2 and keep_quantized(hf_name))
+        weights = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=to_hf,
+                                   parsed_parameters={"tensors": {}})
         if result.name in to_hf:
-            yield to_hf[result.name], torch.from_numpy(np.copy(result.weights))
+            out = torch.from_numpy(np.copy(result.weights))
+            yield to_hf[result.name], tag_ggml(out, int(tensor.tensor_type)) if raw else out

@@ -28,7 +28,7 @@ class SamplingState:
         self.columns = SamplingColumns.empty(max_num_reqs)
         self.needs_host_pass = np.zeros(max_num_reqs, dtype=bool)
         self.needs_output_ids = np.zeros(max_num_reqs, dtype=bool)
-        """Rows whose sampling reads their output token ids on the host (bad words, logits processors, grammars)."""
+        """Rows whose sampling reads their output token ids on the host (bad words, logits processors)."""
         self.output_counts: torch.Tensor | None = None  # [max_num_reqs, vocab] int32
         self.seen_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool: in the prompt or the output
         self._seeded_generators: dict[int, torch.Generator] = {}
@@ -43,10 +43,11 @@ class SamplingState:
         self.needs_host_pass[row] = bool(
             (params.seed is not None and not params.is_greedy) or params.bad_words_token_ids
             or params.logits_processors or params.min_tokens or params.allowed_token_ids is not None
-            or params.logit_bias or params.structured_outputs is not None
+            or params.logit_bias
         )
-        self.needs_output_ids[row] = bool(params.bad_words_token_ids or params.logits_processors
-                                          or params.structured_outputs is not None)
+        # Grammars are not here: the model runner masks their rows (structured/matchers.py) and waits for their
+        # tokens itself, and their metadata is a plain row's (so an unchanged batch reuses it).
+        self.needs_output_ids[row] = bool(params.bad_words_token_ids or params.logits_processors)
         if not params.has_penalties:
             return
         if self.output_counts is None:

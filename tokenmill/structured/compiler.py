@@ -31,6 +31,11 @@ class GrammarCompiler:
         self._compiler = None
         self._compiled: dict[tuple[str, str], Future] = {}
 
+    def __reduce__(self):
+        # Sent to another process (a tensor-parallel rank) as its recipe: a compiler of its own, which needs
+        # `load_tokenizer` to be picklable (a functools.partial, not a lambda).
+        return type(self), (self._load_tokenizer, self._vocab_size, self._pool._max_workers)
+
     def submit(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar of a spec (a future: done at once when the spec was compiled before)."""
         key = params.key

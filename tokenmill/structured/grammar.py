@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 from tokenmill.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 
 def build_grammar(params: StructuredOutputsParams):
@@ -18,7 +21,7 @@ def build_grammar(params: StructuredOutputsParams):
             schema = json.loads(text)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            return _json_string_characters_fixed(xgr.Grammar.from_json_schema(text, any_whitespace=False))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
         if kind == "regex":
@@ -31,6 +34,29 @@ def build_grammar(params: StructuredOutputsParams):
     except (RuntimeError, ValueError, TypeError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"invalid {_NAMES[kind]}: {_SOURCE_PREFIX.sub('', first_line)}") from None
+
+
+# xgrammar (0.2.9 and before: mlc-ai/xgrammar#800, unreleased fixes #822/#880) writes a string with
+# minLength/maxLength (and propertyNames' bounds) as a repetition of this class: it lets raw control
+# characters U+0000-U+001F (but CR and LF) into the string, which JSON forbids (json.loads refuses them).
+# The fix takes them out of the class. (Escapes stay out, as in xgrammar: an alternative with them in the
+# repetition makes xgrammar check most of the vocabulary at run time, ~40 ms a mask instead of ~0.02 ms.)
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
+def _json_string_characters_fixed(grammar):
+    """`grammar` without raw control characters in its length-bounded strings (see above)."""
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if _BOUNDED_STRING_CHARACTER not in text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER))
+    except RuntimeError:  # xgrammar printed something it cannot parse back: better its grammar than a 400
+        logger.warning("could not exclude control characters from a JSON schema's bounded strings", exc_info=True)
+        return grammar
 
 
 def validate(params: StructuredOutputsParams) -> None:

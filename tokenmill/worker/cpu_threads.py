@@ -24,10 +24,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def leave_a_core_free() -> None:
+def leave_a_core_free(num_ranks: int = 1) -> None:
+    """`num_ranks` tensor-parallel processes share the cores left: each takes its part (at least one)."""
     num_cpus = len(os.sched_getaffinity(0))
     if "OMP_NUM_THREADS" in os.environ or num_cpus < 2 or torch.get_num_threads() < num_cpus:
         return
-    torch.set_num_threads(num_cpus - 1)
+    num_threads = max(1, (num_cpus - 1) // num_ranks)
+    torch.set_num_threads(num_threads)
     logger.info("CPU: torch computes with %d threads of %d cores, one left for the rest (OMP_NUM_THREADS "
-                "overrides)", num_cpus - 1, num_cpus)
+                "overrides)", num_threads, num_cpus)

@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 def load_draft_model(config: EngineConfig, target: PretrainedConfig, device: torch.device, dtype: torch.dtype,
                      max_model_len: int) -> nn.Module:
     """The draft model of `speculative_config.model`, loaded as the target is (dtype, load_format, seed)."""
-    model_config = dataclasses.replace(config.model_config, model=config.speculative_config.model, tokenizer=None)
+    model_config = dataclasses.replace(config.model_config, model=config.speculative_config.model, tokenizer=None,
+                                       quantization=None)  # the draft's own checkpoint says if it is quantized
     draft = load_hf_config(model_config)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the target's "

@@ -119,10 +119,13 @@ class ModelRunner:
     def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> PendingOutput:
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         rows = batch.sampled_rows
-        if self._last_pending is not None and self.sampling_state.needs_output_ids[rows].any():
-            self._last_pending.result()  # the slow path reads the last step's tokens on the host
+        constrained = self.grammar_rows.constrained(rows, self.states) if self.grammar_rows is not None else []
+        if self._last_pending is not None and (constrained or self.sampling_state.needs_output_ids[rows].any()):
+            # The slow path and the grammars read the last step's tokens on the host. This step's forward pass
+            # is already queued: the grammars' work below overlaps it on the GPU.
+            self._last_pending.result()
         metadata = self.sampling_state.build_metadata(rows, self.states)
-        if self.grammar_rows is not None and (constrained := self.grammar_rows.constrained(rows, self.states)):
+        if constrained:
             # Each sampled request has 1 + drafts logits rows, in order.
             counts = 1 + batch.sampled_num_drafts
             self.grammar_rows.apply(logits, rows, np.cumsum(counts) - counts, batch.sampled_num_drafts,

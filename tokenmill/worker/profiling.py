@@ -26,7 +26,7 @@ def profile_peak_memory(worker: Worker) -> int:
     shape = worker.kv_cache_shape()
     temp_caches = [
         torch.empty((2, sum(blocks_per_req), block_size, shape.num_kv_heads, shape.head_dim),
-                    dtype=worker.dtype, device=worker.device)
+                    dtype=worker.kv_cache_dtype, device=worker.device)
         for _ in worker.attn_layers
     ]
     for layer, cache in zip(worker.attn_layers, temp_caches):

@@ -2,11 +2,11 @@
 
 Each case below is one sampler call whose batch takes a different set of kernel variants: plain (logits in
 the model's dtype), penalised with a top_k (the penalty pass hands the draw float32 logits) and penalised
-without (the draw kernels penalise the logits as they load them). The worker starts their
-compile in a background process before it loads the model (`compile_sampler_in_background`), so that it
-overlaps loading, the memory profile and graph capture; the warm-up then waits for it, loads the variants
-(any it missed compile in threads here: kernels/precompile.py) and runs each case once. A warm start finds
-them all in Triton's disk cache.
+without (the draw kernels penalise the logits as they load them); then structured outputs' token bitmask.
+The worker starts their compile in a background process before it loads the model
+(`compile_sampler_in_background`), so that it overlaps loading, the memory profile and graph capture; the
+warm-up then waits for it, loads the variants (any it missed compile in threads here: kernels/precompile.py)
+and runs each case once. A warm start finds them all in Triton's disk cache.
 """
 
 from __future__ import annotations
@@ -67,6 +67,25 @@ def _make_cases(vocab_size: int, dtype: torch.dtype, device: torch.device) -> li
 def _run_cases(sampler: Sampler, cases: list) -> None:
     for logits, metadata in cases:
         sampler(logits, metadata)
+    _run_token_bitmask(cases[0][0])
+
+
+def _run_token_bitmask(logits: torch.Tensor) -> None:
+    """Structured outputs' mask kernel, in the variant structured/matchers.py launches (int32 logits rows and
+    masks, one buffer, the masks 256-byte aligned); every bit set, so it writes nothing."""
+    from tokenmill.kernels import use_triton
+
+    if not use_triton(logits):
+        return
+    from tokenmill.kernels.token_bitmask import apply_token_bitmask
+
+    rows, vocab_size = logits.shape
+    words = -(-vocab_size // 32)
+    capacity = 64
+    buffer = torch.full((capacity * (1 + words),), -1, dtype=torch.int32, device=logits.device)
+    buffer[:rows] = torch.arange(rows, dtype=torch.int32, device=logits.device)
+    apply_token_bitmask(logits, buffer[capacity : capacity + rows * words].view(rows, words), buffer[:rows],
+                        vocab_size)
 
 
 def _make_case(params: list[SamplingParams], penalised: bool, vocab_size: int, dtype: torch.dtype,

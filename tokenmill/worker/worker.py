@@ -9,7 +9,9 @@ import torch
 from transformers import PretrainedConfig
 
 from tokenmill.attention.backend import get_attention_backend
+from tokenmill.attention.kv_quant import check_kv_cache_dtype, log_kv_scales, resolve_kv_cache_dtype
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.parallel_state import init_distributed
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_model, resolve_dtype
@@ -40,14 +42,25 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int, rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
+        """`rank` of the tensor-parallel group, joined through `distributed_init_method` when it has several."""
         self.config = config
         self.hf_config = hf_config
         self.max_model_len = max_model_len
+        self.rank = rank
+        world_size = config.parallel_config.world_size
         self.device = resolve_device(config.device_config.device)
+        if self.device.type == "cuda" and world_size > 1:
+            self.device = torch.device("cuda", rank)  # one GPU per rank of this host
+            torch.cuda.set_device(self.device)
+        if world_size > 1:
+            # Before the model: its layers take their shard's sizes from the group.
+            init_distributed(rank, world_size, distributed_init_method, self.device)
         if self.device.type == "cpu":
-            leave_a_core_free()  # the server's core process and the offline LLM alike
+            leave_a_core_free(world_size)  # the server's core process and the offline LLM alike
         self.dtype = resolve_dtype(config.model_config, hf_config, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(config.model_config.seed)
         # The sampler's kernels depend only on the vocabulary and dtype: they compile in another process
         # while this one loads the model, profiles memory and captures graphs.
@@ -59,12 +72,15 @@ class Worker:
                     time.perf_counter() - start)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_backend = get_attention_backend(config.device_config.attention_backend, self.device)
+        check_kv_cache_dtype(self.kv_cache_dtype, self.device, self.attn_backend.name)
         speculative = config.speculative_config
         self.draft_model = None
         self.draft_attn_layers: list[Attention] = []
         if speculative is not None and speculative.method == "draft_model":
             self.draft_model = load_draft_model(config, hf_config, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.draft_model)
+        if self.kv_cache_dtype != self.dtype:
+            log_kv_scales(self.attn_layers)
         self.model_runner: ModelRunner | None = None
         self.num_kv_blocks = 0
 
@@ -74,7 +90,7 @@ class Worker:
             num_layers=len(self.attn_layers),
             num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_dim,
-            dtype_size=torch.empty((), dtype=self.dtype).element_size(),
+            dtype_size=torch.empty((), dtype=self.kv_cache_dtype).element_size(),
             block_size=self.config.cache_config.block_size,
         )
 
@@ -91,7 +107,7 @@ class Worker:
             available = self._profile_available_gpu_memory()
         if self.draft_model is not None and cache.num_gpu_blocks_override is None:
             # Every block holds the draft model's KV of its tokens too.
-            draft_bytes = kv_bytes_per_block(self.draft_attn_layers, self.dtype, shape.block_size)
+            draft_bytes = kv_bytes_per_block(self.draft_attn_layers, self.kv_cache_dtype, shape.block_size)
             available = available * shape.bytes_per_block // (shape.bytes_per_block + draft_bytes)
         return make_kv_cache_spec(shape, available, self.max_model_len)
 
@@ -131,7 +147,7 @@ class Worker:
         for layer in self.attn_layers + self.draft_attn_layers:
             layer.kv_cache = torch.empty(
                 (2, spec.num_blocks, shape.block_size, layer.num_kv_heads, layer.head_dim),
-                dtype=self.dtype, device=self.device,
+                dtype=self.kv_cache_dtype, device=self.device,
             )
         speculative = self.config.speculative_config
         self.model_runner = ModelRunner(

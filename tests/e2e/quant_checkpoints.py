@@ -1,0 +1,98 @@
+"""Quantized checkpoints of a transformers model, written in each format's published layout (tests only).
+
+Each writer saves config.json (with the format's quantization_config) and model.safetensors, plus, as the
+reference, the same model with every quantized weight replaced by its dequantized value: what the
+quantized checkpoint means, so a loader that misreads the layout cannot match it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tokenmill.layers.quant.fp8 import FP8, FP8_MAX, dequantize_fp8
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_linear_weight(name: str) -> bool:
+    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_NAMES
+
+
+def fp8_block(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
+    tiles = weight.float().reshape(n // block, block, k // block, block)
+    scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(n, k)
+    return q, scale
+
+
+def fp8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = weight.float().abs().amax(1, keepdim=True) / FP8_MAX
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = weight.float().abs().max() / FP8_MAX
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.reshape(())
+
+
+def _save(model, path: Path, tensors: dict[str, torch.Tensor], quantization_config: dict | None) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def write_fp8(model, path: Path, layout: str, block: int = 32, input_scale: float | None = None,
+              skip: tuple[str, ...] = ()) -> tuple[str, str]:
+    """(quantized checkpoint, its dequantized dense twin). layout: hf-block | hf-tensor | ct-channel |
+    ct-block | ct-tensor (hf: quant_method fp8; ct: compressed-tensors float-quantized)."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    quantized, dense = {}, {}
+    for name, tensor in state.items():
+        if not is_linear_weight(name) or any(s in name for s in skip):
+            quantized[name] = dense[name] = tensor
+            continue
+        prefix = name.removesuffix(".weight")
+        if layout.endswith("block"):
+            q, scale = fp8_block(tensor, block)
+            dense[name] = dequantize_fp8(q, scale, block).to(tensor.dtype)
+            quantized[f"{prefix}.weight_scale_inv" if layout == "hf-block" else f"{prefix}.weight_scale"] = scale
+        elif layout == "ct-channel":
+            q, scale = fp8_channel(tensor)
+            dense[name] = dequantize_fp8(q, scale).to(tensor.dtype)
+            quantized[f"{prefix}.weight_scale"] = scale
+        else:
+            q, scale = fp8_tensor(tensor)
+            dense[name] = (q.float() * scale).to(tensor.dtype)
+            quantized[f"{prefix}.weight_scale"] = scale if layout == "hf-tensor" else scale.reshape(1)
+        quantized[name] = q
+        if input_scale is not None:
+            quantized[f"{prefix}.input_scale"] = torch.tensor(input_scale if layout == "hf-tensor" else [input_scale])
+    if layout.startswith("hf"):
+        config = {"quant_method": "fp8", "activation_scheme": "static" if input_scale else "dynamic"}
+        if layout == "hf-block":
+            config["weight_block_size"] = [block, block]
+        if skip:
+            config["modules_to_not_convert"] = list(skip)
+    else:
+        strategy = layout.removeprefix("ct-")
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+        if strategy == "block":
+            weights["block_structure"] = [block, block]
+        activations = ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+                       if input_scale else
+                       {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True})
+        config = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                "input_activations": activations}},
+                  "ignore": ["lm_head", *(f"re:.*{s}" for s in skip)], "quantization_status": "compressed"}
+    return (_save(model, path / layout, quantized, config), _save(model, path / f"{layout}-dense", dense, None))

@@ -1,0 +1,26 @@
+"""benchmarks/structured_outputs.py --smoke on the CPU: every section runs on a tiny Qwen3 with the real model's
+151,936-token vocabulary under SmolLM2's 49,152-token tokenizer, and every finished output validates."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_writes_every_measurement_and_its_outputs_validate(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/structured_outputs.py"), "--smoke",
+                             "--num-requests", "4", "--output-len", "64", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "structured_outputs.json").read_text())
+    for key in ("compile: cold, 4 schemas", "compile: cached (same spec again)", "ratio: structured, cached grammars",
+                "mask: total per step", "throughput: unconstrained, structured run's lengths"):
+        assert key in results, sorted(results)
+    assert "failed:" not in results["compile: cold, 4 schemas"]
+    for run in ("cold", "cached"):
+        line = results[f"validate: {run} run"]
+        stopped, failed, cut = map(int, re.match(r"(\d+) finished with stop, (\d+) .*; (\d+) cut", line).groups())
+        assert failed == 0 and stopped + cut == 4, line

@@ -1,0 +1,104 @@
+"""The default model served from its Q4_1 blocks kept quantized (layers.quant.gguf), against the same file
+dequantized at load (the session's smollm2_llm engine, gguf_dequantize=True).
+
+The two hold the same weight values (tested exactly below): the kernel only sums the products in another
+order and regroups each block's scale and offset, so the logits differ by float32 rounding. Measured on
+the fixed text (2026-12-02, 2-core Xeon, float32): top-1 agreement 1.000 over 81 positions, KL below
+0.00005 nats everywhere (printed as 0.0000). The bounds (top-1 >= 0.99, mean KL <= 1e-5, max KL <= 1e-3)
+leave room for another CPU's rounding; a wrong block decoding, row permutation or part offset changes the
+predictions far past them (the FP8 test's wrong-scale case moves KL to ~0.1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.quant_quality import quant_quality
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a screw press adapted from wine making. Within fifty years "
+        "presses were running in more than two hundred European cities, and the price of books fell sharply. "
+        "Scholars could compare identical copies of a text for the first time, which changed how knowledge "
+        "was checked, corrected and shared across the continent.")
+
+
+def model_of(llm: LLM):
+    return llm.engine.core.executor.driver_worker.model
+
+
+@pytest.fixture(scope="module")
+def kept_llm(smollm2_path):
+    llm = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="float32")
+    yield llm
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_linear_layers_keep_their_blocks(kept_llm, smollm2_llm):
+    layer = model_of(kept_llm).model.layers[0]
+    qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+    assert qkv.gguf_runs == [(3, 0, 576 + 2 * 192)]  # q, k, v all Q4_1: one run, one GEMM
+    assert qkv.qweight0.dtype == torch.uint8 and qkv.qweight0.shape == (960, 576 // 32 * 20)
+    assert down.qweight0.shape == (576, 1536 // 32 * 20)
+    dense = model_of(smollm2_llm).model.layers[0].self_attn.qkv_proj  # the opt-out: float32 as before
+    assert dense.weight.dtype == torch.float32 and dense.weight.shape == (960, 576)
+
+
+def test_blocks_dequantize_to_the_dense_weights(kept_llm, smollm2_llm):
+    """The kept blocks (q/k rows permuted as whole rows by the loader, parts fused) mean exactly the weights
+    the dequantizing load gives."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    for index in (0, 17):
+        kept, dense = model_of(kept_llm).model.layers[index], model_of(smollm2_llm).model.layers[index]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            blocks = kept.get_submodule(name).qweight0.numpy()
+            values = dequantize(blocks, GGMLQuantizationType.Q4_1)
+            np.testing.assert_array_equal(values, dense.get_submodule(name).weight.numpy(), err_msg=name)
+
+
+def test_predictions_match_the_dequantized_model(kept_llm, smollm2_llm, smollm2_tokenizer):
+    token_ids = smollm2_tokenizer(TEXT).input_ids
+    quality = quant_quality(smollm2_llm, kept_llm, token_ids)
+    print(f"GGUF kept quantized vs dequantized at load: {quality}")
+    assert quality.top1_agreement >= 0.99
+    assert quality.mean_kl <= 1e-5 and quality.max_kl <= 1e-3
+
+
+def test_greedy_generation(kept_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    text = kept_llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in text
+
+
+def test_batched_decode_matches_single(kept_llm):
+    """Rows 1-2 take the kernel's fused path, more rows its tiles: the same tokens either way."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "Water boils at", "The largest planet is", "One, two, three,",
+               "My favourite colour is"]
+    alone = [kept_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in kept_llm.generate(prompts, params, use_tqdm=False)]
+    assert together == alone
+
+
+def test_gguf_dequantize_conflicts_with_quantization_gguf(smollm2_path):
+    with pytest.raises(ValueError, match="gguf_dequantize"):
+        LLM(smollm2_path, quantization="gguf", gguf_dequantize=True, skip_tokenizer_init=True)
+
+
+def test_bfloat16_takes_both_paths_and_matches_the_dequantized_model(smollm2_path, smollm2_tokenizer):
+    """bfloat16 (dtype auto on CPUs with bfloat16 units): decode rows (< 16) on the quantized kernel, the
+    prompt's rows on the kept dense copy; both against the dequantized bfloat16 model."""
+    from tokenmill.layers.quant.gguf import DENSE_GEMM_ROWS_BF16
+
+    token_ids = smollm2_tokenizer(TEXT)["input_ids"]
+    assert len(token_ids) > DENSE_GEMM_ROWS_BF16
+    kept = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16")
+    dense = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16", gguf_dequantize=True)
+    quality = quant_quality(dense, kept, token_ids)
+    # The same bfloat16 weights; the rows take oneDNN's bfloat16 GEMM in both engines.
+    assert quality.top1_agreement >= 0.99 and quality.mean_kl < 1e-4, quality
+    out = kept.generate(["The capital of France is"], None, use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in out

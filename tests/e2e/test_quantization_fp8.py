@@ -1,0 +1,137 @@
+"""FP8 weights (layers.quant.fp8) through the real engine on the CPU, where the same W8A8 math runs in float32.
+
+Each checkpoint layout is compared with its dequantized dense twin (what the checkpoint means: a misread
+layout, scale or exclusion changes the predictions far beyond the bounds), and online quantization of the
+real default model with the unquantized model, on a fixed text.
+
+Bounds. e4m3 keeps 3 mantissa bits: each weight and activation is off by up to 1/16 of its value, about
+1/30 on average, and the errors of a dot product's terms are independent, so a logit moves by a few percent
+of its spread. On SmolLM2 (measured 2026-12-02: KL 0.017 nats, top-1 0.914 over 81 positions; the CPU run is
+deterministic) the bounds leave room for another platform's rounding, while a wrong scale (a factor of 2 on
+one layer's down projection, test below) moves the KL by an order of magnitude. The tiny random models
+have HF's initial weights (a larger spread makes two random layers chaotic: any rounding flips tokens) and an
+LM head scaled up so that their next-token distributions are peaked as a trained model's (measured: KL
+~0.003 against the dequantized twin, top-1 ~0.95).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.e2e.quant_checkpoints import write_fp8
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.quant_quality import quant_quality
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a screw press adapted from wine making. Within fifty years "
+        "presses were running in more than two hundred European cities, and the price of books fell sharply. "
+        "Scholars could compare identical copies of a text for the first time, which changed how knowledge "
+        "was checked, corrected and shared across the continent.")
+
+
+def tiny_model(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # peaked next-token distributions, so top-1 is not a coin toss between near ties
+        model.lm_head.weight.mul_(40)
+    return model
+
+
+def engine(path: str, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", kv_cache_space=0.05, max_model_len=256, skip_tokenizer_init=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(), tmp_path_factory.mktemp("fp8")
+
+
+TINY_TEXT = list(range(3, 200, 3))  # token ids of a fixed "text" for the tiny model
+
+
+@pytest.mark.parametrize("layout,input_scale", [
+    ("hf-block", None), ("hf-tensor", None), ("hf-tensor", 0.05), ("ct-channel", None), ("ct-block", None),
+    ("ct-tensor", 0.05),
+])
+def test_fp8_checkpoint_layouts_mean_what_their_dequantized_twin_means(tiny, layout, input_scale):
+    model, root = tiny
+    quantized, dense = write_fp8(model, root / f"{layout}-{input_scale}", layout, input_scale=input_scale)
+    quality = quant_quality(engine(dense), engine(quantized), TINY_TEXT)
+    # Weights are identical by construction: what is left is the activations' rounding to e4m3.
+    assert quality.top1_agreement >= 0.9 and quality.mean_kl < 0.01, quality
+
+
+def test_modules_to_not_convert_stay_dense(tiny):
+    model, root = tiny
+    quantized, dense = write_fp8(model, root / "skip", "hf-block", skip=("down_proj",))
+    llm = engine(quantized)
+    layers = llm.engine.core.executor.driver_worker.model.model.layers
+    assert layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    quality = quant_quality(engine(dense), llm, TINY_TEXT)
+    assert quality.top1_agreement >= 0.9 and quality.mean_kl < 0.01, quality
+
+
+def test_a_misread_scale_would_fail_these_bounds(tiny):
+    """The bounds above can fail: the same checkpoint with one layer's scales doubled is far off."""
+    from safetensors.torch import load_file, save_file
+
+    model, root = tiny
+    quantized, dense = write_fp8(model, root / "broken", "ct-channel")
+    tensors = load_file(f"{quantized}/model.safetensors")
+    for name in list(tensors):
+        if name.endswith("mlp.down_proj.weight_scale"):
+            tensors[name] = tensors[name] * 2
+    save_file(tensors, f"{quantized}/model.safetensors")
+    quality = quant_quality(engine(dense), engine(quantized), TINY_TEXT)
+    assert quality.mean_kl > 0.05, quality
+
+
+def test_online_fp8_of_the_default_model_stays_close_to_it(smollm2_llm, smollm2_path, smollm2_tokenizer):
+    token_ids = smollm2_tokenizer(TEXT)["input_ids"]
+    fp8 = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="float32", quantization="fp8")
+    quality = quant_quality(smollm2_llm, fp8, token_ids)
+    print(f"SmolLM2-135M online fp8 vs float32: {quality}")
+    assert quality.top1_agreement >= 0.85 and quality.mean_kl < 0.04, quality
+    # Greedy decoding runs end to end on it too.
+    out = fp8.generate(["The capital of France is"], None, use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in out
+
+
+def test_quantization_flag_conflicting_with_the_checkpoint_is_refused(tiny):
+    model, root = tiny
+    quantized, _ = write_fp8(model, root / "conflict", "ct-channel")
+    with pytest.raises(ValueError, match="leave --quantization out"):
+        engine(quantized, quantization="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["hf-block", "ct-channel", "hf-tensor"])
+def test_fp8_kernels_in_the_engine_on_the_gpu(tiny, layout):
+    """bfloat16 on CUDA: the Triton and cuBLASLt paths (decode rows, prefill rows) inside the real engine, with
+    CUDA graphs and async scheduling, against the dequantized twin in bfloat16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model, root = tiny
+    quantized, dense = write_fp8(model, root / f"gpu-{layout}", layout)
+
+    def gpu_engine(path):
+        return LLM(path, dtype="bfloat16", kv_cache_space=0.5, max_model_len=256, skip_tokenizer_init=True)
+
+    reference, candidate = gpu_engine(dense), gpu_engine(quantized)
+    quality = quant_quality(reference, candidate, TINY_TEXT)
+    print(f"{layout} on the GPU: {quality}")
+    assert quality.top1_agreement >= 0.85 and quality.mean_kl < 0.03, quality
+    # Decoding (skinny rows) agrees too: greedy continuations share a long prefix.
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": TINY_TEXT[:n]} for n in (5, 17, 40)]
+    ref = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in candidate.generate(prompts, params, use_tqdm=False)]
+    same = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got)]
+    print(f"greedy tokens equal before the first difference: {same} of 32")
+    assert sum(same) >= 32, same

@@ -1,0 +1,129 @@
+"""The integer-weight GEMMs (kernels.w4a16_gemm) against a float64 dequantize-then-matmul reference.
+
+Shapes cover decode (1, 7, 16 rows: the skinny kernel) and prefill (100 rows: the tiled one), group sizes
+32, 64, 128 and per-channel, symmetric and asymmetric, act-order, 4 and 8 bits, and both ways a step meets
+its scales (one per column, or gathered per feature). The cases marked `interpret` run on the CPU under
+TRITON_INTERPRET=1 (small shapes); the rest need the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tokenmill.layers.quant.w4a16 import pack_int32
+
+sys.path.insert(0, os.path.dirname(__file__))
+import cases  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+interpret = pytest.mark.interpret
+
+
+def make_case(rows: int, n: int, k: int, group: int, bits: int, sym: bool, act_order: bool, dtype, device,
+              seed: int = 0):
+    """Random integers, fp16 scales and zeros in the kernels' layout, and the float64 reference output."""
+    g = torch.Generator().manual_seed(seed)
+    levels = 1 << bits
+    q = torch.randint(0, levels, (n, k), generator=g, dtype=torch.int32)
+    groups = 1 if group == 0 else k // group
+    scale = (torch.rand(n, groups, generator=g) * 0.02 + 0.005).half()
+    zero = None if sym else torch.randint(0, levels, (n, groups), generator=g).half()
+    perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
+    x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, :k]  # a strided view, as real activations can be
+    size = k // groups
+    w = (q.double() - (levels // 2 if zero is None else zero.double().repeat_interleave(size, 1)))
+    w = w * scale.double().repeat_interleave(size, 1)
+    xs = x.double() if perm is None else x.double()[:, perm.long()]
+    ref = xs @ w.T
+    on = (lambda t: None if t is None else t.to(device))
+    return (x.to(device), pack_int32(q, bits, dim=1).to(device), scale.to(device), on(zero), on(perm)), ref
+
+
+def run(fn, rows, n, k, group, bits, sym, act_order, dtype, device, **kw) -> float:
+    args, ref = make_case(rows, n, k, group, bits, sym, act_order, dtype, device)
+    out = fn(*args, bits, **kw)
+    assert out.shape == ref.shape and out.dtype == dtype
+    return cases.rel_error(out.cpu(), ref)
+
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def skip_bf16_interpreted(device, dtype):
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's tl.dot takes bfloat16's bits for integers")
+
+
+def shape(device) -> tuple[int, int]:
+    # n, k not multiples of the tiles (masked edges), k a multiple of 128 (every group size); a quarter
+    # under the interpreter.
+    return (4096 + 40, 4096) if device == "cuda" else (200, 256)
+
+
+INTERPRETED = {(7, 128, True, False, 4), (7, 32, False, True, 4), (16, 0, False, False, 4), (1, 64, True, True, 8),
+               (100, 128, False, True, 4), (100, 32, True, False, 4), (100, 0, True, False, 8),
+               (16, 64, False, True, 4), (1, 0, False, True, 4)}
+
+
+def params():
+    out = []
+    for rows in (1, 7, 16, 100):
+        for group in (32, 64, 128, 0):
+            for sym in (True, False):
+                for act_order in (False, True):
+                    for bits in (4, 8):
+                        key = (rows, group, sym, act_order, bits)
+                        marks = [interpret] if key in INTERPRETED else []
+                        out.append(pytest.param(*key, marks=marks, id=f"rows{rows}-g{group or 'ch'}-"
+                                                f"{'sym' if sym else 'asym'}{'-act' if act_order else ''}-int{bits}"))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,group,sym,act_order,bits", params())
+def test_int_weight_gemm(device, dtype, rows, group, sym, act_order, bits):
+    from tokenmill.kernels.w4a16_gemm import int_weight_gemm
+
+    skip_bf16_interpreted(device, dtype)
+    n, k = shape(device)
+    assert run(int_weight_gemm, rows, n, k, group, bits, sym, act_order, dtype, device) < cases.TOLERANCE[dtype]
+
+
+# The other way each kernel meets its scales: the skinny kernel's 64-wide steps inside group 128 (one scale per
+# column; its default is 128), the tiled kernel's 64-wide steps over group 32 (gathered; its default is 32).
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel,rows,group,config", [
+    pytest.param("skinny", 5, 128, (32, 64, 4, 2), marks=interpret),
+    pytest.param("skinny", 5, 64, (64, 256, 4, 2)),
+    pytest.param("tiled", 40, 32, (32, 64, 64, 4, 2), marks=interpret),
+    pytest.param("tiled", 300, 64, (128, 128, 128, 8, 3)),
+])
+def test_scale_step_layouts(device, dtype, kernel, rows, group, config):
+    from tokenmill.kernels.w4a16_gemm import skinny_int_gemm, tiled_int_gemm
+
+    skip_bf16_interpreted(device, dtype)
+    n, k = shape(device)
+    fn = skinny_int_gemm if kernel == "skinny" else tiled_int_gemm
+    assert run(fn, rows, n, k, group, 4, False, True, dtype, device, config=config) < cases.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])
+def test_layer_apply_on_the_device_matches_the_cpu_path(fmt):
+    """Each format's layer, repacked at load, through the kernels (GPU) and through the CPU path: one apply."""
+    from tests.e2e.int4_checkpoints import quantized_layer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if fmt == "ct":
+        pytest.importorskip("compressed_tensors")
+    layer_cpu, _ = quantized_layer(fmt, n=512, k=1024, group=128, sym=False, act_order=fmt == "gptq", device="cpu")
+    layer_gpu, _ = quantized_layer(fmt, n=512, k=1024, group=128, sym=False, act_order=fmt == "gptq", device="cuda")
+    for rows in (3, 77):
+        x = torch.randn(rows, 1024)
+        ref = layer_cpu(x.double().float()).double()
+        out = layer_gpu(x.to("cuda", torch.bfloat16))
+        assert cases.rel_error(out.cpu(), ref) < cases.TOLERANCE[torch.bfloat16]

@@ -1,0 +1,137 @@
+"""The CPU GGUF kernel (layers.quant.gguf_cpu) and method (layers.quant.gguf) against gguf's own `dequantize`.
+
+Blocks are written with gguf's `quantize` where it implements the type (Q4_0, Q4_1, Q8_0) and as random
+bytes with sane float16 scales otherwise (the K-quants: every bit pattern of their quants is a valid
+block), plus real tensors of the default model's file. The reference is the float64 product with gguf's
+dequantized values; the kernel sums float32 products, so it is held to a few float32 roundings of the
+sum of |x| |w| (the size a dot product's rounding error scales with).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
+
+from tokenmill.layers.quant import gguf_cpu
+from tokenmill.layers.quant.gguf_cpu import gguf_dequantize_cpu, gguf_gemm_cpu, load_kernel
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: GGUF layers are dequantized")
+
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# Byte offsets of the float16 fields in a block: (d[, dmin / m]) at the start, Q6_K's d at its end.
+_HALF_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_blocks(ggml_type: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row_bytes] uint8 of valid blocks: gguf's quantize of Gaussian weights where it has the type."""
+    try:
+        return quantize(rng.standard_normal((n, k)).astype(np.float32), ggml_type)
+    except NotImplementedError:
+        pass
+    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, (n * k // block, block_bytes), dtype=np.uint8)
+    for offset in _HALF_FIELDS[ggml_type]:
+        halves = rng.uniform(0.001, 0.05, len(raw)).astype(np.float16)
+        raw[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n, -1)
+
+
+def check_gemm(raw: np.ndarray, ggml_type: int, x: torch.Tensor) -> None:
+    w = dequantize(raw, GGMLQuantizationType(ggml_type)).astype(np.float64)
+    k = w.shape[1]
+    y = gguf_gemm_cpu(x, torch.from_numpy(np.array(raw)), int(ggml_type), k).double().numpy()
+    x64 = x.double().numpy()
+    expected, scale = x64 @ w.T, np.abs(x64) @ np.abs(w).T
+    assert np.all(np.abs(y - expected) <= 1e-6 * scale + 1e-30), np.max(np.abs(y - expected) / scale)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf_exactly(ggml_type):
+    raw = random_blocks(ggml_type, 37, 512, np.random.default_rng(0))
+    got = gguf_dequantize_cpu(torch.from_numpy(raw), int(ggml_type), 512).numpy()
+    np.testing.assert_array_equal(got, dequantize(raw, ggml_type))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 64])  # the fused decode path (<= 2 rows), tiles and their edges
+@pytest.mark.parametrize("n,k", [(37, 256), (8, 768)])
+def test_gemm_matches_float64_reference(ggml_type, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n)
+    check_gemm(random_blocks(ggml_type, n, k, rng), ggml_type, torch.from_numpy(rng.standard_normal((m, k))).float())
+
+
+def test_gemm_on_the_default_models_tensors(smollm2_path):
+    from gguf import GGUFReader
+
+    reader = GGUFReader(smollm2_path)
+    tensors = {t.name: t for t in reader.tensors}
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    for name, rows in (("blk.0.attn_q.weight", None), ("blk.3.ffn_gate.weight", None), ("token_embd.weight", 300)):
+        tensor = tensors[name]
+        raw = np.ascontiguousarray(tensor.data[:rows])
+        for m in (1, 3):
+            check_gemm(raw, int(tensor.tensor_type), x[:m].contiguous())
+
+
+def test_gemm_writes_into_a_column_slice():
+    """A fused layer's runs write their slices of one output in place (row stride = the whole output)."""
+    rng = np.random.default_rng(1)
+    raw = random_blocks(T.Q4_1, 12, 256, rng)
+    x = torch.from_numpy(rng.standard_normal((5, 256))).float()
+    out = torch.full((5, 20), 7.0)
+    gguf_gemm_cpu(x, torch.from_numpy(raw), int(T.Q4_1), 256, out=out[:, 4:16])
+    torch.testing.assert_close(out[:, 4:16], gguf_gemm_cpu(x, torch.from_numpy(raw), int(T.Q4_1), 256))
+    assert (out[:, :4] == 7).all() and (out[:, 16:] == 7).all()
+
+
+# -- the method: fused parts of mixed types, the prefill path, the fallback -----------------------------
+def mixed_qkv_layer(dtype: torch.dtype):
+    """A QKV layer whose q, k, v come as Q4_1, Q8_0 and Q6_K blocks (as llama.cpp's mixed recipes give them),
+    and the float64 weight they mean."""
+    from tokenmill.layers.linear import QKVParallelLinear
+    from tokenmill.layers.quant.gguf import GGUFLinearMethod, tag_ggml
+
+    rng = np.random.default_rng(2)
+    layer = QKVParallelLinear(hidden_size=256, head_dim=32, num_heads=4, num_kv_heads=2)
+    layer.set_quant_method(GGUFLinearMethod())
+    layer.params_dtype = dtype
+    dense = []
+    for shard, ggml_type, rows in (("q", T.Q4_1, 128), ("k", T.Q8_0, 64), ("v", T.Q6_K, 64)):
+        raw = random_blocks(ggml_type, rows, 256, rng)
+        layer.weight.weight_loader(layer.weight, tag_ggml(torch.from_numpy(raw), int(ggml_type)), shard)
+        dense.append(dequantize(raw, ggml_type).astype(np.float64))
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer, torch.from_numpy(np.concatenate(dense))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 200])  # fused decode path, tiles, dequantized tile for prefill
+def test_fused_layer_of_mixed_types(rows):
+    layer, weight = mixed_qkv_layer(torch.float32)
+    assert [run[0] for run in layer.gguf_runs] == [int(T.Q4_1), int(T.Q8_0), int(T.Q6_K)]
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    y, expected = layer(x).double(), x.double() @ weight.T
+    torch.testing.assert_close(y, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_bfloat16_activations():
+    layer, weight = mixed_qkv_layer(torch.bfloat16)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    expected = x.double() @ weight.T
+    torch.testing.assert_close(y.double(), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))
+
+
+def test_without_a_compiler_the_weights_are_dequantized_once(monkeypatch):
+    import tokenmill.layers.quant.gguf as gguf_method
+
+    monkeypatch.setattr(gguf_method, "load_kernel", lambda: None)
+    monkeypatch.setattr(gguf_cpu, "load_kernel", lambda: None)
+    layer, weight = mixed_qkv_layer(torch.float32)
+    assert layer.gguf_runs is None and layer.weight.dtype == torch.float32
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    expected = x.double() @ weight.T
+    torch.testing.assert_close(layer(x).double(), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))

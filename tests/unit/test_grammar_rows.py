@@ -1,0 +1,125 @@
+"""GrammarRows (structured/matchers.py), the batched path, against one plain xgrammar matcher per row replaying
+the row's output: the same logits masked in every case the engine meets (new tokens one per row or several,
+drafts accepted, a draft the grammar refuses, a terminated matcher, a row without a grammar in the batch, a
+row reused by another request), over two steps so the double-buffered host masks are each used."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.matchers import GrammarRows, unpack_bitmask
+from tokenmill.worker.request_state import RequestStates
+
+xgr = pytest.importorskip("xgrammar")
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "benchmarks/models/smollm2-tokenizer"
+SPECS = {0: StructuredOutputsParams(json={"type": "object", "properties": {"name": {"type": "string"}},
+                                          "required": ["name"], "additionalProperties": False}),
+         1: StructuredOutputsParams(regex=r"(yes|no), because [a-z ]{3,30}\."),
+         2: StructuredOutputsParams(choice=["Paris", "London"]),
+         3: StructuredOutputsParams(grammar='root ::= "ok"'),
+         5: StructuredOutputsParams(choice=["a", "b"])}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), num_threads=1)
+    yield tokenizer, compiler
+    compiler.shutdown()
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def reference(compiler, tokenizer, spec, output: list[int], drafts: list[int], width: int) -> torch.Tensor:
+    """[1 + drafts, width] allowed: a fresh matcher through the output, then walking the drafts."""
+    matcher = xgr.GrammarMatcher(compiler.get(spec), override_stop_tokens=[tokenizer.eos_token_id])
+    for token in output:
+        matcher.accept_token(token)
+    bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
+    everything = unpack_bitmask(torch.full_like(bitmask, -1), width)  # the tokenizer's whole vocabulary
+    masks = []
+    for position in range(len(drafts) + 1):
+        if matcher.is_terminated():
+            masks.append(everything)
+        else:
+            matcher.fill_next_token_bitmask(bitmask)
+            masks.append(unpack_bitmask(bitmask, width))
+        if position < len(drafts) and (matcher.is_terminated() or not matcher.accept_token(drafts[position])):
+            masks += [everything] * (len(drafts) - position)
+            break
+    return torch.cat(masks)
+
+
+@pytest.mark.parametrize("path", ["torch", pytest.param("kernel", marks=pytest.mark.interpret),
+                                  pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_batched_masks_are_the_per_row_matchers(setup, path, monkeypatch):
+    """`kernel`: the Triton kernel's path (kernels/token_bitmask.py), under TRITON_INTERPRET=1 on the CPU;
+    `cuda`: the GPU's (pinned host masks, their non-blocking copy, the kernel)."""
+    tokenizer, compiler = setup
+    device = torch.device("cpu")
+    if path == "kernel":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the kernel's path on the CPU needs TRITON_INTERPRET=1")
+        monkeypatch.setattr("tokenmill.structured.matchers.use_triton", lambda x: True)
+    if path == "cuda":
+        if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+            pytest.skip("needs a CUDA device")
+        device = torch.device("cuda")
+    eos = frozenset([tokenizer.eos_token_id])
+    states = RequestStates(8, 64, 4)
+    grammar_rows = GrammarRows(compiler, len(tokenizer), device)
+    outputs = {0: encode(tokenizer, '{"name": "'), 1: encode(tokenizer, "yes"), 2: [], 3: encode(tokenizer, "ok"),
+               4: [], 5: []}
+    outputs[3].append(tokenizer.eos_token_id)  # terminated
+    for row, output in outputs.items():
+        prompt = [1, 2, 3]
+        states.token_ids[row, : 3 + len(output)] = prompt + output
+        states.num_prompt_tokens[row], states.num_tokens[row] = 3, 3 + len(output)
+        states.sampling_params[row] = SamplingParams(structured_outputs=SPECS.get(row))
+        if row in SPECS:
+            grammar_rows.add(row, states, eos)
+    states.row_generation[5] += 1  # row 5 now serves a request without a grammar
+    width = len(tokenizer) + 64  # logits wider than the tokenizer's vocabulary
+
+    def step(rows: list[int], drafts: dict[int, list[int]]) -> None:
+        num_drafts = np.array([len(drafts.get(row, [])) for row in rows])
+        for row in rows:  # drafts sit after the row's tokens
+            states.token_ids[row, states.num_tokens[row] : states.num_tokens[row] + len(drafts.get(row, []))] = \
+                drafts.get(row, [])
+        rows_array = np.array(rows)
+        constrained = grammar_rows.constrained(rows_array, states)
+        assert [rows[i] for i in constrained] == [row for row in rows if row in SPECS and row != 5]
+        counts = 1 + num_drafts
+        logits = torch.randn(int(counts.sum()), width)
+        expected = logits.clone()
+        first = np.cumsum(counts) - counts
+        for i in constrained:
+            row = rows[i]
+            allowed = reference(compiler, tokenizer, SPECS[row], outputs[row], drafts.get(row, []), width)
+            expected[first[i] : first[i] + counts[i]] = expected[first[i] : first[i] + counts[i]].masked_fill(
+                ~allowed, float("-inf"))
+        on_device = logits.to(device)
+        grammar_rows.apply(on_device, rows_array, first, num_drafts, states, constrained)
+        assert torch.equal(on_device.cpu(), expected)
+
+    # Step 1: several new tokens per row (a replay), drafts accepted (row 1) and refused (row 2's first).
+    step([4, 0, 1, 2, 3, 5], {1: encode(tokenizer, ", because"), 2: encode(tokenizer, "Rome")[:1] + [5, 6]})
+    # Step 2: one new token per row (the batched accept), no drafts.
+    for row, text in ((0, "Al"), (1, ","), (2, "Par")):
+        token = encode(tokenizer, text)[0]
+        outputs[row].append(token)
+        states.token_ids[row, states.num_tokens[row]] = token
+        states.num_tokens[row] += 1
+    step([0, 1, 2, 4], {})
+    step([0, 2], {0: encode(tokenizer, 'ice"}')})  # back to the first host buffer; drafts up to the end
+    step([0, 4, 1], {})  # logits rows 0 and 2: not consecutive

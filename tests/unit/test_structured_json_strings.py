@@ -1,0 +1,125 @@
+"""Length-bounded JSON strings (minLength/maxLength) under tokenmill's grammars: xgrammar 0.2.9 alone lets raw
+control characters (U+0000-U+001F) into them, which JSON forbids (structured/grammar.py fixes its grammar).
+Random walks with the real tokenizer, each token drawn uniformly among those the mask allows (what a model
+with dummy weights does): no allowed token ever holds a control character, and every finished output parses
+and validates with jsonschema."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.grammar import build_grammar
+from tokenmill.structured.matchers import unpack_bitmask
+
+xgr = pytest.importorskip("xgrammar")
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "benchmarks/models/smollm2-tokenizer"
+SCHEMA = {"type": "object", "properties": {
+    "code": {"type": "string", "maxLength": 8},
+    "name": {"type": "string", "minLength": 2, "maxLength": 12},
+    "note": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 10}, {"type": "null"}]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 3}},
+    "required": ["code", "name", "note", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+def control_tokens(tokenizer) -> np.ndarray:
+    has = np.array([any(ord(c) < 0x20 for c in tokenizer.decode([i])) for i in range(len(tokenizer))])
+    assert has.sum() > 20  # the tokenizer has such tokens: the test can fail
+    return has
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """[vocab_size] bool of a one-row bitmask (bit b of word w = token 32 w + b; little-endian words)."""
+    return np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+def test_xgrammar_alone_lets_control_characters_into_bounded_strings(tokenizer):
+    """Why the fix exists; when an xgrammar release fixes it, this fails and the fix can go."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema('{"type": "string", "maxLength": 8}',
+                                                             any_whitespace=False)
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string('"')
+    bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(bitmask)
+    assert (allowed_tokens(bitmask, len(tokenizer)) & control_tokens(tokenizer)).any()
+    assert np.array_equal(allowed_tokens(bitmask, len(tokenizer)), unpack_bitmask(bitmask, len(tokenizer))[0].numpy())
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "minLength": 3, "maxLength": 8}, SCHEMA])
+def test_bounded_strings_never_allow_a_control_character_and_outputs_validate(tokenizer, schema):
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), num_threads=1)
+    try:
+        compiled = compiler.get(StructuredOutputsParams(json=schema))
+    finally:
+        compiler.shutdown()
+    control = control_tokens(tokenizer)
+    eos = tokenizer.eos_token_id
+    bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
+    rng = np.random.default_rng(0)
+    finished = 0
+    for _ in range(8):
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[eos])
+        tokens = []
+        for _ in range(150):
+            matcher.fill_next_token_bitmask(bitmask)
+            allowed = allowed_tokens(bitmask, len(tokenizer))
+            assert not (allowed & control).any(), tokenizer.decode(tokens)
+            token = int(rng.choice(np.flatnonzero(allowed)))
+            assert matcher.accept_token(token)
+            if token == eos:
+                break
+            tokens.append(token)
+        if matcher.is_terminated():
+            finished += 1
+            jsonschema.validate(json.loads(tokenizer.decode(tokens)), schema)
+    assert finished >= 6, finished
+
+
+def test_bounded_strings_keep_their_bounds_and_refuse_control_characters():
+    info = xgr.TokenizerInfo([f"<{i}>" for i in range(8)])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(
+        build_grammar(StructuredOutputsParams(json={"type": "string", "minLength": 2, "maxLength": 3})))
+    for text, valid in [('"ab"', True), ('"a"', False), ('"abcd"', False), ('"é🙂"', True), ('"a\tb"', False),
+                        ('"a\x00b"', False), ('"a\x1fb"', False), ('"a\nb"', False), ('"a"b"', False)]:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        assert (matcher.accept_string(text) and matcher.is_terminated()) == valid, repr(text)
+        if valid:
+            jsonschema.validate(json.loads(text), {"type": "string", "minLength": 2, "maxLength": 3})
+
+
+def test_the_fix_keeps_xgrammars_fast_masks(tokenizer):
+    """A mask inside a bounded string stays one of xgrammar's precomputed ones (an alternative in the repeated
+    character, escapes say, would check most of the vocabulary at every fill: ~1,000x slower)."""
+    import time
+
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), num_threads=1)
+    try:
+        compiled = {kind: compiler.get(StructuredOutputsParams(json={"type": "string", **bounds}))
+                    for kind, bounds in (("bounded", {"maxLength": 24}), ("plain", {}))}
+    finally:
+        compiler.shutdown()
+    bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
+    seconds = {}
+    for kind, grammar in compiled.items():
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string('"ab')
+        matcher.fill_next_token_bitmask(bitmask)
+        start = time.perf_counter()
+        for _ in range(20):
+            matcher.fill_next_token_bitmask(bitmask)
+        seconds[kind] = time.perf_counter() - start
+    assert seconds["bounded"] < 5 * seconds["plain"] + 0.01, seconds

@@ -1,0 +1,58 @@
+"""C kernels for the CPU, compiled on first use with the system C compiler and loaded with ctypes.
+
+A library is built into the tokenmill cache folder, keyed by a hash of its source, the flags and the CPU
+(a -march=native build must not be reused on another CPU), so a process builds it once per machine and
+source version. OpenMP calls land in the libgomp torch already loaded: kernels share torch's thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
+
+
+def cpu_signature() -> str:
+    """The CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _build(path: str, source_text: str, flags: list[str]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
+        source = os.path.join(tmp, "kernel.c")
+        with open(source, "w") as f:
+            f.write(source_text)
+        built = os.path.join(tmp, "kernel.so")
+        compiler = os.environ.get("CC", "cc")
+        subprocess.run([compiler, *flags, source, "-o", built], check=True, capture_output=True, text=True)
+        os.replace(built, path)  # atomic: processes building at once each install a whole file
+
+
+def compile_library(name: str, source: str, flags: list[str] = FLAGS) -> ctypes.CDLL:
+    """The library built from `source`; raises OSError or subprocess.CalledProcessError where no compiler
+    works (callers fall back to torch and say so: build_error_message)."""
+    from tokenmill.default_model import cache_dir
+
+    key = hashlib.sha256("\0".join([source, *flags, cpu_signature()]).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), "cpu_kernels", f"{name}_{key}.so")
+    if not os.path.exists(path):
+        _build(path, source, flags)
+    return ctypes.CDLL(path)
+
+
+def build_error_message(error: Exception) -> str:
+    """The compiler's first error line (else its last line, or the error itself)."""
+    lines = str(getattr(error, "stderr", None) or error).strip().splitlines()
+    errors = [line for line in lines if "error" in line]  # gcc's last line is often a caret under code
+    return (errors or lines or [repr(error)])[0 if errors else -1]

@@ -1,0 +1,84 @@
+"""Executor: what the engine core drives its steps through, however many ranks run them.
+
+The core never builds a worker: it asks the executor to size and allocate the KV pool, then hands
+it one SchedulerOutput per step and gets back that step's output with the `result()` contract
+async scheduling relies on (result() waits for the tokens; execute_model returns before that).
+Every rank runs every call; only the driver rank's (rank 0's) results come back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from transformers import PretrainedConfig
+
+from tokenmill.config import EngineConfig
+from tokenmill.kv_cache.sizing import KVCacheSpec
+from tokenmill.scheduler.draft_budget import StepCost
+from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
+from tokenmill.worker.worker import Worker
+
+
+class Executor(ABC):
+    driver_worker: Worker
+    """Rank 0, in the engine core's process: its outputs are the engine's."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.driver_worker.device
+
+    @property
+    def max_verify_tokens(self) -> int:
+        return self.driver_worker.max_verify_tokens
+
+    @abstractmethod
+    def determine_kv_cache_spec(self) -> KVCacheSpec:
+        """The KV pool every rank can hold: the fewest blocks over the ranks (each rank's shape is the same)."""
+
+    @abstractmethod
+    def initialize_cache(self, spec: KVCacheSpec) -> None: ...
+
+    @abstractmethod
+    def measure_step_cost(self) -> StepCost: ...
+
+    @abstractmethod
+    def enable_structured_outputs(self, compiler: GrammarCompiler) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
+        """Launch the step on every rank; result() on the return value waits for rank 0's output."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes (if any); idempotent."""
+
+
+def check_tensor_parallel(hf_config: PretrainedConfig, tp_size: int) -> None:
+    """Refuse, at start-up, a model whose heads or features the ranks cannot split evenly."""
+    if tp_size == 1:
+        return
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} attention heads")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} key-value heads must divide "
+                         f"one another (kv heads are split, or replicated when fewer than the ranks)")
+    if hf_config.intermediate_size % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the MLP's intermediate size "
+                         f"{hf_config.intermediate_size}")
+
+
+def make_executor(config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> Executor:
+    parallel = config.parallel_config
+    check_tensor_parallel(hf_config, parallel.tensor_parallel_size)
+    if parallel.distributed_executor_backend == "mp":
+        from tokenmill.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, hf_config, max_model_len)
+    from tokenmill.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config, hf_config, max_model_len)

@@ -1,0 +1,222 @@
+"""MultiprocExecutor: one process per tensor-parallel rank on this host.
+
+Rank 0 (the driver) runs in the engine core's own process, so its step output is today's PendingOutput:
+no copy of the tokens between processes, and async scheduling overlaps exactly as with one rank. Ranks
+1..N-1 are child processes (`python -m tokenmill.executor.worker_proc`: plain subprocesses, since the
+server's engine-core process is a daemon, which multiprocessing forbids to have children).
+
+Each call goes to every rank over ZMQ (one PUSH socket per rank, ipc:// paths in a private temporary
+folder: no ports, no fixed names), pickled once. Why pickle over ZMQ: the SchedulerOutput is small (diffs
+after a request's first step), made of plain dataclasses that pickle in tens of microseconds, and the
+send returns at once (ZMQ's I/O thread delivers it) so the driver starts its own step without waiting
+for the others; the ranks then meet in the model's collectives. A shared-memory ring as in vLLM can
+replace the transport later behind the same `_send`.
+
+Failures: a rank that raises reports its traceback and exits; a rank that dies is noticed by a watchdog
+thread. The driver's next collective fails (gloo sees the closed connection at once; NCCL's group is
+aborted by the watchdog, since it would wait forever) and the step raises a RuntimeError naming the
+rank, which ends the engine (the server's restart path starts a new one). Shutdown stops every child,
+and a child whose parent died exits by itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import zmq
+from transformers import PretrainedConfig
+
+from tokenmill.config import EngineConfig
+from tokenmill.distributed.parallel_state import abort_distributed, destroy_distributed, get_tp_group
+from tokenmill.executor.base import Executor
+from tokenmill.kv_cache.sizing import KVCacheSpec
+from tokenmill.scheduler.draft_budget import StepCost
+from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
+from tokenmill.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+"""Longest a rank may take to start and load its shard."""
+_WATCH_INTERVAL_S = 0.2
+_POLL_MS = 100
+_STOP_GRACE_S = 5.0
+
+
+def addresses(folder: str, rank: int) -> tuple[str, str]:
+    """(the rank's inbox, every rank's outbox to the driver)."""
+    return f"ipc://{folder}/to-rank-{rank}", f"ipc://{folder}/to-driver"
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel rank raised or died: the engine cannot go on."""
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
+        self.world_size = config.parallel_config.world_size
+        if get_tp_group().world_size > 1:
+            raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first")
+        self._folder = tempfile.mkdtemp(prefix="tokenmill-tp-")
+        self._context = zmq.Context()
+        self._results = self._context.socket(zmq.PULL)
+        self._results.bind(addresses(self._folder, 0)[1])
+        self._inboxes: list[zmq.Socket] = []
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._failure: str | None = None
+        self._errors: dict[int, str] = {}
+        self._closed = threading.Event()
+        atexit.register(self.shutdown)
+        try:
+            self._start(config, hf_config, max_model_len)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
+        for rank in range(1, self.world_size):
+            inbox = self._context.socket(zmq.PUSH)
+            inbox.setsockopt(zmq.SNDHWM, 0)  # never block the driver on a slow (or dead) rank
+            inbox.setsockopt(zmq.LINGER, 0)
+            inbox.bind(addresses(self._folder, rank)[0])
+            self._inboxes.append(inbox)
+            self._procs[rank] = subprocess.Popen(
+                [sys.executable, "-m", "tokenmill.executor.worker_proc", self._folder, str(rank), str(os.getpid())])
+        threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
+        # Every rank says hello once it has imported and connected, so the driver never waits in the
+        # rendezvous for a rank that already died.
+        self._collect("hello")
+        init_method = f"file://{self._folder}/rendezvous"
+        self._send("init", config, hf_config, max_model_len, init_method)
+        self.driver_worker = Worker(config, hf_config, max_model_len, rank=0, distributed_init_method=init_method)
+        self._collect("result")
+        logger.info("tensor parallel: %d ranks ready (children %s)", self.world_size,
+                    ", ".join(str(p.pid) for p in self._procs.values()))
+
+    # -- the calls ---------------------------------------------------------------------------------
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Run worker.`method`(*args) on every rank at once; returns each rank's result, rank 0 first."""
+        self._send(method, *args)
+        try:
+            first = getattr(self.driver_worker, method)(*args)
+        except Exception as e:
+            self._raise_if_a_rank_failed(e)
+            raise
+        return [first, *self._collect("result")]
+
+    def determine_kv_cache_spec(self) -> KVCacheSpec:
+        specs = self.collective_rpc("determine_kv_cache_spec")
+        return min(specs, key=lambda spec: spec.num_blocks)
+
+    def initialize_cache(self, spec: KVCacheSpec) -> None:
+        self.collective_rpc("initialize_cache", spec)
+
+    def measure_step_cost(self) -> StepCost:
+        return self.collective_rpc("measure_step_cost")[0]
+
+    def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
+        # Every rank must mask alike, since every rank samples (and must sample the same tokens): the others
+        # get a compiler of their own (GrammarCompiler pickles as its recipe).
+        self.collective_rpc("enable_structured_outputs", compiler)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
+        """Every rank samples the same tokens from the same gathered logits (same seed, same RNG draws), so
+        each keeps its own rows right without being sent them; only rank 0's output is returned."""
+        self._send("execute_model", scheduler_output)
+        try:
+            return self.driver_worker.execute_model(scheduler_output)
+        except Exception as e:
+            self._raise_if_a_rank_failed(e)
+            raise
+
+    # -- transport ------------------------------------------------------------------------------------
+    def _send(self, method: str, *args: Any) -> None:
+        if self._failure is not None:
+            raise WorkerFailed(self._failure_message())
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for inbox in self._inboxes:
+            inbox.send(message, copy=False)
+
+    def _collect(self, kind: str) -> list[Any]:
+        """One `kind` message from every other rank, in rank order; raises if a rank fails meanwhile."""
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(results) < self.world_size - 1:
+            if self._failure is not None:
+                raise WorkerFailed(self._failure_message())
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"tensor-parallel ranks did not answer within {STARTUP_TIMEOUT_S:.0f} s")
+            if not self._results.poll(_POLL_MS):
+                continue
+            got, rank, value = pickle.loads(self._results.recv())
+            if got == "error":
+                self._errors[rank] = value
+                self._failure = self._failure or f"tensor-parallel rank {rank} raised"
+            elif got == kind:
+                results[rank] = value
+        return [results[rank] for rank in sorted(results)]
+
+    def _watch(self) -> None:
+        while not self._closed.wait(_WATCH_INTERVAL_S):
+            for rank, proc in self._procs.items():
+                code = proc.poll()
+                if code is not None:
+                    self._failure = self._failure or f"tensor-parallel rank {rank} (pid {proc.pid}) exited with " \
+                                                     f"code {code}"
+                    logger.error("%s", self._failure)
+                    if get_tp_group().backend == "nccl":
+                        abort_distributed()  # unblock the driver's collective: NCCL would wait forever
+                    return
+
+    def _raise_if_a_rank_failed(self, error: Exception) -> None:
+        """A failed collective on the driver is most likely a rank gone: name it (waiting a moment for the
+        watchdog to see the exit)."""
+        deadline = time.monotonic() + 2.0
+        while self._failure is None and time.monotonic() < deadline:
+            time.sleep(_WATCH_INTERVAL_S / 2)
+        if self._failure is not None:
+            raise WorkerFailed(self._failure_message()) from error
+
+    def _failure_message(self) -> str:
+        while self._results.poll(0):  # a rank that raised sent its traceback before exiting
+            got, rank, value = pickle.loads(self._results.recv())
+            if got == "error":
+                self._errors[rank] = value
+        details = "".join(f"\n--- rank {rank} ---\n{tb.rstrip()}" for rank, tb in sorted(self._errors.items()))
+        return f"{self._failure}; the engine cannot continue{details}"
+
+    # -- shutdown -----------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        atexit.unregister(self.shutdown)
+        for inbox in self._inboxes:
+            try:
+                inbox.send(pickle.dumps(("shutdown", ())), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()  # stuck in a collective with a rank that is gone
+                proc.wait()
+        for socket in (*self._inboxes, self._results):
+            socket.close(linger=0)
+        self._context.term()
+        destroy_distributed()
+        shutil.rmtree(self._folder, ignore_errors=True)

@@ -1,0 +1,84 @@
+"""Quantization methods of linear layers (the seam of STYLE.md section 9), and choosing them for a model."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from tokenmill.layers.quant.awq import AwqConfig
+from tokenmill.layers.quant.base import QuantConfig, QuantMethod
+from tokenmill.layers.quant.compressed_tensors import CompressedTensorsConfig
+from tokenmill.layers.quant.fp8 import Fp8Config
+from tokenmill.layers.quant.gguf import GGUFConfig
+from tokenmill.layers.quant.gptq import GptqConfig
+
+logger = logging.getLogger(__name__)
+
+# quant_method (as checkpoints and --quantization name it) -> its config class
+QUANT_CONFIGS: dict[str, type[QuantConfig]] = {
+    "fp8": Fp8Config,
+    "compressed-tensors": CompressedTensorsConfig,
+    "gptq": GptqConfig,  # checkpoints only: no online int4 (QuantConfig.online refuses)
+    "awq": AwqConfig,
+    "gguf": GGUFConfig,  # a .gguf file's own types: the loader gives it as the checkpoint's quant_method
+}
+
+__all__ = ["QUANT_CONFIGS", "QuantConfig", "QuantMethod", "quantize_linear_layers",
+           "process_weights_after_loading", "resolve_quant_config"]
+
+
+def resolve_quant_config(requested: str | None, checkpoint: dict[str, Any] | None) -> QuantConfig | None:
+    """The checkpoint's own format when it has one (`--quantization` may only name it again), else the
+    online method `--quantization` asks for, else None (dense)."""
+    if checkpoint is not None and not isinstance(checkpoint, dict):
+        checkpoint = checkpoint.to_dict()  # a transformers QuantizationConfig object
+    method = (checkpoint or {}).get("quant_method")
+    if method:
+        method = str(method).lower()
+        if requested not in (None, method):
+            raise ValueError(f"--quantization {requested} was given, but the checkpoint is quantized with "
+                             f"{method!r}: leave --quantization out to load it as it is")
+        if method not in QUANT_CONFIGS:
+            raise ValueError(f"the checkpoint is quantized with {method!r}, which tokenmill does not load "
+                             f"(supported: {', '.join(QUANT_CONFIGS)})")
+        return QUANT_CONFIGS[method].from_checkpoint(checkpoint)
+    if requested is None:
+        return None
+    if requested not in QUANT_CONFIGS:
+        raise ValueError(f"unknown quantization {requested!r} (supported: {', '.join(QUANT_CONFIGS)})")
+    return QUANT_CONFIGS[requested].online()
+
+
+def fused_part_names(layer_name: str, stacked_params: dict[str, tuple[str, str | int]]) -> list[str]:
+    """The checkpoint modules a (possibly fused) layer holds: model.x.qkv_proj -> model.x.{q,k,v}_proj."""
+    prefix, _, leaf = layer_name.rpartition(".")
+    parts = [ckpt for ckpt, (fused, _) in stacked_params.items() if fused == leaf] or [leaf]
+    return [f"{prefix}.{part}" if prefix else part for part in parts]
+
+
+def quantize_linear_layers(model: nn.Module, config: QuantConfig,
+                           stacked_params: dict[str, tuple[str, str | int]]) -> None:
+    """Give each linear layer its config's method (before the checkpoint loads), honouring exclusions."""
+    from tokenmill.layers.linear import LinearBase
+
+    quantized = kept = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        if config.is_ignored(name, fused_part_names(name, stacked_params)):
+            kept += 1
+            continue
+        module.set_quant_method(config.linear_method(name))
+        quantized += 1
+    logger.info("quantization: %s; %d linear layers quantized, %d kept unquantized (embeddings and LM head "
+                "stay in the model's dtype)", config.describe(), quantized, kept)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    from tokenmill.layers.linear import LinearBase
+
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)

@@ -1,0 +1,73 @@
+"""compressed-tensors checkpoints (`quant_method: "compressed-tensors"`, as llm-compressor writes them).
+
+Each config group names its target layers ("Linear", or module names and `re:` patterns) and how their
+weights and input activations are quantized. Supported formats: `float-quantized` (FP8 W8A8: tensor,
+channel or block weight scales; dynamic per-token or static per-tensor activations) and `pack-quantized`
+(W4A16 / W8A16 integer weights, layers.quant.w4a16). A group may name its own `format` (llm-compressor's
+`mixed-precision` checkpoints). Other formats are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.layers.quant.base import QuantConfig, QuantMethod, matches_any
+from tokenmill.layers.quant.compressed_tensors_packed import packed_method
+from tokenmill.layers.quant.fp8 import Fp8Config, Fp8LinearMethod, block_size_of
+from tokenmill.layers.quant.unquantized import UnquantizedLinearMethod
+
+SUPPORTED_FORMATS = ("float-quantized", "pack-quantized")
+
+
+class CompressedTensorsConfig(QuantConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, groups: list[tuple[list[str], QuantMethod]], ignored: list[str]) -> None:
+        super().__init__(ignored)
+        self.groups = groups
+
+    @classmethod
+    def from_checkpoint(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
+        groups = []
+        for name, group in (config.get("config_groups") or {}).items():
+            fmt = group.get("format") or config.get("format")
+            if fmt not in SUPPORTED_FORMATS:
+                raise ValueError(f"compressed-tensors format {fmt!r} is not supported (supported: "
+                                 f"{', '.join(SUPPORTED_FORMATS)})")
+            method = _float_method(name, group) if fmt == "float-quantized" else packed_method(name, group)
+            groups.append((list(group.get("targets") or ["Linear"]), method))
+        if not groups:
+            raise ValueError("compressed-tensors checkpoint without config_groups")
+        return cls(groups, list(config.get("ignore") or []))
+
+    def linear_method(self, layer_name: str) -> QuantMethod:
+        for targets, method in self.groups:
+            if "Linear" in targets or matches_any(layer_name, targets):
+                return method
+        return UnquantizedLinearMethod()
+
+
+def _float_method(group_name: str, group: dict[str, Any]) -> QuantMethod:
+    weights, activations = group.get("weights") or {}, group.get("input_activations")
+    what = f"compressed-tensors group {group_name!r}"
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise ValueError(f"{what}: weights of type {weights.get('type')!r} with {weights.get('num_bits')} bits "
+                         "in format float-quantized; only 8-bit float (fp8 e4m3) is supported")
+    strategy = weights.get("strategy")
+    if strategy not in ("tensor", "channel", "block"):
+        raise ValueError(f"{what}: weight strategy {strategy!r} is not supported (tensor, channel or block)")
+    block = block_size_of(weights.get("block_structure"), f"{what} block_structure") if strategy == "block" else 0
+    if strategy == "block" and not block:
+        raise ValueError(f"{what}: block strategy without block_structure")
+    static = False
+    if activations is not None:
+        if activations.get("type") != "float" or activations.get("num_bits") != 8:
+            raise ValueError(f"{what}: input activations must be 8-bit float in format float-quantized")
+        static = not activations.get("dynamic", False)
+        if static and activations.get("strategy") != "tensor":
+            raise ValueError(f"{what}: static input activations must be per tensor")
+        if block and static:
+            raise ValueError(f"{what}: block-wise weights with static activation scales are not supported")
+    config = Fp8Config(checkpoint_fp8=True, block=block, channel_scales=strategy == "channel",
+                       static_activations=static, block_scale_name="weight_scale")
+    return Fp8LinearMethod(config)

@@ -1,0 +1,199 @@
+"""GGUF linear weights kept in their GGML block types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), multiplied in place.
+
+The loader (model.loader.iter_gguf_weights) hands each linear layer the file's raw rows: a uint8 tensor
+[out_features, row_bytes] tagged with its GGML type (`ggml_type`), already row-permuted where llama.cpp's
+converter permuted q/k for its rotary layout (a permutation of whole output rows). Embeddings, the LM head
+(tied to the embedding in SmolLM2) and norms stay dense: one lookup table serves both, and the norms are
+F32 in every GGUF.
+
+A fused layer's parts (q/k/v, gate/up) may come in different types (llama.cpp's mixed "_M" recipes give v
+and down more bits): after loading, runs of consecutive parts of one type are concatenated into one blob,
+and each blob is one GEMM writing its slice of the output. A part that arrives dense (an F32/F16 tensor)
+is a dense run of its own.
+
+On the CPU the GEMM is layers.quant.gguf_cpu's C kernel. Without a compiler, or on a device without a
+quantized GEMM (the GPU: the loader does not pick this method there), the weights are dequantized once and
+multiplied densely: the same numbers, the dense path's speed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.quant.base import QuantConfig, QuantMethod
+from tokenmill.layers.quant.gguf_cpu import KERNEL_TYPES, gguf_dequantize_cpu, gguf_gemm_cpu, load_kernel
+from tokenmill.layers.quant.unquantized import dense_linear
+
+if TYPE_CHECKING:
+    from tokenmill.layers.linear import LinearBase
+
+logger = logging.getLogger(__name__)
+
+GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+QUANTIZED_TYPES = tuple(GGML_TYPE_NAMES)  # what the loader keeps quantized
+DENSE = -1  # a part's "type" when it arrived as a float tensor
+
+# From this many activation rows (prefill) the weight is dequantized into a dense tile for torch's GEMM,
+# whose bfloat16 rate (AMX where present) is several times the kernel's float32 rate.
+DENSE_GEMM_ROWS = 128
+# In bfloat16 the batched GEMM is oneDNN's (AVX512_BF16 / AMX) at twice the float32 kernel's rate and more:
+# from this many rows a dense bfloat16 copy, made on first use and kept (the memory the dequantized path
+# holds anyway), does the multiply; fewer rows stay on the memory-bound quantized kernel. Measured on the
+# 2-core development machine, SmolLM2 bfloat16: batch 1 kept/dequantized 1.25x, batch 64 0.68x with the
+# float32 kernel, 0.76x dequantizing per call, 1.0x with the kept copy.
+DENSE_GEMM_ROWS_BF16 = 16
+
+
+def tag_ggml(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """Mark a [rows, row_bytes] uint8 tensor as GGUF blocks of `ggml_type` (what the loader yields)."""
+    raw.ggml_type = int(ggml_type)  # type: ignore[attr-defined]
+    return raw
+
+
+def block_geometry(ggml_type: int) -> tuple[int, int]:
+    """(weights per block, bytes per block), as gguf defines them."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+
+
+def dequantize_gguf(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """[n, row_bytes] uint8 -> [n, k] float32: the C kernel's decoding, else gguf's own (numpy)."""
+    if load_kernel() is not None and ggml_type in KERNEL_TYPES:
+        return gguf_dequantize_cpu(raw.cpu().contiguous(), ggml_type, k)
+    from gguf import GGMLQuantizationType, dequantize
+
+    values = dequantize(raw.cpu().numpy(), GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(raw.shape[0], k)
+
+
+class GGUFLinearMethod(QuantMethod):
+    def create_weights(self, layer: LinearBase) -> None:
+        # A placeholder the checkpoint's tensors are "loaded" into: their bytes go to layer.gguf_parts,
+        # since a part's size depends on its type, known only when it arrives.
+        layer.weight = layer.make_param(torch.empty(0, dtype=torch.uint8))
+        layer.weight.weight_loader = lambda param, loaded, shard_id=None: self._load(layer, loaded, shard_id)
+        layer.gguf_parts = {}
+
+    def _load(self, layer: LinearBase, loaded: torch.Tensor, shard_id: Any) -> None:
+        ggml_type = getattr(loaded, "ggml_type", DENSE)
+        if shard_id is None and len(layer.partition_sizes) > 1:  # one tensor holding every part (phi3's qkv)
+            for sid, part in zip(layer.shard_ids(), loaded.split(layer.checkpoint_partition_sizes(), dim=0)):
+                self._load(layer, tag_ggml(part, ggml_type) if ggml_type != DENSE else part, sid)
+            return
+        index, _, size, rank = layer.partition_slice(shard_id)
+        if layer.tp_dim == 0:
+            loaded = loaded.narrow(0, rank * size, size)
+        if layer.tp_dim == 1 and layer.tp_size > 1:  # input features split: whole blocks per rank only
+            block, block_bytes = block_geometry(ggml_type) if ggml_type != DENSE else (1, 1)
+            if layer.input_size % block:
+                raise ValueError(f"GGUF {GGML_TYPE_NAMES.get(ggml_type)}: {layer.input_size} input features per "
+                                 f"rank do not split into whole blocks of {block}; use fewer ranks")
+            width = layer.input_size // block * block_bytes
+            loaded = loaded.narrow(1, layer.tp_rank * width, width)
+        if ggml_type == DENSE:
+            expected = (size, layer.input_size)
+        else:
+            block, block_bytes = block_geometry(ggml_type)
+            expected = (size, layer.input_size // block * block_bytes)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"GGUF tensor of shape {tuple(loaded.shape)} for a part of {expected}")
+        layer.gguf_parts[index] = (ggml_type, loaded.contiguous())
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        parts = [layer.gguf_parts.get(i) for i in range(len(layer.partition_sizes))]
+        if any(p is None for p in parts):
+            raise ValueError(f"GGUF: some parts of a fused {type(layer).__name__} are missing from the file")
+        del layer.gguf_parts, layer.weight
+        device = torch.get_default_device()
+        if device.type != "cpu" or load_kernel() is None:  # dequantize once: the dense path
+            dense = [raw.float() if t == DENSE else dequantize_gguf(raw, t, layer.input_size) for t, raw in parts]
+            layer.weight = nn.Parameter(torch.cat(dense).to(device, layer.params_dtype), requires_grad=False)
+            layer.gguf_runs = None
+            return
+        runs: list[tuple[int, int, int]] = []  # (type, first output feature, features)
+        blobs: list[list[torch.Tensor]] = []
+        offset = 0
+        for ggml_type, raw in parts:
+            if runs and runs[-1][0] == ggml_type:
+                runs[-1] = (ggml_type, runs[-1][1], runs[-1][2] + raw.shape[0])
+                blobs[-1].append(raw)
+            else:
+                runs.append((ggml_type, offset, raw.shape[0]))
+                blobs.append([raw])
+            offset += raw.shape[0]
+        layer.gguf_runs = runs
+        for i, (run, pieces) in enumerate(zip(runs, blobs)):
+            blob = torch.cat(pieces)
+            if run[0] == DENSE:
+                blob = blob.to(layer.params_dtype)
+            elif run[0] not in KERNEL_TYPES:  # the loader keeps only kernel types quantized; be safe anyway
+                blob = dequantize_gguf(blob, run[0], layer.input_size).to(layer.params_dtype)
+                layer.gguf_runs[i] = (DENSE, run[1], run[2])
+            setattr(layer, f"qweight{i}", nn.Parameter(blob, requires_grad=False))
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.gguf_runs is None:
+            return dense_linear(x, layer.weight, bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        rows, k = x2.shape
+        if x.dtype == torch.bfloat16 and rows >= DENSE_GEMM_ROWS_BF16:
+            parts = [dense_linear(x2, self._kept_dense_run(layer, i), None) for i in range(len(layer.gguf_runs))]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        elif rows >= DENSE_GEMM_ROWS:
+            # F.linear, not the prepacking cpu_linear: the tile is used once.
+            y = torch.cat([F.linear(x2, self._dense_run(layer, i, x.dtype))
+                           for i in range(len(layer.gguf_runs))], dim=1)
+        else:
+            xf = x2.float().contiguous()
+            y = torch.empty(rows, layer.output_size, dtype=torch.float32)
+            for i, (ggml_type, offset, size) in enumerate(layer.gguf_runs):
+                weight = getattr(layer, f"qweight{i}")
+                if ggml_type == DENSE:
+                    y[:, offset:offset + size] = dense_linear(xf, weight.float(), None)
+                else:
+                    gguf_gemm_cpu(xf, weight, ggml_type, k, out=y[:, offset:offset + size])
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _kept_dense_run(self, layer: LinearBase, i: int) -> torch.Tensor:
+        cache = layer.__dict__.setdefault("_gguf_dense_bf16", {})
+        if i not in cache:
+            # Outside inference mode: cpu_gemm keeps its prepacked copy keyed by the tensor's version counter.
+            with torch.inference_mode(False):
+                cache[i] = self._dense_run(layer, i, torch.bfloat16)
+        return cache[i]
+
+    @staticmethod
+    def _dense_run(layer: LinearBase, i: int, dtype: torch.dtype) -> torch.Tensor:
+        ggml_type, _, _ = layer.gguf_runs[i]
+        weight = getattr(layer, f"qweight{i}")
+        if ggml_type == DENSE:
+            return weight.to(dtype)
+        return gguf_dequantize_cpu(weight, ggml_type, layer.input_size).to(dtype)
+
+
+class GGUFConfig(QuantConfig):
+    """A .gguf file's own quantization (chosen by the loader for GGUF files; `gguf_dequantize` opts out)."""
+
+    name = "gguf"
+
+    @classmethod
+    def from_checkpoint(cls, config: dict[str, Any]) -> GGUFConfig:
+        return cls()
+
+    def linear_method(self, layer_name: str) -> QuantMethod:
+        return GGUFLinearMethod()
+
+    def describe(self) -> str:
+        return ("gguf (linear weights kept in their GGML types, multiplied by the CPU kernel; embeddings, LM "
+                "head and norms dense)")

@@ -1,0 +1,405 @@
+"""A C kernel for y = x @ dequant(W).T on the CPU, reading GGUF's quantized blocks in place.
+
+W is a GGUF tensor as the file stores it: rows of `row_bytes` bytes, each row K / block_size blocks of one
+GGML type (Q4_0, Q4_1, Q8_0: 32 weights per block; Q4_K, Q5_K, Q6_K: 256 per super-block). A decode step
+reads every weight once, so memory decides its time: Q4_1 is 5 bits per weight against float32's 32.
+
+The kernel walks the output rows in tiles of NR: it dequantizes a tile's rows into a float32 scratch buffer
+that stays in L1 (the same float32 values gguf's `dequantize` gives: the product and sum in the same order,
+no fused multiply-add), then takes dot products of MR activation rows with them in AVX-512 registers.
+Activations stay float32, so the result differs from the dequantized model's only in summation order.
+Large batches walk the activations in chunks that fit in L2, dequantizing each tile once per chunk.
+
+Compiled on first use (tokenmill.cpu_compile); `load_kernel()` is None where no compiler works, and the
+method then dequantizes once and multiplies densely (layers.quant.gguf).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+
+import torch
+
+from tokenmill.cpu_compile import build_error_message, compile_library
+
+logger = logging.getLogger(__name__)
+
+# GGML type ids (gguf.GGMLQuantizationType) the kernel reads.
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+KERNEL_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#define NR 4        /* weight rows per tile */
+#define MR 4        /* activation rows per register tile */
+#define SMALL_M 2   /* up to this many rows take the fused path (measured: the tiles win from 4) */
+#define L2_BYTES (512 * 1024)  /* activation rows per chunk: this many bytes of them */
+
+static inline float half_at(const uint8_t *p) {  /* IEEE half, little-endian, to float (exact) */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    float f;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else {  /* zero or subnormal: man * 2^-24 */
+        f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The 6-bit scale and min of sub-block j of a K-quant super-block (12 packed bytes). */
+static inline void scale_min(int j, const uint8_t *q, float *sc, float *m) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *m = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4));
+        *m = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+#if defined(__AVX512F__) && defined(__F16C__)
+/* The 32-weight types with AVX-512: the same products and sums as the scalar code (no FMA), 16 lanes at
+   a time; the scalar loops below vectorize poorly (a decode step spent most of its time in them). */
+static int dequant_row_avx512(int type, const uint8_t *src, float *dst, int64_t K) {
+    const __m512i low4 = _mm512_set1_epi32(0xf);
+    switch (type) {
+    case Q4_0:
+    case Q4_1: {
+        const int bytes = type == Q4_0 ? 18 : 20;
+        for (int64_t b = 0; b < K / 32; b++, src += bytes, dst += 32) {
+            uint32_t halves;
+            memcpy(&halves, src, 4);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
+            const __m512 d = _mm512_broadcastss_ps(dm);
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + bytes - 16)));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+            if (type == Q4_0) {
+                const __m512 eight = _mm512_set1_ps(8.0f);
+                lo = _mm512_mul_ps(_mm512_sub_ps(lo, eight), d);
+                hi = _mm512_mul_ps(_mm512_sub_ps(hi, eight), d);
+            } else {
+                const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+                lo = _mm512_add_ps(_mm512_mul_ps(lo, d), m);
+                hi = _mm512_add_ps(_mm512_mul_ps(hi, d), m);
+            }
+            _mm512_storeu_ps(dst, lo);
+            _mm512_storeu_ps(dst + 16, hi);
+        }
+        return 1;
+    }
+    case Q8_0:
+        for (int64_t b = 0; b < K / 32; b++, src += 34, dst += 32) {
+            uint16_t half;
+            memcpy(&half, src, 2);
+            const __m512 d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(half)));
+            const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2)));
+            const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 18)));
+            _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d));
+            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d));
+        }
+        return 1;
+    }
+    return 0;
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__F16C__)
+/* Decode rows (m <= MR) of the 32-weight types, fused: y = sum over blocks of d * (q . x) + c * sum(x), where
+   c is Q4_1's m, Q4_0's -8 d, Q8_0's 0. The same sum as over the dequantized weights, regrouped: per block
+   it saves the dequantization's multiply and add of every weight, which bound the decode step. */
+static inline __attribute__((always_inline)) void small_m_block(int type, const uint8_t *src, __m512 *lo,
+                                                                __m512 *hi, float *d, float *c) {
+    uint32_t halves;
+    memcpy(&halves, src, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
+    *d = _mm_cvtss_f32(dm);
+    if (type == Q8_0) {
+        *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2))));
+        *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 18))));
+        *c = 0.0f;
+        return;
+    }
+    const int bytes = type == Q4_0 ? 18 : 20;
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + bytes - 16)));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xf)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+    *c = type == Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(dm)) : -8.0f * *d;
+}
+
+/* Two blocks per step into two accumulators: one chain of dependent FMAs would wait on their latency. */
+static inline __attribute__((always_inline)) void small_m_row(int type, const uint8_t *src, const float *x,
+                                                              const float *xsum, int64_t K, float *y,
+                                                              int64_t ldy, const int mr) {
+    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+    const int64_t nb = K / 32;
+    __m512 acc[2][MR];
+    float offset[2][MR];
+    for (int u = 0; u < 2; u++)
+        for (int i = 0; i < mr; i++) {
+            acc[u][i] = _mm512_setzero_ps();
+            offset[u][i] = 0.0f;
+        }
+    for (int64_t b = 0; b < nb; b += 2) {
+        for (int u = 0; u < 2 && b + u < nb; u++) {
+            __m512 lo, hi;
+            float d, c;
+            small_m_block(type, src + (b + u) * bytes, &lo, &hi, &d, &c);
+            const __m512 dv = _mm512_set1_ps(d);
+            for (int i = 0; i < mr; i++) {
+                const float *xb = x + i * K + (b + u) * 32;
+                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), t);
+                acc[u][i] = _mm512_fmadd_ps(dv, t, acc[u][i]);
+                offset[u][i] += c * xsum[i * nb + b + u];
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i])) + (offset[0][i] + offset[1][i]);
+}
+
+static void small_m(int type, const uint8_t *w, const float *x, int64_t M, int64_t N, int64_t K,
+                    int64_t row_bytes, float *y, int64_t ldy, int num_threads) {
+    float *xsum = malloc(sizeof(float) * M * (K / 32));  /* each activation block's sum */
+    for (int64_t i = 0; i < M * (K / 32); i++) {
+        float s = 0.0f;
+        for (int j = 0; j < 32; j++) s += x[i * 32 + j];
+        xsum[i] = s;
+    }
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N >= 64)")
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *src = w + n * row_bytes;
+        switch (M) {
+        case 4: small_m_row(type, src, x, xsum, K, y + n, ldy, 4); break;
+        case 3: small_m_row(type, src, x, xsum, K, y + n, ldy, 3); break;
+        case 2: small_m_row(type, src, x, xsum, K, y + n, ldy, 2); break;
+        default: small_m_row(type, src, x, xsum, K, y + n, ldy, 1);
+        }
+    }
+    free(xsum);
+}
+#endif
+
+/* One row of K weights (whole blocks) as float32. */
+static void dequant_row(int type, const uint8_t *src, float *dst, int64_t K) {
+#if defined(__AVX512F__) && defined(__F16C__)
+    if (dequant_row_avx512(type, src, dst, K)) return;
+#endif
+    switch (type) {
+    case Q4_0:
+        for (int64_t b = 0; b < K / 32; b++, src += 18, dst += 32) {
+            const float d = half_at(src);
+            const uint8_t *q = src + 2;
+            for (int j = 0; j < 16; j++) {
+                dst[j] = (float)((int)(q[j] & 0xf) - 8) * d;
+                dst[j + 16] = (float)((int)(q[j] >> 4) - 8) * d;
+            }
+        }
+        break;
+    case Q4_1:
+        for (int64_t b = 0; b < K / 32; b++, src += 20, dst += 32) {
+            const float d = half_at(src), m = half_at(src + 2);
+            const uint8_t *q = src + 4;
+            for (int j = 0; j < 16; j++) {
+                dst[j] = (float)(q[j] & 0xf) * d + m;
+                dst[j + 16] = (float)(q[j] >> 4) * d + m;
+            }
+        }
+        break;
+    case Q8_0:
+        for (int64_t b = 0; b < K / 32; b++, src += 34, dst += 32) {
+            const float d = half_at(src);
+            const int8_t *q = (const int8_t *)(src + 2);
+            for (int j = 0; j < 32; j++) dst[j] = (float)q[j] * d;
+        }
+        break;
+    case Q4_K:
+    case Q5_K: {
+        const int five = type == Q5_K, bytes = five ? 176 : 144;
+        for (int64_t b = 0; b < K / 256; b++, src += bytes) {
+            const float d = half_at(src), dmin = half_at(src + 2);
+            const uint8_t *scales = src + 4, *qh = src + 16, *ql = src + (five ? 48 : 16);
+            for (int c = 0; c < 4; c++, ql += 32, dst += 64) {  /* 64 weights: two sub-blocks */
+                float s1, m1, s2, m2;
+                scale_min(2 * c, scales, &s1, &m1);
+                scale_min(2 * c + 1, scales, &s2, &m2);
+                const float d1 = d * s1, dm1 = dmin * m1, d2 = d * s2, dm2 = dmin * m2;
+                for (int l = 0; l < 32; l++) {
+                    int lo = ql[l] & 0xf, hi = ql[l] >> 4;
+                    if (five) {
+                        lo += (qh[l] >> (2 * c) & 1) << 4;
+                        hi += (qh[l] >> (2 * c + 1) & 1) << 4;
+                    }
+                    dst[l] = d1 * (float)lo - dm1;
+                    dst[l + 32] = d2 * (float)hi - dm2;
+                }
+            }
+        }
+        break;
+    }
+    case Q6_K:
+        for (int64_t b = 0; b < K / 256; b++, src += 210) {
+            const uint8_t *ql = src, *qh = src + 128;
+            const int8_t *sc = (const int8_t *)(src + 192);
+            const float d = half_at(src + 208);
+            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, dst += 128) {
+                for (int l = 0; l < 32; l++) {
+                    const int s = l / 16;
+                    const int q1 = ((ql[l] & 0xf) | ((qh[l] & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    dst[l] = d * (float)sc[s] * (float)q1;
+                    dst[l + 32] = d * (float)sc[s + 2] * (float)q2;
+                    dst[l + 64] = d * (float)sc[s + 4] * (float)q3;
+                    dst[l + 96] = d * (float)sc[s + 6] * (float)q4;
+                }
+            }
+        }
+        break;
+    }
+}
+
+/* y[i][j] = x[i] . w[j] for i < mr, j < nr (K a multiple of 16), mr and nr constants once inlined. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t K, const float *w, float *y,
+                                                       int64_t ldy, const int mr, const int nr) {
+#ifdef __AVX512F__
+    __m512 acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[NR];
+        for (int j = 0; j < nr; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
+        for (int i = 0; i < mr; i++) {
+            const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+#else
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            float s = 0.0f;
+            _Pragma("omp simd reduction(+:s)")
+            for (int64_t k = 0; k < K; k++) s += x[i * K + k] * w[j * K + k];
+            y[i * ldy + j] = s;
+        }
+#endif
+}
+
+static void tile_any(const float *x, int64_t K, const float *w, float *y, int64_t ldy, int mr, int nr) {
+    if (nr == NR) {
+        switch (mr) {
+        case 4: tile(x, K, w, y, ldy, 4, NR); return;
+        case 3: tile(x, K, w, y, ldy, 3, NR); return;
+        case 2: tile(x, K, w, y, ldy, 2, NR); return;
+        default: tile(x, K, w, y, ldy, 1, NR); return;
+        }
+    }
+    for (int j = 0; j < nr; j++)
+        for (int i = 0; i < mr; i++) tile(x + i * K, K, w + j * K, y + i * ldy + j, ldy, 1, 1);
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] @ dequant(w [N rows of row_bytes]).T. Returns nonzero, touching
+   nothing, where K is not whole blocks of 32 or the scratch cannot be allocated. */
+int gguf_gemm(float *y, const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
+              int type, int64_t ldy, int num_threads) {
+    if (K % 32) return 1;
+#if defined(__AVX512F__) && defined(__F16C__)
+    if (M <= SMALL_M && (type == Q4_0 || type == Q4_1 || type == Q8_0)) {
+        small_m(type, w, x, M, N, K, row_bytes, y, ldy, num_threads);
+        return 0;
+    }
+#endif
+    const int64_t tiles = (N + NR - 1) / NR;
+    int64_t chunk = L2_BYTES / (K * 4);
+    chunk = chunk < MR ? MR : chunk / MR * MR;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1 && tiles > 1)")
+    {
+        float *wt = aligned_alloc(64, (size_t)(NR * K * 4));
+        if (wt == NULL) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
+            _Pragma("omp for schedule(static)")
+            for (int64_t t = 0; t < tiles; t++) {
+                if (wt == NULL) continue;
+                const int64_t n0 = t * NR;
+                const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+                for (int j = 0; j < nr; j++) dequant_row(type, w + (n0 + j) * row_bytes, wt + j * K, K);
+                for (int64_t i = m0; i < m1; i += MR) {
+                    const int mr = m1 - i < MR ? (int)(m1 - i) : MR;
+                    tile_any(x + i * K, K, wt, y + i * ldy + n0, ldy, mr, nr);
+                }
+            }
+        }
+        free(wt);
+    }
+    return failed;
+}
+
+/* The float32 values of N rows: the prefill path's dense tile, and the tests' view of the decoding. */
+void gguf_dequantize(float *dst, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int type,
+                     int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (num_threads > 1 && N > 64)")
+    for (int64_t n = 0; n < N; n++) dequant_row(type, w + n * row_bytes, dst + n * K, K);
+}
+"""
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    try:
+        lib = compile_library("gguf_gemm", _SOURCE)
+    except (OSError, subprocess.CalledProcessError) as error:
+        logger.warning("GGUF on the CPU: the C kernel could not be built (%s); weights are dequantized once "
+                       "and multiplied densely", build_error_message(error))
+        return None
+    lib.gguf_gemm.restype = ctypes.c_int
+    lib.gguf_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int64,
+                                                                             ctypes.c_int]
+    lib.gguf_dequantize.restype = None
+    lib.gguf_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def gguf_gemm_cpu(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, k: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] float32 contiguous @ dequant(weight [n, row_bytes] uint8).T -> [m, n] float32 (or into
+    `out`, a [m, n] float32 view with unit column stride: a fused layer's slice)."""
+    m, n = x.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    status = load_kernel().gguf_gemm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k, weight.shape[1],
+                                     ggml_type, out.stride(0), torch.get_num_threads())
+    assert status == 0, "K is whole blocks (the loader checks it) and the scratch is a few KiB"
+    return out
+
+
+def gguf_dequantize_cpu(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """dequant(weight [n, row_bytes] uint8) -> [n, k] float32."""
+    out = torch.empty(weight.shape[0], k, dtype=torch.float32)
+    load_kernel().gguf_dequantize(out.data_ptr(), weight.data_ptr(), weight.shape[0], k, weight.shape[1],
+                                  ggml_type, torch.get_num_threads())
+    return out
