@@ -11,9 +11,32 @@ import json
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import save_file
 
+from tokenmill import LLM
 from tokenmill.layers.quant.fp8 import FP8, FP8_MAX, dequantize_fp8
+
+TINY_TEXT = list(range(3, 200, 3))  # token ids of a fixed "text" for the tiny models
+
+
+def tiny_model(seed: int = 0, hidden: int = 64, intermediate: int = 128, num_kv_heads: int = 2):
+    """A seeded Llama with HF's initial weights (a larger spread makes two random layers chaotic: any rounding
+    flips tokens) and its LM head x 40, so next-token distributions are peaked as a trained model's."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    return model
+
+
+def engine(path: str, **kwargs) -> LLM:
+    """A float32 CPU engine without a tokenizer (the tiny checkpoints have none)."""
+    return LLM(path, dtype="float32", kv_cache_space=0.05, max_model_len=256, skip_tokenizer_init=True, **kwargs)
+
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

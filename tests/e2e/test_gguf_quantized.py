@@ -88,17 +88,19 @@ def test_gguf_dequantize_conflicts_with_quantization_gguf(smollm2_path):
         LLM(smollm2_path, quantization="gguf", gguf_dequantize=True, skip_tokenizer_init=True)
 
 
-def test_bfloat16_takes_both_paths_and_matches_the_dequantized_model(smollm2_path, smollm2_tokenizer):
-    """bfloat16 (dtype auto on CPUs with bfloat16 units): decode rows (< 16) on the quantized kernel, the
-    prompt's rows on the kept dense copy; both against the dequantized bfloat16 model."""
-    from tokenmill.layers.quant.gguf import DENSE_GEMM_ROWS_BF16
+def test_bfloat16_dequantizes_unless_gguf_is_asked_for(smollm2_path, smollm2_tokenizer):
+    """In bfloat16 (dtype auto on CPUs with bfloat16 units) the default is the dense path; quantization='gguf'
+    keeps the blocks, whose float32 kernel then stays close to the dense bfloat16 model."""
+    from tokenmill.layers.quant.unquantized import UnquantizedLinearMethod
 
     token_ids = smollm2_tokenizer(TEXT)["input_ids"]
-    assert len(token_ids) > DENSE_GEMM_ROWS_BF16
-    kept = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16")
-    dense = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16", gguf_dequantize=True)
+    dense = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16")
+    layer = dense.engine.core.executor.driver_worker.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+    kept = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16", quantization="gguf")
     quality = quant_quality(dense, kept, token_ids)
-    # The same bfloat16 weights; the rows take oneDNN's bfloat16 GEMM in both engines.
-    assert quality.top1_agreement >= 0.99 and quality.mean_kl < 1e-4, quality
+    print(f"bfloat16 kept vs dequantized: {quality}")
+    # Same weights; the kernel accumulates in float32 where oneDNN's bfloat16 GEMM rounds its output.
+    assert quality.top1_agreement >= 0.95 and quality.mean_kl < 5e-3, quality
     out = kept.generate(["The capital of France is"], None, use_tqdm=False)[0].outputs[0].text
     assert "Paris" in out

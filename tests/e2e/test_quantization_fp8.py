@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
-from tests.e2e.quant_checkpoints import write_fp8
+from tests.e2e.quant_checkpoints import TINY_TEXT, engine, tiny_model, write_fp8
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.quant_quality import quant_quality
 
@@ -31,27 +30,9 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "was checked, corrected and shared across the continent.")
 
 
-def tiny_model(seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # peaked next-token distributions, so top-1 is not a coin toss between near ties
-        model.lm_head.weight.mul_(40)
-    return model
-
-
-def engine(path: str, **kwargs) -> LLM:
-    return LLM(path, dtype="float32", kv_cache_space=0.05, max_model_len=256, skip_tokenizer_init=True, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_model(), tmp_path_factory.mktemp("fp8")
-
-
-TINY_TEXT = list(range(3, 200, 3))  # token ids of a fixed "text" for the tiny model
 
 
 @pytest.mark.parametrize("layout,input_scale", [

@@ -23,31 +23,14 @@ import json
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.e2e.int4_checkpoints import write_int4
+from tests.e2e.quant_checkpoints import TINY_TEXT, engine, tiny_model
 from tokenmill import LLM
 from tokenmill.bench.quant_quality import quant_quality
 from tokenmill.layers.quant.awq import AWQ_SLOTS
 from tokenmill.layers.quant.w4a16 import pack_int32, unpack_int32
-
-TINY_TEXT = list(range(3, 200, 3))  # token ids of a fixed "text" for the tiny model
-
-
-def tiny_model(seed: int = 0, num_kv_heads: int = 2):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=num_kv_heads,
-                                      max_position_embeddings=256, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # peaked next-token distributions, so top-1 is not a coin toss between near ties
-        model.lm_head.weight.mul_(40)
-    return model
-
-
-def engine(path: str, **kwargs) -> LLM:
-    return LLM(path, dtype="float32", kv_cache_space=0.05, max_model_len=256, skip_tokenizer_init=True, **kwargs)
 
 
 def layers_of(llm: LLM):
@@ -62,7 +45,7 @@ def assert_matches_twin(quantized: str, dense: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return tiny_model(), tmp_path_factory.mktemp("int4")
+    return tiny_model(hidden=128, intermediate=256), tmp_path_factory.mktemp("int4")
 
 
 def test_the_published_bit_orders():
@@ -154,7 +137,7 @@ def test_excluded_modules_stay_dense(tiny, fmt):
 @pytest.mark.parametrize("num_kv_heads", [1, 4])
 def test_gqa_and_mha_shapes(tmp_path, num_kv_heads):
     """MQA (one KV head: q 128 wide, k and v 32) and MHA, with act-order: the fused parts share one order."""
-    model = tiny_model(seed=1, num_kv_heads=num_kv_heads)
+    model = tiny_model(seed=1, hidden=128, intermediate=256, num_kv_heads=num_kv_heads)
     quantized, dense = write_int4(model, tmp_path, "gptq", 4, 32, sym=False, act_order=True)
     assert_matches_twin(quantized, dense)
 

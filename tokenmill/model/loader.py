@@ -100,7 +100,7 @@ def load_model(
         load_format = "gguf" if is_gguf(model_config.model) else "safetensors"
     requested, checkpoint_quant = model_config.quantization, getattr(hf_config, "quantization_config", None)
     if load_format == "gguf":
-        if _keep_gguf_quantized(model_config, device):
+        if _keep_gguf_quantized(model_config, device, dtype):
             checkpoint_quant = {"quant_method": "gguf"}  # the file's own types, as a checkpoint would name them
         elif requested == "gguf":
             requested = None  # named, but this device dequantizes (logged)
@@ -125,9 +125,9 @@ def load_model(
     return model.eval()
 
 
-def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device) -> bool:
-    """Whether a GGUF's linear weights stay in their GGML types (layers.quant.gguf): on the CPU unless
-    `gguf_dequantize`; elsewhere there is no quantized GEMM yet."""
+def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GGUF's linear weights stay in their GGML types (layers.quant.gguf): on the CPU in float32
+    unless `gguf_dequantize`, or wherever `quantization="gguf"` asks; elsewhere there is no quantized GEMM yet."""
     if model_config.gguf_dequantize:
         if model_config.quantization == "gguf":
             raise ValueError("quantization 'gguf' keeps GGUF weights quantized and gguf_dequantize dequantizes "
@@ -135,6 +135,13 @@ def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device) -> boo
         return False
     if model_config.quantization not in (None, "gguf"):
         # Another method (fp8) quantizes the GGUF's dequantized weights: it starts from the dense model.
+        return False
+    if model_config.quantization != "gguf" and device.type == "cpu" and dtype != torch.float32:
+        # The kernel computes in float32: against bfloat16's oneDNN GEMMs it gains 1.18x at batch 1 but loses
+        # at batch 64 (0.68x, BENCHMARKS.md), and its rounding differs from theirs, so a prompt's rows would
+        # round one way when computed and another when they come from the prefix cache.
+        logger.info("GGUF in %s on the CPU: dequantized at load (the kept-quantized kernel computes in float32; "
+                    "dtype=float32 or quantization='gguf' keeps the GGML blocks)", str(dtype).removeprefix("torch."))
         return False
     if device.type != "cpu":
         logger.info("GGUF on %s: no quantized GEMM for this device yet, every tensor is dequantized at load",

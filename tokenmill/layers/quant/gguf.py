@@ -42,12 +42,6 @@ DENSE = -1  # a part's "type" when it arrived as a float tensor
 # From this many activation rows (prefill) the weight is dequantized into a dense tile for torch's GEMM,
 # whose bfloat16 rate (AMX where present) is several times the kernel's float32 rate.
 DENSE_GEMM_ROWS = 128
-# In bfloat16 the batched GEMM is oneDNN's (AVX512_BF16 / AMX) at twice the float32 kernel's rate and more:
-# from this many rows a dense bfloat16 copy, made on first use and kept (the memory the dequantized path
-# holds anyway), does the multiply; fewer rows stay on the memory-bound quantized kernel. Measured on the
-# 2-core development machine, SmolLM2 bfloat16: batch 1 kept/dequantized 1.25x, batch 64 0.68x with the
-# float32 kernel, 0.76x dequantizing per call, 1.0x with the kept copy.
-DENSE_GEMM_ROWS_BF16 = 16
 
 
 def tag_ggml(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -144,10 +138,7 @@ class GGUFLinearMethod(QuantMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows, k = x2.shape
-        if x.dtype == torch.bfloat16 and rows >= DENSE_GEMM_ROWS_BF16:
-            parts = [dense_linear(x2, self._kept_dense_run(layer, i), None) for i in range(len(layer.gguf_runs))]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        elif rows >= DENSE_GEMM_ROWS:
+        if rows >= DENSE_GEMM_ROWS:
             # F.linear, not the prepacking cpu_linear: the tile is used once.
             y = torch.cat([F.linear(x2, self._dense_run(layer, i, x.dtype))
                            for i in range(len(layer.gguf_runs))], dim=1)
@@ -164,14 +155,6 @@ class GGUFLinearMethod(QuantMethod):
         if bias is not None:
             y = y + bias
         return y.reshape(*shape[:-1], y.shape[-1])
-
-    def _kept_dense_run(self, layer: LinearBase, i: int) -> torch.Tensor:
-        cache = layer.__dict__.setdefault("_gguf_dense_bf16", {})
-        if i not in cache:
-            # Outside inference mode: cpu_gemm keeps its prepacked copy keyed by the tensor's version counter.
-            with torch.inference_mode(False):
-                cache[i] = self._dense_run(layer, i, torch.bfloat16)
-        return cache[i]
 
     @staticmethod
     def _dense_run(layer: LinearBase, i: int, dtype: torch.dtype) -> torch.Tensor:
