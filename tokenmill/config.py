@@ -134,7 +134,7 @@ class ParallelConfig:
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "gguf")
 """What --quantization may name; layers/quant maps each to its config (checkpoints name theirs)."""
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
 """Proposers a user can name; spec/proposers.py maps each to its class."""
 
 
@@ -145,7 +145,8 @@ class SpeculativeConfig:
 
     method: str
     """ngram: prompt lookup over the request's own prompt and output; draft_model: a smaller model with the
-    target's vocabulary (`model`) drafts greedily."""
+    target's vocabulary (`model`) drafts greedily; eagle: an EAGLE-1 head (`model`) drafts greedily from the
+    target's last hidden states."""
     num_speculative_tokens: int
     """Most draft tokens per request per step (k); each step emits 1 to k + 1 tokens per request."""
     prompt_lookup_min: int | None = None
@@ -154,7 +155,7 @@ class SpeculativeConfig:
     """ngram: longest suffix to look up, tried first (default: prompt_lookup_min, or 5)."""
     model: str | None = None
     """draft_model: the draft model's Hugging Face folder or .gguf file (loaded with the target's dtype and
-    load_format)."""
+    load_format); eagle: the EAGLE-1 head's folder (config.json, safetensors or pytorch_model.bin)."""
     disable_by_batch_size: int | None = None
     """Draft nothing in steps with more running requests than this (None: the step-cost policy decides)."""
 
@@ -172,9 +173,10 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got "
                              f"{self.num_speculative_tokens!r}")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("speculative method 'draft_model' needs a 'model' (the draft model's path), and only "
-                             "it takes one")
+        if (self.method in ("draft_model", "eagle")) != (self.model is not None):
+            raise ValueError(f"speculative method {self.method!r} needs a 'model' (the draft model's or EAGLE "
+                             f"head's path)" if self.model is None else
+                             "only speculative methods 'draft_model' and 'eagle' take a 'model'")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         low, high = (low or high or 5), (high or low or 5)
         if not 1 <= low <= high:
@@ -249,8 +251,10 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.model_config.quantization!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
         spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model" and self.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding with a draft model does not run tensor-parallel yet: use "
+        if (spec is not None and spec.method in ("draft_model", "eagle")
+                and self.parallel_config.tensor_parallel_size > 1):
+            what = "a draft model" if spec.method == "draft_model" else "an EAGLE head"
+            raise ValueError(f"speculative decoding with {what} does not run tensor-parallel yet: use "
                              "tensor_parallel_size 1, or the ngram method")
 
 

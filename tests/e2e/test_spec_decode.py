@@ -211,3 +211,152 @@ def test_speculative_config_is_checked_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
                                                                          "num_speculative_tokens": 2, "k": 1})
+
+
+class _Model:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+@pytest.fixture(scope="module")
+def eagle_target_and_head(tmp_path_factory):
+    """A seeded random 1-layer Llama whose embedding rows have RMS 1 (so its layer's input norm, weight 1, is
+    the identity), and an EAGLE-1 head in the published layout (config.json, pytorch_model.bin, `fc.weight`,
+    `layers.0.*` without an input norm, no embedding or LM head) built from that very layer, with `fc`
+    passing the token embedding and ignoring the hidden state. At position p the head then computes what
+    the target computes at p + 1, one position earlier (RoPE sees only the offset), except that it never
+    sees token 0; and the target's final norm (weight 1) only scales what the shared LM head reads. So its
+    drafts are often, not always, the target's tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=255, bos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed /= embed.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    target = tmp_path_factory.mktemp("eagle-target")
+    model.save_pretrained(target)
+    head = tmp_path_factory.mktemp("eagle-head")
+    config.save_pretrained(head)
+    tensors = {"fc.weight": torch.cat([torch.eye(64), torch.zeros(64, 64)], dim=1)}
+    for name, tensor in model.model.layers[0].state_dict().items():
+        if not name.startswith("input_layernorm."):
+            tensors[f"layers.0.{name}"] = tensor.clone()
+    torch.save(tensors, head / "pytorch_model.bin")
+    return _Model(str(target)), str(head)
+
+
+def record_target_hidden_states(llm: LLM) -> list:
+    """(positions, next tokens, hidden states) of every head pass that reads the target's hidden states: the
+    first forward pass of each observe() and propose() (the later ones of propose() read the head's own)."""
+    proposer = llm.engine.core.executor.driver_worker.model_runner.speculative.proposer
+    records, first = [], [False]
+    forward = proposer._forward
+
+    def recording_forward(layout, input_ids, positions, graphs, hidden=None):
+        if first[0]:
+            first[0] = False
+            records.append((np.array(positions), np.array(input_ids), hidden.cpu().clone()))
+        return forward(layout, input_ids, positions, graphs, hidden=hidden)
+
+    def first_pass_of(method):
+        def wrapped(*args, **kwargs):
+            first[0] = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                first[0] = False
+        return wrapped
+
+    proposer._forward = recording_forward
+    proposer.observe = first_pass_of(proposer.observe)
+    proposer.propose = first_pass_of(proposer.propose)
+    return records
+
+
+def check_target_hidden_states(target_path: str, sequences: list[list[int]], records: list) -> None:
+    """Each hidden state the head read is the target's (Hugging Face's own forward pass) at that position, of
+    a sequence whose next token is the one the head was given."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(target_path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = [model(torch.tensor([s]), output_hidden_states=True).hidden_states[-1][0] for s in sequences]
+    checked = 0
+    for positions, next_tokens, states in records:
+        for p, t, h in zip(positions.tolist(), next_tokens.tolist(), states):
+            assert any(p + 1 < len(s) and s[p + 1] == t and torch.allclose(hs[p], h, atol=1e-3)
+                       for s, hs in zip(sequences, hidden)), f"position {p}: not the target's hidden state"
+            checked += 1
+    assert checked > 100, checked
+
+
+@pytest.fixture(scope="module")
+def eagle_plain(eagle_target_and_head):
+    outputs, _, _ = run(eagle_target_and_head[0], ENGINES["default"])
+    return outputs
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_an_eagle_head_drafts_from_the_target_hidden_states_and_changes_no_token(eagle_target_and_head,
+                                                                                  eagle_plain, engine):
+    target, head = eagle_target_and_head
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", **ENGINES[engine],
+              speculative_config=spec)
+    always_draft(llm)
+    records = record_target_hidden_states(llm)
+    outputs = llm.generate(*workload(), use_tqdm=False)
+    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in eagle_plain for c in o.outputs]
+    check_target_hidden_states(target.path, sequences_of(eagle_plain), records)
+    for got, want in zip(outputs, eagle_plain):
+        for g, w in zip(got.outputs, want.outputs):
+            for g_pos, w_pos in zip(g.logprobs or [], w.logprobs or []):
+                assert list(g_pos) == list(w_pos)
+                for token in g_pos:
+                    assert g_pos[token].logprob == pytest.approx(w_pos[token].logprob, abs=1e-4)
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.3, stats
+    assert stats.accepted_per_position[2] > 0, stats
+    kv = llm.engine.core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks, "blocks leaked"
+    if engine == "preempting":
+        assert llm.engine.last_stats.num_preemptions > 0
+
+
+def test_a_random_eagle_head_is_mostly_rejected_and_changes_no_token(eagle_target_and_head, eagle_plain, tmp_path):
+    # The other spelling of the layout: `model.`-prefixed names, an `fc.bias`, safetensors.
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target, _ = eagle_target_and_head
+    torch.manual_seed(4)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    config.save_pretrained(tmp_path)
+    layer = LlamaForCausalLM(config).model.layers[0].state_dict()
+    tensors = {f"model.layers.0.{n}": t.contiguous() for n, t in layer.items() if not n.startswith("input_")}
+    tensors["model.fc.weight"] = torch.randn(64, 128) * 0.1
+    tensors["model.fc.bias"] = torch.randn(64) * 0.1
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    spec = {"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2}
+    llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32",
+              **ENGINES["chunked-prefill"], speculative_config=spec)
+    always_draft(llm)
+    outputs = llm.generate(*workload(), use_tqdm=False)
+    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in eagle_plain for c in o.outputs]
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.5, stats
+
+
+def test_an_eagle_head_of_another_width_is_refused(eagle_target_and_head, tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="hidden size"):
+        LLM(eagle_target_and_head[0].path, skip_tokenizer_init=True, speculative_config={
+            "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2})

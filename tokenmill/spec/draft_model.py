@@ -84,7 +84,8 @@ class DraftModelProposer:
                            self.block_size)
 
     def _forward(self, layout: BatchLayout, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,
-                 graphs: bool) -> torch.Tensor:
+                 graphs: bool, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """`hidden`: the extra input of a head that drafts from hidden states (spec/eagle.py); eager."""
         if isinstance(input_ids, np.ndarray):
             input_ids = self._to_device(input_ids)
         positions_t = self._to_device(positions)
@@ -94,6 +95,8 @@ class DraftModelProposer:
                 return hidden
         metadata = self.attn_backend.build_metadata(layout, self.device)
         with forward_context(self.attn_backend, metadata):
+            if hidden is not None:
+                return self.model(input_ids, positions_t, hidden)
             return self.model(input_ids, positions_t)
 
     def _greedy(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,15 @@
-"""Loading a speculative draft model beside the target: same device and dtype, checked for fit at start-up."""
+"""Loading a speculative draft model or EAGLE head beside the target: same device and dtype, checked at start-up."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
@@ -43,3 +44,59 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 def kv_bytes_per_block(layers: list[Attention], dtype: torch.dtype, block_size: int) -> int:
     size = torch.empty((), dtype=dtype).element_size()
     return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * size for layer in layers)
+
+
+def load_eagle_head(config: EngineConfig, target_config: PretrainedConfig, target: nn.Module, device: torch.device,
+                    dtype: torch.dtype, max_model_len: int) -> nn.Module:
+    """The EAGLE-1 head of `speculative_config.model`: a folder with config.json and safetensors or
+    pytorch_model*.bin tensors in the published layout (spec/eagle.py), sharing the target's embedding
+    (unless it brings one) and LM head."""
+    from tokenmill.layers.quant import process_weights_after_loading
+    from tokenmill.spec.eagle import EagleHead, eagle_tensor_name
+
+    path = Path(config.speculative_config.model)
+    head_config = AutoConfig.from_pretrained(path)
+    if head_config.hidden_size != target_config.hidden_size:
+        raise ValueError(f"the EAGLE head's hidden size ({head_config.hidden_size}) is not the target's "
+                         f"({target_config.hidden_size})")
+    if head_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"the EAGLE head's vocabulary ({head_config.vocab_size} tokens) is not the target's "
+                         f"({target_config.vocab_size})")
+    head_len = getattr(head_config, "max_position_embeddings", None)
+    if head_len is not None and head_len < max_model_len:
+        raise ValueError(f"the EAGLE head takes {head_len} positions, fewer than max_model_len={max_model_len}: "
+                         f"lower max_model_len")
+    target_embed = getattr(getattr(target, "model", None), "embed_tokens", None)
+    if target_embed is None:
+        raise ValueError(f"EAGLE needs a target with a Llama-style embedding (model.embed_tokens); "
+                         f"{type(target).__name__} has none")
+    weights = {eagle_tensor_name(name): tensor for name, tensor in _read_tensors(path)}
+    start = time.perf_counter()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            head = EagleHead(head_config, set(weights), target_embed, target.compute_logits)
+    finally:
+        torch.set_default_dtype(previous)
+    head.load_weights(weights.items())
+    with torch.device(device):
+        process_weights_after_loading(head)
+    logger.info("loaded EAGLE head (%d layers, %s) in %.1f s", head_config.num_hidden_layers, dtype,
+                time.perf_counter() - start)
+    return head.eval()
+
+
+def _read_tensors(path: Path):
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        for file in files:
+            yield from load_file(str(file)).items()
+        return
+    files = sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise ValueError(f"no *.safetensors or pytorch_model*.bin tensors in the EAGLE head folder {path}")
+    for file in files:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()

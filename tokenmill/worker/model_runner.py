@@ -97,6 +97,8 @@ class ModelRunner:
         batch = prepare_inputs(scheduler_output, self.states, self.block_size, num_drafts)
         self.states.num_computed_tokens[batch.rows] += batch.num_new
         hidden_states = self._forward(batch)
+        if self.speculative is not None:
+            self.speculative.observe(batch, self.states, hidden_states)
         if self.prompt_logprobs.pending:
             self._collect_prompt_logprobs(batch, hidden_states)
         if len(batch.sampled_rows) == 0:

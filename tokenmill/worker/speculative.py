@@ -49,6 +49,12 @@ class SpeculativeDecoding:
             num_drafts[i] = len(draft)
         return num_drafts
 
+    def observe(self, batch: InputBatch, states: RequestStates, hidden_states: torch.Tensor) -> None:
+        """The target's last hidden states of the step, for proposers that draft from them (EAGLE)."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None:
+            observe(states, batch.rows, batch.query_start_loc, batch.positions, hidden_states)
+
     def sample_and_verify(
         self, logits: torch.Tensor, batch: InputBatch, metadata: SamplingMetadata, states: RequestStates,
         sampling_state: SamplingState,

@@ -18,12 +18,13 @@ from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.spec.draft_model import DraftModelProposer
+from tokenmill.spec.eagle import EagleProposer
 from tokenmill.spec.proposers import make_proposer
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cpu_threads import leave_a_core_free
 from tokenmill.worker.cuda_graph import CudaGraphRunner
-from tokenmill.worker.draft_model import attention_layers, kv_bytes_per_block, load_draft_model
+from tokenmill.worker.draft_model import attention_layers, kv_bytes_per_block, load_draft_model, load_eagle_head
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.sampler_warmup import compile_sampler_in_background, warm_up_sampler
@@ -79,6 +80,10 @@ class Worker:
         if speculative is not None and speculative.method == "draft_model":
             self.draft_model = load_draft_model(config, hf_config, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.draft_model)
+        self.eagle_head = None
+        if speculative is not None and speculative.method == "eagle":
+            self.eagle_head = load_eagle_head(config, hf_config, self.model, self.device, self.dtype, max_model_len)
+            self.draft_attn_layers = attention_layers(self.eagle_head)
         if self.kv_cache_dtype != self.dtype:
             log_kv_scales(self.attn_layers)
         self.model_runner: ModelRunner | None = None
@@ -105,8 +110,8 @@ class Worker:
             available = int(DEFAULT_CPU_KV_CACHE_GIB * GiB)
         else:
             available = self._profile_available_gpu_memory()
-        if self.draft_model is not None and cache.num_gpu_blocks_override is None:
-            # Every block holds the draft model's KV of its tokens too.
+        if self.draft_attn_layers and cache.num_gpu_blocks_override is None:
+            # Every block holds the draft model's (or EAGLE head's) KV of its tokens too.
             draft_bytes = kv_bytes_per_block(self.draft_attn_layers, self.kv_cache_dtype, shape.block_size)
             available = available * shape.bytes_per_block // (shape.bytes_per_block + draft_bytes)
         return make_kv_cache_spec(shape, available, self.max_model_len)
@@ -145,7 +150,9 @@ class Worker:
         shape = spec.shape
         self.num_kv_blocks = spec.num_blocks
         for layer in self.attn_layers + self.draft_attn_layers:
-            layer.kv_cache = torch.empty(
+            # A draft's KV in a prefix-cache hit may never have been written: zeros, never stale NaNs.
+            alloc = torch.zeros if layer in self.draft_attn_layers else torch.empty
+            layer.kv_cache = alloc(
                 (2, spec.num_blocks, shape.block_size, layer.num_kv_heads, layer.head_dim),
                 dtype=self.kv_cache_dtype, device=self.device,
             )
@@ -175,6 +182,11 @@ class Worker:
         if self.draft_model is not None:
             return DraftModelProposer(self.draft_model, self.attn_backend, self.device, block_size,
                                       self.config.scheduler_config.max_num_seqs)
+        if self.eagle_head is not None:
+            # Eager: the head's decode steps take the hidden states as an input the decode graphs do not have.
+            return EagleProposer(self.eagle_head, self.attn_backend, self.device, block_size,
+                                 self.config.scheduler_config.max_num_seqs, self.hf_config.hidden_size,
+                                 speculative.num_speculative_tokens, self.dtype)
         return make_proposer(speculative)
 
     def _capture_cuda_graphs(self, block_size: int) -> None:

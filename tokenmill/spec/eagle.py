@@ -1,0 +1,174 @@
+"""EAGLE (EAGLE-1) proposer: a small decoder head drafts from the target's own hidden states.
+
+The head (usually one Llama decoder layer) sees, at position p, `fc(cat(embed(token[p + 1]), h[p]))`, where
+h[p] is the target's last hidden state at p (the one its LM head reads); its output at p stands in for
+the target's h[p + 1], so the shared LM head gives token[p + 2]. Draft 1 comes from the target's hidden
+state at the position that produced the last known token; drafts 2..k from the head's own output.
+
+The head's KV lives in the target's blocks, as the draft model's does (DraftModelProposer, whose layout
+and forward machinery this reuses). The target's hidden states reach it through `observe`, called after
+every target forward pass: positions whose next token is surely on the host are run through the head
+at once (a prompt's chunks), the others wait in a small per-row window until the next proposal (or
+observation) knows their next token. Only the acceptance rate depends on the head: a position whose
+hidden state was never seen (a prefix-cache hit, an overflowing window) leaves whatever KV its slot holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.layers.embedding import VocabParallelEmbedding
+from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
+from tokenmill.model.llama import LlamaDecoderLayer
+from tokenmill.spec.draft_model import DraftModelProposer
+from tokenmill.worker.request_state import RequestStates
+
+
+class EagleHead(nn.Module):
+    """An EAGLE-1 head in the published layout: `fc` [hidden, 2 * hidden] (maybe a bias), `layers.i.*` (layer
+    0 without an input norm unless the checkpoint has one), no final norm; the target's embedding and LM
+    head unless the checkpoint brings its own embedding."""
+
+    def __init__(self, config: PretrainedConfig, names: set[str], target_embed: nn.Module, compute_logits) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias="fc.bias" in names)
+        bias = getattr(config, "attention_bias", False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, bias, bias, False)
+                                    for i in range(config.num_hidden_layers))
+        if "layers.0.input_layernorm.weight" not in names:
+            self.layers[0].input_layernorm = nn.Identity()
+        if "embed_tokens.weight" in names:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
+        else:
+            object.__setattr__(self, "embed_tokens", target_embed)  # the target's: not a submodule of the head
+        self._compute_logits = compute_logits
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.fc(torch.cat([self.embed_tokens(input_ids), hidden_states], dim=-1))
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        return hidden_states + residual
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._compute_logits(hidden_states)
+
+    def load_weights(self, weights) -> None:
+        load_weights_by_name(self, weights, LLAMA_STACKED_PARAMS, skip_prefixes=("lm_head.",))
+
+
+def eagle_tensor_name(name: str) -> str:
+    """Checkpoint names with or without the `model.` prefix (the original repos have none)."""
+    return name.removeprefix("model.")
+
+
+class EagleProposer(DraftModelProposer):
+    def __init__(self, head: EagleHead, attn_backend: AttentionBackend, device: torch.device, block_size: int,
+                 max_num_reqs: int, hidden_size: int, max_drafts: int, dtype: torch.dtype) -> None:
+        super().__init__(head, attn_backend, device, block_size, max_num_reqs)
+        self.window = max_drafts + 4
+        """Target hidden states kept per row: a verify step's 1 + k, and a few steps of lag."""
+        self.pending = torch.zeros(max_num_reqs, self.window, hidden_size, dtype=dtype, device=device)
+        self.pending_start = np.zeros(max_num_reqs, dtype=np.int64)
+        self.pending_len = np.zeros(max_num_reqs, dtype=np.int64)
+
+    @torch.inference_mode()
+    def observe(self, states: RequestStates, rows: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray,
+                hidden_states: torch.Tensor) -> None:
+        """The target computed `hidden_states` [num_tokens] at `positions`, rows' runs given by query_start_loc."""
+        num_rows = len(rows)
+        if num_rows == 0:
+            return
+        first = positions[query_start_loc[:-1]]
+        end = positions[query_start_loc[1:] - 1] + 1
+        fresh = states.row_generation[rows] != self._generation[rows]
+        self._generation[rows] = states.row_generation[rows]
+        self.num_computed[rows[fresh]] = first[fresh]
+        self.pending_start[rows[fresh]] = first[fresh]
+        self.pending_len[rows[fresh]] = 0
+        # The next token of position p is surely on the host for p + 1 < known (the last step's may not be).
+        known = states.num_tokens[rows] - (states.last_step_index[rows] >= 0)
+        window = self.window
+        base = self.pending.shape[0] * window
+        source = torch.cat([self.pending.view(base, -1), hidden_states[: int(query_start_loc[-1])]])
+        consume_rows, consume_pos, consume_src, consume_end = [], [], [], []
+        keep_dst, keep_src = [], []
+        for i, row in enumerate(rows.tolist()):
+            c, e = int(first[i]), int(end[i])
+            ps, pl = int(self.pending_start[row]), int(self.pending_len[row])
+            avail = ps if ps + pl >= c else c  # the window and this step's run, when they join
+            lo = max(int(self.num_computed[row]), avail)
+            lo = min(lo, e)
+
+            def src(p: int, i=i, c=c, ps=ps, row=row) -> int:
+                return base + int(query_start_loc[i]) + p - c if p >= c else row * window + p - ps
+
+            m = min(e, int(known[i]) - 2)  # the last known position waits for the proposal that drafts from it
+            if m > lo:
+                span = range(lo, m)
+                consume_rows.append(np.full(len(span), row))
+                consume_pos.append(np.arange(lo, m))
+                consume_src.extend(src(p) for p in span)
+                consume_end.append(m)
+                lo = m
+            keep_from = max(lo, e - window)
+            self.num_computed[row] = keep_from  # positions dropped from a full window stay without head KV
+            self.pending_start[row], self.pending_len[row] = keep_from, e - keep_from
+            keep_dst.extend(row * window + j for j in range(e - keep_from))
+            keep_src.extend(src(p) for p in range(keep_from, e))
+        if consume_rows:
+            token_rows = np.concatenate(consume_rows)
+            pos = np.concatenate(consume_pos)
+            counts = np.array([len(p) for p in consume_pos], dtype=np.int64)
+            qsl = np.zeros(len(counts) + 1, dtype=np.int32)
+            np.cumsum(counts, out=qsl[1:])
+            row_ids = np.array([r[0] for r in consume_rows], dtype=np.int64)
+            layout = self._layout(states, row_ids, token_rows, pos, qsl, np.array(consume_end, dtype=np.int32))
+            hidden = source[self._to_device(np.array(consume_src, dtype=np.int64))]
+            self._forward(layout, states.token_ids[token_rows, pos + 1], pos, graphs=False, hidden=hidden)
+        if keep_dst:
+            kept = source[self._to_device(np.array(keep_src, dtype=np.int64))]
+            self.pending.view(base, -1)[self._to_device(np.array(keep_dst, dtype=np.int64))] = kept
+
+    @torch.inference_mode()
+    def propose(self, states: RequestStates, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
+        lengths = states.num_tokens[rows]
+        start = np.maximum(np.minimum(self.num_computed[rows], lengths - 2), self.pending_start[rows])
+        # A row whose target hidden states up to its last known position are not in the window drafts nothing.
+        ok = ((states.row_generation[rows] == self._generation[rows]) & (lengths >= 2) & (start < lengths - 1)
+              & (lengths - 1 <= self.pending_start[rows] + self.pending_len[rows]))
+        drafts = [np.zeros(0, dtype=np.int64) for _ in range(len(rows))]
+        if not ok.any():
+            return drafts
+        index = np.flatnonzero(ok)
+        rows, start, lengths, max_drafts = rows[ok], start[ok], lengths[ok], max_drafts[ok]
+        num_new = lengths - 1 - start
+        qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(num_new, out=qsl[1:])
+        token_rows = np.repeat(rows, num_new)
+        positions = np.repeat(start, num_new) + np.arange(qsl[-1]) - np.repeat(qsl[:-1], num_new)
+        src = token_rows * self.window + positions - self.pending_start[token_rows]
+        hidden = self.pending.view(-1, self.pending.shape[-1])[self._to_device(src)]
+        layout = self._layout(states, rows, token_rows, positions, qsl, (lengths - 1).astype(np.int32))
+        out = self._forward(layout, states.token_ids[token_rows, positions + 1], positions, graphs=False,
+                            hidden=hidden)
+        self.num_computed[rows] = lengths - 1
+        hidden = out[self._to_device(qsl[1:] - 1)]
+        tokens = self._greedy(hidden)
+        steps = [tokens]
+        for j in range(1, int(max_drafts.max())):
+            pos = lengths - 2 + j
+            layout = self._layout(states, rows, rows, pos, np.arange(len(rows) + 1, dtype=np.int32),
+                                  (pos + 1).astype(np.int32))
+            hidden = self._forward(layout, tokens, pos, graphs=False, hidden=hidden)
+            tokens = self._greedy(hidden)
+            steps.append(tokens)
+        drafted = torch.stack(steps, dim=1).cpu().numpy()
+        for i, k, d in zip(index.tolist(), max_drafts.tolist(), drafted):
+            drafts[i] = d[:k]
+        return drafts
