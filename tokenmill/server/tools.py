@@ -22,6 +22,7 @@ from typing import Any
 from tokenmill.config import ServerConfig
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.errors import bad_request
+from tokenmill.server.forced_calls import scan
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from tokenmill.server.structured_outputs import Constraint
@@ -123,8 +124,12 @@ def forced_calls(text: str, named: str | None) -> list[ToolCall] | None:
     items = [value] if named is not None else value
     if not isinstance(items, list) or not all(isinstance(item, dict) and "name" in item for item in items):
         return None
-    return [ToolCall(make_tool_call_id(), item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
-            for item in items]
+    # The arguments as generated (what a stream of the same text sends), "{}" where there were none.
+    raw = scan(text, named is not None)
+    return [ToolCall(make_tool_call_id(), item["name"],
+                     raw[i].arguments if i < len(raw) and raw[i].complete else
+                     json.dumps(item.get("parameters", {}), ensure_ascii=False))
+            for i, item in enumerate(items)]
 
 
 def _call_entries(deltas: list[ToolCallDelta]) -> list[dict]:
@@ -148,6 +153,7 @@ class ChoiceText:
         self.reasoning = reasoning() if reasoning is not None else None
         self.tool_parser = plan.parser(plan.tools) if plan.parser is not None else None
         self.held = ""  # forced mode: the JSON so far
+        self.streamed: list[list] = []  # forced mode: per call, [id, argument characters sent]
         self.called = False
 
     # -- whole
@@ -184,14 +190,7 @@ class ChoiceText:
     def _step(self, text: str, final: bool) -> dict[str, Any]:
         plan = self.plan
         if plan.mode == "forced":
-            self.held += text
-            if not final:
-                return {}
-            calls = forced_calls(self.held, plan.named)
-            if calls is None:
-                return {"content": self.held} if self.held else {}
-            self.called = True
-            return {"tool_calls": [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]}
+            return self._forced_step(text, final)
         delta: dict[str, Any] = {}
         content: str | None = text
         if self.reasoning is not None:
@@ -217,6 +216,27 @@ class ChoiceText:
             self.called = True
             delta["tool_calls"] = _call_entries(deltas)
         return delta
+
+    def _forced_step(self, text: str, final: bool) -> dict[str, Any]:
+        """A call's head as soon as its name is generated, then its arguments as they grow."""
+        self.held += text
+        deltas = []
+        for index, call in enumerate(scan(self.held, self.plan.named is not None)):
+            if call.name is None:
+                break
+            if index == len(self.streamed):
+                self.streamed.append([make_tool_call_id(), 0])
+                deltas.append(ToolCallDelta(index, self.streamed[index][0], call.name, ""))
+            sent = self.streamed[index][1]
+            if len(call.arguments) > sent:
+                deltas.append(ToolCallDelta(index, arguments=call.arguments[sent:]))
+                self.streamed[index][1] = len(call.arguments)
+        if deltas:
+            self.called = True
+            return {"tool_calls": _call_entries(deltas)}
+        if final and not self.streamed and self.held:  # no call began (cut before a name): the text as it is
+            return {"content": self.held}
+        return {}
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.called and reason == "stop" else reason

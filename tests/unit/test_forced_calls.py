@@ -1,0 +1,60 @@
+"""Forced tool calls streamed as they are generated (server.forced_calls): the head as soon as the name is
+known, then argument fragments; the concatenated stream equals the whole response's calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.server.forced_calls import scan
+from tokenmill.server.tools import ChoiceText, ToolPlan
+
+PARAMS = {"city": "Pa{ri}s \"quoted\" [x]", "days": [1, 2, {"n": 3}], "unit": {"deep": {"er": []}}}
+NAMED = json.dumps({"name": "get_weather", "parameters": PARAMS})
+REQUIRED = json.dumps([{"name": "get_weather", "parameters": PARAMS}, {"name": "get_time", "parameters": {}}],
+                      indent=1)
+
+
+@pytest.mark.parametrize("text,named", [(NAMED, True), (REQUIRED, False)])
+def test_scan_finds_names_and_raw_arguments(text, named):
+    calls = scan(text, named)
+    expected = [json.loads(text)] if named else json.loads(text)
+    assert [c.name for c in calls] == [item["name"] for item in expected]
+    assert [json.loads(c.arguments) for c in calls] == [item["parameters"] for item in expected]
+    assert all(c.complete for c in calls)
+    # Every prefix: what is known is a prefix of the final arguments, never more.
+    for end in range(len(text)):
+        for partial, final in zip(scan(text[:end], named), calls):
+            assert final.arguments.startswith(partial.arguments)
+            assert partial.name in (None, final.name)
+
+
+@pytest.mark.parametrize("text,named", [(NAMED, "get_weather"), (REQUIRED, None)])
+@pytest.mark.parametrize("piece", [1, 3, 7])
+def test_streamed_deltas_concatenate_to_the_whole_response(text, named, piece):
+    plan = ToolPlan([], "forced", named=named, parallel=True, constraint=None)
+    whole = ChoiceText(plan, None).full(text)["tool_calls"]
+    stream = ChoiceText(plan, None)
+    deltas = []
+    for start in range(0, len(text), piece):
+        deltas += stream.feed(text[start:start + piece]).get("tool_calls", [])
+    deltas += stream.finish().get("tool_calls", [])
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta["index"], {"name": None, "arguments": ""})
+        if "id" in delta:  # the head comes first, once, with its name
+            assert call["name"] is None and call["arguments"] == ""
+            call["name"] = delta["function"]["name"]
+        call["arguments"] += delta["function"]["arguments"]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    assert len(deltas) > len(whole)  # the arguments came in fragments, not at the end
+    assert stream.finish_reason("stop") == "tool_calls"
+
+
+def test_a_call_cut_before_its_name_stays_text():
+    plan = ToolPlan([], "forced", named=None, parallel=True, constraint=None)
+    stream = ChoiceText(plan, None)
+    assert stream.feed('[{"na') == {}
+    assert stream.finish() == {"content": '[{"na'}
