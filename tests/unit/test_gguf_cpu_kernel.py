@@ -15,7 +15,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 
 from tokenmill.layers.quant import gguf_cpu
-from tokenmill.layers.quant.gguf_cpu import gguf_dequantize_cpu, gguf_gemm_cpu, load_kernel
+from tokenmill.layers.quant.gguf_cpu import (
+    bf16_kernel_types,
+    gguf_dequantize_cpu,
+    gguf_gemm_bf16_cpu,
+    gguf_gemm_cpu,
+    load_kernel,
+)
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: GGUF layers are dequantized")
 
@@ -85,6 +91,72 @@ def test_gemm_writes_into_a_column_slice():
     gguf_gemm_cpu(x, torch.from_numpy(raw), int(T.Q4_1), 256, out=out[:, 4:16])
     torch.testing.assert_close(out[:, 4:16], gguf_gemm_cpu(x, torch.from_numpy(raw), int(T.Q4_1), 256))
     assert (out[:, :4] == 7).all() and (out[:, 16:] == 7).all()
+
+
+# -- the bfloat16 path (AMX / AVX512_BF16): bfloat16 products of the weights rounded to bfloat16, float32 sums
+BF16_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+needs_bf16 = pytest.mark.skipif(not bf16_kernel_types(), reason="no AVX512_BF16: bfloat16 takes the float32 path")
+
+
+def bf16_values(a: np.ndarray) -> np.ndarray:
+    """float32 -> the float64 of its bfloat16 rounding (torch's, round to nearest even)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).bfloat16().double().numpy()
+
+
+@needs_bf16
+@pytest.mark.parametrize("ggml_type", BF16_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 5, 64])
+@pytest.mark.parametrize("n,k", [(37, 256), (8, 768)])
+def test_bf16_gemm_matches_float64_reference(ggml_type, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + 7)
+    raw = random_blocks(ggml_type, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k))).bfloat16()
+    y = gguf_gemm_bf16_cpu(x, torch.from_numpy(raw), int(ggml_type), k).double().numpy()
+    w = bf16_values(dequantize(raw, ggml_type))  # the dense bfloat16 model's weights
+    x64 = x.double().numpy()
+    expected, scale = x64 @ w.T, np.abs(x64) @ np.abs(w).T
+    # Products of bfloat16 values are exact in float32; only the float32 sums round.
+    assert np.all(np.abs(y - expected) <= 1e-6 * scale + 1e-30), np.max(np.abs(y - expected) / scale)
+
+
+@needs_bf16
+@pytest.mark.parametrize("ggml_type", BF16_TYPES, ids=lambda t: t.name)
+def test_bf16_weights_are_the_dense_bfloat16_weights(ggml_type):
+    """The decoding rounds gguf's float32 values to bfloat16 as torch does (the prefill tile, and the GEMM:
+    one-hot activation rows pick single weights, exactly)."""
+    raw = random_blocks(ggml_type, 37, 256, np.random.default_rng(4))
+    expected = torch.from_numpy(dequantize(raw, ggml_type)).bfloat16()
+    dense = gguf_cpu.gguf_dequantize_bf16_cpu(torch.from_numpy(raw), int(ggml_type), 256)
+    assert torch.equal(dense, expected)
+    picked = gguf_gemm_bf16_cpu(torch.eye(256).bfloat16(), torch.from_numpy(raw), int(ggml_type), 256)
+    assert torch.equal(picked.T.bfloat16(), expected)
+
+
+@needs_bf16
+@pytest.mark.parametrize("ggml_type", BF16_TYPES, ids=lambda t: t.name)
+def test_bf16_row_does_not_depend_on_the_batch(ggml_type):
+    """The prefix cache recomputes a prompt's last rows alone: their results must be the batch's, bit for bit."""
+    rng = np.random.default_rng(3)
+    raw = torch.from_numpy(random_blocks(ggml_type, 53, 576, rng))
+    x = torch.from_numpy(rng.standard_normal((64, 576))).bfloat16()
+    for row in (0, 5, 63):
+        alone = gguf_gemm_bf16_cpu(x[row:row + 1].contiguous(), raw, int(ggml_type), 576)[0]
+        for batch in (x[row - row % 7:][:7] if row < 63 else x[57:], x):
+            within = gguf_gemm_bf16_cpu(batch.contiguous(), raw, int(ggml_type), 576)
+            index = [i for i in range(len(batch)) if torch.equal(batch[i], x[row])][0]
+            assert torch.equal(within[index], alone), (row, len(batch))
+
+
+@needs_bf16
+def test_bf16_layer_uses_the_bf16_path_consistently():
+    """The method: a bfloat16 row computed alone equals the same row within a batch of 7 and of 64 (below
+    DENSE_GEMM_ROWS; the Q6_K part v takes the float32 kernel, batch-invariant too)."""
+    layer, weight = mixed_qkv_layer(torch.bfloat16)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    full, seven, alone = layer(x), layer(x[:7]), layer(x[6:7])
+    assert torch.equal(full[6], alone[0]) and torch.equal(seven[6], alone[0])
+    expected = x.double() @ weight.T
+    torch.testing.assert_close(full.double(), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))
 
 
 # -- the method: fused parts of mixed types, the prefill path, the fallback -----------------------------

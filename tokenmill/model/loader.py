@@ -137,10 +137,10 @@ def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device, dtype:
         # Another method (fp8) quantizes the GGUF's dequantized weights: it starts from the dense model.
         return False
     if model_config.quantization != "gguf" and device.type == "cpu" and dtype != torch.float32:
-        # The kernel computes in float32: against bfloat16's oneDNN GEMMs it gains 1.18x at batch 1 but loses
-        # at batch 64 (0.68x, BENCHMARKS.md), and its rounding differs from theirs, so a prompt's rows would
-        # round one way when computed and another when they come from the prefix cache.
-        logger.info("GGUF in %s on the CPU: dequantized at load (the kept-quantized kernel computes in float32; "
+        # In bfloat16 the kernel's AMX / AVX512_BF16 path gains 1.15x at batch 1 but still loses a little at
+        # batch 64 (0.93-0.94x, BENCHMARKS.md; per GEMM it beats oneDNN from 1 to 64 rows, so the loss is
+        # elsewhere, not located yet); float16 has only the float32 path. quantization='gguf' takes them anyway.
+        logger.info("GGUF in %s on the CPU: dequantized at load (kept quantized it is 0.94x at batch 64 in bfloat16; "
                     "dtype=float32 or quantization='gguf' keeps the GGML blocks)", str(dtype).removeprefix("torch."))
         return False
     if device.type != "cpu":

@@ -11,9 +11,10 @@ and down more bits): after loading, runs of consecutive parts of one type are co
 and each blob is one GEMM writing its slice of the output. A part that arrives dense (an F32/F16 tensor)
 is a dense run of its own.
 
-On the CPU the GEMM is layers.quant.gguf_cpu's C kernel. Without a compiler, or on a device without a
-quantized GEMM (the GPU: the loader does not pick this method there), the weights are dequantized once and
-multiplied densely: the same numbers, the dense path's speed.
+On the CPU the GEMM is layers.quant.gguf_cpu's C kernel: float32 activations in float32, bfloat16 ones
+(Q4_0, Q4_1, Q8_0 on CPUs with AVX512_BF16) in bfloat16 products with float32 sums. Without a compiler, or
+on a device without a quantized GEMM (the GPU: the loader does not pick this method there), the weights are
+dequantized once and multiplied densely: the same numbers, the dense path's speed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.quant.base import QuantConfig, QuantMethod
-from tokenmill.layers.quant.gguf_cpu import KERNEL_TYPES, gguf_dequantize_cpu, gguf_gemm_cpu, load_kernel
+from tokenmill.layers.quant.gguf_cpu import (
+    KERNEL_TYPES,
+    bf16_kernel_types,
+    gguf_dequantize_bf16_cpu,
+    gguf_dequantize_cpu,
+    gguf_gemm_bf16_cpu,
+    gguf_gemm_cpu,
+    load_kernel,
+)
 from tokenmill.layers.quant.unquantized import dense_linear
 
 if TYPE_CHECKING:
@@ -40,7 +49,12 @@ QUANTIZED_TYPES = tuple(GGML_TYPE_NAMES)  # what the loader keeps quantized
 DENSE = -1  # a part's "type" when it arrived as a float tensor
 
 # From this many activation rows (prefill) the weight is dequantized into a dense tile for torch's GEMM,
-# whose bfloat16 rate (AMX where present) is several times the kernel's float32 rate.
+# whose bfloat16 rate (AMX where present) is several times the kernel's float32 rate, and in bfloat16
+# still 1.3-1.7x the kernel's AMX rate at 2048 rows (BENCHMARKS.md). Below it, a row's result does not depend
+# on the row count (the kernel's paths are batch-invariant); across it the rounding differs (oneDNN's sums
+# against the kernel's), so a prompt of 128+ rows computed whole and its last rows recomputed after a
+# prefix-cache hit may round differently. Serving prefills from the kernel too would remove that, measured
+# at 0.75x the dequantized engine's throughput on 64 prompts of 128 tokens (BENCHMARKS.md).
 DENSE_GEMM_ROWS = 128
 
 
@@ -139,18 +153,26 @@ class GGUFLinearMethod(QuantMethod):
         x2 = x.reshape(-1, shape[-1])
         rows, k = x2.shape
         if rows >= DENSE_GEMM_ROWS:
-            # F.linear, not the prepacking cpu_linear: the tile is used once.
-            y = torch.cat([F.linear(x2, self._dense_run(layer, i, x.dtype))
-                           for i in range(len(layer.gguf_runs))], dim=1)
+            # F.linear, not the prepacking cpu_linear: the tile is used once. One run (a layer of one type, all
+            # of the default model's) is not copied through torch.cat: a prefill's output is tens of MB.
+            ys = [F.linear(x2, self._dense_run(layer, i, x.dtype)) for i in range(len(layer.gguf_runs))]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         else:
-            xf = x2.float().contiguous()
+            bf16_types = bf16_kernel_types() if x2.dtype == torch.bfloat16 else ()
+            xb = x2.contiguous() if bf16_types else None
+            xf = None
             y = torch.empty(rows, layer.output_size, dtype=torch.float32)
             for i, (ggml_type, offset, size) in enumerate(layer.gguf_runs):
-                weight = getattr(layer, f"qweight{i}")
+                weight, out = getattr(layer, f"qweight{i}"), y[:, offset:offset + size]
+                if ggml_type in bf16_types:  # bfloat16 products (AMX / AVX512_BF16), float32 sums
+                    gguf_gemm_bf16_cpu(xb, weight, ggml_type, k, out=out)
+                    continue
+                if xf is None:
+                    xf = x2.float().contiguous()
                 if ggml_type == DENSE:
-                    y[:, offset:offset + size] = dense_linear(xf, weight.float(), None)
+                    out.copy_(dense_linear(xf, weight.float(), None))
                 else:
-                    gguf_gemm_cpu(xf, weight, ggml_type, k, out=y[:, offset:offset + size])
+                    gguf_gemm_cpu(xf, weight, ggml_type, k, out=out)
             y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
@@ -162,6 +184,8 @@ class GGUFLinearMethod(QuantMethod):
         weight = getattr(layer, f"qweight{i}")
         if ggml_type == DENSE:
             return weight.to(dtype)
+        if dtype == torch.bfloat16 and ggml_type in bf16_kernel_types():  # one pass, the same values
+            return gguf_dequantize_bf16_cpu(weight, ggml_type, layer.input_size)
         return gguf_dequantize_cpu(weight, ggml_type, layer.input_size).to(dtype)
 
 

@@ -10,6 +10,15 @@ no fused multiply-add), then takes dot products of MR activation rows with them 
 Activations stay float32, so the result differs from the dequantized model's only in summation order.
 Large batches walk the activations in chunks that fit in L2, dequantizing each tile once per chunk.
 
+bfloat16 activations (gguf_gemm_bf16; Q4_0, Q4_1, Q8_0; CPUs with AVX512_BF16) multiply the weights rounded
+to bfloat16 (round to nearest even, as .to(torch.bfloat16): the dense bfloat16 model's weights exactly),
+products exact in float32 and sums in float32, rounded to bfloat16 once by the caller. With AMX (Linux
+grants the tile state on request) a tile of 32 weight rows is decoded once per chunk of activation rows
+(their pairs laid out for TDPBF16PS, in L2) and every tile has one shape, zero-padded past M and N;
+without it AVX512_BF16 dot products (VDPBF16PS) take a fixed per-output chain. Either way an output's
+arithmetic does not depend on how many rows are in the batch, so a row's result is the same alone or
+within any batch (the prefix cache recomputes a prompt's last rows alone).
+
 Compiled on first use (tokenmill.cpu_compile); `load_kernel()` is None where no compiler works, and the
 method then dequantizes once and multiplies densely (layers.quant.gguf).
 """
@@ -24,19 +33,26 @@ import subprocess
 import torch
 
 from tokenmill.cpu_compile import build_error_message, compile_library
+from tokenmill.layers.quant.gguf_cpu_bf16 import BF16_SOURCE
 
 logger = logging.getLogger(__name__)
 
 # GGML type ids (gguf.GGMLQuantizationType) the kernel reads.
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 KERNEL_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+BF16_TYPES = (Q4_0, Q4_1, Q8_0)  # the bfloat16 path's (AVX512_BF16 CPUs: bf16_kernel_types)
 
 _SOURCE = r"""
+#define _GNU_SOURCE  /* syscall: AMX's permission */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -359,6 +375,7 @@ int gguf_gemm(float *y, const float *x, const uint8_t *w, int64_t M, int64_t N, 
     return failed;
 }
 
+""" + BF16_SOURCE + r"""
 /* The float32 values of N rows: the prefill path's dense tile, and the tests' view of the decoding. */
 void gguf_dequantize(float *dst, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int type,
                      int num_threads) {
@@ -379,6 +396,12 @@ def load_kernel() -> ctypes.CDLL | None:
     lib.gguf_gemm.restype = ctypes.c_int
     lib.gguf_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int64,
                                                                              ctypes.c_int]
+    lib.gguf_gemm_bf16.restype = ctypes.c_int
+    lib.gguf_gemm_bf16.argtypes = lib.gguf_gemm.argtypes
+    lib.gguf_bf16_supported.restype = ctypes.c_int
+    lib.gguf_bf16_supported.argtypes = []
+    lib.gguf_dequantize_bf16.restype = ctypes.c_int
+    lib.gguf_dequantize_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
     lib.gguf_dequantize.restype = None
     lib.gguf_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
     return lib
@@ -397,9 +420,39 @@ def gguf_gemm_cpu(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, k: int,
     return out
 
 
+@functools.cache
+def bf16_kernel_types() -> tuple[int, ...]:
+    """The GGML types gguf_gemm_bf16_cpu serves here: none without AVX512_BF16 (or without the kernel)."""
+    lib = load_kernel()
+    return BF16_TYPES if lib is not None and lib.gguf_bf16_supported() else ()
+
+
+def gguf_gemm_bf16_cpu(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, k: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] bfloat16 contiguous @ bf16(dequant(weight)).T -> [m, n] float32 (or into `out`, as
+    gguf_gemm_cpu), for ggml_type in bf16_kernel_types()."""
+    m, n = x.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    status = load_kernel().gguf_gemm_bf16(out.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
+                                          weight.shape[1], ggml_type, out.stride(0), torch.get_num_threads())
+    assert status == 0, "the type is served (bf16_kernel_types), K is whole blocks, the scratch a few KiB"
+    return out
+
+
 def gguf_dequantize_cpu(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     """dequant(weight [n, row_bytes] uint8) -> [n, k] float32."""
     out = torch.empty(weight.shape[0], k, dtype=torch.float32)
     load_kernel().gguf_dequantize(out.data_ptr(), weight.data_ptr(), weight.shape[0], k, weight.shape[1],
                                   ggml_type, torch.get_num_threads())
+    return out
+
+
+def gguf_dequantize_bf16_cpu(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """dequant(weight [n, row_bytes] uint8) -> [n, k] bfloat16 (round to nearest even), for ggml_type in
+    bf16_kernel_types()."""
+    out = torch.empty(weight.shape[0], k, dtype=torch.bfloat16)
+    status = load_kernel().gguf_dequantize_bf16(out.data_ptr(), weight.data_ptr(), weight.shape[0], k,
+                                                weight.shape[1], ggml_type, torch.get_num_threads())
+    assert status == 0, "the type is served (bf16_kernel_types) and K is whole blocks"
     return out
