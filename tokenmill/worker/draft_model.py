@@ -24,17 +24,22 @@ def load_draft_model(config: EngineConfig, target: PretrainedConfig, device: tor
     model_config = dataclasses.replace(config.model_config, model=config.speculative_config.model, tokenizer=None,
                                        quantization=None)  # the draft's own checkpoint says if it is quantized
     draft = load_hf_config(model_config)
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the target's "
-                         f"({target.vocab_size}): a draft model must share the target's tokenizer")
-    draft_len = getattr(draft, "max_position_embeddings", None)
-    if draft_len is not None and draft_len < max_model_len:
-        raise ValueError(f"the draft model takes {draft_len} positions, fewer than max_model_len={max_model_len}: "
-                         f"lower max_model_len")
+    check_fits("the draft model", draft, target, max_model_len)
     start = time.perf_counter()
     model = load_model(model_config, draft, device, dtype)
     logger.info("loaded draft model %s (%s) in %.1f s", type(model).__name__, dtype, time.perf_counter() - start)
     return model
+
+
+def check_fits(what: str, draft: PretrainedConfig, target: PretrainedConfig, max_model_len: int) -> None:
+    """A drafter shares the target's vocabulary and takes every position the target may reach."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"{what}'s vocabulary ({draft.vocab_size} tokens) is not the target's "
+                         f"({target.vocab_size}): a drafter must share the target's tokenizer")
+    draft_len = getattr(draft, "max_position_embeddings", None)
+    if draft_len is not None and draft_len < max_model_len:
+        raise ValueError(f"{what} takes {draft_len} positions, fewer than max_model_len={max_model_len}: "
+                         f"lower max_model_len")
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:
@@ -59,13 +64,7 @@ def load_eagle_head(config: EngineConfig, target_config: PretrainedConfig, targe
     if head_config.hidden_size != target_config.hidden_size:
         raise ValueError(f"the EAGLE head's hidden size ({head_config.hidden_size}) is not the target's "
                          f"({target_config.hidden_size})")
-    if head_config.vocab_size != target_config.vocab_size:
-        raise ValueError(f"the EAGLE head's vocabulary ({head_config.vocab_size} tokens) is not the target's "
-                         f"({target_config.vocab_size})")
-    head_len = getattr(head_config, "max_position_embeddings", None)
-    if head_len is not None and head_len < max_model_len:
-        raise ValueError(f"the EAGLE head takes {head_len} positions, fewer than max_model_len={max_model_len}: "
-                         f"lower max_model_len")
+    check_fits("the EAGLE head", head_config, target_config, max_model_len)
     target_embed = getattr(getattr(target, "model", None), "embed_tokens", None)
     if target_embed is None:
         raise ValueError(f"EAGLE needs a target with a Llama-style embedding (model.embed_tokens); "
