@@ -93,6 +93,12 @@ class RemoteServer:
     def url(self, path: str) -> str:
         return self.base_url + path
 
+    def openai_client(self):
+        """The openai SDK pointed at this server: no retries (a failure shows at once), a generous timeout."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=self.api_key or "EMPTY", max_retries=0, timeout=120)
+
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

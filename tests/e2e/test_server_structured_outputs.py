@@ -46,7 +46,7 @@ def server(smollm2_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY", max_retries=0, timeout=120)
+    return server.openai_client()
 
 
 def chat(client, messages, **kwargs) -> str:

@@ -48,14 +48,14 @@ def server(smollm2_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY", max_retries=0, timeout=120)
+    return server.openai_client()
 
 
 @pytest.fixture(scope="module")
 def plain_client(smollm2_path):
     """A server started without the tool and reasoning flags."""
     server = RemoteServer(smollm2_path, *SERVER_ARGS)
-    yield openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY", max_retries=0, timeout=120)
+    yield server.openai_client()
     server.stop()
 
 
