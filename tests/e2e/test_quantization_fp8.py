@@ -116,3 +116,38 @@ def test_fp8_kernels_in_the_engine_on_the_gpu(tiny, layout):
     same = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got)]
     print(f"greedy tokens equal before the first difference: {same} of 32")
     assert sum(same) >= 32, same
+
+
+MODES = {
+    "prefix-caching+chunked-prefill": dict(max_num_batched_tokens=16),
+    "async+chunked-prefill": dict(max_num_batched_tokens=16, async_scheduling=True),
+    "preempting": dict(num_gpu_blocks_override=10, max_num_batched_tokens=64, max_model_len=128),
+}
+
+
+def _mode_tokens(path: str, **engine_args):
+    shared = TINY_TEXT[:40]  # two full blocks: prefix-cache hits
+    prompts = [{"prompt_token_ids": shared + TINY_TEXT[40 + i:45 + 3 * i]} for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+              SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)]
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True,
+              **({"kv_cache_space": 0.05, "max_model_len": 128} | engine_args))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [[c.token_ids for c in out.outputs] for out in outputs], llm
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fp8_weights_give_the_same_tokens_in_every_engine_mode(tiny, mode):
+    """Prefix-cached and chunked prompts, async scheduling, preempted and recomputed requests, n > 1: each
+    row's activations are quantized on their own, so every mode computes what the plain engine computes."""
+    model, root = tiny
+    quantized, _ = write_fp8(model, root / "modes", "hf-block")
+    plain, _ = _mode_tokens(quantized, enable_prefix_caching=False)
+    tokens, llm = _mode_tokens(quantized, **MODES[mode])
+    assert tokens == plain
+    if mode == "preempting":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    else:
+        assert llm.engine.last_stats.prefix_cache_hits > 0
