@@ -133,11 +133,23 @@ class Fp8LinearMethod(QuantMethod):
 
 def _fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int,
                      input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    from tokenmill.kernels.fp8_gemm import SKINNY_MAX_ROWS, block_fp8_gemm, quantize_fp8, skinny_fp8_gemm
+    from tokenmill.kernels.fp8_gemm import (
+        GEMV_MAX_ROWS,
+        SKINNY_MAX_ROWS,
+        block_fp8_gemm,
+        gemv_fp8,
+        quantize_fp8,
+        skinny_fp8_gemm,
+    )
 
     rows = x.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
+    # One to four rows with per-channel scales: the CUDA-core GEMV reads the weight faster than a tensor-core
+    # tile that is mostly padding (benchmarks/fp8_gemm.py).
+    if rows <= GEMV_MAX_ROWS and not block and min(weight.shape) >= SKINNY_MIN_WEIGHT:
+        y = gemv_fp8(x, weight, scale)
+        return y if bias is None else y + bias
     if rows <= SKINNY_MAX_ROWS and (block or min(weight.shape) >= SKINNY_MIN_WEIGHT):
         y = skinny_fp8_gemm(x, weight, scale, block)
         return y if bias is None else y + bias
@@ -185,6 +197,9 @@ class Fp8Config(QuantConfig):
 
     def linear_method(self, layer_name: str) -> QuantMethod:
         return Fp8LinearMethod(self)
+
+    def quantizes_checkpoint_tensors(self) -> bool:
+        return self.checkpoint_fp8
 
     def describe(self) -> str:
         weights = (f"{self.block}x{self.block} block scales" if self.block else "per-channel scales"
