@@ -25,17 +25,23 @@ Sections:
               "stop" must parse with json.loads and validate with jsonschema; outputs cut by max_tokens
               ("length", mid-structure by design) are counted apart.
   mask        the bitmask's cost per step at batch 256, in pieces: the host fill of 256 matchers (xgrammar's
-              multi-threaded BatchGrammarMatcher into a pinned buffer, as tokenmill's GrammarRows does, and
-              GrammarMatcher.fill_next_token_bitmask one row at a time, the old way, for reference), the
+              multi-threaded BatchGrammarMatcher into a pinned buffer on the threads GrammarRows chooses, on
+              xgrammar's 'auto' threads, and one row at a time), the batched accept of one token per row, the
               host-to-device copy (pinned and non-blocking: the host's time to queue it, and its time
               synchronized; pageable for reference), and the apply on 256 x 151,936 bfloat16 logits timed with
               CUDA events: tokenmill's Triton kernel (kernels/token_bitmask.py), against the old unpack_bitmask
               + masked_fill and xgrammar's apply_token_bitmask_inplace; matchers are mid-structure (advanced
-              through half of each structured output). The throughput section also reports the engine's own
-              GrammarRows.apply host time per step (the new tokens accepted, the masks filled, the copy and the
-              kernel queued): it runs while the GPU runs the step's forward pass (queued before it), so the
-              structured run loses throughput only where that time, with the rest of the step's host work,
-              exceeds the GPU's step.
+              through half of each structured output).
+  replay      the grammars' host work (accept + fill) at every step of a whole run without the model: each
+              matcher samples uniformly among the tokens it allows; grammars compiled against the tokenizer's
+              vocabulary (tokenmill's way) and against the model's 151,936 ids (the way before), which must
+              draw the same tokens.
+
+The throughput section also times the engine's host work per sampled step (GrammarTimer): the runner's wait
+for the last step's tokens (the forward pass already queued), GrammarRows.apply and its pieces (accept, fill,
+host buffer, copy + kernel queued), the whole _sample, and per engine step its wall time and the core's wait
+for the GPU. The grammar work runs while the GPU runs the step's forward pass, so a structured run loses
+throughput only where it, with the rest of the step's host work, exceeds the GPU's step.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import tempfile
@@ -58,7 +65,11 @@ sys.path.insert(0, str(ROOT))
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 from tokenmill.structured.compiler import GrammarCompiler  # noqa: E402
-from tokenmill.structured.matchers import unpack_bitmask  # noqa: E402 - the old apply, for reference
+from tokenmill.structured.matchers import (  # noqa: E402 - unpack_bitmask: the old apply
+    GrammarRows,
+    fill_threads,
+    unpack_bitmask,
+)
 
 QWEN3_06B = str(ROOT / "benchmarks/models/qwen3-0.6b")
 TOKENIZER = str(ROOT / "benchmarks/models/smollm2-tokenizer")
@@ -227,26 +238,128 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
     return outputs, time.perf_counter() - start
 
 
-class ApplyTimer:
-    """Wraps the engine's GrammarRows.apply: host time per call (tokens accepted, masks filled, copy and kernel
-    queued; it blocks on nothing on the GPU)."""
+PIECES = {"accept": "_accept_new_tokens", "fill": "_fill", "fill with drafts": "_fill_with_drafts",
+          "host buffer (waits for its last copy)": "_host_buffer", "copy + kernel queued": "_apply"}
+"""GrammarRows' methods timed as the pieces of its apply (a piece may run more than once a step)."""
 
-    def __init__(self, grammar_rows) -> None:
-        self.inner = grammar_rows.apply
-        self.seconds: list[float] = []
-        self.rows: list[int] = []
-        grammar_rows.apply = self
 
-    def __call__(self, logits, rows, first_logit_rows, num_drafts, states, constrained):
-        start = time.perf_counter()
-        self.inner(logits, rows, first_logit_rows, num_drafts, states, constrained)
-        self.seconds.append(time.perf_counter() - start)
-        self.rows.append(len(constrained))
+class GrammarTimer:
+    """The engine's host time per sampled step, in pieces: `wait for tokens` (the runner waits for the last
+    step's tokens before the grammars read them, the forward pass already queued), GrammarRows.apply and its
+    pieces (PIECES), the whole `_sample` (logits, masks, sampler launch), and, per engine step, the core's wait
+    for the step it updates and the step's wall time. Host time spent waiting shows the GPU was the bottleneck;
+    apply's time counts fully against throughput only when the host is (it overlaps the forward pass)."""
 
-    def take(self) -> tuple[list[float], list[int]]:
-        taken = self.seconds, self.rows
-        self.seconds, self.rows = [], []
+    def __init__(self, runner, core, engine) -> None:
+        from tokenmill.worker.pending_output import PendingOutput
+
+        self.records: list[dict] = []  # one per _sample call
+        self.steps: list[dict] = []  # one per core.step: wall, core wait
+        self._record: dict | None = None
+        self._in_sample = False
+        self._restore = []
+        grammar_rows = runner.grammar_rows
+        for key, name in [("apply", "apply"), *PIECES.items()]:
+            self._wrap(grammar_rows, name, key)
+        self._wrap(runner, "_sample", "sample", opens=True)
+        original_result = PendingOutput.result
+        timer = self
+
+        def result(pending):
+            start = time.perf_counter()
+            try:
+                return original_result(pending)
+            finally:
+                key = "wait for tokens" if timer._in_sample else "core wait"
+                target = timer._record if timer._in_sample else (timer.steps[-1] if timer.steps else None)
+                if target is not None:
+                    target[key] = target.get(key, 0.0) + time.perf_counter() - start
+
+        PendingOutput.result = result
+        self._restore.append(lambda: setattr(PendingOutput, "result", original_result))
+        original_step = core.step
+
+        def step():
+            self.steps.append({})
+            start = time.perf_counter()
+            try:
+                return original_step()
+            finally:
+                self.steps[-1]["wall"] = time.perf_counter() - start
+
+        core.step = step
+        self._restore.append(lambda: delattr(core, "step"))
+        original_engine_step = engine.step
+
+        def engine_step():
+            start = time.perf_counter()
+            try:
+                return original_engine_step()
+            finally:
+                if self.steps:
+                    self.steps[-1]["engine wall"] = time.perf_counter() - start
+
+        engine.step = engine_step
+        self._restore.append(lambda: delattr(engine, "step"))
+
+    def _wrap(self, owner, name: str, key: str, opens: bool = False) -> None:
+        inner = getattr(owner, name)
+        timer = self
+
+        def timed(*args, **kwargs):
+            if opens:
+                timer._record = {"rows": 0}
+                timer.records.append(timer._record)
+                timer._in_sample = True
+            elif key == "apply":
+                timer._record["rows"] = len(args[-1])  # the constrained rows
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                timer._record[key] = timer._record.get(key, 0.0) + time.perf_counter() - start
+                if opens:
+                    timer._in_sample = False
+
+        setattr(owner, name, timed)
+        self._restore.append(lambda: delattr(owner, name))
+
+    def take(self) -> tuple[list[dict], list[dict]]:
+        taken = self.records, self.steps
+        self.records, self.steps = [], []
         return taken
+
+    def close(self) -> None:
+        for undo in reversed(self._restore):
+            undo()
+
+
+def describe_host(records: list[dict], steps: list[dict], seconds: float) -> str:
+    """The grammar's host pieces: medians at the batch's most constrained rows, and totals over the run."""
+    if not records:
+        return ""
+    rows = np.array([r["rows"] for r in records])
+    full = [r for r, n in zip(records, rows) if n == rows.max()]
+    parts = []
+    for key in ["wait for tokens", "apply", *PIECES, "sample"]:
+        total = sum(r.get(key, 0.0) for r in records)
+        if total == 0.0:
+            continue
+        at_full = np.median([r.get(key, 0.0) for r in full]) * 1e3
+        parts.append(f"{key} {total / seconds:.0%} of the run, {at_full:.2f} ms at {rows.max()} rows")
+    done = [s for s in steps if "wall" in s]
+    walls = [s["wall"] for s in done]
+    waits = [s.get("core wait", 0.0) for s in done]
+    outside = [s["engine wall"] - s["wall"] for s in done if "engine wall" in s]
+    text = f"; {len(records)} sampled steps, {int((rows > 0).sum())} with grammars: " + ", ".join(parts)
+    if walls:
+        text += (f"; engine steps {len(walls)}: core.step median {np.median(walls) * 1e3:.2f} ms (sum "
+                 f"{sum(walls) / seconds:.0%} of the run), of which the core waits for the GPU "
+                 f"{np.median(waits) * 1e3:.2f} ms (sum {sum(waits) / seconds:.0%})")
+    if outside:
+        text += (f"; outside the core (output processing) median {np.median(outside) * 1e3:.2f} ms (sum "
+                 f"{sum(outside) / seconds:.0%})")
+    return text
 
 
 def validate(schemas: list[dict], outputs) -> tuple[int, int, int, list[str]]:
@@ -275,13 +388,34 @@ def validate(schemas: list[dict], outputs) -> tuple[int, int, int, list[str]]:
     return stopped, failed, length, why
 
 
-def section_throughput(schemas: list[dict], model: str, output_len: int, max_model_len: int, dtype: str) -> None:
+def profile_run(llm: LLM, prompts, params, name: str, folder: str) -> None:
+    """cProfile of one more run (slower under the profiler; for where the host's time goes, not for rates):
+    the functions by own time, into `folder`/profile_<name>.txt, the first lines printed."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _, seconds = timed_generate(llm, prompts, params)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    Path(folder, f"profile_{name}.txt").write_text(text.getvalue())
+    print(f"== profile, {name} run ({seconds:.2f} s under cProfile), by own time:\n"
+          + "\n".join(text.getvalue().splitlines()[:40]), flush=True)
+
+
+def section_throughput(schemas: list[dict], model: str, output_len: int, max_model_len: int, dtype: str,
+                       profile_dir: str | None = None) -> None:
     prompts = make_prompts(schemas)
+    note("host", f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable by this process; GrammarRows fills "
+         f"{len(schemas)} rows on {fill_threads(len(schemas))} xgrammar threads")
     llm = LLM(model, load_format="dummy", tokenizer=TOKENIZER, max_model_len=max_model_len, dtype=dtype)
     core = llm.engine.core
     # The worker: behind the executor (or, before it, the core's own).
     runner = (core.executor.driver_worker if hasattr(core, "executor") else core.worker).model_runner
-    timer = ApplyTimer(runner.grammar_rows)
+    timer = GrammarTimer(runner, core, llm.engine)
     batch = len(schemas)
 
     def structured(temperature: float = 1.0) -> list[SamplingParams]:
@@ -307,21 +441,20 @@ def section_throughput(schemas: list[dict], model: str, output_len: int, max_mod
     lengths = [len(o.outputs[0].token_ids) for o in out_s]
     plain = [timed_generate(llm, prompts, SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True))
              for _ in range(2)]
+    timer.take()
     runs[f"unconstrained, {batch} x {output_len}"] = (*min(plain, key=lambda r: r[1]), ([], []))
-    matched = [timed_generate(llm, prompts, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
-                                             for n in lengths]) for _ in range(2)]
-    runs["unconstrained, structured run's lengths"] = (*min(matched, key=lambda r: r[1]), ([], []))
+    matched = []
+    for _ in range(2):
+        out, seconds = timed_generate(llm, prompts, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
+                                                     for n in lengths])
+        matched.append((out, seconds, timer.take()))
+    runs["unconstrained, structured run's lengths"] = min(matched, key=lambda r: r[1])
 
     rates = {}
-    for name, (outputs, seconds, (apply_s, apply_rows)) in runs.items():
+    for name, (outputs, seconds, (records, steps)) in runs.items():
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rates[name] = tokens / seconds
-        extra = ""
-        if apply_s:
-            full_rows = [s for s, r in zip(apply_s, apply_rows) if r == max(apply_rows)]
-            extra = (f"; GrammarRows.apply (host: accept + fill + queue copy and kernel) in {len(apply_s)} steps, "
-                     f"{sum(apply_s) / seconds:.0%} of the run's time, median {np.median(apply_s) * 1e3:.2f} ms/step, "
-                     f"{np.median(full_rows) * 1e3:.2f} ms at {max(apply_rows)} rows")
+        extra = describe_host(records, steps, seconds)
         note(f"throughput: {name}", f"{tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s" + extra)
     note("throughput: structured output lengths", f"mean {np.mean(lengths):.0f}, p50 {pct(lengths, 50):.0f}, "
          f"max {max(lengths)} tokens (max_tokens {output_len})")
@@ -335,6 +468,12 @@ def section_throughput(schemas: list[dict], model: str, output_len: int, max_mod
         note(f"validate: {name} run", f"{stopped} finished with stop, {failed} of them failed json.loads/jsonschema; "
              f"{length} cut by max_tokens" + (f"; {' | '.join(why)}" if why else ""))
     DATA["outputs"] = out_s
+    timer.close()
+    if profile_dir is not None:
+        for name, params in (("structured", structured()),
+                             ("unconstrained", [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
+                                                for n in lengths])):
+            profile_run(llm, prompts, params, name, profile_dir)
     del llm, core, runner, timer
     release()
 
@@ -376,6 +515,28 @@ def host_ms(fn, iters: int, synchronize: bool = True) -> float:
     return float(np.median(times))
 
 
+def next_allowed(mask_row: np.ndarray, eos: int) -> int:
+    """A token the filled mask row allows, other than the stop token where there is one."""
+    allowed = np.flatnonzero(np.unpackbits(mask_row.view(np.uint8), bitorder="little"))
+    others = allowed[allowed != eos]
+    return int(others[len(others) // 2]) if len(others) else eos
+
+
+def accept_ms(matchers: list, tokens: list[int], iters: int) -> float:
+    """Median ms of one batched accept of a token per matcher (rolled back after each timing)."""
+    import xgrammar as xgr
+
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        times.append((time.perf_counter() - start) * 1e3)
+        for matcher, ok in zip(matchers, accepted):
+            if ok:
+                matcher.rollback(1)
+    return float(np.median(times))
+
+
 def section_mask(schemas: list[dict], vocab_size: int, iters: int) -> None:
     import xgrammar as xgr
 
@@ -383,6 +544,7 @@ def section_mask(schemas: list[dict], vocab_size: int, iters: int) -> None:
     tokenizer = load_tokenizer()
     outputs = DATA.get("outputs")
     matchers, depths = [], []
+    grammar_vocab = compiler.get(StructuredOutputsParams(json=schemas[0])).tokenizer_info.vocab_size
     for i, schema in enumerate(schemas):
         matcher = xgr.GrammarMatcher(compiler.get(StructuredOutputsParams(json=schema)),
                                      override_stop_tokens=[tokenizer.eos_token_id])
@@ -393,20 +555,28 @@ def section_mask(schemas: list[dict], vocab_size: int, iters: int) -> None:
     batch = len(matchers)
     device = torch.device("cuda" if has_cuda() else "cpu")
     pinned = has_cuda()
-    bitmask = torch.empty(batch, (vocab_size + 31) // 32, dtype=torch.int32, pin_memory=pinned)
+    # The masks span the grammars' vocabulary (the tokenizer's, structured/vocab.py); the kernel forbids the rest.
+    bitmask = torch.empty(batch, (grammar_vocab + 31) // 32, dtype=torch.int32, pin_memory=pinned)
     host = bitmask.numpy()  # xgrammar fills it through numpy, as GrammarRows does
-    batch_matcher = xgr.BatchGrammarMatcher()  # threads 'auto', as GrammarRows
     live = [m for m in matchers if not m.is_terminated()]
+    threads = fill_threads(len(live))
+    batch_matcher = xgr.BatchGrammarMatcher(threads)  # as GrammarRows
+    auto_matcher = xgr.BatchGrammarMatcher()  # xgrammar's 'auto' threads, for reference
 
     def fill_rows():
         for j, m in enumerate(live):
             m.fill_next_token_bitmask(host, j)
 
     fill_batched = host_ms(lambda: batch_matcher.batch_fill_next_token_bitmask(live, host), iters)
+    fill_auto = host_ms(lambda: auto_matcher.batch_fill_next_token_bitmask(live, host), iters)
     fill = host_ms(fill_rows, iters)
     note(f"mask: host fill, {len(live)} rows", f"{fill_batched:.2f} ms/step with xgrammar's BatchGrammarMatcher "
-         f"(tokenmill's way), {fill:.2f} ms one row at a time (the old way); matchers "
-         f"{np.mean(depths):.0f} tokens deep on average")
+         f"on {threads} threads (tokenmill's way), {fill_auto:.2f} ms on xgrammar's 'auto' threads, {fill:.2f} ms "
+         f"one row at a time; matchers {np.mean(depths):.0f} tokens deep on average; masks {grammar_vocab} tokens "
+         f"wide (the grammars' vocabulary) for {vocab_size} logits")
+    tokens = [next_allowed(host[j], tokenizer.eos_token_id) for j in range(len(live))]
+    note(f"mask: host accept, {len(live)} rows", f"{accept_ms(live, tokens, iters):.2f} ms/step (one allowed token "
+         "per row, in one batched call)")
     on_device = torch.empty(bitmask.shape, dtype=torch.int32, device=device)
     pageable = bitmask.clone()
     copy_queue = host_ms(lambda: on_device.copy_(bitmask, non_blocking=True), iters, synchronize=False)
@@ -420,14 +590,14 @@ def section_mask(schemas: list[dict], vocab_size: int, iters: int) -> None:
     index = torch.arange(batch, device=device, dtype=torch.int32)
 
     def apply_old():  # the old GrammarRows.apply's device part
-        allowed = unpack_bitmask(on_device, logits.shape[-1])
+        allowed = unpack_bitmask(on_device, logits.shape[-1], grammar_vocab)
         rows = index.long()
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
     def apply_kernel():
         from tokenmill.kernels.token_bitmask import apply_token_bitmask
 
-        apply_token_bitmask(logits, on_device, index, vocab_size)
+        apply_token_bitmask(logits, on_device, index, grammar_vocab)
 
     name = str(dtype).split(".")[-1]
     apply_ms, text = None, ""
@@ -444,7 +614,9 @@ def section_mask(schemas: list[dict], vocab_size: int, iters: int) -> None:
     old_ms = device_ms(apply_old, iters)
     text += f"{old_ms * 1e3:.0f} us the old unpack_bitmask + masked_fill"
     try:
-        xgr_ms = device_ms(lambda: xgr.apply_token_bitmask_inplace(logits, on_device), iters)
+        # (Its masks leave the ids past the grammars' vocabulary alone: a timing reference only.)
+        xgr_ms = device_ms(lambda: xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=grammar_vocab),
+                           iters)
         text += f"; xgrammar's apply_token_bitmask_inplace {xgr_ms * 1e3:.0f} us for reference"
     except Exception as e:  # noqa: BLE001 - a reference figure only
         text += f"; xgrammar's apply_token_bitmask_inplace failed: {type(e).__name__}: {str(e)[:100]}"
@@ -456,15 +628,81 @@ def section_mask(schemas: list[dict], vocab_size: int, iters: int) -> None:
          f"{fill + copy + old_ms:.2f} ms (fill {fill:.2f} + pageable copy {copy:.3f} + apply {old_ms:.3f})")
 
 
+# ---------------------------------------------------------------- replay
+
+def replay_run(grammars: list, eos: int, max_steps: int) -> tuple[list[int], list[float], list[float], list]:
+    """One matcher per grammar, each sampling uniformly among the tokens its mask allows (what dummy weights
+    at temperature 1 do) until it samples the stop token: per step, the live rows, the host's seconds to accept
+    the last step's tokens (one batched call, as GrammarRows) and to fill the live rows' masks (GrammarRows._fill:
+    xgrammar's threads as fill_threads says); and the tokens drawn."""
+    import xgrammar as xgr
+
+    vocab = grammars[0].tokenizer_info.vocab_size
+    matchers = [xgr.GrammarMatcher(g, override_stop_tokens=[eos]) for g in grammars]
+    mask = np.zeros((len(matchers), (vocab + 31) // 32), dtype=np.int32)
+    engine_way = GrammarRows(None, vocab, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    live, tokens = list(range(len(matchers))), None
+    rows, accept_s, fill_s, drawn = [], [0.0], [], []
+    for _ in range(max_steps):
+        if tokens is not None:
+            start = time.perf_counter()
+            xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in live], tokens)
+            accept_s.append(time.perf_counter() - start)
+            live = [i for i, token in zip(live, tokens) if token != eos]
+        if not live:
+            break
+        start = time.perf_counter()
+        engine_way._fill([matchers[i] for i in live], mask, range(len(live)))
+        fill_s.append(time.perf_counter() - start)
+        rows.append(len(live))
+        allowed = np.unpackbits(mask[: len(live)].view(np.uint8), axis=1, bitorder="little")
+        tokens = [int(rng.choice(np.flatnonzero(allowed[j]))) for j in range(len(live))]
+        drawn.append(tokens)
+    return rows, accept_s[: len(rows)], fill_s, drawn
+
+
+def section_replay(schemas: list[dict], vocab_size: int, max_steps: int) -> None:
+    """The grammars' host work per step over a whole run, on the host alone (no model): what GrammarRows.apply
+    does before its copy and kernel, at every depth of the outputs (the mask section measures mid-output
+    only). With the grammars compiled against the tokenizer's vocabulary (structured/vocab.py, tokenmill's way)
+    and, for reference, against the model's 151,936 ids (tokenmill's way before: xgrammar then holds 102,784
+    padding ids as special tokens, which its matcher scans at every accepted token)."""
+    import xgrammar as xgr
+
+    from tokenmill.structured.grammar import build_grammar
+    from tokenmill.structured.vocab import grammar_vocab_size
+
+    tokenizer = load_tokenizer()
+    schedules = []
+    for name, vocab in (("tokenizer's vocabulary", grammar_vocab_size(tokenizer, vocab_size)),
+                        ("model's vocabulary", vocab_size)):
+        compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab))
+        grammars = [compiler.compile_grammar(build_grammar(StructuredOutputsParams(json=s))) for s in schemas]
+        rows, accept_s, fill_s, drawn = replay_run(grammars, tokenizer.eos_token_id, max_steps)
+        schedules.append(drawn)
+        rows_array = np.array(rows)
+        full = rows_array == rows_array.max()
+        note(f"replay: grammars on the {name} ({vocab} ids)",
+             f"{sum(rows)} tokens in {len(rows)} steps; at {rows_array.max()} rows accept "
+             f"{np.median(np.array(accept_s)[full][1:]) * 1e3:.2f} + fill {np.median(np.array(fill_s)[full]) * 1e3:.2f}"
+             f" ms a step (median; fills on {fill_threads(int(rows_array.max()))} threads); over the run accept "
+             f"{sum(accept_s) * 1e3:.0f} + fill {sum(fill_s) * 1e3:.0f} ms")
+    # The same masks draw the same tokens (one seed): the two vocabularies constrain alike.
+    note("replay: the same tokens drawn on both vocabularies", str(schedules[0] == schedules[1]))
+
+
 # ---------------------------------------------------------------- main
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sections", default="compile,throughput,mask")
+    parser.add_argument("--sections", default="compile,throughput,mask,replay")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: a tiny Qwen3 (same vocabulary), 8 requests")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="throughput: cProfile one more structured and unconstrained run (profile_*.txt in --out)")
     args = parser.parse_args()
     num = args.num_requests or (8 if args.smoke else 256)
     output_len = args.output_len or (128 if args.smoke else 256)
@@ -479,9 +717,11 @@ def main() -> int:
                 section_compile(schemas, vocab_size)
             elif name == "throughput":
                 section_throughput(schemas, model, output_len, 4096 if args.smoke else 2048,
-                                   "float32" if args.smoke else "auto")
+                                   "float32" if args.smoke else "auto", (args.out or tmp) if args.profile else None)
             elif name == "mask":
                 section_mask(schemas, vocab_size, 3 if args.smoke else 50)
+            elif name == "replay":
+                section_replay(schemas, vocab_size, output_len)
             else:
                 raise SystemExit(f"unknown section {name!r}")
     if "compiler" in DATA:

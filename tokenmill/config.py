@@ -107,16 +107,25 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks each layer's heads and features are split over (all-reduce after row-parallel layers)."""
     pipeline_parallel_size: int = 1
-    """Pipeline stages (layers split over ranks); only 1 is built so far."""
+    """Pipeline stages: each holds a contiguous range of the decoder layers (the first also the embedding, the
+    last the final norm and LM head), tensor_parallel_size ranks each; one batch in flight at a time."""
     distributed_executor_backend: str | None = None
     """uni | mp (None: uni for one rank, mp for several)."""
+    data_parallel_size: int = 1
+    """Engine-core replicas behind one server, each a process of its own with a full copy of the model (and
+    its own tensor_parallel_size GPUs: replica r takes GPUs r*tp to (r+1)*tp-1); each request goes to one,
+    chosen by load and by the prompt prefix it likely holds in its cache. The server only (`serve`)."""
+    enable_expert_parallel: bool = False
+    """Mixture-of-experts layers: each tensor-parallel rank holds whole routed experts (1/tp of them) instead
+    of a 1/tp slice of every expert; attention and shared experts stay tensor-parallel. No effect at tp 1."""
 
     def __post_init__(self) -> None:
-        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline parallelism is not built yet: pipeline_parallel_size must be 1, got "
-                             f"{self.pipeline_parallel_size!r}")
+        if type(self.enable_expert_parallel) is not bool:
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         backend = self.distributed_executor_backend
         if backend is None:
             object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
@@ -128,13 +137,14 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        """Ranks of one engine core (of each data-parallel replica)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "gguf")
 """What --quantization may name; layers/quant maps each to its config (checkpoints name theirs)."""
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 """Proposers a user can name; spec/proposers.py maps each to its class."""
 
 
@@ -146,7 +156,8 @@ class SpeculativeConfig:
     method: str
     """ngram: prompt lookup over the request's own prompt and output; draft_model: a smaller model with the
     target's vocabulary (`model`) drafts greedily; eagle: an EAGLE-1 head (`model`) drafts greedily from the
-    target's last hidden states."""
+    target's last hidden states; eagle3: an EAGLE-3 head (`model`) drafts greedily from the target's hidden
+    states at three of its layers."""
     num_speculative_tokens: int
     """Most draft tokens per request per step (k); each step emits 1 to k + 1 tokens per request."""
     prompt_lookup_min: int | None = None
@@ -155,7 +166,7 @@ class SpeculativeConfig:
     """ngram: longest suffix to look up, tried first (default: prompt_lookup_min, or 5)."""
     model: str | None = None
     """draft_model: the draft model's Hugging Face folder or .gguf file (loaded with the target's dtype and
-    load_format); eagle: the EAGLE-1 head's folder (config.json, safetensors or pytorch_model.bin)."""
+    load_format); eagle, eagle3: the EAGLE head's folder (config.json, safetensors or pytorch_model.bin)."""
     disable_by_batch_size: int | None = None
     """Draft nothing in steps with more running requests than this (None: the step-cost policy decides)."""
 
@@ -173,10 +184,10 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got "
                              f"{self.num_speculative_tokens!r}")
-        if (self.method in ("draft_model", "eagle")) != (self.model is not None):
+        if (self.method in ("draft_model", "eagle", "eagle3")) != (self.model is not None):
             raise ValueError(f"speculative method {self.method!r} needs a 'model' (the draft model's or EAGLE "
                              f"head's path)" if self.model is None else
-                             "only speculative methods 'draft_model' and 'eagle' take a 'model'")
+                             "only speculative methods 'draft_model', 'eagle' and 'eagle3' take a 'model'")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         low, high = (low or high or 5), (high or low or 5)
         if not 1 <= low <= high:
@@ -251,11 +262,16 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.model_config.quantization!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
         spec = self.speculative_config
-        if (spec is not None and spec.method in ("draft_model", "eagle")
+        if (spec is not None and spec.method in ("draft_model", "eagle", "eagle3")
                 and self.parallel_config.tensor_parallel_size > 1):
             what = "a draft model" if spec.method == "draft_model" else "an EAGLE head"
             raise ValueError(f"speculative decoding with {what} does not run tensor-parallel yet: use "
                              "tensor_parallel_size 1, or the ngram method")
+        if (spec is not None and spec.method in ("draft_model", "eagle", "eagle3")
+                and self.parallel_config.pipeline_parallel_size > 1):
+            # The drafter needs the target's embedding and last hidden states, which live on different stages.
+            raise ValueError(f"speculative method {spec.method!r} does not run pipeline-parallel yet: use "
+                             "pipeline_parallel_size 1, or the ngram method")
 
 
 @dataclass(frozen=True)

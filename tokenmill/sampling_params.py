@@ -44,13 +44,18 @@ class StructuredOutputsParams:
     """An EBNF grammar (GBNF-style, with a `root` rule)."""
     json_object: bool = False
     """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+    structural_tag: str | dict[str, Any] | None = None
+    """Free text with structured parts, xgrammar's structural tag (as a dict or its JSON text), in vLLM's legacy
+    form {"structures": [{"begin", "schema", "end"}], "triggers": [...]} or as a format object
+    {"type": "structural_tag", "format": {...}} (tokenmill/structured/structural_tag.py)."""
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"structured outputs take exactly one of json, regex, choice, grammar or json_object; "
-                             f"got {', '.join(given) or 'none'}")
+            raise ValueError(f"structured outputs take exactly one of json, regex, choice, grammar, structural_tag "
+                             f"or json_object; got {', '.join(given) or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured outputs' choice must be a non-empty list of non-empty strings")
 
@@ -67,6 +72,10 @@ class StructuredOutputsParams:
             return "choice", json.dumps(self.choice)
         if self.grammar is not None:
             return "grammar", self.grammar
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            # Not sorted: the order of a schema's properties is the order they are written in.
+            return "structural_tag", tag if isinstance(tag, str) else json.dumps(tag)
         return "json_object", ""
 
 

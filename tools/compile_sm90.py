@@ -27,7 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int64": "i64",
-          "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
+          "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float8_e4m3fn": "fp8e4nv"}
+SM90_MAX_SHARED = 232448  # bytes of shared memory one program may have on an H100/H200 (227 KiB): past it, the
+# launch (not the compile) raises OutOfResources, so the compiled kernel's figure is checked here
 
 
 def describe(value):
@@ -58,7 +60,7 @@ class LaunchRecorder:
             recorder.out.write(json.dumps({
                 "module": executor.fn.__module__, "name": executor.fn.__name__,
                 "args": {name: describe(value) for name, value in bound.items()},
-                "num_warps": kwargs.get("num_warps", 4),
+                "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3),
             }) + "\n")
             return launch(executor, *args, **kwargs)
 
@@ -69,7 +71,8 @@ class LaunchRecorder:
 
 
 def compile_spec(launch: dict) -> tuple:
-    """(kernel, signature, constexprs, attrs, num_warps): what Triton's compile of this launch depends on."""
+    """(kernel, signature, constexprs, attrs, options): what Triton's compile of this launch depends on (the
+    options: num_warps and num_stages, which sets the shared memory of a pipelined loop)."""
     kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
@@ -92,18 +95,33 @@ def compile_spec(launch: dict) -> tuple:
                     attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[param.name] = "fp32"
-    return kernel, signature, constexprs, attrs, launch["num_warps"]
+    return kernel, signature, constexprs, attrs, {"num_warps": launch["num_warps"],
+                                                  "num_stages": launch.get("num_stages", 3)}
 
 
-def compile_sm90(kernel, signature: dict, constexprs: dict, attrs: dict, num_warps: int) -> str | None:
-    """None when the kernel compiles for sm_90, else the error and its causes."""
+def compile_sm90(kernel, signature: dict, constexprs: dict, attrs: dict, options: dict) -> str | None:
+    """None when the kernel compiles for sm_90 within its shared memory, else the error and its causes.
+    Register spills (ptxas's log) are printed, not failed: they cost speed, not correctness."""
+    import contextlib
+    import io
+    import re
+
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     try:
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        log = io.StringIO()
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log.getvalue())]
+        if any(spills):
+            print(f"  note: {kernel.fn.__name__} {constexprs} {options} spills {max(spills)} bytes")
+        if compiled.metadata.shared > SM90_MAX_SHARED:
+            return f"OutOfResources: shared memory {compiled.metadata.shared} > {SM90_MAX_SHARED} bytes"
     except Exception as exc:  # report every failing kernel, not only the first
         causes, error = [], exc
         while error is not None:
@@ -133,10 +151,10 @@ def main() -> int:
         spec = compile_spec(json.loads(line))
         specs.setdefault(repr((spec[0].fn.__qualname__, *spec[1:])), spec)
     failures, seconds = 0, []
-    for kernel, signature, constexprs, attrs, num_warps in specs.values():
+    for kernel, signature, constexprs, attrs, options in specs.values():
         start = time.perf_counter()
-        error = compile_sm90(kernel, signature, constexprs, attrs, num_warps)
-        label = f"{kernel.fn.__name__} {({k: v for k, v in constexprs.items() if v is not None})} num_warps={num_warps}"
+        error = compile_sm90(kernel, signature, constexprs, attrs, options)
+        label = f"{kernel.fn.__name__} {({k: v for k, v in constexprs.items() if v is not None})} {options}"
         seconds.append((time.perf_counter() - start, label))
         if error:
             failures += 1

@@ -23,7 +23,7 @@ class FinishRecorder:
     def __init__(self) -> None:
         self.finish_reasons: dict[str, str | None] = {}
 
-    def record(self, outputs, stats) -> None:
+    def record(self, outputs, stats, engine_index=0) -> None:
         for output in outputs:
             if output.finished:
                 self.finish_reasons[output.request_id] = output.outputs[0].finish_reason

@@ -20,6 +20,8 @@ def test_smoke_run_writes_every_measurement_and_its_outputs_validate(tmp_path):
                 "mask: total per step", "throughput: unconstrained, structured run's lengths"):
         assert key in results, sorted(results)
     assert "failed:" not in results["compile: cold, 4 schemas"]
+    # Grammars on the tokenizer's vocabulary constrain as on the model's padded one: the same tokens drawn.
+    assert results["replay: the same tokens drawn on both vocabularies"] == "True"
     for run in ("cold", "cached"):
         line = results[f"validate: {run} run"]
         stopped, failed, cut = map(int, re.match(r"(\d+) finished with stop, (\d+) .*; (\d+) cut", line).groups())

@@ -107,10 +107,16 @@ INVALID = [  # (id, extra_body, param, words in the message)
      "guided_choice", ["structured_outputs", "guided_choice"]),
     ("two_guided", {"guided_json": PERSON, "guided_regex": "a+"}, "guided_regex", ["guided_json", "guided_regex"]),
     ("structural_tag", {"structured_outputs": {"structural_tag": json.dumps({"structures": [], "triggers": []})}},
-     "structured_outputs", ["structural_tag", "not supported"]),
-    ("response_format_structural_tag", {"response_format": {"type": "structural_tag", "structures": [],
-                                                            "triggers": []}},
-     "response_format", ["structural_tag", "not supported"]),
+     "structured_outputs", ["structural tag", "triggers"]),
+    ("structural_tag_schema", {"structured_outputs": {"structural_tag": {"structures": [
+        {"begin": "<p>", "schema": {"type": "nonsense"}, "end": "</p>"}], "triggers": ["<p>"]}}},
+     "structured_outputs", ["structural tag", "structures[0].schema"]),
+    ("response_format_structural_tag", {"response_format": {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<x>"], "tags": [{"type": "tag", "begin": "<p>", "end": "</p>",
+                                                                  "content": {"type": "any_text"}}]}}},
+     "response_format", ["structural tag", "trigger"]),
+    ("response_format_structural_tag_empty", {"response_format": {"type": "structural_tag"}}, "response_format",
+     ["format", "structures"]),
     ("unknown_structured_outputs_option", {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}},
      "structured_outputs", ["whitespace_pattern"]),
     ("guided_whitespace_pattern", {"guided_json": PERSON, "guided_whitespace_pattern": r"[\n ]*"},
@@ -213,6 +219,26 @@ def test_chat_json_schema_streamed_with_n(client):
     assert finish == ["stop", "stop"]
     for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_chat_structural_tags(client):
+    """Free text, then tagged JSON: the legacy form (the model writes the trigger itself, copying it) and the
+    format object, in structured_outputs and in response_format (streamed)."""
+    copy = [{"role": "user", "content": 'Repeat exactly: <person>{"name": "Ann", "age": 31}</person>'}]
+    legacy = {"structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}], "triggers": ["<person>"]}
+    tag = {"type": "tag", "begin": "<person>", "content": {"type": "json_schema", "json_schema": PERSON},
+           "end": "</person>"}
+    fmt = {"type": "sequence", "elements": [{"type": "const_string", "value": "Person: "}, tag]}
+    texts = [chat(client, copy, extra_body={"structured_outputs": {"structural_tag": json.dumps(legacy)}}, **GREEDY)]
+    stream = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=MAX_TOKENS, stream=True,
+                                            response_format={"type": "structural_tag", "format": fmt}, **GREEDY)
+    texts.append("".join(c.delta.content or "" for chunk in stream for c in chunk.choices))
+    assert texts[1].startswith("Person: <person>")
+    for text in texts:
+        parts = re.findall(r"<person>(.*?)</person>", text)
+        assert parts, text
+        for part in parts:
+            jsonschema.validate(json.loads(part), PERSON)
 
 
 PERSON_PROMPT = "Here is a person described as JSON with a name and an age:"

@@ -1,7 +1,8 @@
 """Tool calling and reasoning through the server (issue 18), through the openai SDK against a real `tokenmill
 serve` on SmolLM2: tool_choice "required" and a named function are enforced with structured outputs and come
 back as tool_calls whose arguments validate, streamed or not; "auto" needs --enable-auto-tool-choice and
---tool-call-parser; --reasoning-parser splits reasoning_content off. Two servers: one started plain, one with
+--tool-call-parser, and enforces strict functions' arguments once a call starts; --reasoning-parser splits
+reasoning_content off. Two servers: one started plain, one with
 the flags."""
 
 from __future__ import annotations
@@ -130,6 +131,29 @@ def test_auto_and_reasoning(client):
     assert text == reasoning
 
 
+# SmolLM2 has no tool-call format of its own: one example call teaches it hermes' (after "</think>", which ends
+# what deepseek_r1 would otherwise take for reasoning). The example's arguments are ones the schema refuses.
+FEW_SHOT = [
+    {"role": "system", "content": "You answer every question with a tool call."},
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {"role": "assistant", "content": '</think>\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                     '{"location": "Rome"}}\n</tool_call>'},
+    *ASK,
+]
+
+
+def test_strict_under_auto(client):
+    """get_weather is strict: once the model starts a call (by itself, here), its arguments follow the schema."""
+    kwargs = dict(messages=FEW_SHOT, tools=TOOLS, max_tokens=MAX_TOKENS, **GREEDY)
+    response = client.chat.completions.create(model=MODEL, **kwargs)
+    [choice] = response.choices
+    assert choice.finish_reason == "tool_calls", choice
+    [(name, arguments)] = check_calls(choice.message.tool_calls, {"get_weather"})
+    _, streamed_calls, finish = streamed(client, **kwargs)
+    assert finish == "tool_calls"
+    assert [(n, json.loads(a)) for _, n, a in streamed_calls] == [(name, arguments)]
+
+
 def test_tool_result_conversation(plain_client):
     arguments = json.dumps({"city": "Paris", "unit": "celsius"})
     messages = [*ASK,
@@ -169,7 +193,8 @@ def test_auto_needs_the_flags(plain_client):
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", ["response_format"]),
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}},
       "extra_body": {"structured_outputs": {"regex": "a+"}}}, "tool_choice", ["structured outputs"]),
-], ids=["unknown_name", "required_and_response_format", "named_and_structured_outputs"])
+    ({"response_format": {"type": "json_object"}}, "tools", ["strict", "response_format"]),
+], ids=["unknown_name", "required_and_response_format", "named_and_structured_outputs", "strict_and_response_format"])
 def test_refused(client, kwargs, param, words):
     expect_400(lambda: client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4, **kwargs),
                param, *words)

@@ -118,8 +118,8 @@ def test_sampled_tokens_agree_across_ranks(case):
 
 
 def test_parallel_config_is_checked():
-    with pytest.raises(ValueError, match="pipeline parallelism is not built yet"):
-        LLM("unused", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM("unused", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="draft model does not run tensor-parallel"):
         LLM("unused", tensor_parallel_size=2,
             speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})

@@ -80,12 +80,49 @@ TINY_MODELS: dict[str, TinyModel] = {
         # attention soft-cap; eager is the implementation that honours it.
         attn_implementation="eager",
     ),
+    # Mixtures of experts: routing with initializer_range 0.2 is sharp, so each token's experts are clear
+    # choices, and different tokens pick different ones (test_moe.py checks). Qwen3-MoE: top-3 of 8 (three
+    # terms, so the order of the sum over experts shows) renormalised, layer 0 dense, sharded checkpoint.
+    "qwen3-moe": TinyModel(
+        "Qwen3MoeConfig",
+        {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True,
+         "mlp_only_layers": [0], "head_dim": 32, "tie_word_embeddings": False},
+        max_shard_size="200KB",
+    ),
+    # Shared expert behind a sigmoid gate, q/k/v bias, top-k weights not renormalised.
+    "qwen2-moe": TinyModel(
+        "Qwen2MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+         "shared_expert_intermediate_size": 96, "tie_word_embeddings": False},
+    ),
+    "mixtral": TinyModel("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phi3-partial-rotary": TinyModel(
         "Phi3Config",
         {
             "sliding_window": 12,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         },
+    ),
+    # Multi-head latent attention: 4 heads, latent 32 + rotary 16 = one 48-wide KV head per token; v_head_dim
+    # differs from qk_nope_head_dim. V2-Lite: no q_lora, softmax top-2 of 8 unrenormalised, layer 0 dense.
+    "deepseek-v2-lite": TinyModel(
+        "DeepseekV2Config",
+        {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+         "qk_nope_head_dim": 16, "v_head_dim": 24, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "n_shared_experts": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "topk_method": "greedy",
+         "routed_scaling_factor": 1.5, "tie_word_embeddings": False},
+    ),
+    # V3: low-rank q, sigmoid routing with a (randomised) correction bias, top-2 of 8 inside the best 2 of 4
+    # groups, renormalised and scaled; yarn rope whose mscale changes both cos/sin and the softmax scale.
+    "deepseek-v3": TinyModel(
+        "DeepseekV3Config",
+        {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+         "qk_nope_head_dim": 16, "v_head_dim": 24, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 4,
+         "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "tie_word_embeddings": False,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8,
+                             "beta_fast": 32.0, "beta_slow": 1.0}},
     ),
 }
 
@@ -103,6 +140,10 @@ def build_tiny_model(spec: TinyModel, folder: Path | str, seed: int = 0) -> tran
             # loading the wrong one (or none) changes the output.
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            # DeepSeek-V3's routing bias is a buffer HF zero-inits: random, so that ignoring it shows.
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     if spec.max_shard_size:

@@ -60,12 +60,21 @@ def reference(compiler, tokenizer, spec, output: list[int], drafts: list[int], w
     return torch.cat(masks)
 
 
+def two_fill_threads(monkeypatch) -> None:
+    """Every batched fill split over two of xgrammar's threads (GrammarRows uses one below 64 rows)."""
+    monkeypatch.setattr("tokenmill.structured.matchers.fill_threads", lambda num_rows: 2)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("path", ["torch", pytest.param("kernel", marks=pytest.mark.interpret),
                                   pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_batched_masks_are_the_per_row_matchers(setup, path, monkeypatch):
+def test_batched_masks_are_the_per_row_matchers(setup, path, threaded, monkeypatch):
     """`kernel`: the Triton kernel's path (kernels/token_bitmask.py), under TRITON_INTERPRET=1 on the CPU;
-    `cuda`: the GPU's (pinned host masks, their non-blocking copy, the kernel)."""
+    `cuda`: the GPU's (pinned host masks, their non-blocking copy, the kernel). `threaded`: the fills on two
+    of xgrammar's threads, as a large step's are."""
     tokenizer, compiler = setup
+    if threaded:
+        two_fill_threads(monkeypatch)
     device = torch.device("cpu")
     if path == "kernel":
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -123,3 +132,56 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, monkeypatch):
     step([0, 1, 2, 4], {})
     step([0, 2], {0: encode(tokenizer, 'ice"}')})  # back to the first host buffer; drafts up to the end
     step([0, 4, 1], {})  # logits rows 0 and 2: not consecutive
+
+
+@pytest.mark.parametrize("path", ["torch", pytest.param("kernel", marks=pytest.mark.interpret)])
+def test_a_padded_model_vocab_masks_as_xgrammar_compiled_at_the_model_vocab(setup, path, monkeypatch):
+    """Logits wider than the tokenizer (padding ids; the model's own EOS past the tokenizer): grammars compile
+    against the tokenizer's ids (structured/vocab.py) and GrammarRows forbids the rest, so the masks equal
+    xgrammar's own compiled at the model's vocabulary (where the padding ids are special tokens), with the
+    rows' fills on two of xgrammar's threads, for a replay and then one new token per row."""
+    from tokenmill.structured.grammar import build_grammar
+
+    tokenizer, _ = setup
+    if path == "kernel":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the kernel's path on the CPU needs TRITON_INTERPRET=1")
+        monkeypatch.setattr("tokenmill.structured.matchers.use_triton", lambda x: True)
+    model_vocab = len(tokenizer) + 100
+    width = model_vocab + 32  # and logits wider than the model's vocabulary
+    compiler = GrammarCompiler(lambda: tokenizer, model_vocab, num_threads=1)
+    two_fill_threads(monkeypatch)
+    wide = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model_vocab))
+    eos = frozenset([tokenizer.eos_token_id, model_vocab - 1])
+    states = RequestStates(8, 64, 4)
+    grammar_rows = GrammarRows(compiler, model_vocab, torch.device("cpu"))
+    outputs = {0: encode(tokenizer, '{"name": "'), 1: encode(tokenizer, "yes"), 2: [], 3: encode(tokenizer, "ok")}
+    for row, output in outputs.items():
+        states.token_ids[row, : 3 + len(output)] = [1, 2, 3] + output
+        states.num_prompt_tokens[row], states.num_tokens[row] = 3, 3 + len(output)
+        states.sampling_params[row] = SamplingParams(structured_outputs=SPECS[row])
+        grammar_rows.add(row, states, eos)
+    assert grammar_rows.grammar_vocab_size == len(tokenizer)
+    rows = np.array(list(outputs))
+    for step in range(2):
+        if step == 1:
+            for row, text in ((0, "Al"), (1, ","), (2, "Lon")):
+                token = encode(tokenizer, text)[0]
+                outputs[row].append(token)
+                states.token_ids[row, states.num_tokens[row]] = token
+                states.num_tokens[row] += 1
+        constrained = grammar_rows.constrained(rows, states)
+        logits = torch.randn(len(rows), width)
+        expected = logits.clone()
+        for i, row in enumerate(rows.tolist()):
+            matcher = xgr.GrammarMatcher(wide.compile_grammar(build_grammar(SPECS[row])),
+                                         override_stop_tokens=[tokenizer.eos_token_id])
+            assert all(matcher.accept_token(t) for t in outputs[row])
+            bitmask = xgr.allocate_token_bitmask(1, model_vocab)
+            matcher.fill_next_token_bitmask(bitmask)
+            expected[i].masked_fill_(~unpack_bitmask(bitmask, width, model_vocab)[0], float("-inf"))
+        grammar_rows.apply(logits, rows, np.arange(len(rows)), np.zeros(len(rows), dtype=np.int64), states,
+                           constrained)
+        assert torch.equal(logits, expected)
+        assert not torch.isfinite(logits[:, len(tokenizer) :]).any()
+    compiler.shutdown()

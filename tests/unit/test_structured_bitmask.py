@@ -23,7 +23,10 @@ def test_unpacked_bitmask_masks_what_xgrammar_masks():
 
 def test_a_model_vocab_larger_than_the_tokenizers_is_masked_past_the_tokenizer():
     """Qwen3-0.6B's 151,936 logits under SmolLM2's 49,152-token tokenizer (the structured-outputs benchmark's
-    pairing): ids the tokenizer lacks are never allowed, in any state, and logits wider still are masked."""
+    pairing): grammars are compiled against the tokenizer's 49,152 ids (so xgrammar has no 102,784 padding
+    ids to scan as special tokens at every accepted token), ids the tokenizer lacks are never allowed, in any
+    state, and logits wider still are masked. A stop token past the tokenizer (the model's own EOS here)
+    cannot be given to such a grammar: the tokenizer's EOS ends the output."""
     import json
     from pathlib import Path
 
@@ -40,19 +43,18 @@ def test_a_model_vocab_larger_than_the_tokenizers_is_masked_past_the_tokenizer()
     try:
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
                   "additionalProperties": False}
-        matcher = xgr.GrammarMatcher(compiler.get(StructuredOutputsParams(json=schema)),
-                                     override_stop_tokens=[tokenizer.eos_token_id, 151_645])
+        compiled = compiler.get(StructuredOutputsParams(json=schema))
     finally:
         compiler.shutdown()
-    bitmask = xgr.allocate_token_bitmask(1, model_vocab)
+    assert compiled.tokenizer_info.vocab_size == 49_152 and len(compiled.tokenizer_info.special_token_ids) < 100
+    matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[tokenizer.eos_token_id])
+    bitmask = xgr.allocate_token_bitmask(1, 49_152)
     text = json.dumps({"ok": True})  # xgrammar writes ", " and ": " without any_whitespace
     for token in [*tokenizer.encode(text, add_special_tokens=False), None]:
         matcher.fill_next_token_bitmask(bitmask, 0)
-        allowed = unpack_bitmask(bitmask, model_vocab + 64)  # 64 more logits than the model's vocab
+        allowed = unpack_bitmask(bitmask, model_vocab + 64, 49_152)  # 64 more logits than the model's vocab
         assert allowed.shape == (1, model_vocab + 64)
-        assert allowed[0, :49_152].any() and not allowed[0, 49_152:151_645].any()
-        assert not allowed[0, 151_646:].any()
+        assert allowed[0, :49_152].any() and not allowed[0, 49_152:].any()
         if token is not None:
             assert matcher.accept_token(token), tokenizer.decode([token])
-    # At the end only the stop tokens are allowed: the tokenizer's EOS and the model's (an id past the tokenizer).
-    assert allowed[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id, 151_645]
+    assert allowed[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]  # at the end: only the stop token

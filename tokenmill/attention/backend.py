@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from tokenmill.layers.attention import Attention
+    from tokenmill.layers.mla import LatentAttention
 
 
 @dataclass
@@ -55,6 +56,19 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """query/key as projected: transform them as layer.transform_qk does (norms, rotary; fused or not),
         store key/value into the pool at the step's slots, then attend."""
+
+    def forward_mla(
+        self,
+        layer: LatentAttention,
+        query: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank + rope_dim]: [W_UK^T q_nope | q_pe]
+        c_kv: torch.Tensor,  # [num_tokens, kv_lora_rank], normed
+        k_pe: torch.Tensor,  # [num_tokens, rope_dim], rotated
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+        metadata: object,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
+        """Multi-head latent attention (layers.mla): store each new token's latent row [c_kv | k_pe] at its slot,
+        then every head attends (causal) over its request's rows, which are the keys, their c_kv part the values."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no multi-head latent attention")
 
     def copy_metadata(self, dst: object, src: object) -> None:
         """Graph-capture hook: copy a step's metadata into a captured graph's static metadata

@@ -258,7 +258,8 @@ def load_kernel() -> ctypes.CDLL | None:
 def kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the C kernel can run this layer: CPU tensors of one supported dtype, rows of whole heads."""
     return (query.device.type == "cpu" and kv_cache.dtype == query.dtype and query.dtype in _DTYPES
-            and kv_cache.is_contiguous() and query.stride(2) == 1 and query.stride(1) == query.shape[2]
+            and kv_cache[0].is_contiguous() and kv_cache[1].is_contiguous()  # K and V go by pointer
+            and query.stride(2) == 1 and query.stride(1) == query.shape[2]
             and query.shape[1] % kv_cache.shape[3] == 0 and query.shape[1] <= _MAX_HEADS
             and query.shape[2] <= _MAX_HEAD_DIM and load_kernel() is not None)
 

@@ -145,6 +145,13 @@ def batched_decode_attention(
     out.index_copy_(0, token_ids, o.reshape(num_decodes, -1, head_dim))
 
 
+def latent_as_kv(kv_cache: torch.Tensor) -> torch.Tensor:
+    """MLA's latent cache [num_blocks, block_size, width] as a K/V pool [2, num_blocks, block_size, 1, width]
+    whose K and V are both the latent row (a view, nothing copied): the generic paths attend over it, and the
+    output's first kv_lora_rank dims are the latent attention's (the rest is k_pe's, dropped)."""
+    return kv_cache.unsqueeze(2).unsqueeze(0).expand(2, -1, -1, -1, -1)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -196,3 +203,21 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata.decode_block_table, layer.scale, layer.sliding_window, layer.logits_soft_cap, **scales,
             )
         return out
+
+    def forward_mla(self, layer, query, c_kv, k_pe, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        latent = torch.cat([c_kv, k_pe], dim=-1)  # [num_tokens, kv_lora_rank + rope_dim]
+        stored = quantize_kv(latent, layer.k_scale, kv_cache.dtype)
+        as_bytes(kv_cache).view(-1, latent.shape[1]).index_copy_(0, metadata.slot_mapping, as_bytes(stored))
+        pool = latent_as_kv(kv_cache)
+        if kernel_applies(query, pool):
+            out = paged_attention_cpu(query, pool, metadata.block_table, metadata.query_start_loc_cpu,
+                                      metadata.seq_lens_cpu, layer.scale)
+            return out[..., : layer.kv_lora_rank]
+        scales = dict(k_scale=layer.k_scale, v_scale=layer.k_scale)  # V is the stored K
+        num_decodes = len(metadata.decode_token_ids)
+        out = paged_attention_torch(query, pool, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
+                                    layer.scale, skip_decodes=num_decodes > 0, **scales)
+        if num_decodes:
+            batched_decode_attention(out, query, pool, metadata.decode_token_ids, metadata.decode_seq_lens,
+                                     metadata.decode_block_table, layer.scale, None, None, **scales)
+        return out[..., : layer.kv_lora_rank]

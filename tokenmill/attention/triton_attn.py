@@ -17,6 +17,8 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.device_copy import pack_to_device
 from tokenmill.kernels.decode_attention import decode_attention
+from tokenmill.kernels.mla_cache import write_latent_cache
+from tokenmill.kernels.mla_decode import mla_decode_attention, mla_prefill_attention
 from tokenmill.kernels.prefill_attention import prefill_attention
 from tokenmill.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 from tokenmill.kernels.reshape_and_cache import reshape_and_cache
@@ -72,6 +74,19 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.prefill_req_ids.numel():
             prefill_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
                               metadata.block_table, metadata.prefill_req_ids, metadata.max_prefill_len, **args)
+        return out
+
+    def forward_mla(self, layer, query, c_kv, k_pe, kv_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
+        """kernels.mla_cache writes the latent rows, kernels.mla_decode attends (decode and multi-token queries)."""
+        write_latent_cache(c_kv, k_pe, kv_cache, metadata.slot_mapping, layer.k_scale)
+        out = torch.empty((*query.shape[:2], layer.kv_lora_rank), dtype=query.dtype, device=query.device)
+        if metadata.decode_req_ids.numel():
+            mla_decode_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
+                                 metadata.block_table, metadata.decode_req_ids, layer.scale, layer.k_scale)
+        if metadata.prefill_req_ids.numel():
+            mla_prefill_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
+                                  metadata.block_table, metadata.prefill_req_ids, metadata.max_prefill_len,
+                                  layer.scale, layer.k_scale)
         return out
 
     def copy_metadata(self, dst: TritonAttentionMetadata, src: TritonAttentionMetadata) -> None:

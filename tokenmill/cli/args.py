@@ -30,7 +30,7 @@ ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, Paral
 FLAG_NAMES = {"policy": "scheduling-policy"}
 """Fields whose vLLM flag is not simply the field name with dashes."""
 
-SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 """vLLM's short spellings."""
 
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}

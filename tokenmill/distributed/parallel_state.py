@@ -1,14 +1,20 @@
-"""Tensor-parallel group membership and the collectives the layers call.
+"""Tensor-parallel group and pipeline-stage membership, and the collectives the layers call.
 
 One process is rank 0 of a group of one until `init_distributed` joins it to a torch.distributed
-group (gloo on the CPU, NCCL on CUDA; the executor starts one process per rank). The layers read
-the rank and size when they are built, so the group must exist before the model is.
+world (gloo on the CPU, NCCL on CUDA; the executor starts one process per rank). The layers read
+the rank and size, and the models their stage's layer range, when they are built, so the groups
+must exist before the model is.
+
+Rank layout for tp x pp ranks: global rank r is tensor-parallel rank r % tp of pipeline stage
+pp - 1 - r // tp. Rank 0, the driver in the engine core's process, is thus on the last stage: it
+samples and holds each step's whole output (logprobs, prompt logprobs) without a copy between processes.
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,10 +25,48 @@ class TensorParallelGroup:
     rank: int = 0
     world_size: int = 1
     backend: str | None = None
-    """gloo | nccl; None for a group of one (no torch.distributed)."""
+    """gloo | nccl; None without torch.distributed."""
+    group: Any = None
+    """The stage's torch.distributed group; None: the whole world (one stage), or no group at all."""
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    stage: int = 0
+    num_stages: int = 1
+    rank: int = 0
+    """This process's global rank."""
+    tp_size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def peer(self, stage: int) -> int:
+        """Global rank of this tensor-parallel rank's counterpart on `stage`."""
+        return (self.num_stages - 1 - stage) * self.tp_size + self.rank % self.tp_size
 
 
 _TP_GROUP = TensorParallelGroup()
+_PP_STAGE = PipelineStage()
+
+
+_EXPERT_PARALLEL = False
+"""Whether MoE layers built from now on spread whole experts over the TP ranks instead of slicing each one."""
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """The worker sets it from ParallelConfig.enable_expert_parallel before building the model."""
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = bool(enabled)
+
+
+def expert_parallel_enabled() -> bool:
+    return _EXPERT_PARALLEL
 
 
 def get_tp_rank() -> int:
@@ -37,30 +81,61 @@ def get_tp_group() -> TensorParallelGroup:
     return _TP_GROUP
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
-                     timeout_s: float = 600.0) -> None:
-    """Join this process to the tensor-parallel group as `rank` (every rank of the group calls it).
+def get_pp_stage() -> PipelineStage:
+    return _PP_STAGE
 
-    The whole world is the TP group for now; pipeline stages will split it."""
-    global _TP_GROUP
+
+def get_pp_size() -> int:
+    return _PP_STAGE.num_stages
+
+
+def is_distributed() -> bool:
+    """Whether this process is a rank of a running multi-rank engine."""
+    return dist.is_initialized()
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
+                     timeout_s: float = 600.0, tp_size: int | None = None) -> None:
+    """Join this process to the world as global `rank` (every rank calls it): tensor-parallel groups of
+    `tp_size` ranks (default: the whole world), one per pipeline stage."""
+    global _TP_GROUP, _PP_STAGE
+    tp_size = world_size if tp_size is None else tp_size
+    if world_size % tp_size:
+        raise ValueError(f"world size {world_size} is not a multiple of tensor_parallel_size {tp_size}")
+    num_stages = world_size // tp_size
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    _TP_GROUP = TensorParallelGroup(rank, world_size, backend)
+    group = None
+    if num_stages > 1 and tp_size > 1:
+        for first in range(0, world_size, tp_size):  # every rank makes every group, in the same order
+            stage_group = dist.new_group(list(range(first, first + tp_size)))
+            if first <= rank < first + tp_size:
+                group = stage_group
+    _TP_GROUP = TensorParallelGroup(rank % tp_size, tp_size, backend, group)
+    _PP_STAGE = PipelineStage(num_stages - 1 - rank // tp_size, num_stages, rank, tp_size)
     # NCCL makes its communicator at the first collective, which must not happen inside a CUDA graph
-    # capture: one small all-reduce now, so every captured all-reduce finds it ready.
+    # capture: one small all-reduce now (and one in the stage's group), so every captured all-reduce finds
+    # it ready.
+    _check_group(world_size, None, device)
+    if group is not None:
+        _check_group(tp_size, group, device)
+
+
+def _check_group(size: int, group: Any, device: torch.device) -> None:
     probe = torch.ones(1, device=device)
-    dist.all_reduce(probe)
-    if int(probe.item()) != world_size:
-        raise RuntimeError(f"tensor-parallel group check failed: all-reduce of ones gave {probe.item()}")
+    dist.all_reduce(probe, group=group)
+    if int(probe.item()) != size:
+        raise RuntimeError(f"distributed group check failed: all-reduce of ones gave {probe.item()}, not {size}")
 
 
 def destroy_distributed() -> None:
-    global _TP_GROUP
+    global _TP_GROUP, _PP_STAGE
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_GROUP = TensorParallelGroup()
+    _PP_STAGE = PipelineStage()
 
 
 def abort_distributed() -> None:
@@ -73,7 +148,7 @@ def abort_distributed() -> None:
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place (captured by CUDA graphs under NCCL)."""
     if _TP_GROUP.world_size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_TP_GROUP.group)
     return x
 
 
@@ -84,7 +159,7 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
         return x
     # One output tensor (not a list): a single NCCL call, which CUDA graphs capture.
     out = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x.contiguous())
+    _all_gather_single(out, x.contiguous(), group=_TP_GROUP.group)
     return out.view(world_size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], world_size * x.shape[-1])
 
 

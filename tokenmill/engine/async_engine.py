@@ -1,7 +1,7 @@
 """AsyncEngine: the server's engine. Tokenization and detokenization stay in this (the frontend)
-process; the EngineCore runs in its own process (core_proc.py) and exchanges messages over ZMQ.
+process; each EngineCore runs in its own process (core_proc.py) and exchanges messages over ZMQ.
 
-    engine = AsyncEngine(config)            # starts the core process, waits until it is ready
+    engine = AsyncEngine(config)            # starts the core process(es), waits until they are ready
     await engine.start()                    # inside the event loop that serves requests
     async for output in engine.add_request("id", "Hello", SamplingParams()):
         ...                                 # DELTA outputs, the last one finished
@@ -9,10 +9,12 @@ process; the EngineCore runs in its own process (core_proc.py) and exchanges mes
 Leaving the iteration early (a client disconnecting, a cancelled task) aborts the request in the
 core, which frees its KV blocks.
 
-When the core fails (a step raised, or the process died), every open stream ends with
-EngineDeadError at once, the engine reports itself unhealthy, and a new core process with the same
-configuration is started; once it is ready the engine serves again. Only a core that cannot start
-again leaves the engine dead.
+With data parallelism (`data_parallel_size` N) there are N core processes (replicas), each with the
+whole model; the DataParallelBalancer sends each request to one, by load and by the prompt prefix it
+likely holds in its cache, and aborts go where their request went. When a core fails (a step raised,
+or the process died) the streams of its requests end with EngineDeadError at once and a new core
+process with the same configuration is started (core_replica.py); the other replicas serve on. The
+engine is unhealthy only while no replica can serve.
 """
 
 from __future__ import annotations
@@ -23,70 +25,100 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_client import CoreProcessClient
+from tokenmill.engine.core_client import replica_cuda_devices
+from tokenmill.engine.core_replica import CoreReplica, EngineDeadError
+from tokenmill.engine.dp_balancer import DataParallelBalancer, ReplicaLoad
 from tokenmill.engine.frontend import load_frontend
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.outputs import RequestOutput
-from tokenmill.protocol import SchedulerStats
+from tokenmill.protocol import EngineCoreOutputs, SchedulerStats
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["AsyncEngine", "EngineDeadError", "StatLogger"]
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core is not running (it failed and is restarting, or it is gone); the request is lost."""
-
-
 class StatLogger(Protocol):
-    def record(self, outputs: list[RequestOutput], stats: SchedulerStats | None) -> None:
-        """Called with every batch of outputs delivered and the scheduler stats that came with it."""
-
-
-RESTART_DELAYS_S = (0.0, 2.0, 10.0)
-"""Seconds before each attempt to start a new core after a failure; then the engine stays dead."""
+    def record(self, outputs: list[RequestOutput], stats: SchedulerStats | None, engine_index: int = 0) -> None:
+        """Called with every batch of outputs delivered and the scheduler stats that came with them, from
+        replica `engine_index`. A replica that failed reports empty stats (its counters restart at zero)."""
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, stat_logger: StatLogger | None = None) -> None:
         self.config = config
         self.stat_logger = stat_logger
-        # The core loads the weights while this process loads the tokenizer.
-        self.core = CoreProcessClient(config)
+        num_replicas = config.parallel_config.data_parallel_size
+        devices = replica_cuda_devices(config)  # before any process starts: too few GPUs fail at once
+        self.replicas: list[CoreReplica] = []
         try:
+            # The cores load the weights while this process loads the tokenizer.
+            for index in range(num_replicas):
+                name = "the engine core" if num_replicas == 1 else f"the replica-{index} engine core"
+                self.replicas.append(CoreReplica(index, config, self, devices[index], name))
             self.frontend = frontend = load_frontend(config.model_config)
-            self.core.wait_ready()
+            for replica in self.replicas:
+                replica.wait_ready()
         except BaseException:
-            self.core.shutdown()
+            for replica in self.replicas:
+                replica.shutdown()
             raise
         self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len
         self.tokenizer = frontend.tokenizer
         self.input_processor, self.output_processor = frontend.input_processor, frontend.output_processor
-        self.last_stats: SchedulerStats | None = None
-        self.dead_reason: str | None = None
-        self.num_restarts = 0
+        self.balancer = DataParallelBalancer(num_replicas, config.cache_config.block_size,
+                                             prefix_aware=config.cache_config.enable_prefix_caching)
         self._streams: dict[str, asyncio.Queue] = {}
-        self._output_task: asyncio.Task | None = None
-        self._restart_task: asyncio.Task | None = None
-        self._starting: CoreProcessClient | None = None
-        """A core being started by a restart (in a thread), which shutdown() must stop too."""
-        self._shut_down = False
+        self._routes: dict[str, tuple[int, int]] = {}
+        """Open request id -> (its replica's index, its number of samples)."""
+        self._open_seqs = [0] * num_replicas
+        """Per replica: samples of the open requests sent to it."""
 
     async def start(self) -> None:
-        """Begin receiving the core's outputs and watching its process; call once, in the serving loop."""
-        self._attach(self.core)
+        """Begin receiving the cores' outputs and watching their processes; call once, in the serving loop."""
+        for replica in self.replicas:
+            replica.start()
 
-    def _attach(self, core: CoreProcessClient) -> None:
-        core.open_output()
-        self._output_task = asyncio.create_task(self._output_loop(core), name="engine-outputs")
-        # The sentinel becomes readable when the process exits: no polling, no thread.
-        asyncio.get_running_loop().add_reader(core.proc.sentinel, self._on_core_exit, core)
+    @property
+    def core(self):
+        """The first replica's core client (the only one without data parallelism)."""
+        return self.replicas[0].core
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_reason is None
+        return any(replica.is_healthy for replica in self.replicas)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why no replica can serve (None while one can)."""
+        if self.is_healthy:
+            return None
+        if len(self.replicas) == 1:
+            return self.replicas[0].dead_reason
+        return "; ".join(replica.dead_reason for replica in self.replicas)
+
+    @property
+    def num_restarts(self) -> int:
+        return sum(replica.num_restarts for replica in self.replicas)
+
+    @property
+    def last_stats(self) -> SchedulerStats | None:
+        """The latest scheduler stats: the core's, or the sum over the replicas (KV usage: their mean)."""
+        reported = [r.last_stats for r in self.replicas if r.last_stats is not None]
+        if len(self.replicas) == 1 or not reported:
+            return self.replicas[0].last_stats
+        return SchedulerStats(
+            num_running_reqs=sum(s.num_running_reqs for s in reported),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in reported),
+            kv_cache_usage=sum(s.kv_cache_usage for s in reported) / len(reported),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in reported),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in reported),
+            num_preemptions=sum(s.num_preemptions for s in reported),
+        )
 
     def get_num_unfinished_seqs(self) -> int:
-        """Sequences (samples) the core holds for this frontend: running or waiting."""
+        """Sequences (samples) the cores hold for this frontend: running or waiting."""
         return len(self.output_processor.samples)
 
     def add_request(
@@ -98,17 +130,30 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and enqueue now (ValueError for bad input); iterate the result for DELTA outputs."""
-        if self.dead_reason is not None:
+        if not self.is_healthy:
             raise EngineDeadError(self.dead_reason)
         requests = self.frontend.prepare(request_id, prompt, params, priority, cache_salt, RequestOutputKind.DELTA)
+        hashes = self.balancer.prefix_hashes(requests[0].prompt_token_ids, cache_salt)
+        index = self.balancer.choose(self._loads(), hashes)
         try:
-            self.core.add_requests(requests)  # all samples or none
+            self.replicas[index].core.add_requests(requests)  # all samples or none
         except Exception:
             self.output_processor.abort_requests([request_id])
             raise
+        self.balancer.record(index, hashes)
+        self._routes[request_id] = (index, len(requests))
+        self._open_seqs[index] += len(requests)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         return self._iterate(request_id, stream)
+
+    def _loads(self) -> list[ReplicaLoad]:
+        loads = []
+        for replica, open_seqs in zip(self.replicas, self._open_seqs):
+            stats = replica.last_stats
+            loads.append(ReplicaLoad(open_seqs, stats.num_waiting_reqs if stats else 0,
+                                     stats.kv_cache_usage if stats else 0.0, replica.is_healthy))
+        return loads
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         try:
@@ -125,118 +170,69 @@ class AsyncEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests (caller ids); their streams end. Unknown or finished ids are ignored."""
-        sample_ids = [sid for rid in request_ids for sid in self.output_processor.sample_ids(rid)]
-        if sample_ids and self.dead_reason is None:
-            self.core.abort_requests(sample_ids)
-        finals = self.output_processor.abort_requests(request_ids)
-        for output in finals:  # a consumer still waiting gets the finished ("abort") output
-            stream = self._streams.pop(output.request_id, None)
-            if stream is not None:
-                stream.put_nowait(output)
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            route = self._routes.get(request_id)
+            if route is not None:
+                by_replica.setdefault(route[0], []).append(request_id)
+        for index, ids in by_replica.items():
+            replica = self.replicas[index]
+            sample_ids = [sid for rid in ids for sid in self.output_processor.sample_ids(rid)]
+            if sample_ids and replica.is_healthy:
+                replica.core.abort_requests(sample_ids)
+            finals = self.output_processor.abort_requests(ids)
+            for output in finals:  # a consumer still waiting gets the finished ("abort") output
+                stream = self._streams.pop(output.request_id, None)
+                if stream is not None:
+                    stream.put_nowait(output)
+            self._record(finals, None, index)
         for request_id in request_ids:
             self._streams.pop(request_id, None)
-        self._record(finals, None)
+            self._forget(request_id)
 
-    async def _output_loop(self, core: CoreProcessClient) -> None:
-        try:
-            while True:
-                core_outputs = await core.get_outputs()
-                if core_outputs.engine_error is not None:
-                    self._on_core_failure(core, f"the engine core failed: {core_outputs.engine_error}")
-                    return
-                outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
-                # Stop strings are found here, after detokenization: the core must drop those samples.
-                core.abort_requests(stopped)
-                for output in outputs:
-                    stream = self._streams.get(output.request_id)
-                    if stream is not None:
-                        stream.put_nowait(output)
-                        if output.finished:
-                            del self._streams[output.request_id]
-                if core_outputs.scheduler_stats is not None:
-                    self.last_stats = core_outputs.scheduler_stats
-                self._record(outputs, core_outputs.scheduler_stats)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.exception("the output loop failed")
-            self._on_core_failure(core, f"the engine's output processing failed: {e!r}")
+    def _forget(self, request_id: str) -> None:
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            self._open_seqs[route[0]] -= route[1]
 
-    def _record(self, outputs: list[RequestOutput], stats: SchedulerStats | None) -> None:
+    def handle_outputs(self, replica: CoreReplica, core_outputs: EngineCoreOutputs) -> None:
+        """A batch of one replica's outputs: detokenize, deliver, and stop what hit a stop string."""
+        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
+        # Stop strings are found here, after detokenization: the core must drop those samples.
+        replica.core.abort_requests(stopped)
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+                if output.finished:
+                    del self._streams[output.request_id]
+        self._record(outputs, core_outputs.scheduler_stats, replica.index)
+
+    def replica_failed(self, replica: CoreReplica, reason: str) -> None:
+        """End the streams of the replica's requests with EngineDeadError and forget those requests."""
+        ids = [rid for rid, (index, _) in self._routes.items() if index == replica.index]
+        for request_id in ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_nowait(EngineDeadError(reason))
+            self._forget(request_id)
+        # Empty stats: the replica's gauges drop to zero, and its next core counts from zero.
+        self._record(self.output_processor.abort_requests(ids), SchedulerStats(), replica.index)
+        self.balancer.forget(replica.index)
+
+    def _record(self, outputs: list[RequestOutput], stats: SchedulerStats | None, engine_index: int) -> None:
         if self.stat_logger is not None and (outputs or stats is not None):
             try:
-                self.stat_logger.record(outputs, stats)
+                self.stat_logger.record(outputs, stats, engine_index)
             except Exception:  # metrics must never break serving
                 logger.exception("stat logger failed")
 
-    def _on_core_exit(self, core: CoreProcessClient) -> None:
-        asyncio.get_running_loop().remove_reader(core.proc.sentinel)
-        core.proc.join()
-        self._on_core_failure(core, f"the engine core process exited (exit code {core.proc.exitcode})")
-
-    def _on_core_failure(self, core: CoreProcessClient, reason: str) -> None:
-        """Fail what the core held and start a new one; a second report of the same failure is ignored."""
-        if core is not self.core or self.dead_reason is not None or self._shut_down:
-            return
-        self._fail(f"{reason}; restarting it")
-        self._restart_task = asyncio.create_task(self._restart(core), name="engine-restart")
-
-    async def _restart(self, failed: CoreProcessClient) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(failed.proc.sentinel)
-        await asyncio.to_thread(failed.shutdown)  # it may still be exiting: SIGTERM, then SIGKILL
-        for attempt, delay in enumerate(RESTART_DELAYS_S, start=1):
-            await asyncio.sleep(delay)
-            try:
-                core = await asyncio.to_thread(self._start_core)
-            except Exception as e:
-                logger.error("engine core restart %d of %d failed: %s", attempt, len(RESTART_DELAYS_S), e)
-                continue
-            if self._shut_down:
-                core.shutdown()
-                return
-            self.core, self.last_stats, self.dead_reason = core, None, None
-            self.num_restarts += 1
-            self._attach(core)
-            logger.warning("engine core restarted; serving again")
-            return
-        self.dead_reason = "the engine core failed and could not be restarted: see the log; restart the server"
-        logger.error(self.dead_reason)
-
-    def _start_core(self) -> CoreProcessClient:
-        """A new core process, ready (runs in a thread: loading the model takes seconds)."""
-        core = self._starting = CoreProcessClient(self.config)
-        try:
-            core.wait_ready()
-            if self._shut_down:  # the server stopped meanwhile: nobody would stop this one
-                raise EngineDeadError("the engine was shut down")
-        except BaseException:
-            core.shutdown()
-            raise
-        finally:
-            self._starting = None
-        return core
-
-    def _fail(self, reason: str, expected: bool = False) -> None:
-        """Mark the engine dead, end every open stream with EngineDeadError and forget every request."""
-        if self.dead_reason is None:
-            (logger.info if expected else logger.error)("engine stopped: %s", reason)
-            self.dead_reason = reason
-        for stream in self._streams.values():
-            stream.put_nowait(EngineDeadError(reason))
-        self._streams.clear()
-        self._record(self.output_processor.abort_requests(list(self.output_processor.parents)), None)
-        if self._output_task is not None and not self._output_task.done():
-            self._output_task.cancel()
-
     def shutdown(self) -> None:
-        """Stop the core process; idempotent. Open streams end with EngineDeadError."""
-        self._shut_down = True
-        if self._restart_task is not None:
-            self._restart_task.cancel()
-        if self._starting is not None:
-            self._starting.shutdown()  # its wait_ready() then fails at once, ending the restart's thread
-        if self._output_task is not None and not self._output_task.get_loop().is_closed():
-            self._output_task.get_loop().remove_reader(self.core.proc.sentinel)
-            self._fail("the engine was shut down", expected=True)
-        self.core.shutdown()
+        """Stop the core processes; idempotent. Open streams end with EngineDeadError."""
+        if len(self.replicas) > 1:
+            for replica in self.replicas:
+                replica.core.request_stop()  # all at once: each takes a moment to exit
+        for replica in self.replicas:
+            replica.shutdown()

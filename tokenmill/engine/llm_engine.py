@@ -16,6 +16,10 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size {config.parallel_config.data_parallel_size}: engine replicas run "
+                             "behind the server only (`tokenmill serve -dp N`); the offline LLM runs one engine "
+                             "(start one LLM per process and device set instead)")
         self.config = config
         self.frontend = frontend = load_frontend(config.model_config)
         self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len

@@ -3,7 +3,7 @@
 The core never builds a worker: it asks the executor to size and allocate the KV pool, then hands
 it one SchedulerOutput per step and gets back that step's output with the `result()` contract
 async scheduling relies on (result() waits for the tokens; execute_model returns before that).
-Every rank runs every call; only the driver rank's (rank 0's) results come back.
+Every rank runs every call; only the driver rank's (rank 0's: the last pipeline stage's) results come back.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.sizing import KVCacheSpec
+from tokenmill.layers.moe import check_expert_parallel
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.structured.compiler import GrammarCompiler
@@ -70,11 +71,24 @@ def check_tensor_parallel(hf_config: PretrainedConfig, tp_size: int) -> None:
     if hf_config.intermediate_size % tp_size:
         raise ValueError(f"tensor_parallel_size {tp_size} does not divide the MLP's intermediate size "
                          f"{hf_config.intermediate_size}")
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts' MLPs
+        size = getattr(hf_config, field, None)
+        if size and size % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {field} {size}")
+
+
+def check_pipeline_parallel(hf_config: PretrainedConfig, pp_size: int) -> None:
+    """Refuse, at start-up, more pipeline stages than decoder layers (every stage holds at least one)."""
+    if pp_size > hf_config.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {hf_config.num_hidden_layers} "
+                         "decoder layers: every stage needs at least one")
 
 
 def make_executor(config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> Executor:
     parallel = config.parallel_config
     check_tensor_parallel(hf_config, parallel.tensor_parallel_size)
+    check_pipeline_parallel(hf_config, parallel.pipeline_parallel_size)
+    check_expert_parallel(hf_config, parallel)
     if parallel.distributed_executor_backend == "mp":
         from tokenmill.executor.multiproc import MultiprocExecutor
 

@@ -1,4 +1,4 @@
-"""MultiprocExecutor: one process per tensor-parallel rank on this host.
+"""MultiprocExecutor: one process per rank (tensor_parallel_size x pipeline_parallel_size) on this host.
 
 Rank 0 (the driver) runs in the engine core's own process, so its step output is today's PendingOutput:
 no copy of the tokens between processes, and async scheduling overlaps exactly as with one rank. Ranks
@@ -37,7 +37,12 @@ import zmq
 from transformers import PretrainedConfig
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.parallel_state import abort_distributed, destroy_distributed, get_tp_group
+from tokenmill.distributed.parallel_state import (
+    abort_distributed,
+    destroy_distributed,
+    get_tp_group,
+    is_distributed,
+)
 from tokenmill.executor.base import Executor
 from tokenmill.kv_cache.sizing import KVCacheSpec
 from tokenmill.scheduler.draft_budget import StepCost
@@ -67,8 +72,9 @@ class WorkerFailed(RuntimeError):
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
         self.world_size = config.parallel_config.world_size
-        if get_tp_group().world_size > 1:
-            raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first")
+        if is_distributed():
+            raise RuntimeError("a tensor- or pipeline-parallel engine is already running in this process: shut it "
+                               "down first")
         self._folder = tempfile.mkdtemp(prefix="tokenmill-tp-")
         self._context = zmq.Context()
         self._results = self._context.socket(zmq.PULL)
@@ -102,7 +108,9 @@ class MultiprocExecutor(Executor):
         self._send("init", config, hf_config, max_model_len, init_method)
         self.driver_worker = Worker(config, hf_config, max_model_len, rank=0, distributed_init_method=init_method)
         self._collect("result")
-        logger.info("tensor parallel: %d ranks ready (children %s)", self.world_size,
+        parallel = config.parallel_config
+        logger.info("%d ranks ready (tensor parallel %d x pipeline stages %d; children %s)", self.world_size,
+                    parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                     ", ".join(str(p.pid) for p in self._procs.values()))
 
     # -- the calls ---------------------------------------------------------------------------------
@@ -132,8 +140,9 @@ class MultiprocExecutor(Executor):
         self.collective_rpc("enable_structured_outputs", compiler)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
-        """Every rank samples the same tokens from the same gathered logits (same seed, same RNG draws), so
-        each keeps its own rows right without being sent them; only rank 0's output is returned."""
+        """The last stage's ranks sample the same tokens from the same gathered logits (same seed, same RNG
+        draws) and the other stages' ranks are sent them (worker/stage_tokens.py), so each keeps its own rows
+        right; only rank 0's output is returned."""
         self._send("execute_model", scheduler_output)
         try:
             return self.driver_worker.execute_model(scheduler_output)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.parallel_state import get_tp_size
+from tokenmill.distributed.parallel_state import is_distributed
 from tokenmill.executor.base import Executor
 from tokenmill.kv_cache.sizing import KVCacheSpec
 from tokenmill.scheduler.draft_budget import StepCost
@@ -15,9 +15,10 @@ from tokenmill.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
-        if get_tp_size() != 1:
-            # The layers read the process-wide group when built: this model would be sharded.
-            raise RuntimeError("a tensor-parallel engine is running in this process: shut it down first")
+        if is_distributed():
+            # The layers read the process-wide groups when built: this model would be sharded or staged.
+            raise RuntimeError("a tensor- or pipeline-parallel engine is running in this process: shut it down "
+                               "first")
         self.driver_worker = Worker(config, hf_config, max_model_len)
         # No wrapper on the hot path: the core calls the worker's own method.
         self.execute_model = self.driver_worker.execute_model

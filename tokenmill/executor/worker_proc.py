@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than the driver: `python -m tokenmill.executor.worker_proc FOLDER RANK PARENT_PID`.
+"""A rank other than the driver: `python -m tokenmill.executor.worker_proc FOLDER RANK PARENT_PID`.
 
 It builds its Worker (joining the group, loading its shard), then runs whatever the driver sends, in
 order. Steps return nothing: each step's tokens are resolved after the next step is launched, as the

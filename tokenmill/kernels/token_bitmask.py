@@ -20,7 +20,10 @@ WORDS = 64
 """Bitmask words per program: 2,048 tokens."""
 
 
-@triton.jit
+# The masks' width and the grammars' vocabulary are not specialised on: they are the tokenizer's, which the
+# sampler's warm-up (worker/sampler_warmup.py, at the model's vocabulary) does not know, and a specialisation of
+# its own would compile at the first structured step.
+@triton.jit(do_not_specialize=["stride_bitmask", "num_words", "vocab_size"])
 def _apply_token_bitmask(logits_ptr, stride_logits, bitmask_ptr, stride_bitmask, index_ptr, num_cols, num_words,
                          vocab_size, WORDS: tl.constexpr):
     mask_row = tl.program_id(0)

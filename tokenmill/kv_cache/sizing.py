@@ -13,15 +13,14 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class KVCacheShape:
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_size: int
+    bytes_per_token: int
+    """Every layer's cache for one token: the sum of the layers' kv_cache_bytes_per_token (K and V of each
+    KV head for most layers; one latent row for MLA's)."""
     block_size: int
 
     @property
     def bytes_per_block(self) -> int:
-        # K and V for every layer.
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_size
+        return self.bytes_per_token * self.block_size
 
 
 @dataclass(frozen=True)

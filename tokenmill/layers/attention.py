@@ -8,6 +8,8 @@ as they are (transform_qk).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -50,13 +52,26 @@ class Attention(nn.Module):
         object.__setattr__(self, "rotary_emb", rotary_emb)
         object.__setattr__(self, "q_norm", q_norm)
         object.__setattr__(self, "k_norm", k_norm)
-        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the worker after sizing.
+        # kv_cache_shape(): [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the worker after sizing.
         self.kv_cache = torch.empty(0)
         # An fp8 pool's per-layer scales (attention.kv_quant). Buffers rather than parameters: a checkpoint
         # without them is complete, and dummy weights leave them at 1.0.
         for name in ("k_scale", "v_scale"):
             self.register_buffer(name, torch.ones((), dtype=torch.float32), persistent=False)
             getattr(self, name).weight_loader = load_kv_scale
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The shape of this layer's paged pool, which the worker allocates (and sizes through
+        kv_cache_bytes_per_token): K and V of every slot. A layer with another cache layout overrides this, its
+        bytes per token and copy_kv_blocks (layers.mla.LatentAttention: one latent row per token)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return math.prod(self.kv_cache_shape(1, 1)) * dtype.itemsize
+
+    def copy_kv_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the pool's blocks `src` onto `dst` (int64 block ids on the pool's device)."""
+        self.kv_cache[:, dst] = self.kv_cache[:, src]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """positions [num_tokens]; q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim]."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size
+from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from tokenmill.layers.quant.base import QuantMethod
 from tokenmill.layers.quant.unquantized import UnquantizedLinearMethod
 
@@ -142,9 +142,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
         y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
-        return y
+        return tp_all_reduce(y)  # over this pipeline stage's tensor-parallel group
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -54,8 +54,12 @@ def load_weights_by_name(
     stacked_params: dict[str, tuple[str, str | int]],
     skip_prefixes: tuple[str, ...] = (),
     rename=None,
+    expert_params=None,
 ) -> None:
-    """Copy checkpoint tensors into parameters through their weight loaders; fail on gaps."""
+    """Copy checkpoint tensors into parameters through their weight loaders; fail on gaps.
+
+    expert_params(name) -> (parameter name, loader arguments) or None: where MoE experts' tensors go
+    (layers.moe.load_moe_weights)."""
     params = dict(model.named_parameters())
     # Optional tensors (KV scales): loaded when the checkpoint has them, never reported missing.
     buffers = {name: b for name, b in model.named_buffers() if hasattr(b, "weight_loader")}
@@ -71,6 +75,12 @@ def load_weights_by_name(
                 if target not in buffers:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching KV scale in {type(model).__name__}")
                 buffers[target].weight_loader(buffers[target], tensor)
+            continue
+        expert_target = expert_params(name) if expert_params is not None else None
+        if expert_target is not None:
+            name, loader_args = expert_target
+            params[name].weight_loader(params[name], tensor, *loader_args)
+            loaded.add(name)
             continue
         shard_id = None
         for ckpt_name, (fused_name, sid) in stacked_params.items():

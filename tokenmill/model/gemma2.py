@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, sliding_window_of
+from tokenmill.model.stage import StageLayers, make_embedding, on_last_stage
 
 
 @lru_cache
@@ -76,18 +76,17 @@ class Gemma2Model(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embed_scale = config.hidden_size**0.5
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+        self.embed_tokens = make_embedding(config)
+        self.stage = StageLayers(config, lambda i: Gemma2DecoderLayer(config, i))  # this pipeline stage's
+        self.layers = self.stage.modules
+        self.norm = on_last_stage(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        return hidden_states * _rounded_to(self.embed_scale, hidden_states.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        hidden_states = hidden_states * _rounded_to(self.embed_scale, hidden_states.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return self.stage.run(input_ids, positions, self.embed, self.norm)
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

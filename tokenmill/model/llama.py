@@ -5,7 +5,7 @@ Module names mirror Hugging Face's so checkpoints load by name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -14,11 +14,11 @@ from transformers import PretrainedConfig
 from tokenmill.distributed.parallel_state import get_tp_size
 from tokenmill.layers.activation import get_gated_activation
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
+from tokenmill.model.stage import StageLayers, make_embedding, make_lm_head, on_last_stage
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -79,16 +79,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(positions, q, k, v))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
-        super().__init__()
-        window = sliding_window_of(config, layer_idx)
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, window)
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False)
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class PreNormDecoderLayer(nn.Module):
+    """norm -> self_attn -> norm -> mlp, the residual stream carried beside the hidden states (each RMSNorm adds
+    it in). Subclasses build input_layernorm, self_attn, post_attention_layernorm and mlp."""
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -103,6 +96,21 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 mlp: nn.Module | None = None) -> None:
+        super().__init__()
+        window = sliding_window_of(config, layer_idx)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, window)
+        # mlp: a family's own feed-forward block (MoE); the dense gated MLP otherwise.
+        self.mlp = mlp if mlp is not None else LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+
 def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
     """The layer's attention window, honouring per-layer types where the config lists them."""
     window = getattr(config, "sliding_window", None)
@@ -114,21 +122,39 @@ def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
     return window
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+MakeMLP = Callable[[PretrainedConfig, int], "nn.Module | None"]
+"""(config, layer index) -> that layer's feed-forward block, or None for the dense gated MLP."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 make_mlp: MakeMLP | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = make_embedding(config)
+        # This pipeline stage's layers (all of them with one stage).
+        self.stage = StageLayers(config, lambda i: LlamaDecoderLayer(
+            config, i, qkv_bias, o_bias, qk_norm, make_mlp(config, i) if make_mlp else None))
+        self.layers = self.stage.modules
+        self.norm = on_last_stage(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        """Layers whose input (the residual stream the layers before them leave) the forward pass also
+        returns, for a drafter that reads them (EAGLE-3, spec/eagle3.py); empty on the plain path."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.aux_hidden_state_layers:  # one stage only (EAGLE-3 is refused with pipeline parallelism)
+            return self._forward_with_aux(positions, self.embed_tokens(input_ids))
+        return self.stage.run(input_ids, positions, self.embed_tokens, self.norm)
+
+    def _forward_with_aux(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The last hidden states and the aux layers' inputs, concatenated in the listed order
+        ([num_tokens, len(aux_hidden_state_layers) * hidden_size])."""
+        residual, captured = None, {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                captured[i] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return hidden_states, torch.cat([captured[i] for i in self.aux_hidden_state_layers], dim=-1)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,9 +167,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.make_model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = make_lm_head(config, self.model.embed_tokens)  # the last pipeline stage's
 
     def make_model(self, config: PretrainedConfig) -> nn.Module:
         """The decoder stack; families that share this wrapper (e.g. Gemma 2) override it."""
@@ -153,7 +177,12 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias=attention_bias if self.qkv_bias is None else self.qkv_bias,
             o_bias=attention_bias if self.o_bias is None else self.o_bias,
             qk_norm=self.qk_norm,
+            make_mlp=self.make_mlp,
         )
+
+    def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module | None:
+        """Layer `layer_idx`'s feed-forward block; None: the dense gated MLP. MoE families override it."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

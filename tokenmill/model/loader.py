@@ -16,9 +16,15 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from tokenmill.config import ModelConfig
-from tokenmill.layers.quant import process_weights_after_loading, quantize_linear_layers, resolve_quant_config
+from tokenmill.layers.quant import (
+    check_moe_experts,
+    process_weights_after_loading,
+    quantize_linear_layers,
+    resolve_quant_config,
+)
 from tokenmill.model.base import LLAMA_STACKED_PARAMS
 from tokenmill.model.registry import get_model_class
+from tokenmill.model.stage import owned_weights
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +105,18 @@ def load_model(
     if load_format == "auto":
         load_format = "gguf" if is_gguf(model_config.model) else "safetensors"
     requested, checkpoint_quant = model_config.quantization, getattr(hf_config, "quantization_config", None)
+    if load_format == "gguf" and _num_experts(hf_config):
+        raise ValueError(f"GGUF files of mixture-of-experts models ({hf_config.architectures}) are not supported "
+                         "yet: load the model's safetensors checkpoint")
     if load_format == "gguf":
         if _keep_gguf_quantized(model_config, device, dtype):
             checkpoint_quant = {"quant_method": "gguf"}  # the file's own types, as a checkpoint would name them
         elif requested == "gguf":
             requested = None  # named, but this device dequantizes (logged)
     quant_config = resolve_quant_config(requested, checkpoint_quant)
+    if quant_config is not None and _num_experts(hf_config):
+        with torch.device("meta"):  # refuse quantized experts before the real model takes its memory
+            check_moe_experts(model_class(hf_config), quant_config)
     stacked_params = None
     with torch.device(device), _default_dtype(dtype):
         model = model_class(hf_config)
@@ -115,14 +127,20 @@ def load_model(
         init_dummy_weights(model, model_config.seed)
     elif load_format == "gguf":
         keep = _gguf_quantized_weights(model, stacked_params) if stacked_params is not None else None
-        model.load_weights(iter_gguf_weights(model_config.model, hf_config, keep))
-    else:
-        model.load_weights(iter_safetensors_weights(model_config.model))
+        model.load_weights(owned_weights(model, iter_gguf_weights(model_config.model, hf_config, keep)))
+    else:  # a pipeline stage skips the tensors of other stages' layers
+        model.load_weights(owned_weights(model, iter_safetensors_weights(model_config.model)))
     with torch.device(device):
         process_weights_after_loading(model)
     if quant_config is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the 16-bit weights an online method replaced
     return model.eval()
+
+
+def _num_experts(hf_config: PretrainedConfig) -> int:
+    """The routed experts of a mixture-of-experts config (Qwen-MoE, Mixtral, DeepSeek names); 0 if dense."""
+    names = ("num_experts", "num_local_experts", "n_routed_experts")
+    return next((value for name in names if (value := getattr(hf_config, name, None))), 0)
 
 
 def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:

@@ -55,10 +55,13 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
     registry = CollectorRegistry()
     speculative = engine_config.speculative_config
     stat_logger = PrometheusStatLogger(model_name, registry,
-                                       None if speculative is None else speculative.num_speculative_tokens)
+                                       None if speculative is None else speculative.num_speculative_tokens,
+                                       num_engines=engine_config.parallel_config.data_parallel_size)
     engine = AsyncEngine(engine_config, stat_logger=stat_logger)
     try:
-        state = ServerState(engine, server_config, model_name, engine_config.scheduler_config.max_num_seqs)
+        # Every data-parallel replica runs max_num_seqs sequences.
+        max_num_seqs = engine_config.scheduler_config.max_num_seqs * engine_config.parallel_config.data_parallel_size
+        state = ServerState(engine, server_config, model_name, max_num_seqs)
         app = build_app(state, registry)
         config = uvicorn.Config(
             app,

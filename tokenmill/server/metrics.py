@@ -4,6 +4,11 @@ Latencies come from the frontend's per-request timestamps; gauges and cache/pree
 from the SchedulerStats the core sends with each step (its counters are cumulative, so they are
 turned into increments here), and so do speculative decoding's counters (vLLM's spec_decode_*
 names), which exist only while speculation is on.
+
+With data parallelism every metric above covers all the replicas (gauges: the sum, KV usage: the mean),
+and the `tokenmill:engine_*` metrics, labelled `engine` (the replica's index), show each replica alone.
+Each replica's cumulative counters are followed separately; a total below the last one means a new core
+(a restart) that counts from zero.
 """
 
 from __future__ import annotations
@@ -37,34 +42,46 @@ class SpecDecodingMetrics:
                                 ["model_name", "position"], registry=registry)
         self.accepted_per_pos: list[Counter] = []
         self._grow(num_positions)  # every position shows from the start, at 0
-        self._last = SpecDecodingStats()
+        self._last: dict[int, SpecDecodingStats] = {}
+        """Per engine (data-parallel replica): its last cumulative totals."""
 
     def _grow(self, num_positions: int) -> None:
         while len(self.accepted_per_pos) < num_positions:
             self.accepted_per_pos.append(self._per_pos.labels(self._model_name, str(len(self.accepted_per_pos))))
 
-    def record(self, totals: SpecDecodingStats) -> None:
-        """Increments since the last totals (the core's counters are cumulative)."""
-        last = self._last
+    def record(self, totals: SpecDecodingStats, engine_index: int = 0) -> None:
+        """Increments since the engine's last totals (the core's counters are cumulative)."""
+        last = self._last.get(engine_index, SpecDecodingStats())
         for metric, new, old in (
             (self.num_drafts, totals.num_drafts, last.num_drafts),
             (self.num_draft_tokens, totals.num_draft_tokens, last.num_draft_tokens),
             (self.num_accepted_tokens, totals.num_accepted_tokens, last.num_accepted_tokens),
         ):
-            if new > old:
-                metric.inc(new - old)
+            _add(metric, new, old)
         self._grow(len(totals.accepted_per_position))
         for position, new in enumerate(totals.accepted_per_position):
             old = last.accepted_per_position[position] if position < len(last.accepted_per_position) else 0
-            if new > old:
-                self.accepted_per_pos[position].inc(new - old)
-        self._last = totals
+            _add(self.accepted_per_pos[position], new, old)
+        self._last[engine_index] = totals
+
+    def reset(self, engine_index: int) -> None:
+        """The engine's core is gone: the next one counts from zero."""
+        self._last.pop(engine_index, None)
+
+
+def _add(counter: Counter, total: int, last_total: int) -> None:
+    """Add what a cumulative total grew by; a total below the last one is a new core's, counted from zero."""
+    increment = total - last_total if total >= last_total else total
+    if increment > 0:
+        counter.inc(increment)
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry, num_speculative_tokens: int | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry, num_speculative_tokens: int | None = None,
+                 num_engines: int = 1) -> None:
         """`num_speculative_tokens`: with speculative decoding on, its metrics show from the start (else
-        they appear with the first stats that carry speculative decoding's counters)."""
+        they appear with the first stats that carry speculative decoding's counters). `num_engines`: the
+        data-parallel replicas, whose per-engine series show from the start."""
         labels = {"model_name": model_name}
         self._model_name = model_name
         self._registry = registry
@@ -97,20 +114,22 @@ class PrometheusStatLogger:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted to free KV-cache blocks.")
+        self.engine_metrics = EngineMetrics(model_name, registry, num_engines)
         self._last_token_time: dict[str, dict[int, float]] = {}
         """Per open request, per sample index: when its last token arrived."""
-        self._last_totals = SchedulerStats()
+        self._last_totals: dict[int, SchedulerStats] = {}
+        """Per engine (data-parallel replica): its latest stats."""
         self.spec_decoding = (None if num_speculative_tokens is None
                               else SpecDecodingMetrics(model_name, registry, num_speculative_tokens))
 
-    def record(self, outputs: list[RequestOutput], stats: SchedulerStats | None) -> None:
+    def record(self, outputs: list[RequestOutput], stats: SchedulerStats | None, engine_index: int = 0) -> None:
         now = time.time()
         for output in outputs:
-            self._record_output(output, now)
+            self._record_output(output, now, engine_index)
         if stats is not None:
-            self._record_stats(stats)
+            self._record_stats(stats, engine_index)
 
-    def _record_output(self, output: RequestOutput, now: float) -> None:
+    def _record_output(self, output: RequestOutput, now: float, engine_index: int) -> None:
         metrics = output.metrics
         last_times = self._last_token_time.get(output.request_id)
         if last_times is None:
@@ -130,23 +149,53 @@ class PrometheusStatLogger:
             del self._last_token_time[output.request_id]
             self.prompt_tokens.inc(len(output.prompt_token_ids))
             self.e2e.observe((metrics.finished_time or now) - metrics.arrival_time)
+            self.engine_metrics.finished(engine_index).inc()
 
-    def _record_stats(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running_reqs)
-        self.waiting.set(stats.num_waiting_reqs)
-        self.kv_usage.set(stats.kv_cache_usage)
-        last = self._last_totals
+    def _record_stats(self, stats: SchedulerStats, engine_index: int) -> None:
+        last = self._last_totals.get(engine_index, SchedulerStats())
+        self._last_totals[engine_index] = stats
+        self.engine_metrics.record(stats, engine_index)
+        latest = list(self._last_totals.values())
+        self.running.set(sum(s.num_running_reqs for s in latest))
+        self.waiting.set(sum(s.num_waiting_reqs for s in latest))
+        self.kv_usage.set(sum(s.kv_cache_usage for s in latest) / len(latest))
         for metric, new, old in (
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
             (self.preemptions, stats.num_preemptions, last.num_preemptions),
         ):
-            if new > old:
-                metric.inc(new - old)
+            _add(metric, new, old)
         for seconds in stats.queue_times:
             self.queue_time.observe(seconds)
         if stats.spec_decoding is not None:
             if self.spec_decoding is None:
                 self.spec_decoding = SpecDecodingMetrics(self._model_name, self._registry)
-            self.spec_decoding.record(stats.spec_decoding)
-        self._last_totals = stats
+            self.spec_decoding.record(stats.spec_decoding, engine_index)
+        elif self.spec_decoding is not None:  # the empty stats of a replica that failed
+            self.spec_decoding.reset(engine_index)
+
+
+class EngineMetrics:
+    """Each data-parallel replica's own gauges and finished requests, labelled `engine` (its index)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry, num_engines: int) -> None:
+        def family(kind: type, name: str, doc: str):
+            return kind(f"tokenmill:engine_{name}", doc, ["model_name", "engine"], registry=registry)
+
+        self._model_name = model_name
+        self._running = family(Gauge, "num_requests_running", "Sequences in the running batch, per engine core.")
+        self._waiting = family(Gauge, "num_requests_waiting", "Sequences waiting to be scheduled, per engine core.")
+        self._kv_usage = family(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use, per engine core.")
+        self._finished = family(Counter, "requests_finished", "Requests finished (or aborted), per engine core.")
+        for engine_index in range(num_engines):  # every replica shows from the start, at 0
+            self.record(SchedulerStats(), engine_index)
+            self.finished(engine_index)
+
+    def finished(self, engine_index: int) -> Counter:
+        return self._finished.labels(self._model_name, str(engine_index))
+
+    def record(self, stats: SchedulerStats, engine_index: int) -> None:
+        labels = (self._model_name, str(engine_index))
+        self._running.labels(*labels).set(stats.num_running_reqs)
+        self._waiting.labels(*labels).set(stats.num_waiting_reqs)
+        self._kv_usage.labels(*labels).set(stats.kv_cache_usage)

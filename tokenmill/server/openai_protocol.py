@@ -110,7 +110,9 @@ class FunctionDefinition(RequestModel):
     parameters: dict[str, Any] | None = None
     """The JSON schema of the arguments; absent: an object with no parameters."""
     strict: bool | None = None
-    """Accepted; with tool_choice required or a named function the schema is always enforced."""
+    """With tool_choice "auto", true enforces the parameters' schema once the model starts a call to this
+    function (a structural tag in the tool parser's format); with "required" or a named function the schema is
+    always enforced."""
 
 
 class ChatTool(RequestModel):
@@ -159,24 +161,31 @@ class ResponseFormat(RequestModel):
     the field as sent (response_format.json_schema.name, not a path through the union's tag)."""
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    """structural_tag (vLLM's) is refused with a 400: not supported yet."""
     json_schema: JsonSchemaSpec | None = None
     """Required with type json_schema, ignored otherwise."""
+    format: dict[str, Any] | None = None
+    """type structural_tag (vLLM's): xgrammar's structural tag format object; or, the legacy form, structures
+    and triggers (as in structured_outputs.structural_tag)."""
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("json_schema is required when type is json_schema")
+        if self.type == "structural_tag" and self.format is None and (self.structures is None or
+                                                                      self.triggers is None):
+            raise ValueError("type structural_tag needs format, or structures and triggers")
         return self
 
 
 class StructuredOutputsRequest(RequestModel):
-    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar and json_object.
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, structural_tag and json_object.
 
     Options of vLLM's that only pick how the constraint is enforced are accepted and ignored
     (disable_fallback, disable_any_whitespace, disable_additional_properties: xgrammar always enforces,
     with compact whitespace and no properties a schema does not name); so is the older top-level
-    guided_decoding_backend. Any other key here (structural_tag, whitespace_pattern, ...) and the older
+    guided_decoding_backend. Any other key here (whitespace_pattern, ...) and the older
     guided_whitespace_pattern are refused with a 400 naming them rather than ignored: the client would
     expect a shape of output that does not hold."""
 
@@ -191,6 +200,9 @@ class StructuredOutputsRequest(RequestModel):
     """An EBNF grammar (GBNF-style, with a `root` rule)."""
     json_object: bool = False
     """Any JSON object."""
+    structural_tag: str | dict[str, Any] | None = None
+    """Free text with structured parts: {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (the
+    legacy form) or {"type": "structural_tag", "format": {...}} (xgrammar's format object), or its JSON text."""
     disable_fallback: bool = False
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
@@ -243,7 +255,9 @@ class SamplingRequest(RequestModel):
     # guided_* aliases; a second one is a 400, as is a schema, regex or grammar that does not compile.
     response_format: ResponseFormat | None = None
     """{"type": "text"} (the default), {"type": "json_object"}, or {"type": "json_schema", "json_schema":
-    {"name": ..., "schema": {...}}}: the output is then a JSON object, or a JSON value valid for the schema."""
+    {"name": ..., "schema": {...}}}: the output is then a JSON object, or a JSON value valid for the schema;
+    or vLLM's {"type": "structural_tag", "format": {...}} (or with structures and triggers): free text with
+    structured parts."""
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
     """vLLM's older name of structured_outputs.json (likewise guided_regex, guided_choice, guided_grammar)."""

@@ -1,8 +1,8 @@
 """A request's structured outputs -> one StructuredOutputsParams, checked before it reaches the engine.
 
-Three ways to ask, one per request: OpenAI's response_format (json_object, json_schema), vLLM's
-structured_outputs object, and vLLM's older top-level guided_json / guided_regex / guided_choice /
-guided_grammar. A spec that does not compile (a bad schema, regex or grammar) is a 400 naming the field
+Three ways to ask, one per request: OpenAI's response_format (json_object, json_schema, and vLLM's
+structural_tag), vLLM's structured_outputs object, and vLLM's older top-level guided_json / guided_regex /
+guided_choice / guided_grammar. A spec that does not compile (a bad schema, regex or grammar) is a 400 naming the field
 it came in; compiling it needs no tokenizer and runs off the event loop, as a large schema takes a while.
 """
 
@@ -31,6 +31,8 @@ class Constraint:
     params: StructuredOutputsParams
     param: str
     """The request field it came from, which a 400 names."""
+    note: str = ""
+    """Added to a 400's message: how the spec relates to what the request sent, when the server made it."""
 
 
 def constraint_of(req: SamplingRequest) -> Constraint | None:
@@ -38,9 +40,10 @@ def constraint_of(req: SamplingRequest) -> Constraint | None:
     ways: list[tuple[str, dict[str, Any]]] = []  # (field, StructuredOutputsParams' kwargs)
     fmt = req.response_format
     if fmt is not None and fmt.type == "structural_tag":
-        raise bad_request("response_format of type structural_tag is not supported by this server yet; use "
-                          "json_schema or json_object", param="response_format")
-    if fmt is not None and fmt.type == "json_object":
+        tag = ({"type": "structural_tag", "format": fmt.format} if fmt.format is not None else
+               {"structures": fmt.structures, "triggers": fmt.triggers})
+        ways.append(("response_format", {"structural_tag": tag}))
+    elif fmt is not None and fmt.type == "json_object":
         ways.append(("response_format", {"json_object": True}))
     elif fmt is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.schema_
@@ -50,8 +53,9 @@ def constraint_of(req: SamplingRequest) -> Constraint | None:
         if so.model_extra:
             name = sorted(so.model_extra)[0]
             raise bad_request(f"structured_outputs.{name} is not supported by this server yet; use one of json, "
-                              f"regex, choice, grammar or json_object", param="structured_outputs")
-        given = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
+                              f"regex, choice, grammar, structural_tag or json_object", param="structured_outputs")
+        given = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                 "structural_tag": so.structural_tag}
         kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         if so.json_object:
             kwargs["json_object"] = True
@@ -87,7 +91,7 @@ class GrammarChecker:
         try:
             await asyncio.get_running_loop().run_in_executor(self.executor, self._check, constraint.params)
         except ValueError as e:
-            raise bad_request(str(e), param=constraint.param) from e
+            raise bad_request(f"{e}{constraint.note}", param=constraint.param) from e
 
     def _check(self, params: StructuredOutputsParams) -> None:
         kind, text = params.key  # the JSON text of a schema: not free for a large one either

@@ -6,11 +6,14 @@ tool_choice decides how calls come out:
 - "required" or a named function: generated under a JSON schema (structured outputs) of the call(s), whose
   JSON becomes tool_calls; the model's own format is never seen, so any model can do it;
 - "auto" (the default with tools): the model writes calls its own way, which --tool-call-parser reads back;
-  it needs the server's --enable-auto-tool-choice, as in vLLM.
+  it needs the server's --enable-auto-tool-choice, as in vLLM. Functions marked strict have their arguments
+  enforced once the model starts a call (a structural tag in the parser's format; the text stays free), as
+  OpenAI's strict does; a parser whose format has no structural tag refuses them.
 
 --reasoning-parser splits the reasoning off first; what is left is the content, which the tool parser reads.
 It is off when the output is constrained (tool calls forced, response_format): the constraint leaves no room
-for a think block, and a parser that takes unopened text for reasoning would take all of it.
+for a think block, and a parser that takes unopened text for reasoning would take all of it. Strict tools
+under "auto" leave the text free, and the reasoning parser on.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class ToolPlan:
     """The one function a named tool_choice forces."""
     parallel: bool = True
     constraint: Constraint | None = None
-    """The schema forced calls are generated under."""
+    """The schema forced calls are generated under; under auto, the structural tag of strict tools."""
     parser: type[ToolParser] | None = None
     """The parser of auto mode."""
 
@@ -71,8 +74,9 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig, constrained: bo
             raise bad_request("\"auto\" tool choice requires the server to be started with --enable-auto-tool-choice "
                               "and --tool-call-parser NAME; or pass tool_choice \"required\", a named function or "
                               "\"none\"", param="tool_choice")
-        return ToolPlan(tools, "auto", parallel=req.parallel_tool_calls,
-                        parser=get_tool_parser(config.tool_call_parser))
+        parser = get_tool_parser(config.tool_call_parser)
+        return ToolPlan(tools, "auto", parallel=req.parallel_tool_calls, parser=parser,
+                        constraint=_strict_constraint(tools, parser, req.parallel_tool_calls, constrained))
     if constrained:
         raise bad_request("tool_choice \"required\" or a named function cannot be combined with response_format or "
                           "structured outputs", param="tool_choice")
@@ -93,6 +97,22 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig, constrained: bo
     except ValueError as e:
         raise bad_request(str(e), param="tools") from e
     return ToolPlan(tools, "forced", named=named, parallel=req.parallel_tool_calls, constraint=constraint)
+
+
+def _strict_constraint(tools: list[dict[str, Any]], parser: type[ToolParser], parallel: bool,
+                       constrained: bool) -> Constraint | None:
+    """The structural tag that enforces strict tools' arguments under auto, None when no tool is strict."""
+    if not any(tool["function"].get("strict") for tool in tools):
+        return None
+    if parser.strict_trigger is None:
+        raise bad_request(f"strict tools with tool_choice \"auto\" are not supported by the {parser.name} tool "
+                          f"parser: its calls cannot be enforced with a structural tag; leave strict out, or pass "
+                          f"tool_choice \"required\" or a named function", param="tools")
+    if constrained:
+        raise bad_request("strict tools with tool_choice \"auto\" cannot be combined with response_format or "
+                          "structured outputs; leave strict out, or the other", param="tools")
+    return Constraint(StructuredOutputsParams(structural_tag=parser.structural_tag(tools, parallel)), "tools",
+                      note=" (in the structural tag made of the strict tools: its format.tags[i] is tools[i])")
 
 
 def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:

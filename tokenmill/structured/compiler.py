@@ -14,6 +14,7 @@ from threading import Lock
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.grammar import build_grammar
+from tokenmill.structured.vocab import grammar_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ class GrammarCompiler:
 
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self._vocab_size)
+                tokenizer = self._load_tokenizer()
+                vocab_size = grammar_vocab_size(tokenizer, self._vocab_size)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
                 self._compiler = xgr.GrammarCompiler(info)
             compiler = self._compiler
         return compiler.compile_grammar(build_grammar(params))

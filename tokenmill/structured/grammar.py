@@ -7,6 +7,7 @@ import logging
 import re
 
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured.structural_tag import STRUCTURAL_TAG, structural_tag_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -21,19 +22,33 @@ def build_grammar(params: StructuredOutputsParams):
             schema = json.loads(text)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            return _json_string_characters_fixed(xgr.Grammar.from_json_schema(text, any_whitespace=False))
+            return json_schema_grammar(text)
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in json.loads(text)))
+        if kind == STRUCTURAL_TAG:
+            return structural_tag_grammar(text)
         return xgr.Grammar.from_ebnf(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
     except (RuntimeError, ValueError, TypeError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"invalid {_NAMES[kind]}: {_SOURCE_PREFIX.sub('', first_line)}") from None
+        raise ValueError(f"invalid {_NAMES[kind]}: {error_text(e)}") from None
+
+
+def error_text(error: Exception) -> str:
+    """The first line of an xgrammar error, without the C++ source location."""
+    text = str(error).strip()
+    return _SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else type(error).__name__
+
+
+def json_schema_grammar(text: str):
+    """The grammar of a JSON schema's values, written compactly (RuntimeError from xgrammar if it is bad)."""
+    import xgrammar as xgr
+
+    return _json_string_characters_fixed(xgr.Grammar.from_json_schema(text, any_whitespace=False))
 
 
 # xgrammar (0.2.9 and before: mlc-ai/xgrammar#800, unreleased fixes #822/#880) writes a string with
@@ -67,7 +82,7 @@ def validate(params: StructuredOutputsParams) -> None:
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object spec", "regex": "regex", "choice": "choice",
-          "grammar": "grammar"}
+          "grammar": "grammar", STRUCTURAL_TAG: "structural tag"}
 
 
 def _ebnf_string(text: str) -> str:

@@ -9,15 +9,20 @@ draft position (the rejection sampler then sees the constrained distribution the
 
 Per step, in the shadow of the forward pass that the runner has already queued: every row's new tokens go
 to the matchers in one xgrammar call and every mask is filled in another (xgrammar's BatchGrammarMatcher:
-its threads fill rows in parallel, without the GIL), into a pinned host buffer; one non-blocking copy takes
-the buffer (the logits rows' index and the masks) to the device, and one kernel (kernels/token_bitmask.py)
-writes -inf where a bit is clear. The host buffers are two, used in turn, each reused only once the copy
-from it has run: the copy is queued behind the forward pass, so the next step may fill before it is done.
+its C++ threads, as many as fill_threads says, fill rows in parallel; the call blocks the calling thread),
+into a pinned host buffer; one non-blocking copy takes the buffer (the logits rows' index and the masks)
+to the device, and one kernel (kernels/token_bitmask.py) writes -inf where a bit is clear. The host
+buffers are two, used in turn, each reused only once the copy from it has run: the copy is queued behind
+the forward pass, so the next step may fill before it is done.
+
+The masks cover the grammars' vocabulary, the tokenizer's (structured/vocab.py), which may be narrower than
+the model's logits: the kernel forbids the ids past it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import numpy as np
@@ -29,19 +34,32 @@ from tokenmill.worker.request_state import RequestStates
 
 logger = logging.getLogger(__name__)
 
+MAX_FILL_THREADS = 8
+ROWS_PER_FILL_THREAD = 32
+"""xgrammar starts its fill threads anew at every call (and joins them): a thread per 32 rows, at most 8."""
+
+
+def fill_threads(num_rows: int) -> int:
+    """Threads for one batched fill. Not xgrammar's 'auto' (half of std::thread::hardware_concurrency()): that
+    counts the host's CPUs, not this process's (a GPU lease may see 16 of a host's hundreds)."""
+    usable = max(1, len(os.sched_getaffinity(0)) // 2)
+    return max(1, min(MAX_FILL_THREADS, usable, num_rows // ROWS_PER_FILL_THREAD))
+
 
 class GrammarRows:
     def __init__(self, compiler: GrammarCompiler, vocab_size: int, device: torch.device) -> None:
         self.compiler = compiler
         self.vocab_size = vocab_size
         self.device = device
-        self._words = -(-vocab_size // 32)
+        self.grammar_vocab_size: int | None = None
+        """The grammars' vocabulary (structured/vocab.py): the masks' width; known at the first add."""
+        self._words = 0
         # Per row, sized on first use (the rows' count is the request states'):
         self._active: np.ndarray | None = None  # [rows] bool: the row has a matcher
         self._generation: np.ndarray | None = None  # [rows] the row's generation when its matcher was made
         self._accepted: np.ndarray | None = None  # [rows] output tokens its matcher has accepted
         self._matchers: list = []
-        self._batch = None  # xgrammar's BatchGrammarMatcher (its fill thread pool), made on first use
+        self._batches: dict[int, object] = {}  # xgrammar's BatchGrammarMatcher by its number of fill threads
         self._capacity = 0  # masks a buffer holds
         self._host: list[torch.Tensor] = []  # two int32 [capacity + capacity * words]: logits rows, then masks
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each host buffer's last copy
@@ -58,7 +76,17 @@ class GrammarRows:
             self._accepted = np.zeros(num_rows, dtype=np.int64)
             self._matchers = [None] * num_rows
         params = states.sampling_params[row].structured_outputs
-        matcher = xgr.GrammarMatcher(self.compiler.get(params), override_stop_tokens=sorted(eos_token_ids) or None)
+        compiled = self.compiler.get(params)
+        if self.grammar_vocab_size is None:
+            self.grammar_vocab_size = compiled.tokenizer_info.vocab_size  # xgrammar fills masks this wide
+            self._words = -(-self.grammar_vocab_size // 32)
+        # A stop token past the grammar's vocabulary cannot be sampled under it (the mask forbids it).
+        stop_tokens = sorted(t for t in eos_token_ids if t < self.grammar_vocab_size)
+        if eos_token_ids and not stop_tokens:
+            logger.warning("row %d: every stop token (%s) lies past the grammars' %d-token vocabulary: its output "
+                           "ends at the grammar's end only through max_tokens", row, sorted(eos_token_ids),
+                           self.grammar_vocab_size)
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_tokens or None)
         self._matchers[row] = matcher
         self._active[row] = True
         self._generation[row] = states.row_generation[row]
@@ -83,18 +111,14 @@ class GrammarRows:
         """Mask the tokens the grammar of row `rows[i]` (i in `constrained`) forbids, in its logits rows
         `first_logit_rows[i]` .. `+ num_drafts[i]`: one per draft position (the grammar having accepted the
         drafts before it), then the position after the drafts. The rows' tokens must be on the host."""
-        import xgrammar as xgr
-
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher()
         chosen = np.asarray(constrained, dtype=np.int64)
         grammar_rows = rows[chosen]
         matchers = [self._matchers[row] for row in grammar_rows.tolist()]
-        self._accept_new_tokens(grammar_rows, matchers, states)
         drafts = np.asarray(num_drafts)[chosen]
         starts = np.asarray(first_logit_rows)[chosen]
         num_masks = len(chosen) + int(drafts.sum())
         buffer, index, bitmask = self._host_buffer(num_masks)
+        self._accept_new_tokens(grammar_rows, matchers, states)
         if not drafts.any():
             index[:] = starts
             self._fill(matchers, bitmask, range(len(matchers)))
@@ -103,7 +127,11 @@ class GrammarRows:
         self._apply(logits, buffer, num_masks, index)
 
     def _accept_new_tokens(self, grammar_rows: np.ndarray, matchers: list, states: RequestStates) -> None:
-        """Advance each matcher through the tokens its request emitted since it last accepted."""
+        """Advance each matcher through the tokens its request emitted since it last accepted. On this thread,
+        not split over Python threads: xgrammar 0.2.9's calls (tvm-ffi bindings) did not run in parallel from
+        two threads, and at the default GIL switch interval the same calls took 70-100x longer from two
+        threads than from one (2-core machine). Neither can a Python thread overlap them with the engine's
+        other host work (a job of ~1 ms finished only after a 6 ms busy main thread did)."""
         import xgrammar as xgr
 
         start = states.num_prompt_tokens[grammar_rows] + self._accepted[grammar_rows]
@@ -138,7 +166,15 @@ class GrammarRows:
                 live.append(matcher)
                 live_slots.append(slot)
         if live:
-            self._batch.batch_fill_next_token_bitmask(live, bitmask, live_slots)
+            self._batch(len(live)).batch_fill_next_token_bitmask(live, bitmask, live_slots)
+
+    def _batch(self, num_rows: int):
+        import xgrammar as xgr
+
+        threads = fill_threads(num_rows)
+        if threads not in self._batches:
+            self._batches[threads] = xgr.BatchGrammarMatcher(threads)
+        return self._batches[threads]
 
     def _fill_with_drafts(self, grammar_rows: np.ndarray, matchers: list, starts: np.ndarray, drafts: np.ndarray,
                           index: np.ndarray, bitmask: np.ndarray, states: RequestStates) -> None:
@@ -200,9 +236,9 @@ class GrammarRows:
         if use_triton(logits):
             from tokenmill.kernels.token_bitmask import apply_token_bitmask
 
-            apply_token_bitmask(logits, bitmask, index, self.vocab_size)
+            apply_token_bitmask(logits, bitmask, index, self.grammar_vocab_size)
         else:
-            forbidden = ~unpack_bitmask(bitmask, logits.shape[-1])
+            forbidden = ~unpack_bitmask(bitmask, logits.shape[-1], self.grammar_vocab_size)
             if (np.diff(host_index) == 1).all():  # consecutive logits rows (all sampled rows constrained, say)
                 first = int(host_index[0])
                 logits[first : first + num_masks].masked_fill_(forbidden, float("-inf"))  # in place: one pass
@@ -211,12 +247,14 @@ class GrammarRows:
                 logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, grammar_vocab_size: int | None = None) -> torch.Tensor:
     """[n, words] int32, bit b of word w = token 32 w + b allowed -> [n, vocab_size] bool.
 
-    Logits wider than the bitmask (a model vocabulary padded past the one the grammar was compiled for)
-    have their extra tokens forbidden; the ids between the tokenizer's vocabulary and the model's are
-    already forbidden by xgrammar (its TokenizerInfo, given the model's vocab_size, marks them special)."""
+    Logits wider than the bitmask, or than `grammar_vocab_size` (a model vocabulary padded past the one the
+    grammar was compiled for: the tokenizer's), have their extra tokens forbidden."""
+    if grammar_vocab_size is not None and grammar_vocab_size < vocab_size:
+        allowed = unpack_bitmask(bitmask, grammar_vocab_size)
+        return torch.nn.functional.pad(allowed, (0, vocab_size - grammar_vocab_size), value=False)
     if bitmask.device.type == "cpu" and sys.byteorder == "little":
         # numpy unpacks bits ~20x faster than the shifts below on the CPU (each int32 is 4 bytes, low first).
         packed = np.ascontiguousarray(bitmask.numpy()).view(np.uint8)

@@ -67,8 +67,9 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_batch_size)
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # [max_batch_size]
         self.positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # [max_batch_size]
-        # size -> (graph, its static attention metadata, its output hidden states [size, hidden_size])
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        # size -> (graph, its static attention metadata, its output hidden states [size, hidden_size], or
+        # those and the auxiliary layers' a proposer asked the model for (EAGLE-3))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor | tuple[torch.Tensor, ...]]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -105,8 +106,10 @@ class CudaGraphRunner:
             self.model(self.input_ids[:size], self.positions[:size])
         return metadata
 
-    def run(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Hidden states [num_reqs, hidden_size] of a decode-only step, or None if no graph fits it."""
+    def run(self, layout: BatchLayout, input_ids: torch.Tensor,
+            positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """Hidden states [num_reqs, hidden_size] of a decode-only step (a tuple where the model returns
+        several), or None if no graph fits it."""
         num_reqs = len(layout.seq_lens)
         if len(layout.slot_mapping) != num_reqs or num_reqs > self.sizes[-1]:
             return None
@@ -117,4 +120,6 @@ class CudaGraphRunner:
         self.input_ids[:num_reqs].copy_(input_ids, non_blocking=True)
         self.positions[:num_reqs].copy_(positions, non_blocking=True)
         graph.replay()
+        if isinstance(hidden_states, tuple):
+            return tuple(t[:num_reqs] for t in hidden_states)
         return hidden_states[:num_reqs]

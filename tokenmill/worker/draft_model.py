@@ -47,8 +47,7 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 
 
 def kv_bytes_per_block(layers: list[Attention], dtype: torch.dtype, block_size: int) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * size for layer in layers)
+    return sum(layer.kv_cache_bytes_per_token(dtype) for layer in layers) * block_size
 
 
 def load_eagle_head(config: EngineConfig, target_config: PretrainedConfig, target: nn.Module, device: torch.device,
@@ -58,9 +57,12 @@ def load_eagle_head(config: EngineConfig, target_config: PretrainedConfig, targe
     (unless it brings one) and LM head."""
     from tokenmill.layers.quant import process_weights_after_loading
     from tokenmill.spec.eagle import EagleHead, eagle_tensor_name
+    from tokenmill.spec.eagle3 import EAGLE3_ARCHITECTURES
 
     path = Path(config.speculative_config.model)
     head_config = AutoConfig.from_pretrained(path)
+    if set(getattr(head_config, "architectures", None) or ()) & set(EAGLE3_ARCHITECTURES):
+        raise ValueError(f"{path} is an EAGLE-3 head: use the speculative method 'eagle3'")
     if head_config.hidden_size != target_config.hidden_size:
         raise ValueError(f"the EAGLE head's hidden size ({head_config.hidden_size}) is not the target's "
                          f"({target_config.hidden_size})")
@@ -83,6 +85,62 @@ def load_eagle_head(config: EngineConfig, target_config: PretrainedConfig, targe
         process_weights_after_loading(head)
     logger.info("loaded EAGLE head (%d layers, %s) in %.1f s", head_config.num_hidden_layers, dtype,
                 time.perf_counter() - start)
+    return head.eval()
+
+
+def load_eagle3_head(config: EngineConfig, target_config: PretrainedConfig, target: nn.Module, device: torch.device,
+                     dtype: torch.dtype, max_model_len: int) -> nn.Module:
+    """The EAGLE-3 head of `speculative_config.model` (spec/eagle3.py), checked against the target, which
+    is set to also return its residual stream at the head's auxiliary layers."""
+    from tokenmill.layers.quant import process_weights_after_loading
+    from tokenmill.spec.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Head, aux_layers_of, eagle3_tensor_name
+
+    path = Path(config.speculative_config.model)
+    head_config = AutoConfig.from_pretrained(path)
+    if not set(getattr(head_config, "architectures", None) or ()) & set(EAGLE3_ARCHITECTURES):
+        raise ValueError(f"{path} is not an EAGLE-3 head: its config.json names architectures "
+                         f"{getattr(head_config, 'architectures', None)}, not one of {list(EAGLE3_ARCHITECTURES)} "
+                         f"(an EAGLE-1 head takes the method 'eagle', a whole model 'draft_model')")
+    if head_config.num_hidden_layers != 1:
+        raise ValueError(f"an EAGLE-3 head has one decoder layer; {path} has {head_config.num_hidden_layers}")
+    check_fits("the EAGLE-3 head", head_config, target_config, max_model_len=0)  # positions: see RoPE below
+    target_model = getattr(target, "model", None)
+    if not hasattr(target_model, "aux_hidden_state_layers"):
+        raise ValueError(f"EAGLE-3 needs a target that hands over its intermediate hidden states (the Llama "
+                         f"family's decoder stack); {type(target).__name__} does not")
+    aux_layers = aux_layers_of(head_config, len(target_model.layers))
+    target_hidden = getattr(head_config, "target_hidden_size", None) or head_config.hidden_size
+    if target_hidden != target_config.hidden_size:
+        raise ValueError(f"the EAGLE-3 head was trained on a target of hidden size {target_hidden}, this target's "
+                         f"is {target_config.hidden_size}")
+    weights = {eagle3_tensor_name(name): tensor for name, tensor in _read_tensors(path)}
+    if head_config.hidden_size != target_config.hidden_size and "embed_tokens.weight" not in weights:
+        raise ValueError(f"the EAGLE-3 head's width ({head_config.hidden_size}) is not the target's "
+                         f"({target_config.hidden_size}) and it brings no embed_tokens of its own")
+    draft_vocab = getattr(head_config, "draft_vocab_size", None) or head_config.vocab_size
+    if draft_vocab != target_config.vocab_size and "d2t" not in weights:
+        raise ValueError(f"the EAGLE-3 head drafts over {draft_vocab} tokens but has no d2t tensor mapping them to "
+                         f"the target's {target_config.vocab_size}")
+    fc = weights.get("fc.weight")
+    if fc is not None and tuple(fc.shape) != (head_config.hidden_size, len(aux_layers) * target_hidden):
+        raise ValueError(f"the EAGLE-3 head's fc.weight is {list(fc.shape)}, not [{head_config.hidden_size}, "
+                         f"{len(aux_layers)} * {target_hidden}] for the auxiliary layers {list(aux_layers)}")
+    # RoPE has no learned positions: the head's table covers every position the target may reach.
+    head_config.max_position_embeddings = max(getattr(head_config, "max_position_embeddings", 0), max_model_len)
+    start = time.perf_counter()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            head = Eagle3Head(head_config, len(aux_layers), target_hidden, set(weights), target_model.embed_tokens)
+    finally:
+        torch.set_default_dtype(previous)
+    head.load_weights(weights.items())
+    with torch.device(device):
+        process_weights_after_loading(head)
+    target_model.aux_hidden_state_layers = aux_layers
+    logger.info("loaded EAGLE-3 head (draft vocabulary %d, target layers %s, %s) in %.1f s", head.draft_vocab_size,
+                list(aux_layers), dtype, time.perf_counter() - start)
     return head.eval()
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.device_copy import to_device
+from tokenmill.distributed.parallel_state import get_pp_stage
 from tokenmill.forward_context import forward_context
 from tokenmill.sample.logprobs import PromptLogprobsCollector
 from tokenmill.sample.sampler import Sampler
@@ -23,9 +24,10 @@ from tokenmill.spec.proposers import Proposer
 from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
-from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
+from tokenmill.worker.pending_output import PendingOutput, ReadyOutput, VerifiedTokens
 from tokenmill.worker.request_state import RequestStates
 from tokenmill.worker.speculative import SpeculativeDecoding
+from tokenmill.worker.stage_tokens import receive_sampled_tokens, share_sampled_tokens
 
 EMPTY_OUTPUT = ReadyOutput(ModelRunnerOutput(sampled_token_ids={}))
 
@@ -68,6 +70,8 @@ class ModelRunner:
         self._host_buffers = [torch.empty(max_num_reqs * width, dtype=torch.int64, pin_memory=pinned)
                               for _ in range(2)]
         self._num_launched = 0
+        self.stage = get_pp_stage()
+        """This rank's pipeline stage: only the last one computes logits and samples."""
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
@@ -78,7 +82,7 @@ class ModelRunner:
             self.sampling_state.add_request(
                 row, new.sampling_params, new.eos_token_ids, new.token_ids, new.num_prompt_tokens
             )
-            if new.sampling_params.structured_outputs is not None:
+            if new.sampling_params.structured_outputs is not None and self.stage.is_last:
                 # A resumed request's matcher replays its output at its next sampling.
                 self.grammar_rows.add(row, self.states, new.eos_token_ids)
             # Only a fresh prompt yields prompt logprobs; a resumed request already returned them.
@@ -97,15 +101,19 @@ class ModelRunner:
         batch = prepare_inputs(scheduler_output, self.states, self.block_size, num_drafts)
         self.states.num_computed_tokens[batch.rows] += batch.num_new
         hidden_states = self._forward(batch)
+        aux_hidden_states = None
+        if isinstance(hidden_states, tuple):  # the target also hands over inner layers' states (EAGLE-3)
+            hidden_states, aux_hidden_states = hidden_states
         if self.speculative is not None:
-            self.speculative.observe(batch, self.states, hidden_states)
-        if self.prompt_logprobs.pending:
+            self.speculative.observe(batch, self.states, hidden_states, aux_hidden_states)
+        if self.prompt_logprobs.pending and self.stage.is_last:
             self._collect_prompt_logprobs(batch, hidden_states)
         if len(batch.sampled_rows) == 0:
             return EMPTY_OUTPUT
         return self._sample(batch, hidden_states)
 
-    def _forward(self, batch: InputBatch) -> torch.Tensor:
+    def _forward(self, batch: InputBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden states, and the auxiliary layers' where a proposer asked the model for them."""
         input_ids, positions = self._to_device(batch.input_ids), self._to_device(batch.positions)
         if len(batch.last_token_dst):
             dst, src = self._to_device(np.stack([batch.last_token_dst, batch.last_token_src]))
@@ -119,6 +127,8 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> PendingOutput:
+        if not self.stage.is_last:  # the last stage samples; this rank keeps its rows with the driver's tokens
+            return self._pending_output(batch, receive_sampled_tokens(batch, self.device))
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         rows = batch.sampled_rows
         constrained = self.grammar_rows.constrained(rows, self.states) if self.grammar_rows is not None else []
@@ -139,27 +149,37 @@ class ModelRunner:
         else:
             output = self.sampler(logits, metadata)
             tokens = output.token_ids
+        if self.stage.num_stages > 1:
+            share_sampled_tokens(tokens)
         self.sampling_state.record_sampled(rows, output.token_ids, metadata.penalty_rows)
-        row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))
-        sampled_ids = [row_to_id[row] for row in rows.tolist()]
         num_logprobs = None
         if output.logprobs is not None:
             num_logprobs = [self.states.sampling_params[row].logprobs for row in rows.tolist()]
         prompt_logprobs = {}
         if self.prompt_logprobs.pending:
-            for rid in sampled_ids:
+            for rid in self._sampled_request_ids(batch):
                 taken = self.prompt_logprobs.take(rid)
                 if taken is not None:
                     prompt_logprobs[rid] = taken
+        return self._pending_output(batch, tokens, output.logprobs, num_logprobs, prompt_logprobs)
+
+    def _pending_output(self, batch: InputBatch, tokens: torch.Tensor | VerifiedTokens, logprobs=None,
+                        num_logprobs=None, prompt_logprobs=None) -> PendingOutput:
+        rows = batch.sampled_rows
         positions = self.states.reserve_sampled_tokens(rows)
         # After a verifying step the next one reads every input on the host (execute_model waits for it).
-        self._last_sampled = None if verifying else output.token_ids
+        self._last_sampled = None if isinstance(tokens, VerifiedTokens) else tokens
         self._num_launched += 1
         self._last_pending = PendingOutput(
-            self.states, sampled_ids, rows, positions, tokens, output.logprobs, num_logprobs,
+            self.states, self._sampled_request_ids(batch), rows, positions, tokens, logprobs, num_logprobs,
             prompt_logprobs, host_buffer=self._host_buffers[self._num_launched % 2],
         )
         return self._last_pending
+
+    @staticmethod
+    def _sampled_request_ids(batch: InputBatch) -> list[str]:
+        row_to_id = dict(zip(batch.rows.tolist(), batch.request_ids))
+        return [row_to_id[row] for row in batch.sampled_rows.tolist()]
 
     def _collect_prompt_logprobs(self, batch: InputBatch, hidden_states: torch.Tensor) -> None:
         starts = batch.query_start_loc

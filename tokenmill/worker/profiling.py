@@ -23,11 +23,10 @@ def profile_peak_memory(worker: Worker) -> int:
     num_reqs = min(sched.max_num_seqs, num_tokens)
     lengths = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
     blocks_per_req = [-(-n // block_size) for n in lengths]
-    shape = worker.kv_cache_shape()
     temp_caches = [
-        torch.empty((2, sum(blocks_per_req), block_size, shape.num_kv_heads, shape.head_dim),
-                    dtype=worker.kv_cache_dtype, device=worker.device)
-        for _ in worker.attn_layers
+        torch.empty(layer.kv_cache_shape(sum(blocks_per_req), block_size), dtype=worker.kv_cache_dtype,
+                    device=worker.device)
+        for layer in worker.attn_layers
     ]
     for layer, cache in zip(worker.attn_layers, temp_caches):
         layer.kv_cache = cache

@@ -49,11 +49,14 @@ class SpeculativeDecoding:
             num_drafts[i] = len(draft)
         return num_drafts
 
-    def observe(self, batch: InputBatch, states: RequestStates, hidden_states: torch.Tensor) -> None:
-        """The target's last hidden states of the step, for proposers that draft from them (EAGLE)."""
+    def observe(self, batch: InputBatch, states: RequestStates, hidden_states: torch.Tensor,
+                aux_hidden_states: torch.Tensor | None = None) -> None:
+        """The target's hidden states of the step, for proposers that draft from them: its auxiliary
+        layers' where the model returns them (EAGLE-3), else its last (EAGLE)."""
         observe = getattr(self.proposer, "observe", None)
         if observe is not None:
-            observe(states, batch.rows, batch.query_start_loc, batch.positions, hidden_states)
+            observe(states, batch.rows, batch.query_start_loc, batch.positions,
+                    hidden_states if aux_hidden_states is None else aux_hidden_states)
 
     def sample_and_verify(
         self, logits: torch.Tensor, batch: InputBatch, metadata: SamplingMetadata, states: RequestStates,

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from tokenmill.attention.backend import get_attention_backend
 from tokenmill.attention.kv_quant import check_kv_cache_dtype, log_kv_scales, resolve_kv_cache_dtype
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.parallel_state import init_distributed
+from tokenmill.distributed.parallel_state import init_distributed, set_expert_parallel
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_model, resolve_dtype
@@ -19,12 +19,19 @@ from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.spec.draft_model import DraftModelProposer
 from tokenmill.spec.eagle import EagleProposer
+from tokenmill.spec.eagle3 import Eagle3Proposer
 from tokenmill.spec.proposers import make_proposer
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cpu_threads import leave_a_core_free
 from tokenmill.worker.cuda_graph import CudaGraphRunner
-from tokenmill.worker.draft_model import attention_layers, kv_bytes_per_block, load_draft_model, load_eagle_head
+from tokenmill.worker.draft_model import (
+    attention_layers,
+    kv_bytes_per_block,
+    load_draft_model,
+    load_eagle3_head,
+    load_eagle_head,
+)
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.sampler_warmup import compile_sampler_in_background, warm_up_sampler
@@ -45,7 +52,8 @@ def resolve_device(name: str) -> torch.device:
 class Worker:
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int, rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
-        """`rank` of the tensor-parallel group, joined through `distributed_init_method` when it has several."""
+        """Global `rank` of tensor_parallel_size x pipeline_parallel_size ranks (parallel_state's layout), joined
+        through `distributed_init_method` when there are several."""
         self.config = config
         self.hf_config = hf_config
         self.max_model_len = max_model_len
@@ -57,9 +65,11 @@ class Worker:
             torch.cuda.set_device(self.device)
         if world_size > 1:
             # Before the model: its layers take their shard's sizes from the group.
-            init_distributed(rank, world_size, distributed_init_method, self.device)
+            init_distributed(rank, world_size, distributed_init_method, self.device,
+                             tp_size=config.parallel_config.tensor_parallel_size)
         if self.device.type == "cpu":
-            leave_a_core_free(world_size)  # the server's core process and the offline LLM alike
+            # The server's core process(es) and the offline LLM alike; data-parallel replicas share the cores too.
+            leave_a_core_free(world_size * config.parallel_config.data_parallel_size)
         self.dtype = resolve_dtype(config.model_config, hf_config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(config.model_config.seed)
@@ -67,6 +77,7 @@ class Worker:
         # while this one loads the model, profiles memory and captures graphs.
         self._sampler_compile = (compile_sampler_in_background(hf_config.vocab_size, self.dtype, self.device)
                                  if self.device.type == "cuda" else None)
+        set_expert_parallel(config.parallel_config.enable_expert_parallel)  # the MoE layers read it when built
         start = time.perf_counter()
         self.model = load_model(config.model_config, hf_config, self.device, self.dtype)
         logger.info("loaded %s (%s) on %s in %.1f s", type(self.model).__name__, self.dtype, self.device,
@@ -81,8 +92,9 @@ class Worker:
             self.draft_model = load_draft_model(config, hf_config, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.draft_model)
         self.eagle_head = None
-        if speculative is not None and speculative.method == "eagle":
-            self.eagle_head = load_eagle_head(config, hf_config, self.model, self.device, self.dtype, max_model_len)
+        if speculative is not None and speculative.method in ("eagle", "eagle3"):
+            load = load_eagle_head if speculative.method == "eagle" else load_eagle3_head
+            self.eagle_head = load(config, hf_config, self.model, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.eagle_head)
         if self.kv_cache_dtype != self.dtype:
             log_kv_scales(self.attn_layers)
@@ -90,12 +102,9 @@ class Worker:
         self.num_kv_blocks = 0
 
     def kv_cache_shape(self) -> KVCacheShape:
-        layer = self.attn_layers[0]
         return KVCacheShape(
             num_layers=len(self.attn_layers),
-            num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim,
-            dtype_size=torch.empty((), dtype=self.kv_cache_dtype).element_size(),
+            bytes_per_token=sum(layer.kv_cache_bytes_per_token(self.kv_cache_dtype) for layer in self.attn_layers),
             block_size=self.config.cache_config.block_size,
         )
 
@@ -152,10 +161,8 @@ class Worker:
         for layer in self.attn_layers + self.draft_attn_layers:
             # A draft's KV in a prefix-cache hit may never have been written: zeros, never stale NaNs.
             alloc = torch.zeros if layer in self.draft_attn_layers else torch.empty
-            layer.kv_cache = alloc(
-                (2, spec.num_blocks, shape.block_size, layer.num_kv_heads, layer.head_dim),
-                dtype=self.kv_cache_dtype, device=self.device,
-            )
+            layer.kv_cache = alloc(layer.kv_cache_shape(spec.num_blocks, shape.block_size),
+                                   dtype=self.kv_cache_dtype, device=self.device)
         speculative = self.config.speculative_config
         self.model_runner = ModelRunner(
             self.model,
@@ -169,7 +176,11 @@ class Worker:
             max_drafts=0 if speculative is None else speculative.num_speculative_tokens,
         )
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
-            self._capture_cuda_graphs(shape.block_size)
+            if self.config.parallel_config.pipeline_parallel_size > 1:
+                # A stage's forward pass sends and receives between stages: kept out of graphs for now.
+                logger.info("pipeline parallelism: CUDA graphs are off, every step runs eagerly")
+            else:
+                self._capture_cuda_graphs(shape.block_size)
         if self.device.type == "cuda":
             warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device,
                             background=self._sampler_compile)
@@ -184,9 +195,13 @@ class Worker:
                                       self.config.scheduler_config.max_num_seqs)
         if self.eagle_head is not None:
             # Eager: the head's decode steps take the hidden states as an input the decode graphs do not have.
-            return EagleProposer(self.eagle_head, self.attn_backend, self.device, block_size,
-                                 self.config.scheduler_config.max_num_seqs, self.hf_config.hidden_size,
-                                 speculative.num_speculative_tokens, self.dtype)
+            # EAGLE-1 keeps the target's last hidden states; EAGLE-3 its auxiliary states through the head's fc.
+            eagle1 = speculative.method == "eagle"
+            proposer = EagleProposer if eagle1 else Eagle3Proposer
+            width = self.hf_config.hidden_size if eagle1 else self.eagle_head.fc.out_features
+            return proposer(self.eagle_head, self.attn_backend, self.device, block_size,
+                            self.config.scheduler_config.max_num_seqs, width, speculative.num_speculative_tokens,
+                            self.dtype)
         return make_proposer(speculative)
 
     def _capture_cuda_graphs(self, block_size: int) -> None:
@@ -206,6 +221,9 @@ class Worker:
     def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
         """Grammars for structured outputs, compiled by `compiler` (the engine core's, which also uses it to
         hold requests back until their grammar is ready)."""
+        if not self.model_runner.stage.is_last:  # only the last pipeline stage masks logits and samples
+            compiler.shutdown()  # this rank's own copy, never used
+            return
         self.model_runner.grammar_rows = GrammarRows(compiler, self.hf_config.vocab_size, self.device)
 
     def measure_step_cost(self) -> StepCost:
@@ -226,4 +244,4 @@ class Worker:
         """Copy KV blocks in every layer (a forked sample's own copy of its parent's partial block)."""
         src, dst = torch.tensor(copies, dtype=torch.int64).T.to(self.device)
         for layer in self.attn_layers + self.draft_attn_layers:
-            layer.kv_cache[:, dst] = layer.kv_cache[:, src]
+            layer.copy_kv_blocks(src, dst)

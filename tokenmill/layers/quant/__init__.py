@@ -63,17 +63,37 @@ def quantize_linear_layers(model: nn.Module, config: QuantConfig,
     """Give each linear layer its config's method (before the checkpoint loads), honouring exclusions."""
     from tokenmill.layers.linear import LinearBase
 
+    check_moe_experts(model, config)
     quantized = kept = 0
     for name, module in model.named_modules():
         if not isinstance(module, LinearBase):
             continue
-        if config.is_ignored(name, fused_part_names(name, stacked_params)):
+        # MoE routers (layers.moe.MoERouter) keep the model's dtype.
+        if not getattr(module, "quantizable", True) or config.is_ignored(name, fused_part_names(name, stacked_params)):
             kept += 1
             continue
         module.set_quant_method(config.linear_method(name))
         quantized += 1
     logger.info("quantization: %s; %d linear layers quantized, %d kept unquantized (embeddings and LM head "
                 "stay in the model's dtype)", config.describe(), quantized, kept)
+
+
+def check_moe_experts(model: nn.Module, config: QuantConfig) -> None:
+    """MoE experts have no quantized method yet: they stay in the model's dtype. Under an online method that
+    is a choice (logged); a checkpoint that stores them quantized is refused rather than misloaded."""
+    from tokenmill.layers.moe import FusedMoE
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        return
+    if not config.quantizes_checkpoint_tensors():
+        logger.info("quantization %s: the %d MoE layers' experts stay unquantized", config.name, len(layers))
+        return
+    for name, layer in layers:
+        if not config.is_ignored(name, layer.checkpoint_part_names(name)):
+            raise ValueError(f"{name}: the checkpoint stores mixture-of-experts weights quantized with "
+                             f"{config.name!r}, which tokenmill does not load for MoE experts yet (only "
+                             "unquantized experts); use the unquantized checkpoint")
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

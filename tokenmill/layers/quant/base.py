@@ -55,6 +55,10 @@ class QuantConfig(ABC):
         """What the weights become, for the start-up log."""
         return self.name
 
+    def quantizes_checkpoint_tensors(self) -> bool:
+        """Whether the checkpoint stores the weights quantized (False: an online method quantizes dense ones)."""
+        return True
+
     @abstractmethod
     def linear_method(self, layer_name: str) -> QuantMethod:
         """The method of the linear layer called `layer_name` (not ignored)."""

@@ -12,6 +12,11 @@ content, unchanged, and nothing raises. Whitespace right after a call, and befor
 else came first, is dropped.
 
 A subclass names its markers and scans one call's text (`_scan`); see HermesToolParser for the smallest one.
+
+A parser also says how its calls look to a grammar (`strict_trigger`, `call_begin`, `call_end`,
+`arguments_style`): with tool_choice "auto", tools marked strict have their arguments enforced by a structural
+tag (`structural_tag`) that leaves the text free until the trigger, then holds the call to this form. A parser
+whose calls cannot be written so leaves `strict_trigger` None, and strict tools are refused with it.
 """
 
 from __future__ import annotations
@@ -180,6 +185,12 @@ class ToolParser:
     name: ClassVar[str] = ""
     markers: ClassVar[tuple[str, ...]] = ()
     start_chars: ClassVar[str] = ""
+    strict_trigger: ClassVar[str | None] = None
+    """The text every call starts with (a prefix of each call_begin); None: strict tools cannot be enforced."""
+    call_end: ClassVar[str] = ""
+    """The text after a call's arguments."""
+    arguments_style: ClassVar[str] = "json"
+    """How the arguments are written: the style of xgrammar's json_schema format (json, qwen_xml, ...)."""
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = tools or []
@@ -214,6 +225,30 @@ class ToolParser:
         out = self._run(final=True)
         self._finished = True
         return out
+
+    @classmethod
+    def call_begin(cls, name: str) -> str:
+        """A call to `name` up to its arguments, as the model's chat template writes it."""
+        raise NotImplementedError
+
+    @classmethod
+    def structural_tag(cls, tools: list[dict], parallel: bool = True) -> dict:
+        """xgrammar's structural tag of calls in this format: free text, but from the trigger on a call to one
+        of `tools`, whose arguments follow the function's parameters when it is strict (any text otherwise,
+        up to the call's end). `parallel` False: the output ends after the first call."""
+        assert cls.strict_trigger is not None, f"the {cls.name} parser has no structural tag"
+        tags = []
+        for tool in tools:
+            function = tool["function"]
+            if function.get("strict"):
+                parameters = function.get("parameters") or {"type": "object", "properties": {}}
+                content = {"type": "json_schema", "json_schema": parameters, "style": cls.arguments_style}
+            else:
+                content = {"type": "any_text"}
+            tags.append({"type": "tag", "begin": cls.call_begin(function["name"]), "content": content,
+                         "end": cls.call_end})
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [cls.strict_trigger],
+                                                     "tags": tags, "stop_after_first": not parallel}}
 
     # -- for subclasses
 

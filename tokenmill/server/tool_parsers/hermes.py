@@ -37,6 +37,12 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
     end = "</tool_call>"
+    strict_trigger = "<tool_call>"
+    call_end = "}\n</tool_call>"
+
+    @classmethod
+    def call_begin(cls, name: str) -> str:
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
 
     def _begin(self) -> None:
         self._search = self._body

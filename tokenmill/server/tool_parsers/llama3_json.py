@@ -8,6 +8,7 @@ An output that starts with "{" but is not a call stays content.
 
 from __future__ import annotations
 
+import json
 import re
 
 from tokenmill.server.tool_parsers.base import BracketScanner, ToolParser, skip_blank
@@ -21,6 +22,13 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     markers = ("<|python_tag|>",)
     start_chars = "{"
+    # A call has no marker of its own: the grammar takes the start of its object as one, wherever it comes.
+    strict_trigger = '{"name": "'
+    call_end = "}"
+
+    @classmethod
+    def call_begin(cls, name: str) -> str:
+        return f'{{"name": {json.dumps(name)}, "parameters": '
 
     def _begin(self) -> None:
         self._object = -1

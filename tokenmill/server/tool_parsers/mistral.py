@@ -22,6 +22,8 @@ HEAD = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\]([A-Za-z0-9_\-]*))?")
 class MistralToolParser(ToolParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
+    # No structural tag (strict_trigger None): after [TOOL_CALLS] come two shapes, which one depending on the
+    # tokenizer's version, that the text alone does not tell apart before the call is written.
 
     def make_id(self) -> str:
         return random_id(9)

@@ -72,6 +72,7 @@ def python_calls(source: str) -> list[Call] | None:
 
 class PythonicToolParser(ToolParser):
     name = "pythonic"
+    # No structural tag (strict_trigger None): the arguments are Python literals, which no JSON schema style writes.
     markers = ("<|python_start|>", "<|python_tag|>")
     start_chars = "["
     end = "<|python_end|>"

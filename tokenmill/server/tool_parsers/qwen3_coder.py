@@ -80,6 +80,12 @@ def convert(value: str, schema) -> object:
 
 class Qwen3CoderToolParser(HermesToolParser):
     name = "qwen3_coder"
+    call_end = "</function>\n</tool_call>"
+    arguments_style = "qwen_xml"  # <parameter=key>value</parameter>, as read below
+
+    @classmethod
+    def call_begin(cls, name: str) -> str:
+        return f"<tool_call>\n<function={name}>\n"
 
     def __init__(self, tools=None):
         super().__init__(tools)

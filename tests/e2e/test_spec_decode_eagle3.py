@@ -1,0 +1,318 @@
+"""EAGLE-3 speculative decoding through the whole engine (CPU, float32, tiny random Llamas).
+
+Emitted tokens and logprobs equal plain decoding's in every engine mode; the target's states the head
+receives are transformers' `output_hidden_states` at the head's layers; a random head in the published
+layout drafts exactly what a direct torch computation of the head drafts; and a head built so that its
+first draft is the target's own greedy token has every first draft accepted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.e2e.test_spec_decode import ENGINES, _Model, always_draft, run, workload
+from tokenmill import LLM
+
+HIDDEN, VOCAB = 64, 256
+
+
+def tiny_llama_config(num_layers: int, **kwargs):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=num_layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       eos_token_id=255, bos_token_id=1, tie_word_embeddings=False, **kwargs)
+
+
+def save_head(path, config, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    config.architectures = ["LlamaForCausalLMEagle3"]
+    config.save_pretrained(path)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path / "model.safetensors"))
+
+
+def greedy_next_tokens(model) -> torch.Tensor:
+    """Each token's greedy successor under a target that ignores context (every o_proj zero)."""
+    with torch.no_grad():
+        logits = model(torch.arange(VOCAB)[:, None]).logits[:, 0]
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4, "a near tie: pick another seed"
+    return logits.argmax(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def exact_target_and_head(tmp_path_factory):
+    """A 3-layer target whose next token depends on the current token alone (every attention output
+    projection zero, layer 2's MLP too), and an EAGLE-3 head (`model.`-prefixed names, aux layers 0, 1, 2
+    named in its config) that recomputes the target's last step from the target's state at the input of
+    layer 1: fc passes that block, the midlayer's attention adds nothing, its MLP, norms and LM head are the
+    target's. At position p the head thus finds f(token[p]) = token[p + 1] (a draft-vocabulary id), and d2t
+    maps each id d to f(d): the draft is f(token[p + 1]), the target's own greedy token, every time."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(tiny_llama_config(3)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+        model.model.layers[2].mlp.down_proj.weight.zero_()
+    follow = greedy_next_tokens(model)
+    target = tmp_path_factory.mktemp("eagle3-exact-target")
+    model.save_pretrained(target)
+    head = tmp_path_factory.mktemp("eagle3-exact-head")
+    source = model.model.layers[1]
+    tensors = {f"model.layers.0.{name}": t.clone() for name, t in source.state_dict().items()
+               if not name.startswith("input_layernorm.")}
+    for proj in ("q_proj", "k_proj", "v_proj"):  # random attention that reads both halves; o_proj is zero
+        rows = getattr(source.self_attn, proj).weight.shape[0]
+        tensors[f"model.layers.0.self_attn.{proj}.weight"] = torch.randn(rows, 2 * HIDDEN) * 0.2
+    tensors["model.layers.0.input_layernorm.weight"] = torch.ones(HIDDEN)
+    tensors["model.layers.0.hidden_norm.weight"] = torch.ones(HIDDEN)
+    tensors["model.fc.weight"] = torch.cat([torch.zeros(HIDDEN, HIDDEN), torch.eye(HIDDEN),
+                                            torch.zeros(HIDDEN, HIDDEN)], dim=1)
+    tensors["model.norm.weight"] = model.model.norm.weight.detach().clone()
+    tensors["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    tensors["d2t"] = follow - torch.arange(VOCAB)
+    tensors["t2d"] = torch.ones(VOCAB, dtype=torch.bool)
+    save_head(head, tiny_llama_config(1, draft_vocab_size=VOCAB, eagle_aux_hidden_state_layer_ids=[0, 1, 2]), tensors)
+    return _Model(str(target)), str(head), model
+
+
+@pytest.fixture(scope="module")
+def random_target_and_head(tmp_path_factory):
+    """A random 3-layer target (default aux layers: 2, 3 // 2, 3 - 3) and a random EAGLE-3 head in the
+    published layout: `midlayer.*` names, a 64-token draft vocabulary with d2t and t2d, safetensors."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(6)
+    model = LlamaForCausalLM(tiny_llama_config(3)).eval()
+    target = tmp_path_factory.mktemp("eagle3-random-target")
+    model.save_pretrained(target)
+    head = tmp_path_factory.mktemp("eagle3-random-head")
+    config = tiny_llama_config(1, draft_vocab_size=64)
+    config.intermediate_size = 96
+    layer = LlamaForCausalLM(config).model.layers[0].state_dict()
+    tensors = {f"midlayer.{n}": t for n, t in layer.items() if not n.endswith(("q_proj.weight", "k_proj.weight",
+                                                                                "v_proj.weight"))}
+    for proj, rows in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        tensors[f"midlayer.self_attn.{proj}.weight"] = torch.randn(rows, 2 * HIDDEN) * 0.2
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        tensors[f"midlayer.{norm}.weight"] = 1 + 0.2 * torch.randn(HIDDEN)
+    tensors["fc.weight"] = torch.randn(HIDDEN, 3 * HIDDEN) * 0.1
+    tensors["norm.weight"] = 1 + 0.2 * torch.randn(HIDDEN)
+    tensors["lm_head.weight"] = torch.randn(64, HIDDEN)
+    draft_to_target = torch.randperm(VOCAB)[:64].sort().values
+    tensors["d2t"] = draft_to_target - torch.arange(64)
+    tensors["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, draft_to_target, True)
+    save_head(head, config, tensors)
+    return _Model(str(target)), str(head), model
+
+
+def eagle3_llm(target: _Model, head: str, engine: dict, k: int) -> LLM:
+    llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", **engine,
+              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": k})
+    always_draft(llm)
+    return llm
+
+
+def proposer_of(llm: LLM):
+    return llm.engine.core.executor.driver_worker.model_runner.speculative.proposer
+
+
+def record_aux_states(llm: LLM) -> list:
+    """(the row's tokens up to p, the target states handed over at p) for every observed position p
+    whose token is on the host (drafted positions and the token of a step still in flight are not)."""
+    proposer, records = proposer_of(llm), []
+    observe = proposer.observe
+
+    def recording_observe(states, rows, query_start_loc, positions, hidden_states):
+        known = states.num_tokens[rows] - (states.last_step_index[rows] >= 0)
+        for i, row in enumerate(rows.tolist()):
+            for j in range(int(query_start_loc[i]), int(query_start_loc[i + 1])):
+                p = int(positions[j])
+                if p < known[i]:
+                    records.append((tuple(states.token_ids[row, : p + 1].tolist()), hidden_states[j].clone()))
+        return observe(states, rows, query_start_loc, positions, hidden_states)
+
+    proposer.observe = recording_observe
+    return records
+
+
+def check_aux_states(model, layers: list[int], records: list) -> None:
+    """Each handed-over state is transformers' hidden_states at those layers, at that position."""
+    cache = {}
+    with torch.no_grad():
+        for tokens, state in records:
+            if tokens not in cache:
+                hidden = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+                cache[tokens] = torch.cat([hidden[i][0, -1] for i in layers])
+            torch.testing.assert_close(state.cpu(), cache[tokens], atol=1e-4, rtol=1e-4)
+    assert len(records) > 100, len(records)
+
+
+def check_same_outputs(outputs, plain) -> None:
+    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
+    for got, want in zip(outputs, plain):
+        for g, w in zip(got.outputs, want.outputs):
+            assert (g.logprobs is None) == (w.logprobs is None)
+            for g_pos, w_pos in zip(g.logprobs or [], w.logprobs or []):
+                assert list(g_pos) == list(w_pos)
+                for token in g_pos:
+                    assert g_pos[token].logprob == pytest.approx(w_pos[token].logprob, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def exact_plain(exact_target_and_head):
+    return run(exact_target_and_head[0], ENGINES["default"])[0]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_an_eagle3_head_whose_first_draft_is_the_target_token_is_always_accepted(exact_target_and_head,
+                                                                                  exact_plain, engine):
+    target, head, model = exact_target_and_head
+    llm = eagle3_llm(target, head, ENGINES[engine], k=3)
+    records = record_aux_states(llm)
+    follow = greedy_next_tokens(model)
+    proposer, counts = proposer_of(llm), {"after_output": 0, "at_prompt_end": 0}
+    propose = proposer.propose
+
+    def checking_propose(states, rows, max_drafts):
+        drafts = propose(states, rows, max_drafts)
+        for row, draft in zip(rows.tolist(), drafts):
+            tokens = states.token_ids[row, : states.num_tokens[row]]
+            if len(draft) and len(tokens) > states.num_prompt_tokens[row]:
+                assert draft[0] == follow[tokens[-1]], "the first draft is not the target's greedy token"
+                counts["after_output"] += 1
+            elif len(draft):  # drafted with the prompt's last chunk: its last token is not f(the one before)
+                counts["at_prompt_end"] += 1
+        return drafts
+
+    proposer.propose = checking_propose
+    outputs = llm.generate(*workload(), use_tqdm=False)
+    check_same_outputs(outputs, exact_plain)
+    check_aux_states(model, [0, 1, 2], records)
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.num_drafts == counts["after_output"] + counts["at_prompt_end"], (stats, counts)
+    assert counts["after_output"] > 10 and counts["at_prompt_end"] <= counts["after_output"] // 4, counts
+    assert stats.accepted_per_position[0] >= counts["after_output"], (stats, counts)
+    assert stats.num_accepted_tokens < stats.num_draft_tokens, stats  # later drafts: the head's own states
+    kv = llm.engine.core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks, "blocks leaked"
+    if engine == "preempting":
+        assert llm.engine.last_stats.num_preemptions > 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class ReferenceHead:
+    """The EAGLE-3 head computed directly in torch from its checkpoint: every position's attention over
+    all earlier ones, recomputed from scratch."""
+
+    def __init__(self, path: str, target_model) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.t = load_file(f"{path}/model.safetensors")
+        self.config = AutoConfig.from_pretrained(path)
+        self.rotary = LlamaRotaryEmbedding(self.config)
+        self.embed = target_model.model.embed_tokens.weight.detach()
+
+    def layer(self, tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Positions 0..n-1, token and hidden state each: the midlayer's pre-norm outputs [n, hidden]."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        t, c, eps = self.t, self.config, self.config.rms_norm_eps
+        n, heads, kv_heads = len(tokens), c.num_attention_heads, c.num_key_value_heads
+        d = c.hidden_size // heads
+        x = torch.cat([rms_norm(self.embed[tokens], t["midlayer.input_layernorm.weight"], eps),
+                       rms_norm(hidden, t["midlayer.hidden_norm.weight"], eps)], dim=-1)
+        q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d).transpose(0, 1)
+        k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv_heads, d).transpose(0, 1)
+        v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv_heads, d).transpose(0, 1)
+        cos, sin = self.rotary(v, torch.arange(n)[None])
+        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+        k, v = (z.repeat_interleave(heads // kv_heads, dim=-3) for z in (k[0], v))
+        scores = (q[0] @ k.transpose(-1, -2)) / d**0.5 + torch.full((n, n), float("-inf")).triu(1)
+        attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, heads * d) @ t["midlayer.self_attn.o_proj.weight"].T
+        residual = attn + hidden
+        x = rms_norm(residual, t["midlayer.post_attention_layernorm.weight"], eps)
+        gate, up = x @ t["midlayer.mlp.gate_proj.weight"].T, x @ t["midlayer.mlp.up_proj.weight"].T
+        return (torch.nn.functional.silu(gate) * up) @ t["midlayer.mlp.down_proj.weight"].T + residual
+
+    def target_id(self, hidden: torch.Tensor) -> int:
+        draft = int((rms_norm(hidden, self.t["norm.weight"], self.config.rms_norm_eps) @ self.t["lm_head.weight"].T)
+                    .argmax())
+        return draft + int(self.t["d2t"][draft])
+
+    def drafts(self, aux: torch.Tensor, tokens: list[int], k: int) -> list[int]:
+        """k drafts after `tokens`, from the target's aux states [len(tokens), 3 * hidden]."""
+        inputs, hidden = list(tokens[1:]), aux[:-1] @ self.t["fc.weight"].T
+        drafts = []
+        for _ in range(k):
+            out = self.layer(inputs, hidden)[-1]
+            drafts.append(self.target_id(out))
+            inputs, hidden = inputs + [drafts[-1]], torch.cat([hidden, out[None]])
+        return drafts
+
+
+def test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token(random_target_and_head):
+    target, head, model = random_target_and_head
+    engine = ENGINES["no-prefix-caching"]  # every position's head KV is written from the target's states
+    plain = run(target, engine)[0]
+    llm = eagle3_llm(target, head, engine, k=2)
+    records = record_aux_states(llm)
+    proposer, proposals = proposer_of(llm), []
+    propose = proposer.propose
+
+    def recording_propose(states, rows, max_drafts):
+        drafts = propose(states, rows, max_drafts)
+        proposals.extend((states.token_ids[r, : states.num_tokens[r]].tolist(), d.tolist())
+                         for r, d in zip(rows.tolist(), drafts) if len(d))
+        return drafts
+
+    proposer.propose = recording_propose
+    outputs = llm.generate(*workload(), use_tqdm=False)
+    check_same_outputs(outputs, plain)
+    check_aux_states(model, [2, 1, 0], records)
+    reference = ReferenceHead(head, model)
+    with torch.no_grad():
+        for tokens, drafts in proposals:
+            hidden = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+            aux = torch.cat([hidden[i][0] for i in (2, 1, 0)], dim=-1)
+            assert reference.drafts(aux, tokens, len(drafts)) == drafts
+    stats = llm.engine.last_stats.spec_decoding
+    assert len(proposals) == stats.num_drafts > 20 and stats.acceptance_rate < 0.3, stats
+
+
+def test_eagle3_refuses_what_it_cannot_run(tiny_llama, exact_target_and_head, random_target_and_head, tmp_path):
+    from tokenmill.config import EngineConfig
+
+    target, eagle3_head, _ = exact_target_and_head
+
+    def start(target_path: str, method: str, head: str) -> None:
+        LLM(target_path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", kv_cache_space=0.01,
+            speculative_config={"method": method, "model": head, "num_speculative_tokens": 2})
+
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        start(target.path, "eagle3", tiny_llama.path)  # a whole Llama
+    with pytest.raises(ValueError, match="use the speculative method 'eagle3'"):
+        start(target.path, "eagle", eagle3_head)
+    # Default aux layers (2, 1, -1) of a 2-layer target: no such layer.
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        start(tiny_llama.path, "eagle3", random_target_and_head[1])
+    config = {**json.load(open(f"{eagle3_head}/config.json")), "num_hidden_layers": 2}  # a head of two layers
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="one decoder layer"):
+        start(target.path, "eagle3", str(tmp_path))
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        EngineConfig.from_kwargs(target.path, tensor_parallel_size=2, speculative_config={
+            "method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="needs a 'model'"):
+        EngineConfig.from_kwargs(target.path, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})

@@ -1,0 +1,150 @@
+"""DeepSeek-V2/V3 pieces the end-to-end token test (test_models_vs_hf.py) cannot single out: each routing
+method's MoE block against transformers' on many tokens, MLA's absorbed weights read back from a quantized
+kv_b_proj, the latent KV cache's shape and size, and the tiny models on the GPU (the Triton MLA path) against
+transformers' greedy tokens. The MLA kernels themselves: tests/kernels/test_mla_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.conftest import TINY_MODELS, TinyModel, build_tiny_model
+from tokenmill.layers.mla import MultiHeadLatentAttention
+from tokenmill.layers.quant.fp8 import Fp8Config, dequantize_fp8
+from tokenmill.model.loader import iter_safetensors_weights
+from tokenmill.model.registry import get_model_class
+
+# One group of two kept: with groups scored by their best expert, keeping as many groups as experts picked
+# could never change the choice.
+V2_GROUPED = TinyModel(TINY_MODELS["deepseek-v2-lite"].config_class,
+                       {**TINY_MODELS["deepseek-v2-lite"].overrides, "topk_method": "group_limited_greedy",
+                        "n_group": 2, "topk_group": 1})
+
+
+@pytest.mark.parametrize("spec", [TINY_MODELS["deepseek-v2-lite"], V2_GROUPED, TINY_MODELS["deepseek-v3"]],
+                         ids=["v2-greedy", "v2-group-limited", "v3-sigmoid-bias-groups"])
+@torch.no_grad()
+def test_moe_block_matches_transformers(tmp_path, spec):
+    hf = build_tiny_model(spec, tmp_path)
+    model = get_model_class(hf.config.architectures)(hf.config)
+    model.load_weights(iter_safetensors_weights(str(tmp_path)))
+    hidden = torch.randn(64, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ours, theirs = model.model.layers[1].mlp, hf.model.layers[1].mlp
+    # Different tokens take different experts: a routing that ignored its inputs could not pass.
+    _, _, expert_ids = theirs.gate(hidden)
+    assert len({tuple(sorted(ids)) for ids in expert_ids.tolist()}) > 4
+    torch.testing.assert_close(ours(hidden), theirs(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path):
+    """DeepSeek-V3 checkpoints carry an MTP module as layer num_hidden_layers; any other stray tensor still fails."""
+    hf = build_tiny_model(TINY_MODELS["deepseek-v3"], tmp_path)
+    model = get_model_class(hf.config.architectures)(hf.config)
+    mtp = f"model.layers.{hf.config.num_hidden_layers}"
+    extra = [(f"{mtp}.eh_proj.weight", torch.zeros(8, 8)), (f"{mtp}.self_attn.kv_b_proj.weight", torch.zeros(8, 8))]
+    model.load_weights([*iter_safetensors_weights(str(tmp_path)), *extra])
+    with pytest.raises(ValueError, match="no matching parameter"):
+        model.load_weights([*iter_safetensors_weights(str(tmp_path)), ("model.layers.0.mlp.eh_proj.weight",
+                                                                      torch.zeros(8, 8))])
+
+
+@torch.no_grad()
+def test_absorbed_weights_of_a_quantized_kv_b_proj():
+    """MLA folds kv_b_proj's weight into the query and the output; a quantized layer gives it back through its
+    own matmul, and the values must be the ones it multiplies with (its dequantized weight)."""
+    config = TINY_MODELS["deepseek-v3"].make_config()
+    attn = MultiHeadLatentAttention(config, rope_interleaved=True)
+    layer = attn.kv_b_proj
+    layer.set_quant_method(Fp8Config.online().linear_method("kv_b_proj"))
+    layer.weight_loader(layer.weight, torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(0)))
+    layer.quant_method.process_weights_after_loading(layer)
+    w_uk, w_uv = attn._absorbed_weights()
+    expected = dequantize_fp8(layer.weight, layer.weight_scale).view(config.num_attention_heads, -1,
+                                                                     config.kv_lora_rank)
+    torch.testing.assert_close(w_uk, expected[:, : config.qk_nope_head_dim], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w_uv, expected[:, config.qk_nope_head_dim :], rtol=1e-6, atol=1e-6)
+
+
+def test_latent_cache_is_one_row_per_token():
+    """MLA's layer declares a [num_blocks, block_size, kv_lora_rank + qk_rope] cache, sized at one latent row per
+    token (no separate V), and copies whole blocks of it (a forked sample's partial block)."""
+    config = TINY_MODELS["deepseek-v3"].make_config()
+    layer = MultiHeadLatentAttention(config, rope_interleaved=True).attn
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    assert layer.kv_cache_shape(7, 16) == (7, 16, width)
+    assert layer.kv_cache_bytes_per_token(torch.bfloat16) == 2 * width
+    layer.kv_cache = torch.randn(layer.kv_cache_shape(4, 16))
+    before = layer.kv_cache.clone()
+    layer.copy_kv_blocks(torch.tensor([2, 0]), torch.tensor([1, 3]))
+    assert torch.equal(layer.kv_cache[1], before[2]) and torch.equal(layer.kv_cache[3], before[0])
+    assert torch.equal(layer.kv_cache[[0, 2]], before[[0, 2]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "fp8"], ids=str)
+@torch.no_grad()
+def test_torch_backend_latent_attention(dtype):
+    """The CPU backend's forward_mla: the new rows written, then every query shape (decode, prefill chunk after a
+    prefix, whole prompt, 1 + 3 verify) against the float64 reference; float32 and bfloat16 take the C kernel,
+    float16 and an fp8 cache the torch path."""
+    import numpy as np
+
+    from tokenmill.attention.backend import BatchLayout
+    from tokenmill.attention.torch_attn import TorchAttentionBackend
+    from tokenmill.kernels.kv_fp8 import FP8_DTYPE
+    from tokenmill.kernels.mla_decode import mla_attention_ref
+    from tokenmill.layers.mla import LatentAttention
+
+    g = torch.Generator().manual_seed(0)
+    act = torch.float32 if dtype == "fp8" else dtype
+    layer = LatentAttention(num_heads=4, kv_lora_rank=32, rope_dim=16, scale=0.15)
+    layer.k_scale.fill_(0.5)
+    q_lens, contexts, block_size = [1, 6, 1, 4, 7], [30, 9, 0, 21, 0], 8
+    seq_lens = [q + c for q, c in zip(q_lens, contexts)]
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    block_table = torch.randperm(len(q_lens) * max_blocks, generator=g).view(len(q_lens), max_blocks)
+    layer.kv_cache = torch.randn(layer.kv_cache_shape(block_table.numel(), block_size), generator=g).to(
+        FP8_DTYPE if dtype == "fp8" else dtype)
+    positions = np.concatenate([np.arange(c, c + q) for q, c in zip(q_lens, contexts)])
+    owners = np.repeat(np.arange(len(q_lens)), q_lens)
+    slots = block_table.numpy()[owners, positions // block_size] * block_size + positions % block_size
+    layout = BatchLayout(np.cumsum([0, *q_lens]).astype(np.int32), np.array(seq_lens, dtype=np.int32),
+                         block_table.numpy().astype(np.int32), slots.astype(np.int64), block_size)
+    backend = TorchAttentionBackend()
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, 4, 48, generator=g).to(act)
+    c_kv, k_pe = torch.randn(num_tokens, 32, generator=g).to(act), torch.randn(num_tokens, 16, generator=g).to(act)
+    out = backend.forward_mla(layer, query, c_kv, k_pe, layer.kv_cache, backend.build_metadata(layout, "cpu"))
+    stored = layer.kv_cache.view(-1, 48)[torch.from_numpy(slots)].float() * (0.5 if dtype == "fp8" else 1.0)
+    torch.testing.assert_close(stored, torch.cat([c_kv, k_pe], -1).float(), rtol=0.07, atol=0.07 * 0.5)
+    ref = mla_attention_ref(query, layer.kv_cache, layout.query_start_loc.tolist(), seq_lens, block_table,
+                            layer.scale, 32, layer.k_scale)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3, "fp8": 1e-5}[dtype]
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["default", "chunked-prefill", "ngram-chunked-preemption"])
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
+def test_tiny_models_on_cuda_match_transformers(references, name, setting):
+    """float32 on the GPU: the latent cache writer, the decode kernel (CUDA graphs), the causal kernel for prefill
+    chunks and draft verification, preemption; transformers' greedy tokens exactly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tests.models.test_models_vs_hf import BASE_ARGS, ENGINE_SETTINGS
+    from tokenmill import LLM, SamplingParams
+
+    ref = references(name)
+    llm = LLM(ref.path, **{**BASE_ARGS, "device": "cuda"}, **ENGINE_SETTINGS[setting])
+    worker = llm.engine.core.executor.driver_worker
+    assert worker.attn_backend.name == "triton"
+    width = ref.hf_model.config.kv_lora_rank + ref.hf_model.config.qk_rope_head_dim
+    block_size = worker.config.cache_config.block_size
+    assert {layer.kv_cache.shape[1:] for layer in worker.attn_layers} == {(block_size, width)}
+    if "ngram" in setting:
+        budget = llm.engine.core.scheduler.draft_budget
+        budget.cost, budget.min_gain = None, 0.0  # draft every step: a random model's drafts gain little
+    params = SamplingParams(temperature=0, max_tokens=len(ref.expected[0]), ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == ref.expected
+    if "ngram" in setting:
+        assert llm.engine.last_stats.spec_decoding.num_drafts > 0, "no step verified a draft"

@@ -1,0 +1,151 @@
+"""Structural tags (issue 18), without a model: vLLM's two forms turned into xgrammar grammars that accept
+exactly the texts they should (checked with xgrammar's matcher on strings), the 400-worthy errors, and the
+structural tag each tool parser builds for strict tools under tool_choice "auto", read back by the parser."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tokenmill.config import ServerConfig
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.errors import APIError
+from tokenmill.server.openai_protocol import ChatCompletionRequest
+from tokenmill.server.tool_parsers import TOOL_PARSERS, get_tool_parser
+from tokenmill.server.tools import plan_tools
+from tokenmill.structured.grammar import build_grammar
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+LEGACY = {"structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}], "triggers": ["<person>"]}
+FORMAT = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "Answer: "},
+    {"type": "tag", "begin": "<person>", "content": {"type": "json_schema", "json_schema": PERSON},
+     "end": "</person>"}]}}
+
+
+def accepts(spec: dict | str, text: str) -> bool:
+    """Whether the grammar of the structural tag `spec` takes `text` as a whole output."""
+    import xgrammar as xgr
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(
+        build_grammar(StructuredOutputsParams(structural_tag=spec)))
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def test_legacy_form_free_text_between_tags():
+    ann, bob = '<person>{"name": "Ann", "age": 31}</person>', '<person>{"name": "Bob", "age": 4}</person>'
+    for spec in (LEGACY, json.dumps(LEGACY), {**LEGACY, "type": "structural_tag"}):
+        assert accepts(spec, f"Here: {ann} and {bob}.")
+        assert accepts(spec, "No person at all.")
+    assert not accepts(LEGACY, '<person>{"name": "Ann"}</person>')  # age is required
+    assert not accepts(LEGACY, '<person>{"name": "Annabelle Smith", "age": 31}</person>')  # maxLength
+    # JSON in a tag is compact, as everywhere: one space after ":" and ",", none elsewhere.
+    assert not accepts(LEGACY, '<person>{ "name": "Ann", "age": 31}</person>')
+    assert not accepts(LEGACY, '<person>{"name":"Ann","age":31}</person>')
+
+
+def test_format_object():
+    assert accepts(FORMAT, 'Answer: <person>{"name": "Ann", "age": 31}</person>')
+    assert not accepts(FORMAT, '<person>{"name": "Ann", "age": 31}</person>')
+    assert not accepts(FORMAT, 'Answer: <person>{"name": "Ann", "age": "31"}</person>')
+    regex = {"type": "structural_tag", "format": {"type": "regex", "pattern": "[0-9]{3}"}}
+    assert accepts(regex, "123") and not accepts(regex, "12a")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("{not json", ["structural tag", "not valid JSON"]),
+    ([1], ["JSON object"]),
+    ({"type": "structural_tag"}, ["format", "structures"]),
+    ({"type": "regex", "format": {}}, ["type"]),
+    ({**LEGACY, "triggers": []}, ["triggers"]),
+    ({**LEGACY, "structures": [{"begin": "<b>", "schema": PERSON, "end": "</b>"}]}, ["structures[0].begin"]),
+    ({**LEGACY, "structures": [{"begin": "<person>", "schema": {"type": "nonsense"}, "end": "</person>"}]},
+     ["structures[0].schema", "nonsense"]),
+    ({**LEGACY, "structures": [{"begin": "<person>", "end": "</person>"}]}, ["structures[0].schema"]),
+    ({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                           "content": {"type": "json_schema", "json_schema": {"type": "nonsense"}}}},
+     ["format.content.json_schema", "nonsense"]),
+    ({"type": "structural_tag", "format": {"type": "no_such_format"}}, ["no_such_format"]),
+    ({"type": "structural_tag", "format": {"type": "token", "token": "<|im_end|>"}}, ["token", "id"]),
+])
+def test_bad_specs_say_what_is_wrong(spec, words):
+    with pytest.raises(ValueError) as info:
+        build_grammar(StructuredOutputsParams(structural_tag=spec))
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    assert str(info.value).startswith("invalid structural tag")
+
+
+# ---- strict tools: the structural tag of each parser -------------------------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer"}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+STRICT_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
+
+
+def call_text(parser: str, name: str, arguments: dict) -> str:
+    """A call as the parser's model writes it."""
+    if parser == "hermes":
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+    if parser == "llama3_json":
+        return f'{{"name": "{name}", "parameters": {json.dumps(arguments)}}}'
+    parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("name", STRICT_PARSERS)
+def test_strict_tag_holds_calls_to_the_schema_and_the_parser_reads_them(name):
+    parser = get_tool_parser(name)
+    tag = parser.structural_tag(TOOLS)
+    good = call_text(name, "get_weather", {"city": "Paris", "days": 3})
+    free = call_text(name, "get_time", {"zone": "CET"})  # not strict: any arguments
+    separator = "; " if name == "llama3_json" else "\n"
+    text = ("" if name == "llama3_json" else "Let me look.\n") + good + separator + free
+    assert accepts(tag, text)
+    parsed = parser.parse(text, TOOLS)
+    assert [c.name for c in parsed.tool_calls] == ["get_weather", "get_time"]
+    jsonschema.validate(json.loads(parsed.tool_calls[0].arguments), WEATHER)
+    assert accepts(tag, "Just text, no call.")
+    assert not accepts(tag, call_text(name, "get_weather", {"city": "Paris"}))  # days is required
+    assert not accepts(tag, call_text(name, "get_weather", {"city": "Paris", "days": 3, "extra": 1}))
+    assert not accepts(tag, call_text(name, "no_such_tool", {}))
+    # parallel_tool_calls false: the output ends with the first call.
+    single = parser.structural_tag(TOOLS, parallel=False)
+    assert accepts(single, good) and not accepts(single, good + separator + free)
+
+
+def test_parsers_without_a_tag():
+    assert {name for name in TOOL_PARSERS if get_tool_parser(name).strict_trigger is None} == {"mistral", "pythonic"}
+
+
+def request(**kwargs) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **kwargs})
+
+
+def auto(parser: str) -> ServerConfig:
+    return ServerConfig(enable_auto_tool_choice=True, tool_call_parser=parser)
+
+
+def test_plans_of_strict_tools_under_auto():
+    plan = plan_tools(request(tools=TOOLS, parallel_tool_calls=False), auto("hermes"), False)
+    assert plan.mode == "auto" and plan.constraint.param == "tools"
+    assert plan.constraint.params.structural_tag == get_tool_parser("hermes").structural_tag(TOOLS, parallel=False)
+    loose = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": False}}, TOOLS[1]]
+    assert plan_tools(request(tools=loose), auto("hermes"), False).constraint is None
+    for name in ("mistral", "pythonic"):
+        with pytest.raises(APIError, match=name) as info:
+            plan_tools(request(tools=TOOLS), auto(name), False)
+        assert info.value.param == "tools"
+    with pytest.raises(APIError, match="response_format") as info:
+        plan_tools(request(tools=TOOLS), auto("hermes"), True)
+    assert info.value.param == "tools"
+    # tool_choice "none" ignores strict; "required" enforces every schema anyway.
+    assert plan_tools(request(tools=TOOLS, tool_choice="none"), auto("mistral"), False).constraint is None
+    assert plan_tools(request(tools=TOOLS, tool_choice="required"), auto("mistral"), False).mode == "forced"
