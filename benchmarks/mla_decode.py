@@ -25,7 +25,10 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fused_moe import bench_graph  # noqa: E402  (benchmarks/fused_moe.py: CUDA-graph replay, L2 flushed)
 
 from tokenmill.kernels.mla_decode import (  # noqa: E402
     choose_num_splits,
@@ -43,23 +46,6 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     seconds = do_bench(lambda: dst.copy_(src), warmup=5, rep=50) / 1e3
     return 2 * src.numel() * src.element_size() / seconds
-
-
-def bench_graph(fn, iters: int = 50) -> float:
-    """Median microseconds of fn replayed as a CUDA graph, L2 flushed before each replay."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(start.elapsed_time(end) for start, end in events)[iters // 2] * 1e3
 
 
 def make_inputs(batch: int, context: int, heads: int, dtype: torch.dtype):

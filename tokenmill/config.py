@@ -144,7 +144,7 @@ class ParallelConfig:
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "gguf")
 """What --quantization may name; layers/quant maps each to its config (checkpoints name theirs)."""
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "deepseek_mtp")
 """Proposers a user can name; spec/proposers.py maps each to its class."""
 
 
@@ -157,7 +157,8 @@ class SpeculativeConfig:
     """ngram: prompt lookup over the request's own prompt and output; draft_model: a smaller model with the
     target's vocabulary (`model`) drafts greedily; eagle: an EAGLE-1 head (`model`) drafts greedily from the
     target's last hidden states; eagle3: an EAGLE-3 head (`model`) drafts greedily from the target's hidden
-    states at three of its layers."""
+    states at three of its layers; mtp (or vLLM's name deepseek_mtp): the target checkpoint's own
+    multi-token-prediction layer (DeepSeek-V3) drafts greedily from its last hidden states."""
     num_speculative_tokens: int
     """Most draft tokens per request per step (k); each step emits 1 to k + 1 tokens per request."""
     prompt_lookup_min: int | None = None
@@ -181,9 +182,14 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.method == "deepseek_mtp":
+            object.__setattr__(self, "method", "mtp")
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got "
                              f"{self.num_speculative_tokens!r}")
+        if self.method == "mtp" and self.model is not None:
+            raise ValueError("speculative method 'mtp' drafts with the target checkpoint's own MTP layers: "
+                             "leave out 'model'")
         if (self.method in ("draft_model", "eagle", "eagle3")) != (self.model is not None):
             raise ValueError(f"speculative method {self.method!r} needs a 'model' (the draft model's or EAGLE "
                              f"head's path)" if self.model is None else
@@ -262,12 +268,12 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.model_config.quantization!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
         spec = self.speculative_config
-        if (spec is not None and spec.method in ("draft_model", "eagle", "eagle3")
+        if (spec is not None and spec.method in ("draft_model", "eagle", "eagle3", "mtp")
                 and self.parallel_config.tensor_parallel_size > 1):
-            what = "a draft model" if spec.method == "draft_model" else "an EAGLE head"
+            what = {"draft_model": "a draft model", "mtp": "MTP layers"}.get(spec.method, "an EAGLE head")
             raise ValueError(f"speculative decoding with {what} does not run tensor-parallel yet: use "
                              "tensor_parallel_size 1, or the ngram method")
-        if (spec is not None and spec.method in ("draft_model", "eagle", "eagle3")
+        if (spec is not None and spec.method in ("draft_model", "eagle", "eagle3", "mtp")
                 and self.parallel_config.pipeline_parallel_size > 1):
             # The drafter needs the target's embedding and last hidden states, which live on different stages.
             raise ValueError(f"speculative method {spec.method!r} does not run pipeline-parallel yet: use "

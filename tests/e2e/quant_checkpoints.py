@@ -33,6 +33,39 @@ def tiny_model(seed: int = 0, hidden: int = 64, intermediate: int = 128, num_kv_
     return model
 
 
+def tiny_moe_model(seed: int = 0):
+    """A seeded Qwen3-MoE (top-2 of 8, both layers sparse) as tiny_model, its router x 20 so that each token's
+    experts are clear choices (near-uniform routing would flip experts on any rounding)."""
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                         norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(20)
+    return model
+
+
+def per_expert_state(model) -> dict[str, torch.Tensor]:
+    """The state dict with transformers 5's all-experts tensors split into the Hub's per-expert layout
+    (<prefix>.experts.<e>.{gate,up,down}_proj.weight), as the FP8 releases store them."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj":
+            for e, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):
+                state[f"{prefix}.{e}.gate_proj.weight"], state[f"{prefix}.{e}.up_proj.weight"] = gate, up
+        elif leaf == "down_proj" and prefix.endswith(".experts"):
+            for e, down in enumerate(tensor):
+                state[f"{prefix}.{e}.down_proj.weight"] = down
+        else:
+            state[name] = tensor
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
 def engine(path: str, **kwargs) -> LLM:
     """A float32 CPU engine without a tokenizer (the tiny checkpoints have none)."""
     return LLM(path, dtype="float32", kv_cache_space=0.05, max_model_len=256, skip_tokenizer_init=True, **kwargs)
@@ -75,10 +108,12 @@ def _save(model, path: Path, tensors: dict[str, torch.Tensor], quantization_conf
 
 
 def write_fp8(model, path: Path, layout: str, block: int = 32, input_scale: float | None = None,
-              skip: tuple[str, ...] = ()) -> tuple[str, str]:
+              skip: tuple[str, ...] = (), state: dict[str, torch.Tensor] | None = None) -> tuple[str, str]:
     """(quantized checkpoint, its dequantized dense twin). layout: hf-block | hf-tensor | ct-channel |
-    ct-block | ct-tensor (hf: quant_method fp8; ct: compressed-tensors float-quantized)."""
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ct-block | ct-tensor (hf: quant_method fp8; ct: compressed-tensors float-quantized). state: the tensors
+    to write (default: the model's state dict; per_expert_state for a mixture of experts)."""
+    if state is None:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     quantized, dense = {}, {}
     for name, tensor in state.items():
         if not is_linear_weight(name) or any(s in name for s in skip):

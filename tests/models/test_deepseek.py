@@ -48,6 +48,19 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path):
                                                                       torch.zeros(8, 8))])
 
 
+def test_online_fp8_loads_and_generates(tmp_path):
+    """A quantized MoE model is first built on the meta device (its experts checked before memory is taken):
+    the yarn rotary table must build there too."""
+    from tokenmill import LLM, SamplingParams
+
+    build_tiny_model(TINY_MODELS["deepseek-v3"], tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_space=0.01,
+              quantization="fp8")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0]
+    assert len(output.token_ids) == 8
+
+
 @torch.no_grad()
 def test_absorbed_weights_of_a_quantized_kv_b_proj():
     """MLA folds kv_b_proj's weight into the query and the output; a quantized layer gives it back through its

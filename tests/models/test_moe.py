@@ -1,6 +1,7 @@
 """Mixture-of-experts specifics beyond test_models_vs_hf.py's greedy comparison: the tiny models' routing is
 not degenerate, a wrong expert mapping changes the tokens (so that comparison catches it), transformers 5's
-all-experts tensor layout loads, and quantized or GGUF experts are refused rather than misloaded."""
+all-experts tensor layout loads, and quantized experts without a loader (GPTQ, AWQ, compressed-tensors,
+per-tensor FP8, GGUF) are refused rather than misloaded; FP8 experts are tests/e2e/test_quantization_fp8_moe.py's."""
 
 from __future__ import annotations
 
@@ -107,10 +108,17 @@ def _with_quant_config(ref_path: str, folder: Path, quant: dict) -> str:
     return str(folder)
 
 
+_CT_FP8_CHANNEL = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+_CT_FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+
+
 @pytest.mark.parametrize("quant", [
-    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    {"quant_method": "fp8", "activation_scheme": "dynamic"},  # per-tensor scales: only block scales load
     {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
     {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+    {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+     "config_groups": {"group_0": {"targets": ["Linear"], "weights": _CT_FP8_CHANNEL,
+                                   "input_activations": _CT_FP8_TOKEN}}, "ignore": ["lm_head"]},
 ], ids=lambda q: q["quant_method"])
 def test_quantized_experts_are_refused(references, tmp_path, quant):
     path = _with_quant_config(references("qwen3-moe").path, tmp_path / "quantized", quant)
@@ -118,15 +126,15 @@ def test_quantized_experts_are_refused(references, tmp_path, quant):
         LLM(path, **ENGINE)
 
 
-def test_online_fp8_keeps_experts_and_router_dense(references):
-    from tokenmill.layers.quant.fp8 import Fp8LinearMethod
+def test_online_fp8_quantizes_experts_keeps_router_dense(references):
+    from tokenmill.layers.quant.fp8 import FP8, Fp8LinearMethod
 
     ref = references("qwen3-moe")
     hf_config = ref.hf_model.config
     model = load_model(ModelConfig(model=ref.path, quantization="fp8"), hf_config, torch.device("cpu"),
                        torch.float32)
     sparse = model.model.layers[1].mlp
-    assert isinstance(sparse.experts, FusedMoE) and sparse.experts.w13_weight.dtype == torch.float32
+    assert isinstance(sparse.experts, FusedMoE) and sparse.experts.w13_weight.dtype == FP8
     assert sparse.gate.weight.dtype == torch.float32
     assert isinstance(model.model.layers[1].self_attn.qkv_proj.quant_method, Fp8LinearMethod)
     assert isinstance(model.model.layers[0].mlp.gate_up_proj.quant_method, Fp8LinearMethod)  # the dense layer

@@ -33,6 +33,7 @@ import triton.language as tl
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.prefill_attention import dot_precision
 
+FP8 = torch.float8_e4m3fn
 CHUNK = 128  # assignments per program of the alignment kernels
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -209,13 +210,37 @@ def _tile_of(num_blocks, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _scale_rows(offs_n, SCALE_BLOCK: tl.constexpr):
+    """The scale row of each weight row: its block's (SCALE_BLOCK > 0), else its own."""
+    if SCALE_BLOCK > 0:
+        return offs_n // SCALE_BLOCK
+    else:
+        return offs_n
+
+
+@triton.jit
+def _fp8_partial(x, w, scale_ptrs, start, n_mask, stride_sk, SCALE_BLOCK: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """x [M, K] times an e4m3 weight tile [N, K] widened to x's dtype (exact: e4m3 fits in 16 bits); with
+    block scales, the K-tile lies in one block and its partial sums take that block's scale per row."""
+    part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+    if SCALE_BLOCK > 0:
+        scale = tl.load(scale_ptrs + (start // SCALE_BLOCK) * stride_sk, mask=n_mask, other=0.0)
+        part = part * scale[None, :]
+    return part
+
+
 @triton.jit(do_not_specialize=["num_assignments", "top_k", "num_blocks"])
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_assignments, top_k, num_blocks, num_experts, inter, hidden, stride_xm, stride_we, stride_wn, stride_om,
+    s_ptr, stride_se, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
+    """FP8_W: w is e4m3 with scales s [E, N / SCALE_BLOCK, K / SCALE_BLOCK] (or [E, N, 1] per row, SCALE_BLOCK
+    0); otherwise w has x's dtype and s is unused."""
     pid_m, pid_n = _tile_of(num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -232,6 +257,8 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
     gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + inter * stride_wn  # w13's rows are [gate | up]
+    gate_s_ptrs = s_ptr + expert * stride_se + _scale_rows(offs_n, SCALE_BLOCK).to(tl.int64) * stride_sn
+    up_s_ptrs = s_ptr + expert * stride_se + _scale_rows(inter + offs_n, SCALE_BLOCK).to(tl.int64) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, hidden, BLOCK_K):
@@ -239,11 +266,18 @@ def _gate_up_kernel(
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         gate = tl.load(gate_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         up = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc_gate = tl.dot(x, tl.trans(gate), acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=DOT_PRECISION)
+        if FP8_W:
+            acc_gate += _fp8_partial(x, gate, gate_s_ptrs, start, n_mask, stride_sk, SCALE_BLOCK, DOT_PRECISION)
+            acc_up += _fp8_partial(x, up, up_s_ptrs, start, n_mask, stride_sk, SCALE_BLOCK, DOT_PRECISION)
+        else:
+            acc_gate = tl.dot(x, tl.trans(gate), acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if FP8_W and SCALE_BLOCK == 0:  # one scale per row: applied once, to the sums
+        acc_gate *= tl.load(gate_s_ptrs, mask=n_mask, other=0.0)[None, :]
+        acc_up *= tl.load(up_s_ptrs, mask=n_mask, other=0.0)[None, :]
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
@@ -253,9 +287,11 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_assignments, num_blocks, num_experts, hidden, inter, stride_hm, stride_we, stride_wn, stride_om,
+    s_ptr, stride_se, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
+    """FP8_W, s: as _gate_up_kernel's."""
     pid_m, pid_n = _tile_of(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -271,14 +307,20 @@ def _down_kernel(
     # The gate/up kernel left the padding rows unwritten: masked to zero here, and never stored.
     h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    s_ptrs = s_ptr + expert * stride_se + _scale_rows(offs_n, SCALE_BLOCK).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - start
         h = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if FP8_W:
+            acc += _fp8_partial(h, w, s_ptrs, start, n_mask, stride_sk, SCALE_BLOCK, DOT_PRECISION)
+        else:
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if FP8_W and SCALE_BLOCK == 0:
+        acc *= tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
     routing = tl.load(weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * routing[:, None]
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
@@ -359,7 +401,7 @@ def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k
 # ---------------------------------------------------------------------------------------------- wrapper
 
 
-def _check(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+def _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block=0) -> None:
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, w13_hidden = w13.shape
     if w13_hidden != hidden or two_inter % 2 or w2.shape != (num_experts, hidden, two_inter // 2):
@@ -368,43 +410,74 @@ def _check(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens or topk_ids.dim() != 2:
         raise ValueError(f"routing shapes do not match: topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)}, {num_tokens} tokens")
-    if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+    if w13_scale is not None:
+        _check_fp8(w13, w2, w13_scale, w2_scale, scale_block)
+    elif w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
         raise ValueError(f"expert weights in {w13.dtype}/{w2.dtype}, activations in {hidden_states.dtype}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
 
 
+def _check_fp8(w13, w2, w13_scale, w2_scale, scale_block) -> None:
+    if w13.dtype != FP8 or w2.dtype != FP8 or w2_scale is None:
+        raise ValueError(f"scales given with expert weights in {w13.dtype}/{w2.dtype}: they must be e4m3, both scaled")
+    experts, two_inter, hidden = w13.shape
+    b = scale_block or 1
+    if scale_block and (scale_block < 16 or scale_block & (scale_block - 1) or hidden % b or two_inter % (2 * b)):
+        raise ValueError(f"fp8 scale blocks of {scale_block}: a power of two >= 16 dividing the hidden size "
+                         f"{hidden} and the intermediate size {two_inter // 2}")
+    want13 = (experts, two_inter // b, hidden // b if scale_block else 1)
+    want2 = (experts, hidden // b, two_inter // 2 // b if scale_block else 1)
+    if tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
+        raise ValueError(f"fp8 expert scales {tuple(w13_scale.shape)}/{tuple(w2_scale.shape)}, "
+                         f"expected {want13}/{want2}")
+
+
+def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, scale_block: int, block_k: int):
+    """The kernels' scale arguments (the weight itself as an unused pointer when 16-bit) and BLOCK_K, at most
+    one scale block so that every K-tile lies inside one."""
+    if scale is None:
+        return (w, 0, 0, 0), block_k, False
+    return (scale, *scale.stride()), min(block_k, scale_block) if scale_block else block_k, True
+
+
 def gate_up_gemm(x: torch.Tensor, w13: torch.Tensor, align: Alignment, top_k: int, block_m: int,
-                 tiles: GemmTiles) -> torch.Tensor:
+                 tiles: GemmTiles, scale: torch.Tensor | None = None, scale_block: int = 0) -> torch.Tensor:
     """[max_padded, I] in sorted order: silu(x W_gate^T) * (x W_up^T) for each assignment's row (padding
-    rows unwritten)."""
+    rows unwritten). scale: e4m3 w13's [E, 2I / b, H / b] block scales (scale_block b) or [E, 2I, 1]."""
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     num_blocks = align.block_expert.numel()
     h = torch.empty((align.max_padded, inter), dtype=x.dtype, device=x.device)
     block_n, block_k, group_m, warps, stages = tiles
+    scale_args, block_k, fp8 = _scale_args(w13, scale, scale_block, block_k)
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, block_n),)](
         x, w13, h, align.sorted_ids, align.block_expert, align.num_padded,
         x.shape[0] * top_k, top_k, num_blocks, w13.shape[0], inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
+        h.stride(0), *scale_args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        DOT_PRECISION=dot_precision(x.dtype), FP8_W=fp8, SCALE_BLOCK=scale_block, num_warps=warps,
+        num_stages=stages,
     )
     return h
 
 
 def down_gemm(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, align: Alignment, block_m: int,
-              tiles: GemmTiles, zero_unplaced: bool = False) -> torch.Tensor:
+              tiles: GemmTiles, zero_unplaced: bool = False, scale: torch.Tensor | None = None,
+              scale_block: int = 0) -> torch.Tensor:
     """[T*K, H] in (token, k) order: each assignment's h W2^T times its routing weight (weights [T*K] fp32).
-    The rows of assignments the alignment left out are zero with zero_unplaced, else unwritten."""
+    The rows of assignments the alignment left out are zero with zero_unplaced, else unwritten.
+    scale: e4m3 w2's [E, H / b, I / b] block scales (scale_block b) or [E, H, 1]."""
     num_experts, hidden, inter = w2.shape
     num_blocks = align.block_expert.numel()
     y = (torch.zeros if zero_unplaced else torch.empty)((weights.numel(), hidden), dtype=h.dtype, device=h.device)
     block_n, block_k, group_m, warps, stages = tiles
+    scale_args, block_k, fp8 = _scale_args(w2, scale, scale_block, block_k)
     _down_kernel[(num_blocks * triton.cdiv(hidden, block_n),)](
         h, w2, y, weights, align.sorted_ids, align.block_expert, align.num_padded,
         weights.numel(), num_blocks, w2.shape[0], hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        DOT_PRECISION=dot_precision(h.dtype), num_warps=warps, num_stages=stages,
+        *scale_args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        DOT_PRECISION=dot_precision(h.dtype), FP8_W=fp8, SCALE_BLOCK=scale_block, num_warps=warps,
+        num_stages=stages,
     )
     return y
 
@@ -417,12 +490,17 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [T, K] int32/int64, each in [0, E) (or -1 with skip_negative_ids)
     config: MoeConfig | None = None,
     skip_negative_ids: bool = False,
+    w13_scale: torch.Tensor | None = None,  # e4m3 weights: [E, 2I / b, H / b] (scale_block b) or [E, 2I, 1]
+    w2_scale: torch.Tensor | None = None,  # [E, H / b, I / b] or [E, H, 1]
+    scale_block: int = 0,
 ) -> torch.Tensor:
     """[T, H]: sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t]), as fused_experts_torch.
     config overrides the tuned tiles (the tuning script). skip_negative_ids: ids of -1 (another rank's expert,
     under expert parallelism) contribute nothing; the alignment leaves them out, so they cost no GEMM rows,
-    only the zeroing of their output rows (which is why it is not always on)."""
-    _check(hidden_states, w13, w2, topk_weights, topk_ids)
+    only the zeroing of their output rows (which is why it is not always on).
+    With scales, w13 and w2 are e4m3 (layers.quant.fp8_moe): W8A16, the weight tiles widened in registers,
+    against fused_experts_torch on the dequantized weights; 16-bit tiles (no tuned fp8 entries yet)."""
+    _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale_block)
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -433,8 +511,8 @@ def fused_experts(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
     cfg = config or get_config(num_tokens, num_experts, hidden, two_inter // 2, top_k, x.dtype, x.device)
     align = align_assignments(topk_ids.contiguous(), num_experts, cfg.block_m)
-    h = gate_up_gemm(x, w13, align, top_k, cfg.block_m, cfg.gate_up)  # [padded rows, I], sorted
-    y = down_gemm(h, w2, weights, align, cfg.block_m, cfg.down, zero_unplaced=skip_negative_ids)  # [T*K, H]
+    h = gate_up_gemm(x, w13, align, top_k, cfg.block_m, cfg.gate_up, w13_scale, scale_block)  # [padded rows, I]
+    y = down_gemm(h, w2, weights, align, cfg.block_m, cfg.down, skip_negative_ids, w2_scale, scale_block)  # [T*K, H]
     if top_k == 1:
         return y
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -10,7 +10,8 @@ become expert -1 with weight 0, which both experts paths skip) and the same all-
 Fewer, larger GEMMs per rank and no slicing of the intermediate size; the shared experts stay sliced.
 An all-to-all dispatch (ranks holding different tokens) would only pay with data-parallel attention, which
 the engine does not have: every rank already holds every token.
-Experts are always unquantized (layers.quant refuses checkpoints that store them quantized).
+Experts are 16-bit, or e4m3 under an fp8 quantization config (layers.quant.fp8_moe: block-quantized FP8
+checkpoints, or online per-row); other quantized experts are refused by layers.quant.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.layers.moe_routing import fused_experts_torch, select_experts
 
 # Hugging Face's per-expert checkpoint tensors: <prefix>.experts.<e>.<projection>.weight
-_PER_EXPERT = re.compile(r"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
+# (and, FP8 block checkpoints, .weight_scale_inv)
+_PER_EXPERT = re.compile(r"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<part>weight(_scale_inv)?)")
 # transformers 5's in-memory layout (save_pretrained(save_original_format=False) writes it): every expert at
 # once, gate_up_proj [E, 2 * I, H] ([gate | up] rows) and down_proj [E, H, I].
 _ALL_EXPERTS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)")
@@ -108,17 +110,26 @@ class FusedMoE(nn.Module):
         self.w13_weight = self._param(torch.empty(self.num_local_experts, 2 * size, hidden_size))
         # [local experts, hidden, intermediate / shards]
         self.w2_weight = self._param(torch.empty(self.num_local_experts, hidden_size, size))
-        self._loaded: set[tuple[str, int]] = set()  # (shard, global expert) filled by the checkpoint
+        self.quant_method = None  # layers.quant.fp8_moe.Fp8MoEMethod, or None: 16-bit experts
+        self._loaded: set[tuple[str, str, int]] = set()  # (tensor, shard, global expert) filled by the checkpoint
 
-    def _param(self, data: torch.Tensor) -> nn.Parameter:
+    def set_quant_method(self, method) -> None:
+        """Quantized experts (before the checkpoint loads): the method replaces the weight parameters."""
+        self.quant_method = method
+        method.create_weights(self)
+
+    def _param(self, data: torch.Tensor, part: str = "weight") -> nn.Parameter:
+        """part: which tensor of each expert projection the checkpoint fills it from."""
         param = nn.Parameter(data, requires_grad=False)
         param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        param.moe_part = part  # type: ignore[attr-defined]
         return param
 
     # -- loading -----------------------------------------------------------------------------------------
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None) -> None:
         """shard: "gate" [I, H], "up" [I, H] or "down" [H, I] of one expert; "gate_up" [E, 2I, H] or
-        "down" [E, H, I] of every expert when `expert` is None."""
+        "down" [E, H, I] of every expert when `expert` is None. The same for the block scales of FP8
+        experts ([I / b, H / b] ...): the slices follow the parameter's shape, so they fall on block bounds."""
         if expert is None:
             if loaded.shape[0] != self.num_experts:
                 raise ValueError(f"checkpoint holds {loaded.shape[0]} experts, the model {self.num_experts}")
@@ -135,7 +146,9 @@ class FusedMoE(nn.Module):
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert (expert parallelism)
-        size, rank = self.intermediate_size_per_partition, self.shard_rank
+        rank = self.shard_rank
+        # The intermediate features of this rank in `param`: I / shards, or (block scales) I / shards / b.
+        size = param.shape[2] if shard == "down" else param.shape[1] // 2
         if shard == "down":
             target, source = param.data[local], loaded.narrow(1, rank * size, size)
         else:
@@ -145,7 +158,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert} {shard}: shape mismatch, parameter slice {tuple(target.shape)}, "
                              f"checkpoint slice {tuple(source.shape)}")
         target.copy_(source)
-        self._loaded.add((shard, expert))
+        self._loaded.add((param.moe_part, shard, expert))
 
     def checkpoint_target(self, shard_name: str) -> str | None:
         """A checkpoint projection name -> its shard ("gate" / "up" / "down"), None if not an expert's."""
@@ -158,8 +171,10 @@ class FusedMoE(nn.Module):
 
     def missing_weights(self) -> list[str]:
         """This rank's expert tensors the checkpoint did not provide (empty after a full load)."""
-        return [f"expert {e} {shard}" for e in self._local_experts() for shard in ("gate", "up", "down")
-                if (shard, e) not in self._loaded]
+        parts = self.quant_method.checkpoint_parts() if self.quant_method is not None else ("weight",)
+        return [f"expert {e} {shard}" + ("" if part == "weight" else f" {part}")
+                for e in self._local_experts() for shard in ("gate", "up", "down") for part in parts
+                if (part, shard, e) not in self._loaded]
 
     def checkpoint_part_names(self, module_name: str) -> list[str]:
         """The checkpoint modules of one expert, for quantization configs' exclusion lists."""
@@ -176,7 +191,9 @@ class FusedMoE(nn.Module):
         if self.expert_parallel:
             topk_weights, topk_ids = self.local_assignments(topk_weights, topk_ids)
         kernel = fused_experts_kernel() if use_triton(hidden_states) else None
-        if kernel is not None:
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids, kernel)
+        elif kernel is not None:
             out = kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                          skip_negative_ids=self.expert_parallel)  # [T, H]
         else:
@@ -207,9 +224,13 @@ def expert_weight_target(moe_layers: dict[str, FusedMoE], name: str) -> tuple[st
     any other tensor."""
     match = _PER_EXPERT.fullmatch(name)
     if match is not None and match["prefix"] in moe_layers:
-        shard = moe_layers[match["prefix"]].checkpoint_target(match["proj"])
+        layer = moe_layers[match["prefix"]]
+        shard = layer.checkpoint_target(match["proj"])
+        parts = layer.quant_method.checkpoint_parts() if layer.quant_method is not None else ("weight",)
+        if match["part"] not in parts:
+            return None  # a scale of experts that hold none: reported as a tensor without a parameter
         if shard is not None:
-            param = "w2_weight" if shard == "down" else "w13_weight"
+            param = ("w2_" if shard == "down" else "w13_") + match["part"]
             return f"{match['prefix']}.{param}", (shard, int(match["expert"]))
     match = _ALL_EXPERTS.fullmatch(name)
     if match is not None and match["prefix"] in moe_layers:

@@ -59,6 +59,9 @@ def fused_experts_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: int = 0,
 ) -> torch.Tensor:
     """Each token through its top-k experts (SiLU-gated MLPs), summed with the routing weights.
 
@@ -67,6 +70,10 @@ def fused_experts_torch(
     "no expert here" (expert parallelism: another rank's), which contributes nothing and costs no GEMM rows.
     Rounds as transformers' default experts path (grouped_mm) does: one output row per (token, slot), scaled
     by its weight, then the top_k rows of a token summed in slot order.
+
+    e4m3 weights (layers.quant.fp8_moe) come with w13_scale / w2_scale: [E, N / b, K / b] per b x b block
+    (scale_block b), or [E, N, 1] per row (scale_block 0). Each expert is dequantized when its turn comes and
+    multiplied as the dense FP8 CPU path does (fp8_linear_torch: W8A8 in float32).
     """
     num_tokens, top_k = topk_ids.shape
     weights = topk_weights.to(hidden_states.dtype)
@@ -84,7 +91,18 @@ def fused_experts_torch(
         slots = order[start : start + count]
         tokens = token_of[start : start + count]
         start += count
-        gate, up = F.linear(hidden_states[tokens], w13[expert]).chunk(2, dim=-1)
-        slot_out[slots] = F.linear(F.silu(gate) * up, w2[expert])
+        if w13_scale is None:
+            gate, up = F.linear(hidden_states[tokens], w13[expert]).chunk(2, dim=-1)
+            slot_out[slots] = F.linear(F.silu(gate) * up, w2[expert])
+        else:
+            gate, up = _fp8_linear(hidden_states[tokens], w13[expert], w13_scale[expert], scale_block).chunk(2, -1)
+            slot_out[slots] = _fp8_linear(F.silu(gate) * up, w2[expert], w2_scale[expert], scale_block)
     weighted = slot_out * weights.reshape(-1, 1)
     return weighted.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_block: int) -> torch.Tensor:
+    """x [m, k] @ one expert's e4m3 weight [n, k]^T, scale [n / b, k / b] or [n, 1]."""
+    from tokenmill.layers.quant.fp8 import fp8_linear_torch
+
+    return fp8_linear_torch(x, weight, scale if scale_block else scale.reshape(-1), scale_block, None, None)

@@ -51,14 +51,19 @@ class RotaryEmbedding(nn.Module):
         key = (config.to_json_string(), head_dim, self.rotary_dim, max_position, torch.empty(0).device)
         cache = _SHARED_TABLES.get(key)
         if cache is None:
-            if rope_type == "default":
-                inv_freq, scale = _default_inv_freq(params["rope_theta"], self.rotary_dim), 1.0
-            else:
-                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-            positions = torch.arange(max_position, dtype=torch.float32)
-            freqs = positions[:, None] * inv_freq.float().to(positions.device)[None, :]
-            # [max_position, rotary_dim]: cos | sin halves, computed in float32 as the reference does
-            cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+            # A meta-device build (a shape check before loading) computes it on the CPU: transformers' yarn init
+            # copies to the device it is given, which meta tensors cannot.
+            device = key[-1]
+            with torch.device("cpu" if device.type == "meta" else device):
+                if rope_type == "default":
+                    inv_freq, scale = _default_inv_freq(params["rope_theta"], self.rotary_dim), 1.0
+                else:
+                    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+                positions = torch.arange(max_position, dtype=torch.float32)
+                freqs = positions[:, None] * inv_freq.float().to(positions.device)[None, :]
+                # [max_position, rotary_dim]: cos | sin halves, computed in float32 as the reference does
+                cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+            cache = cache.to(device)
             _SHARED_TABLES[key] = cache
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 

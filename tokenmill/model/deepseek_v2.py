@@ -11,7 +11,8 @@ num_experts_per_tok of n_routed_experts experts (layers.moe.FusedMoE) and add th
 The router runs in float32, as transformers keeps gate.weight (and the bias) in float32.
 
 Module names mirror Hugging Face's so checkpoints load by name. DeepSeek-V3's multi-token-prediction
-layers (model.layers.{num_hidden_layers}...) are skipped: the model predicts one token per position.
+layers (model.layers.{num_hidden_layers}...) are skipped: the model predicts one token per position; the
+speculative method 'mtp' loads the first of them beside it as a drafter (spec/mtp.py).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.spec.draft_model import DraftModelProposer
 from tokenmill.spec.eagle import EagleProposer
 from tokenmill.spec.eagle3 import Eagle3Proposer
+from tokenmill.spec.mtp import load_mtp_head
 from tokenmill.spec.proposers import make_proposer
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.matchers import GrammarRows
@@ -92,8 +93,8 @@ class Worker:
             self.draft_model = load_draft_model(config, hf_config, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.draft_model)
         self.eagle_head = None
-        if speculative is not None and speculative.method in ("eagle", "eagle3"):
-            load = load_eagle_head if speculative.method == "eagle" else load_eagle3_head
+        if speculative is not None and speculative.method in ("eagle", "eagle3", "mtp"):
+            load = {"eagle": load_eagle_head, "eagle3": load_eagle3_head, "mtp": load_mtp_head}[speculative.method]
             self.eagle_head = load(config, hf_config, self.model, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.eagle_head)
         if self.kv_cache_dtype != self.dtype:
@@ -196,7 +197,7 @@ class Worker:
         if self.eagle_head is not None:
             # Eager: the head's decode steps take the hidden states as an input the decode graphs do not have.
             # EAGLE-1 keeps the target's last hidden states; EAGLE-3 its auxiliary states through the head's fc.
-            eagle1 = speculative.method == "eagle"
+            eagle1 = speculative.method in ("eagle", "mtp")  # MTP drafts from the last states as EAGLE-1 does
             proposer = EagleProposer if eagle1 else Eagle3Proposer
             width = self.hf_config.hidden_size if eagle1 else self.eagle_head.fc.out_features
             return proposer(self.eagle_head, self.attn_backend, self.device, block_size,

@@ -64,6 +64,15 @@ def quantize_linear_layers(model: nn.Module, config: QuantConfig,
     from tokenmill.layers.linear import LinearBase
 
     check_moe_experts(model, config)
+    moe_quantized = 0
+    for name, layer in _quantized_moe_layers(model, config):
+        method = config.moe_method(name)
+        if method is not None:
+            layer.set_quant_method(method)
+            moe_quantized += 1
+    if moe_quantized:
+        logger.info("quantization: the experts of %d MoE layers in %s (routers stay dense)", moe_quantized,
+                    config.describe())
     quantized = kept = 0
     for name, module in model.named_modules():
         if not isinstance(module, LinearBase):
@@ -79,26 +88,34 @@ def quantize_linear_layers(model: nn.Module, config: QuantConfig,
 
 
 def check_moe_experts(model: nn.Module, config: QuantConfig) -> None:
-    """MoE experts have no quantized method yet: they stay in the model's dtype. Under an online method that
-    is a choice (logged); a checkpoint that stores them quantized is refused rather than misloaded."""
+    """Experts stay in the model's dtype where the config has no MoE method (config.moe_method): under an
+    online method that is a choice (logged); a checkpoint that stores them quantized is refused rather than
+    misloaded."""
+    for name, _ in _quantized_moe_layers(model, config):
+        if config.moe_method(name) is not None:
+            continue
+        if not config.quantizes_checkpoint_tensors():
+            logger.info("quantization %s: the MoE layer %s's experts stay unquantized", config.name, name)
+            continue
+        raise ValueError(f"{name}: the checkpoint stores mixture-of-experts weights quantized with "
+                         f"{config.name!r} ({config.describe()}), which tokenmill does not load for MoE experts "
+                         "yet (only unquantized experts, or fp8 with block scales); use the unquantized checkpoint")
+
+
+def _quantized_moe_layers(model: nn.Module, config: QuantConfig) -> list[tuple[str, nn.Module]]:
+    """The FusedMoE layers the config does not exclude."""
     from tokenmill.layers.moe import FusedMoE
 
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedMoE)]
-    if not layers:
-        return
-    if not config.quantizes_checkpoint_tensors():
-        logger.info("quantization %s: the %d MoE layers' experts stay unquantized", config.name, len(layers))
-        return
-    for name, layer in layers:
-        if not config.is_ignored(name, layer.checkpoint_part_names(name)):
-            raise ValueError(f"{name}: the checkpoint stores mixture-of-experts weights quantized with "
-                             f"{config.name!r}, which tokenmill does not load for MoE experts yet (only "
-                             "unquantized experts); use the unquantized checkpoint")
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, FusedMoE) and not config.is_ignored(name, m.checkpoint_part_names(name))]
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
     from tokenmill.layers.linear import LinearBase
+    from tokenmill.layers.moe import FusedMoE
 
     for module in model.modules():
         if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)
+        elif isinstance(module, FusedMoE) and module.quant_method is not None:
             module.quant_method.process_weights_after_loading(module)

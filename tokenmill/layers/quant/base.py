@@ -63,6 +63,10 @@ class QuantConfig(ABC):
     def linear_method(self, layer_name: str) -> QuantMethod:
         """The method of the linear layer called `layer_name` (not ignored)."""
 
+    def moe_method(self, layer_name: str) -> Any:
+        """The method of the FusedMoE experts called `layer_name` (not ignored); None: this format has none."""
+        return None
+
     def is_ignored(self, layer_name: str, part_names: list[str]) -> bool:
         """Whether a layer stays unquantized. `part_names` are the checkpoint modules a fused layer
         holds (q/k/v_proj for qkv_proj): all or none of them may be ignored."""

@@ -12,6 +12,7 @@ On the GPU decode batches (<= 16 rows) keep 16-bit activations and widen the wei
 bytes of bf16, nothing lost on the activations' side); larger batches quantize activations per token (or per
 token and group) and multiply in fp8. The CPU computes the same math in float32 (the reference of the
 kernel tests, and slow: on the CPU FP8 is for checking, not for speed).
+Mixture-of-experts weights in FP8 (block checkpoints, online per row): layers.quant.fp8_moe.
 """
 
 from __future__ import annotations
@@ -197,6 +198,15 @@ class Fp8Config(QuantConfig):
 
     def linear_method(self, layer_name: str) -> QuantMethod:
         return Fp8LinearMethod(self)
+
+    def moe_method(self, layer_name: str) -> Any:
+        """Block-quantized checkpoints and online quantization (per row); per-tensor or per-channel FP8
+        checkpoints of experts have no loader yet."""
+        if self.checkpoint_fp8 and not self.block:
+            return None
+        from tokenmill.layers.quant.fp8_moe import Fp8MoEMethod
+
+        return Fp8MoEMethod(self)
 
     def quantizes_checkpoint_tensors(self) -> bool:
         return self.checkpoint_fp8
