@@ -48,6 +48,9 @@ class StructuredOutputsParams:
     """Free text with structured parts, xgrammar's structural tag (as a dict or its JSON text), in vLLM's legacy
     form {"structures": [{"begin", "schema", "end"}], "triggers": [...]} or as a format object
     {"type": "structural_tag", "format": {...}} (tokenmill/structured/structural_tag.py)."""
+    reasoning_end: str | None = None
+    """When set, the structure applies only after the model has written this marker (a reasoning parser's end
+    of thinking, "</think>"): free text up to and including it, then the structure."""
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
@@ -58,6 +61,8 @@ class StructuredOutputsParams:
                              f"or json_object; got {', '.join(given) or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured outputs' choice must be a non-empty list of non-empty strings")
+        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
+            raise ValueError("structured outputs' reasoning_end must be a non-empty string")
 
     @property
     def key(self) -> tuple[str, str]:

@@ -2,8 +2,8 @@
 serve` on SmolLM2: tool_choice "required" and a named function are enforced with structured outputs and come
 back as tool_calls whose arguments validate, streamed or not; "auto" needs --enable-auto-tool-choice and
 --tool-call-parser, and enforces strict functions' arguments once a call starts; --reasoning-parser splits
-reasoning_content off. Two servers: one started plain, one with
-the flags."""
+reasoning_content off, and a constrained output (response_format, a forced call) thinks first: its constraint
+applies after </think>. Two servers: one started plain, one with the flags."""
 
 from __future__ import annotations
 
@@ -71,12 +71,16 @@ def check_calls(tool_calls, names: set[str]) -> list[tuple[str, dict]]:
     return calls
 
 
-def streamed(client, **kwargs) -> tuple[str | None, list[tuple[str, str, str]], str]:
-    """(content, [(id, name, arguments)], finish_reason) assembled from the chunks, as a client does."""
+def streamed(client, reasoning: list[str] | None = None,
+             **kwargs) -> tuple[str | None, list[tuple[str, str, str]], str]:
+    """(content, [(id, name, arguments)], finish_reason) assembled from the chunks, as a client does; the
+    reasoning_content deltas appended to `reasoning`."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
         for choice in chunk.choices:
             content += choice.delta.content or ""
+            if reasoning is not None:
+                reasoning.append((choice.delta.model_extra or {}).get("reasoning_content") or "")
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, ["", "", ""])
                 call[0] = delta.id or call[0]
@@ -87,7 +91,8 @@ def streamed(client, **kwargs) -> tuple[str | None, list[tuple[str, str, str]], 
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-def test_required(client, parallel):
+def test_required(plain_client, parallel):
+    client = plain_client  # no reasoning parser: the call starts at once
     kwargs = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
                   max_tokens=MAX_TOKENS, **GREEDY)
     response = client.chat.completions.create(model=MODEL, **kwargs)
@@ -102,7 +107,8 @@ def test_required(client, parallel):
     assert all(call_id.startswith("call_") for call_id, _, _ in streamed_calls)
 
 
-def test_named(client):
+def test_named(plain_client):
+    client = plain_client
     kwargs = dict(messages=[{"role": "user", "content": "What time is it in Tokyo?"}], tools=TOOLS,
                   tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=MAX_TOKENS, **GREEDY)
     response = client.chat.completions.create(model=MODEL, **kwargs)
@@ -129,6 +135,53 @@ def test_auto_and_reasoning(client):
             text += (c.delta.model_extra or {}).get("reasoning_content") or ""
             assert not c.delta.content and not c.delta.tool_calls
     assert text == reasoning
+
+
+# SmolLM2 does not think in tags: one example teaches it a short reasoning closed by </think>, then JSON of
+# another shape than the schema asks for (what it writes unconstrained: {"result": "eight"}).
+THINK_SHOT = [
+    {"role": "system", "content": "Think step by step, end your thinking with </think>, then answer in JSON."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": '2 plus 3 is 5.</think>\n{"result": "five"}'},
+    {"role": "user", "content": "What is 4 + 4?"},
+]
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+def test_constrained_output_thinks_first(client):
+    """With a reasoning parser the schema applies after </think>: the reasoning is free (a grammar applied from
+    the first token would leave no reasoning), the answer follows the schema (unconstrained it would not)."""
+    kwargs = dict(messages=THINK_SHOT, max_tokens=40, **GREEDY,
+                  response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+    response = client.chat.completions.create(model=MODEL, **kwargs)
+    [choice] = response.choices
+    reasoning = choice.message.model_extra["reasoning_content"]
+    assert reasoning and "</think>" not in reasoning and "8" in reasoning, choice
+    assert choice.finish_reason == "stop" and json.loads(choice.message.content) == {"answer": 8}, choice
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        for c in chunk.choices:
+            parts["content"] += c.delta.content or ""
+            parts["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+    assert parts == {"reasoning_content": reasoning, "content": choice.message.content}
+
+
+def test_forced_call_thinks_first(client):
+    """A named tool_choice with a reasoning parser: reasoning first, then the call, whole and streamed alike."""
+    messages = [THINK_SHOT[0], {"role": "user", "content": "What time is it in Rome?"},
+                {"role": "assistant", "content": "Rome is in Italy.</think>\nget_time Europe/Rome"},
+                {"role": "user", "content": "What time is it in Tokyo?"}]
+    kwargs = dict(messages=messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                  max_tokens=60, **GREEDY)
+    [choice] = client.chat.completions.create(model=MODEL, **kwargs).choices
+    reasoning = choice.message.model_extra["reasoning_content"]
+    assert reasoning and "</think>" not in reasoning and choice.finish_reason == "tool_calls", choice
+    [(name, arguments)] = check_calls(choice.message.tool_calls, {"get_time"})
+    streamed_reasoning: list[str] = []
+    content, streamed_calls, finish = streamed(client, streamed_reasoning, **kwargs)
+    assert "".join(streamed_reasoning) == reasoning and content is None and finish == "tool_calls"
+    assert [(n, json.loads(a)) for _, n, a in streamed_calls] == [(name, arguments)]
 
 
 # SmolLM2 has no tool-call format of its own: one example call teaches it hermes' (after "</think>", which ends

@@ -20,7 +20,7 @@ from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, 
 from tokenmill.server.state import ServerState, make_request_id
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
-from tokenmill.server.tools import ChoiceText, ToolPlan, plan_tools, reasoning_parser_of, template_messages
+from tokenmill.server.tools import ChoiceText, ToolPlan, plan_tools, reasoning_parser_of, template_messages, think_first
 
 
 async def render_messages(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
@@ -70,12 +70,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     _check_unsupported(req)
     constraint = constraint_of(req)
     plan = plan_tools(req, state.config, constrained=constraint is not None)
-    reasoning = reasoning_parser_of(state.config, constrained=constraint is not None or plan.mode == "forced")
+    constrained = constraint is not None or plan.mode == "forced"
     if plan.constraint is not None:
         constraint = plan.constraint
     if constraint is not None:
         await state.grammar_checker.check(constraint)
     text, token_ids = await render_messages(state, req)
+    reasoning = reasoning_parser_of(state.config, constrained, text)
+    if constrained:  # the model may think first: the constraint starts after its reasoning
+        constraint = think_first(constraint, reasoning)
     engine = state.engine
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

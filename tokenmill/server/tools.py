@@ -11,15 +11,17 @@ tool_choice decides how calls come out:
   OpenAI's strict does; a parser whose format has no structural tag refuses them.
 
 --reasoning-parser splits the reasoning off first; what is left is the content, which the tool parser reads.
-It is off when the output is constrained (tool calls forced, response_format): the constraint leaves no room
-for a think block, and a parser that takes unopened text for reasoning would take all of it. Strict tools
-under "auto" leave the text free, and the reasoning parser on.
+A constrained output (tool calls forced, response_format, structured outputs) may think first, as in vLLM: its
+constraint applies only after the parser's end marker ("</think>"); the text before it is free and goes to
+reasoning_content. A prompt that already ends the reasoning (Qwen3's enable_thinking=false writes an empty
+think block) is constrained from the start, the reasoning parser off. Strict tools under "auto" leave the text
+free, and the reasoning parser on.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill.config import ServerConfig
@@ -28,6 +30,7 @@ from tokenmill.server.errors import bad_request
 from tokenmill.server.forced_calls import scan
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from tokenmill.server.reasoning_parsers.base import END as REASONING_END
 from tokenmill.server.structured_outputs import Constraint
 from tokenmill.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, get_tool_parser, make_tool_call_id
 
@@ -180,16 +183,16 @@ class ChoiceText:
 
     def full(self, text: str) -> dict[str, Any]:
         plan = self.plan
-        if plan.mode == "forced":
-            calls = forced_calls(text, plan.named)
-            if calls is None:
-                return {"content": text}
-            self.called = True
-            return {"content": None, "tool_calls": [call.to_openai() for call in calls]}
         message: dict[str, Any] = {"content": text}
         if self.reasoning_cls is not None:
             reasoning, message["content"] = self.reasoning_cls.split(text)
             message["reasoning_content"] = reasoning
+        if plan.mode == "forced":
+            calls = forced_calls(message["content"] or "", plan.named)
+            if calls is not None:
+                self.called = True
+                message.update(content=None, tool_calls=[call.to_openai() for call in calls])
+            return message
         if self.tool_parser is not None and message["content"]:
             parsed = type(self.tool_parser).parse(message["content"], plan.tools)
             calls = parsed.tool_calls if plan.parallel else parsed.tool_calls[:1]
@@ -209,8 +212,6 @@ class ChoiceText:
 
     def _step(self, text: str, final: bool) -> dict[str, Any]:
         plan = self.plan
-        if plan.mode == "forced":
-            return self._forced_step(text, final)
         delta: dict[str, Any] = {}
         content: str | None = text
         if self.reasoning is not None:
@@ -221,6 +222,8 @@ class ChoiceText:
                 content = (content or "") + (more_content or "") or None
             if reasoning:
                 delta["reasoning_content"] = reasoning
+        if plan.mode == "forced":
+            return delta | self._forced_step(content or "", final)
         if self.tool_parser is None:
             if content:
                 delta["content"] = content
@@ -262,7 +265,21 @@ class ChoiceText:
         return "tool_calls" if self.called and reason == "stop" else reason
 
 
-def reasoning_parser_of(config: ServerConfig, constrained: bool) -> type[ReasoningParser] | None:
-    if config.reasoning_parser is None or constrained:
+def reasoning_parser_of(config: ServerConfig, constrained: bool, prompt: str) -> type[ReasoningParser] | None:
+    """The server's reasoning parser; None when there is none, or for a constrained output when the prompt
+    already closed the think block (the constraint then applies from the start)."""
+    if config.reasoning_parser is None or (constrained and prompt_ends_reasoning(prompt)):
         return None
     return get_reasoning_parser(config.reasoning_parser)
+
+
+def prompt_ends_reasoning(prompt: str) -> bool:
+    """The chat template closed the think block itself (enable_thinking=false): the model answers at once."""
+    return prompt.rstrip().endswith(REASONING_END)
+
+
+def think_first(constraint: Constraint, reasoning: type[ReasoningParser] | None) -> Constraint:
+    """The constraint applied only once the reasoning is over (after "</think>"), when there is a parser."""
+    if reasoning is None:
+        return constraint
+    return replace(constraint, params=replace(constraint.params, reasoning_end=REASONING_END))

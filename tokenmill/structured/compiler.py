@@ -30,7 +30,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
         self._lock = Lock()
         self._compiler = None
-        self._compiled: dict[tuple[str, str], Future] = {}
+        self._compiled: dict[tuple[str, str, str], Future] = {}
 
     def __reduce__(self):
         # Sent to another process (a tensor-parallel rank) as its recipe: a compiler of its own, which needs
@@ -39,7 +39,7 @@ class GrammarCompiler:
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar of a spec (a future: done at once when the spec was compiled before)."""
-        key = params.key
+        key = (*params.key, params.reasoning_end or "")
         with self._lock:
             future = self._compiled.get(key)
             if future is None:

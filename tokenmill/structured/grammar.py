@@ -14,6 +14,25 @@ logger = logging.getLogger(__name__)
 
 def build_grammar(params: StructuredOutputsParams):
     """The xgrammar Grammar of a spec; ValueError naming what is wrong with it."""
+    grammar = _structure_grammar(params)
+    if params.reasoning_end is not None:
+        grammar = after_reasoning(grammar, params.reasoning_end)
+    return grammar
+
+
+def after_reasoning(grammar, end: str):
+    """Free text up to and including `end` (where the model's reasoning stops), at most two newlines (what
+    models write after "</think>"), then `grammar`: text before `end` is free, even if it looks like the
+    structure."""
+    import xgrammar as xgr
+
+    tag = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end}
+    reasoning = xgr.Grammar.from_structural_tag(json.dumps({"type": STRUCTURAL_TAG, "format": tag}))
+    newlines = xgr.Grammar.from_ebnf('root ::= "" | "\\n" | "\\n\\n"')
+    return xgr.Grammar.concat(reasoning, newlines, grammar)
+
+
+def _structure_grammar(params: StructuredOutputsParams):
     import xgrammar as xgr
 
     kind, text = params.key

@@ -1,0 +1,135 @@
+"""A constrained output that thinks first (issue 18): with a reasoning parser, the constraint applies only after
+"</think>". The composed grammar checked with xgrammar's matcher on strings (free text, the marker, then only
+what the structure takes); the server's plan (which requests think first, which start constrained); and a forced
+call's text split into reasoning_content and tool_calls, whole and streamed alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.config import ServerConfig
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.openai_protocol import ChatCompletionRequest
+from tokenmill.server.reasoning_parsers import get_reasoning_parser
+from tokenmill.server.structured_outputs import constraint_of
+from tokenmill.server.tools import ChoiceText, plan_tools, reasoning_parser_of, think_first
+from tokenmill.structured.grammar import build_grammar
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+def matcher(params: StructuredOutputsParams):
+    import xgrammar as xgr
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(build_grammar(params))
+    return xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+
+
+def accepts(params: StructuredOutputsParams, text: str) -> bool:
+    m = matcher(params)
+    return m.accept_string(text) and m.is_terminated()
+
+
+def test_free_text_then_marker_then_only_the_schema():
+    params = StructuredOutputsParams(json=ANSWER, reasoning_end="</think>")
+    assert accepts(params, 'Two and two make four.</think>{"answer": 4}')
+    assert accepts(params, '<think>hmm</think>\n\n{"answer": 4}')
+    assert accepts(params, '</think>{"answer": 4}')  # an empty reasoning
+    # JSON before the marker is just text, and JSON the schema refuses is fine there too.
+    assert accepts(params, '{"answer": 4} or {"answer": "four"}? </think>{"answer": 4}')
+    # Not done before the marker and the JSON; after the marker, only the schema's JSON.
+    m = matcher(params)
+    assert m.accept_string('{"answer": 4}') and not m.is_terminated()
+    assert not accepts(params, '{"answer": 4}')
+    assert not accepts(params, 'So: </think>{"answer": "four"}')
+    assert not accepts(params, 'So: </think>The answer is 4.')
+    assert not accepts(params, 'So: </think>{"answer": 4} and more')
+    assert not accepts(params, 'So: </think>\n\n\n{"answer": 4}')  # at most two newlines after the marker
+    # Without reasoning_end, the schema applies from the first character.
+    assert accepts(StructuredOutputsParams(json=ANSWER), '{"answer": 4}')
+    assert not accepts(StructuredOutputsParams(json=ANSWER), 'x</think>{"answer": 4}')
+
+
+@pytest.mark.parametrize("spec, good, bad", [
+    ({"regex": "[ab]+"}, "abba", "abc"),
+    ({"choice": ["yes", "no"]}, "no", "maybe"),
+    ({"json_object": True}, '{"a": 1}', "[1]"),
+])
+def test_other_kinds_compose(spec, good, bad):
+    params = StructuredOutputsParams(**spec, reasoning_end="</think>")
+    assert accepts(params, f"{bad} {good}</think>{good}")
+    assert not accepts(params, f"{good}</think>{bad}")
+
+
+def test_reasoning_end_is_part_of_the_key_of_the_compiled_grammar():
+    from tokenmill.structured.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(lambda: None, 0)
+    try:
+        plain = StructuredOutputsParams(regex="a")
+        thinking = StructuredOutputsParams(regex="a", reasoning_end="</think>")
+        # Distinct cache entries (the futures fail here: there is no tokenizer to compile against).
+        assert compiler.submit(plain) is not compiler.submit(thinking)
+        assert compiler.submit(thinking) is compiler.submit(thinking)
+    finally:
+        compiler.shutdown()
+    with pytest.raises(ValueError, match="reasoning_end"):
+        StructuredOutputsParams(regex="a", reasoning_end="")
+
+
+def request(**kwargs) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **kwargs})
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_plan(parser):
+    config = ServerConfig(reasoning_parser=parser)
+    req = request(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
+    constraint = constraint_of(req)
+    # The template opened the think block, or left it to the model: think first.
+    for prompt in ("<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n"):
+        reasoning = reasoning_parser_of(config, True, prompt)
+        assert reasoning is get_reasoning_parser(parser)
+        assert think_first(constraint, reasoning).params.reasoning_end == "</think>"
+    # enable_thinking=false: the template closed it; constrained from the start, nothing is reasoning.
+    reasoning = reasoning_parser_of(config, True, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert reasoning is None and think_first(constraint, reasoning).params.reasoning_end is None
+    # No reasoning parser: as before.
+    assert reasoning_parser_of(ServerConfig(), True, "<think>\n") is None
+    # Unconstrained output keeps the parser, whatever the prompt.
+    assert reasoning_parser_of(config, False, "<think>\n\n</think>\n\n") is get_reasoning_parser(parser)
+
+
+def streamed(text: ChoiceText, pieces: list[str]) -> dict:
+    reasoning, calls = "", {}
+    for delta in [text.feed(piece) for piece in pieces] + [text.finish()]:
+        assert not delta.get("content")
+        reasoning += delta.get("reasoning_content") or ""
+        for entry in delta.get("tool_calls", []):
+            call = calls.setdefault(entry["index"], ["", ""])
+            call[0] = entry["function"].get("name") or call[0]
+            call[1] += entry["function"].get("arguments", "")
+    return {"reasoning_content": reasoning, "calls": [tuple(calls[i]) for i in sorted(calls)]}
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 50])
+def test_forced_call_after_reasoning_whole_equals_streamed(cut):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    plan = plan_tools(request(tools=[tool], tool_choice="required"), ServerConfig(), False)
+    reasoning = get_reasoning_parser("deepseek_r1")
+    output = ('They ask about Paris: {"name": "x"} is not it.</think>\n\n'
+              '[{"name": "get_weather", "parameters": {"city": "Paris"}}]')
+    text = ChoiceText(plan, reasoning)
+    message = text.full(output)
+    assert message["reasoning_content"] == 'They ask about Paris: {"name": "x"} is not it.'
+    assert message["content"] is None and text.finish_reason("stop") == "tool_calls"
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    pieces = [output[i:i + cut] for i in range(0, len(output), cut)]
+    assert streamed(ChoiceText(plan, reasoning), pieces) == {
+        "reasoning_content": message["reasoning_content"],
+        "calls": [("get_weather", call["function"]["arguments"])]}
