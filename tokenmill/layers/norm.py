@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import use_triton
+from tokenmill.layers import cpu_norm
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +33,8 @@ class RMSNorm(nn.Module):
             from tokenmill.kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, self.offset, residual)
+        if x.device.type == "cpu" and cpu_norm.rms_norm_applies(x, self.weight, residual):
+            return cpu_norm.rms_norm_cpu(x, self.weight, self.eps, self.offset, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
