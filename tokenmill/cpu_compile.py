@@ -56,3 +56,22 @@ def build_error_message(error: Exception) -> str:
     lines = str(getattr(error, "stderr", None) or error).strip().splitlines()
     errors = [line for line in lines if "error" in line]  # gcc's last line is often a caret under code
     return (errors or lines or [repr(error)])[0 if errors else -1]
+
+
+BF16_C = r"""
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+"""
+"""C helpers for the kernels' sources (after stdint.h and string.h): bfloat16 <-> float32 as torch converts."""

@@ -21,7 +21,7 @@ import subprocess
 
 import torch
 
-from tokenmill.cpu_compile import FLAGS, build_error_message, compile_library
+from tokenmill.cpu_compile import BF16_C, FLAGS, build_error_message, compile_library
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +33,7 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+""" + BF16_C + r"""
 
 /* exp(x) for x <= 0 (scores minus their max), to about 1e-7 relative: written so that the compiler
    vectorizes it, where libm's expf would run one lane at a time. */
