@@ -154,6 +154,20 @@ def check_aux_states(model, layers: list[int], records: list) -> None:
     assert len(records) > 100, len(records)
 
 
+def record_proposals(proposer) -> list[tuple[list[int], list[int]]]:
+    """(the row's tokens, the drafts proposed after them) for every proposal the proposer makes from now on."""
+    proposals, propose = [], proposer.propose
+
+    def recording_propose(states, rows, max_drafts):
+        drafts = propose(states, rows, max_drafts)
+        proposals.extend((states.token_ids[r, : states.num_tokens[r]].tolist(), d.tolist())
+                         for r, d in zip(rows.tolist(), drafts) if len(d))
+        return drafts
+
+    proposer.propose = recording_propose
+    return proposals
+
+
 def check_same_outputs(outputs, plain) -> None:
     assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
     for got, want in zip(outputs, plain):
@@ -268,16 +282,7 @@ def test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token
     plain = run(target, engine)[0]
     llm = eagle3_llm(target, head, engine, k=2)
     records = record_aux_states(llm)
-    proposer, proposals = proposer_of(llm), []
-    propose = proposer.propose
-
-    def recording_propose(states, rows, max_drafts):
-        drafts = propose(states, rows, max_drafts)
-        proposals.extend((states.token_ids[r, : states.num_tokens[r]].tolist(), d.tolist())
-                         for r, d in zip(rows.tolist(), drafts) if len(d))
-        return drafts
-
-    proposer.propose = recording_propose
+    proposals = record_proposals(proposer_of(llm))
     outputs = llm.generate(*workload(), use_tqdm=False)
     check_same_outputs(outputs, plain)
     check_aux_states(model, [2, 1, 0], records)

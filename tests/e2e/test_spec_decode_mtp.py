@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.e2e.test_spec_decode import ENGINES, _Model, always_draft, run, workload
-from tests.e2e.test_spec_decode_eagle3 import check_same_outputs, proposer_of, rms_norm
+from tests.e2e.test_spec_decode_eagle3 import check_same_outputs, proposer_of, record_proposals, rms_norm
 from tests.models.conftest import TINY_MODELS, build_tiny_model
 from tokenmill import LLM
 
@@ -196,18 +196,10 @@ def test_a_random_mtp_layer_drafts_what_the_module_computes_and_changes_no_token
     engine = ENGINES["no-prefix-caching"]  # every position's MTP KV is written from the target's states
     plain = run(target, engine)[0]
     llm = mtp_llm(target, engine, k=2)
-    proposer, proposals = proposer_of(llm), []
+    proposer = proposer_of(llm)
     assert {"embed_tokens.weight", "shared_head.head.weight"} <= {n.removeprefix(MTP) for n, _ in
                                                                   proposer.model.named_parameters()}
-    propose = proposer.propose
-
-    def recording_propose(states, rows, max_drafts):
-        drafts = propose(states, rows, max_drafts)
-        proposals.extend((states.token_ids[r, : states.num_tokens[r]].tolist(), d.tolist())
-                         for r, d in zip(rows.tolist(), drafts) if len(d))
-        return drafts
-
-    proposer.propose = recording_propose
+    proposals = record_proposals(proposer)
     outputs = llm.generate(*workload(), use_tqdm=False)
     check_same_outputs(outputs, plain)
     reference = ReferenceMtp(model, source, tensors)

@@ -387,6 +387,7 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, dtype: torch.d
     return MoeConfig(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3))
 
 
+@functools.cache  # every MoE layer of every eager step asks: the same few questions
 def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
                device: torch.device) -> MoeConfig:
     """The tuned config of the token bucket nearest num_tokens (log scale), else default_config."""

@@ -21,6 +21,7 @@ the model's logits: the kernel forbids the ids past it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -39,11 +40,16 @@ ROWS_PER_FILL_THREAD = 32
 """xgrammar starts its fill threads anew at every call (and joins them): a thread per 32 rows, at most 8."""
 
 
+@functools.cache
+def _usable_fill_threads() -> int:
+    """Half the CPUs this process may use (asked once: the fill runs every step)."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
+
+
 def fill_threads(num_rows: int) -> int:
     """Threads for one batched fill. Not xgrammar's 'auto' (half of std::thread::hardware_concurrency()): that
     counts the host's CPUs, not this process's (a GPU lease may see 16 of a host's hundreds)."""
-    usable = max(1, len(os.sched_getaffinity(0)) // 2)
-    return max(1, min(MAX_FILL_THREADS, usable, num_rows // ROWS_PER_FILL_THREAD))
+    return max(1, min(MAX_FILL_THREADS, _usable_fill_threads(), num_rows // ROWS_PER_FILL_THREAD))
 
 
 class GrammarRows:
