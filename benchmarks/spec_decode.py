@@ -1,21 +1,28 @@
-"""Speculative decoding on the GPU: the mechanism's ceiling, and what speculation costs under load.
+"""Speculative decoding on the GPU: the mechanism's ceiling, the EAGLE-3 head's cost, and speculation under load.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/spec_decode.py --sections correct,oracle,load --out $OUT
+    PYTHONUNBUFFERED=1 python3 benchmarks/spec_decode.py --sections correct,oracle,eagle3_cost,load --out $OUT
+    python3 benchmarks/spec_decode.py --smoke --sections oracle,eagle3_cost   # CPU, tiny model: checks it runs
 
 Sections:
-  correct  the CPU tests of speculative decoding, run on this device (float32 tiny models: tokens and
-           logprobs equal plain decoding's; the rejection sampler's chi-square tests)
-  oracle   Llama-3.1-8B (dummy weights), batch 1, 128 prompt / 512 output tokens, greedy: plain decoding
-           against an oracle proposer that drafts the target's own greedy continuation (a benchmark-only
-           proposer: every draft is accepted, so this is the ceiling of the verify-and-emit mechanism), k = 4
-  load     the same model at batch 64 and 256 (128 / 256 tokens, random prompts), plain against n-gram
-           speculation configured (k = 4): the draft budget must not make either slower
-  W3, W4   BENCHMARKS.md's throughput workloads (benchmarks/gpu_check.py) with and without n-gram speculation
-           configured, in subprocesses: within 2% of each other
+  correct      the CPU tests of speculative decoding, run on this device (float32 tiny models: tokens and
+               logprobs equal plain decoding's; the rejection sampler's chi-square tests)
+  oracle       Llama-3.1-8B (dummy weights), batch 1, 128 prompt / 512 output tokens, greedy: plain decoding
+               against an oracle proposer that drafts the target's own greedy continuation of the current
+               context (benchmarks/spec_oracle.py, benchmark only: every draft is accepted, so this is the
+               ceiling of the verify-and-emit mechanism), k = 2 and 4
+  eagle3_cost  the same model and lengths with a dummy-weight EAGLE-3 head in the published Llama-3.1-8B layout
+               drafting k = 4 every step: time per engine step (drafting + verifying) against a plain decode
+               step (the issue's bound: <= 1.3x); acceptance is meaningless with dummy weights
+  load         the same model at batch 64 and 256 (128 / 256 tokens, random prompts), plain against n-gram
+               speculation configured (k = 4): the draft budget must not make either slower
+  W3, W4       BENCHMARKS.md's throughput workloads (benchmarks/gpu_check.py) with and without n-gram speculation
+               configured, in subprocesses: within 2% of each other
 
-The oracle's reference is plain decoding's greedy continuation. In bfloat16 a verify step's GEMMs round
-differently from a one-token step's, so a near-tie may go the other way: from there the oracle has nothing
-to propose and the run continues undrafted (the line reports how far each run followed the reference).
+The oracle: in bfloat16 a verify step's GEMMs round differently from a one-token step's, so a near-tie may go
+the other way than in plain decoding. The section first learns the target's greedy continuation of each run's
+own context (a few untimed runs, the oracle learning each run's own output), then times runs the oracle drafts
+from start to end; its line says how many divergences there were and checks each timed run's tokens against
+what the oracle knows.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import gc
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +45,44 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from spec_oracle import OracleProposer, common_prefix_length, follow_target  # noqa: E402
+
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.spec_decode import difference, stats_of  # noqa: E402
 from tokenmill.scheduler.draft_budget import DraftBudget  # noqa: E402
 
 LLAMA_8B = str(ROOT / "benchmarks/models/llama-3.1-8b")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+ORACLE_KV_GIB = 4.0
+"""The oracle section keeps a plain and a speculative engine side by side: each gets a fixed KV pool."""
+EAGLE3_DRAFT_VOCAB = 32000
+"""The published Llama-3.1-8B EAGLE-3 head's draft vocabulary (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B)."""
 RESULTS: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str = LLAMA_8B
+    dtype: str = "auto"
+    prompt_len: int = 128
+    output_len: int = 512
+    num_runs: int = 3
+    kv_cache_space: float | None = None
+    """GiB; None: sized from the profiled free memory (GPU)."""
+    oracle_wrong_token_at: int | None = None
+    """Smoke: the oracle first knows plain decoding's output with this token changed, so that its learning runs
+    on the engine (float32 on the CPU never diverges by itself)."""
+
+
+def smoke_setup(folder: Path) -> Setup:
+    """CPU-sized: a 4-layer Llama of width 64 and 32,768 tokens (the EAGLE-3 head's 32,000 are a subset), with
+    Llama-3.1-8B's configuration otherwise."""
+    config = json.loads(Path(LLAMA_8B, "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=32768)
+    Path(folder, "config.json").write_text(json.dumps(config))
+    return Setup(model=str(folder), dtype="float32", prompt_len=32, output_len=64, num_runs=1, kv_cache_space=0.25,
+                 oracle_wrong_token_at=24)
 
 
 def note(name: str, value: str) -> None:
@@ -48,30 +90,21 @@ def note(name: str, value: str) -> None:
     print(f"== {name}: {value}", flush=True)
 
 
-class OracleProposer:
-    """Drafts the known continuation of each sequence (benchmark only: it is never a user's choice)."""
-
-    def __init__(self, sequences: list[list[int]]) -> None:
-        self.sequences = sequences
-
-    def propose(self, states, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
-        drafts = []
-        for row, k in zip(rows.tolist(), max_drafts.tolist()):
-            length = int(states.num_tokens[row])
-            prefix = states.token_ids[row, :length].tolist()
-            found = next((s[length : length + k] for s in self.sequences if s[:length] == prefix), [])
-            drafts.append(np.array(found, dtype=np.int64))
-        return drafts
+def make_llm(setup: Setup, kv_cache_space: float | None = None, **kwargs) -> LLM:
+    return LLM(setup.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, dtype=setup.dtype,
+               kv_cache_space=setup.kv_cache_space or kv_cache_space, **kwargs)
 
 
-def make_llm(**kwargs) -> LLM:
-    return LLM(LLAMA_8B, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, **kwargs)
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def release() -> None:
-    """Frees the GPU memory of engines the caller has dropped (`del llm` first)."""
+    """Frees the memory of engines the caller has dropped (`del llm` first)."""
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def random_prompts(num: int, length: int, seed: int) -> list[dict]:
@@ -79,15 +112,44 @@ def random_prompts(num: int, length: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": rng.integers(100, 30000, length).tolist()} for _ in range(num)]
 
 
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
+    sync()
     return outputs, time.perf_counter() - start
 
 
-def section_correct() -> None:
+def fresh_budget(llm: LLM, k: int, measured_cost: bool = True) -> None:
+    """A new draft budget before each run: its pause state would otherwise carry over from the last run.
+    Without the measured cost and gain threshold it drafts k every step."""
+    scheduler = llm.engine.core.scheduler
+    cost = scheduler.draft_budget.cost if measured_cost else None
+    scheduler.draft_budget = DraftBudget(k, cost, None, llm.engine.core.executor.max_verify_tokens)
+    if not measured_cost:
+        scheduler.draft_budget.min_gain = 0.0
+
+
+class StepCounter:
+    """Counts the engine steps launched (one forward pass each, drafting included)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.count = 0
+        executor = llm.engine.core.executor
+        execute = executor.execute_model
+
+        def counted(scheduler_output):
+            self.count += 1
+            return execute(scheduler_output)
+
+        executor.execute_model = counted
+
+
+def section_correct(setup: Setup) -> None:
     tests = ["tests/e2e/test_spec_decode.py", "tests/unit/test_rejection_sampler.py",
              "tests/unit/test_ngram_proposer.py", "tests/unit/test_scheduler_properties.py",
              "tests/e2e/test_structured_outputs.py"]
@@ -97,51 +159,149 @@ def section_correct() -> None:
     note("spec tests on GPU", result.stdout.strip().splitlines()[-1] if result.stdout else f"rc {result.returncode}")
 
 
-def section_oracle(ks: tuple[int, ...] = (2, 4), num_runs: int = 3) -> None:
-    prompts = random_prompts(1, 128, seed=1)
-    params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
-    llm = make_llm()
-    timed_generate(llm, prompts, params)  # warm-up
+def oracle_run(llm: LLM, k: int, prompts, params) -> tuple[list[int], float]:
+    """One speculative run with a fresh draft budget: its output tokens and seconds."""
+    fresh_budget(llm, k)
+    outputs, seconds = timed_generate(llm, prompts, params)
+    return list(outputs[0].outputs[0].token_ids), seconds
+
+
+def oracle_tokens(llm: LLM, k: int, prompts, params) -> list[int]:
+    return oracle_run(llm, k, prompts, params)[0]
+
+
+def section_oracle(setup: Setup, ks: tuple[int, ...] = (2, 4), max_rounds: int = 6) -> None:
+    prompts = random_prompts(1, setup.prompt_len, seed=1)
+    prompt, num_out = prompts[0]["prompt_token_ids"], setup.output_len
+    params = greedy(num_out)
+    plain_llm = make_llm(setup, ORACLE_KV_GIB)
+    timed_generate(plain_llm, prompts, params)  # warm-up
     plain_times = []
-    for _ in range(num_runs):
-        outputs, seconds = timed_generate(llm, prompts, params)
+    for _ in range(setup.num_runs):
+        outputs, seconds = timed_generate(plain_llm, prompts, params)
         plain_times.append(seconds)
-    reference = outputs[0].prompt_token_ids + outputs[0].outputs[0].token_ids
-    del llm
+    reference = list(outputs[0].outputs[0].token_ids)
+    del plain_llm
     release()
     plain = float(np.median(plain_times))
-    note("oracle: plain batch 1", f"{512 / plain:.1f} tok/s ({plain * 1e3 / 512:.3f} ms/token)")
+    note("oracle: plain batch 1", f"{num_out / plain:.1f} tok/s ({plain * 1e3 / num_out:.3f} ms/token)")
     for k in ks:
-        llm = make_llm(speculative_config={**NGRAM, "num_speculative_tokens": k})
-        llm.engine.core.executor.driver_worker.model_runner.speculative.proposer = OracleProposer([reference])
-        scheduler = llm.engine.core.scheduler
-        cost = scheduler.draft_budget.cost
-        spec_times, kept = [], []
-        for _ in range(num_runs + 1):  # the first run warms up
-            # A fresh budget each run: its pause state would otherwise carry over from the last run.
-            scheduler.draft_budget = DraftBudget(k, cost, None, llm.engine.core.executor.max_verify_tokens)
-            outputs, seconds = timed_generate(llm, prompts, params)
+        llm = make_llm(setup, ORACLE_KV_GIB, speculative_config={**NGRAM, "num_speculative_tokens": k})
+        known = list(reference)
+        if setup.oracle_wrong_token_at is not None:
+            known[setup.oracle_wrong_token_at] ^= 1
+        oracle = OracleProposer([prompt + known])
+        llm.engine.core.executor.driver_worker.model_runner.speculative.proposer = oracle
+        cost = llm.engine.core.scheduler.draft_budget.cost
+        followed = follow_target(oracle, partial(oracle_tokens, llm, k, prompts, params), prompt, max_rounds)
+        oracle_run(llm, k, prompts, params)  # warm-up
+        oracle.misses = 0
+        before = stats_of(llm)
+        spec_times, known = [], []
+        for _ in range(setup.num_runs):
+            got, seconds = oracle_run(llm, k, prompts, params)
             spec_times.append(seconds)
-            got = outputs[0].outputs[0].token_ids
-            kept.append(next((i for i, (x, y) in enumerate(zip(got, reference[128:])) if x != y), len(got)))
-        stats = llm.engine.last_stats.spec_decoding
-        spec = float(np.median(spec_times[1:]))
+            known.append(oracle.known_prefix(prompt + got) - len(prompt))
+        stats = difference(before, stats_of(llm))
+        spec = float(np.median(spec_times))
+        exact = all(n == num_out for n in known) and oracle.misses == 0
+        learnt = "learnt" if followed.converged else "NOT all learnt"
         note(f"oracle: k={k} batch 1",
-             f"{512 / spec:.1f} tok/s = {plain / spec:.2f}x plain; acceptance length "
-             f"{stats.mean_acceptance_length:.2f}; "
-             f"tokens equal to plain decoding's before the first difference: {kept[1:]} of 512; step cost "
-             f"{cost.fixed_s * 1e3:.2f} ms + {cost.per_token_s * 1e6:.1f} us/token")
+             f"{num_out / spec:.1f} tok/s = {plain / spec:.2f}x plain; acceptance length "
+             f"{stats.mean_acceptance_length:.2f}; {len(followed.divergences)} divergences from what the oracle "
+             f"knew, at output positions {followed.divergences} ({learnt} in "
+             f"{len(followed.divergences) + followed.converged} untimed runs); timed runs' tokens known to the "
+             f"oracle: {known} of {num_out} ({'every one' if exact else 'NOT every one'}), "
+             f"{oracle.misses} undrafted steps; equal to plain decoding from the prompt before the first difference: "
+             f"{common_prefix_length(got, reference)}; step cost {cost.fixed_s * 1e3:.2f} ms + "
+             f"{cost.per_token_s * 1e6:.1f} us/token")
         del llm
         release()
 
 
-def section_load() -> None:
+def write_eagle3_head(folder: Path, target: dict, seed: int = 0) -> str:
+    """A dummy-weight EAGLE-3 head for the Llama `target` (its config.json) in the layout of the published
+    Llama-3.1-8B head: its config.json fields, and `midlayer.*` (q/k/v read embedding and state side by side),
+    `fc` over three target layers, `norm`, `lm_head` over a 32,000-token draft vocabulary, `d2t` and `t2d`;
+    no `embed_tokens` (the target's is shared). Weights as the engine's dummy ones: small uniform, norms 1."""
+    hidden, intermediate = target["hidden_size"], target["intermediate_size"]
+    heads, kv_heads, vocab = target["num_attention_heads"], target["num_key_value_heads"], target["vocab_size"]
+    head_dim, draft_vocab = hidden // heads, min(EAGLE3_DRAFT_VOCAB, vocab)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 128000, "eos_token_id": 128001,
+              "hidden_act": "silu", "hidden_size": hidden, "initializer_range": 0.02,
+              "intermediate_size": intermediate, "max_position_embeddings": 2048, "model_type": "llama",
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": 1,
+              "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
+              "use_cache": True, "vocab_size": vocab, "draft_vocab_size": draft_vocab}
+    shapes = {
+        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": (intermediate, hidden),
+        "midlayer.mlp.up_proj.weight": (intermediate, hidden),
+        "midlayer.mlp.down_proj.weight": (hidden, intermediate),
+        "fc.weight": (hidden, 3 * hidden),
+        "lm_head.weight": (draft_vocab, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.empty(shape).uniform_(-1e-3, 1e-3, generator=generator).half()
+               for name, shape in shapes.items()}
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{norm}.weight"] = torch.ones(hidden, dtype=torch.float16)
+    hot = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values  # the draft vocabulary's tokens
+    tensors["d2t"] = hot - torch.arange(draft_vocab)
+    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, hot, True)
+    from safetensors.torch import save_file
+
+    Path(folder, "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(Path(folder, "model.safetensors")))
+    return str(folder)
+
+
+def section_eagle3_cost(setup: Setup, k: int = 4) -> None:
+    prompts = random_prompts(1, setup.prompt_len, seed=3)
+    params = greedy(setup.output_len)
+    with tempfile.TemporaryDirectory() as folder:
+        head = write_eagle3_head(Path(folder), json.loads(Path(setup.model, "config.json").read_text()))
+        per_step, steps = {}, {}
+        for name, extra in (("plain", {}), ("eagle3", {"speculative_config": {
+                "method": "eagle3", "model": head, "num_speculative_tokens": k}})):
+            llm = make_llm(setup, **extra)
+            counter = StepCounter(llm)
+            drafting = "speculative_config" in extra
+            if drafting:
+                fresh_budget(llm, k, measured_cost=False)
+            timed_generate(llm, prompts, params)  # warm-up
+            before = stats_of(llm)
+            times, counts = [], []
+            for _ in range(setup.num_runs):
+                if drafting:
+                    fresh_budget(llm, k, measured_cost=False)
+                start = counter.count
+                _, seconds = timed_generate(llm, prompts, params)
+                counts.append(counter.count - start)
+                times.append(seconds / counts[-1])
+            per_step[name], steps[name] = float(np.median(times)), counts
+            stats = difference(before, stats_of(llm))
+            if stats is not None:
+                note(f"eagle3_cost: k={k} drafts", f"{stats.num_draft_tokens} draft tokens in {stats.num_drafts} "
+                     f"drafting steps of {sum(counts)} ({stats.num_draft_tokens / max(stats.num_drafts, 1):.2f} "
+                     f"per step), acceptance {stats.acceptance_rate:.2f} (dummy weights: meaningless)")
+            del llm
+            release()
+    note(f"eagle3_cost: k={k} batch 1", f"plain {per_step['plain'] * 1e3:.3f} ms/step ({steps['plain']} steps), "
+         f"EAGLE-3 drafting {k} + verifying {per_step['eagle3'] * 1e3:.3f} ms/step ({steps['eagle3']} steps): "
+         f"{per_step['eagle3'] / per_step['plain']:.2f}x a plain step")
+
+
+def section_load(setup: Setup) -> None:
     for batch, output_len in ((64, 256), (256, 256)):
         prompts = random_prompts(batch, 128, seed=batch)
-        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        params = greedy(output_len)
         seconds = {}
         for name, extra in (("plain", {}), ("ngram", {"speculative_config": NGRAM})):
-            llm = make_llm(**extra)
+            llm = make_llm(setup, **extra)
             timed_generate(llm, prompts[: min(batch, 16)], SamplingParams(temperature=0, max_tokens=16))  # warm-up
             runs = [timed_generate(llm, prompts, params)[1] for _ in range(2)]
             seconds[name] = min(runs)
@@ -175,17 +335,29 @@ def section_workload(name: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sections", default="correct,oracle,load")
+    parser.add_argument("--sections", default="correct,oracle,eagle3_cost,load")
     parser.add_argument("--out", default=None)
     parser.add_argument("--oracle-k", default="2,4", help="draft lengths the oracle section measures")
+    parser.add_argument("--oracle-rounds", type=int, default=6,
+                        help="most untimed runs in which the oracle learns the target's continuation")
+    parser.add_argument("--smoke", action="store_true", help="CPU-sized (sections oracle and eagle3_cost): a tiny "
+                        "Llama, float32, 32 in / 64 out, one timed run; the oracle first knows a wrong output "
+                        "token 24, which it must learn its way past")
     args = parser.parse_args()
-    for name in args.sections.split(","):
-        if name in ("W3", "W4"):
-            section_workload(name)
-        elif name == "oracle":
-            section_oracle(tuple(int(k) for k in args.oracle_k.split(",")))
-        else:
-            {"correct": section_correct, "oracle": section_oracle, "load": section_load}[name]()
+    sections = args.sections.split(",")
+    if args.smoke and set(sections) - {"oracle", "eagle3_cost"}:
+        raise SystemExit("--smoke runs the sections oracle and eagle3_cost only")
+    with tempfile.TemporaryDirectory() as folder:
+        setup = smoke_setup(Path(folder)) if args.smoke else Setup()
+        for name in sections:
+            if name in ("W3", "W4"):
+                section_workload(name)
+            elif name == "oracle":
+                section_oracle(setup, tuple(int(k) for k in args.oracle_k.split(",")), args.oracle_rounds)
+            elif name in ("correct", "eagle3_cost", "load"):
+                {"correct": section_correct, "eagle3_cost": section_eagle3_cost, "load": section_load}[name](setup)
+            else:
+                raise SystemExit(f"unknown section {name!r}")
     print("\n| measurement | result |\n|---|---|")
     for name, value in RESULTS.items():
         print(f"| {name} | {value} |")

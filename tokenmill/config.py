@@ -96,8 +96,9 @@ class DeviceConfig:
     """Attention implementation; None picks the platform default."""
 
 
-EXECUTOR_BACKENDS = ("uni", "mp")
-"""How the ranks run: uni (one rank, in the engine core's process) | mp (a process per rank on this host)."""
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+"""How the ranks run: uni (one rank, in the engine core's process) | mp (a process per rank on this host, or
+per rank of this node with --nnodes) | ray (a Ray actor per rank, placed by Ray on the cluster's nodes)."""
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,14 @@ class ParallelConfig:
     """Ranks each layer's heads and features are split over (all-reduce after row-parallel layers)."""
     pipeline_parallel_size: int = 1
     """Pipeline stages: each holds a contiguous range of the decoder layers (the first also the embedding, the
-    last the final norm and LM head), tensor_parallel_size ranks each; one batch in flight at a time."""
+    last the final norm and LM head), tensor_parallel_size ranks each."""
+    pipeline_batches_in_flight: int | None = None
+    """Micro-batches in flight through the pipeline stages, so that every stage computes one while the next
+    computes the one before; a request sits out the batches launched while its next token is computed (None:
+    pipeline_parallel_size; 1: one batch at a time, the stages taking turns)."""
     distributed_executor_backend: str | None = None
-    """uni | mp (None: uni for one rank, mp for several)."""
+    """uni | mp | ray (None: uni for one rank; for several, mp when they fit this node or nnodes > 1, ray when
+    they do not and a Ray cluster is running; chosen when the engine starts)."""
     data_parallel_size: int = 1
     """Engine-core replicas behind one server, each a process of its own with a full copy of the model (and
     its own tensor_parallel_size GPUs: replica r takes GPUs r*tp to (r+1)*tp-1); each request goes to one,
@@ -118,6 +124,17 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     """Mixture-of-experts layers: each tensor-parallel rank holds whole routed experts (1/tp of them) instead
     of a 1/tp slice of every expert; attention and shared experts stay tensor-parallel. No effect at tp 1."""
+    nnodes: int = 1
+    """Nodes the ranks span over a torch.distributed rendezvous (no Ray): each runs world_size / nnodes ranks;
+    node 0 also runs the engine and the server, the others only their ranks (`serve --node-rank N`)."""
+    node_rank: int = 0
+    """This node's index among nnodes; ranks node_rank * world_size / nnodes onwards run here."""
+    master_addr: str = "127.0.0.1"
+    """Node 0's address, which every node can reach (nnodes > 1)."""
+    master_port: int = 29501
+    """Node 0's rendezvous port (torch.distributed's store; the other channels' ports are published there)."""
+    headless: bool = False
+    """Run only this node's ranks, no engine or server: vLLM's flag, implied by node_rank > 0."""
 
     def __post_init__(self) -> None:
         if type(self.enable_expert_parallel) is not bool:
@@ -126,14 +143,58 @@ class ParallelConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self._check_nodes()
+        batches = self.pipeline_batches_in_flight
+        if batches is not None and (type(batches) is not int or not 1 <= batches <= self.pipeline_parallel_size):
+            raise ValueError(f"pipeline_batches_in_flight must be an integer from 1 to pipeline_parallel_size "
+                             f"({self.pipeline_parallel_size}), got {batches!r}")
         backend = self.distributed_executor_backend
         if backend is None:
-            object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
+            if self.world_size == 1 or self.nnodes > 1:
+                object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
         elif backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend {backend!r} is not supported; choose one of "
                              f"{', '.join(EXECUTOR_BACKENDS)}")
         elif backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one rank; {self.world_size} need 'mp'")
+        elif backend == "ray" and self.nnodes > 1:
+            raise ValueError("distributed_executor_backend 'ray' places the ranks on the Ray cluster's nodes "
+                             "itself: leave nnodes at 1")
+
+    def _check_nodes(self) -> None:
+        for name in ("nnodes", "master_port"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if type(self.node_rank) is not int or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be an integer from 0 to nnodes - 1 ({self.nnodes - 1}), "
+                             f"got {self.node_rank!r}")
+        if self.master_port > 65535:
+            raise ValueError(f"master_port must be at most 65535, got {self.master_port}")
+        if type(self.headless) is not bool:
+            raise ValueError(f"headless must be a bool, got {self.headless!r}")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("node 0 runs the engine: headless needs node_rank > 0")
+        if self.nnodes > 1:
+            if (self.tensor_parallel_size * self.pipeline_parallel_size) % self.nnodes:
+                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({self.world_size}) must be a "
+                                 f"multiple of nnodes ({self.nnodes}): every node runs as many ranks")
+            if self.data_parallel_size > 1:
+                raise ValueError("nnodes > 1 spreads one engine's ranks over the nodes; data_parallel_size > 1 "
+                                 "is not supported with it")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def is_headless(self) -> bool:
+        """This node runs only its ranks: the engine runs on node 0."""
+        return self.node_rank > 0
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        return self.pipeline_batches_in_flight or self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -313,6 +374,10 @@ class ServerConfig:
     qwen3_coder."""
     reasoning_parser: str | None = None
     """Split the model's reasoning into reasoning_content: deepseek_r1 | qwen3."""
+    profiler_dir: str | None = None
+    """Folder for torch profiler traces of the engine core(s), recorded between POST /start_profile and POST
+    /stop_profile (vLLM's torch_profiler_dir); default: $TOKENMILL_TORCH_PROFILER_DIR; unset: those routes
+    answer 404."""
 
     def __post_init__(self) -> None:
         # The parsers' registries import nothing heavy (no fastapi): checked here, at start-up.

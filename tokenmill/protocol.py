@@ -81,8 +81,33 @@ class SchedulerStats:
 
 
 @dataclass
+class ProfileCommand:
+    """Start or stop the engine core's torch profiler (the server's POST /start_profile and /stop_profile)."""
+
+    call_id: int
+    """Echoed in the ProfileReply, which is how the frontend matches the reply to its call."""
+    start: bool
+    output_dir: str = ""
+    """start: the folder the stop writes the trace into."""
+
+
+@dataclass
+class ProfileReply:
+    call_id: int
+    trace_file: str | None = None
+    """stop: the gzipped chrome trace (open it in https://ui.perfetto.dev)."""
+    table_file: str | None = None
+    """stop: the ops' times, a text table next to the trace."""
+    error: str | None = None
+    is_misuse: bool = False
+    """The error is the caller's (start while running, stop while not), not the profiler's."""
+
+
+@dataclass
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     engine_error: str | None = None
     """Set on the core's last message when a step raised: it is exiting, and every request it held is lost."""
+    profile_reply: ProfileReply | None = None
+    """The answer to a ProfileCommand (in a message of its own)."""

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from server_harness import HOST, RemoteServer, free_port
 
@@ -121,6 +123,31 @@ def test_bench_serve_sweeps_rates_into_a_table_and_a_plot(server, tmp_path):
     table = result.stdout[result.stdout.index("out tok/s"):].splitlines()
     assert [row.split()[0] for row in table[1:3]] == ["20", "inf"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+def test_bench_serve_prefix_repetition_hits_the_servers_prefix_cache(server, tmp_path):
+    def prefix_cache_hits() -> float:
+        metrics = httpx.get(server.url("/metrics"), headers=server.headers).text
+        [value] = re.findall(r"^tokenmill:prefix_cache_hits_total\{.*\} (\S+)$", metrics, re.MULTILINE)
+        return float(value)
+
+    hits_before = prefix_cache_hits()
+    # One at a time: each request finds the 64-token prefix (4 blocks of 16) its predecessors left in the cache.
+    result = tokenmill("bench", "serve", "--base-url", server.base_url, "--dataset-name", "prefix_repetition",
+                       "--num-prompts", "4", "--prefix-repetition-prefix-len", "64", "--prefix-repetition-suffix-len",
+                       "8", "--prefix-repetition-num-prefixes", "1", "--prefix-repetition-output-len", "2",
+                       "--ignore-eos", "--max-concurrency", "1", "--seed", "7", "--result-file",
+                       str(tmp_path / "r.json"), api_key_env=API_KEY)
+    assert result.returncode == 0, result.stderr
+    assert prefix_cache_hits() - hits_before == 3 * 64
+    assert "dataset                          prefix_repetition (prefix_len=64, suffix_len=8, num_prefixes=1, " \
+           "output_len=2)" in result.stdout
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["dataset_name"] == "prefix_repetition" and saved["dataset_params"] == {
+        "prefix_len": 64, "suffix_len": 8, "num_prefixes": 1, "output_len": 2}
+    assert saved["completed"] == 4 and saved["total_input_tokens"] == 4 * 72 and saved["total_output_tokens"] == 8
+    assert saved["server_prefix_cache_hits"] == 3 * 64 and saved["server_prefix_cache_queries"] == 4 * 72
+    assert saved["server_mean_ttft_ms"] > saved["server_mean_queue_time_ms"] >= 0
+
 
 def test_bench_serve_with_a_wrong_key(server):
     result = tokenmill("bench", "serve", "--base-url", server.base_url, "--num-prompts", "1", api_key_env="wrong")

@@ -59,6 +59,30 @@ def test_blocks_dequantize_to_the_dense_weights(kept_llm, smollm2_llm):
             np.testing.assert_array_equal(values, dense.get_submodule(name).weight.numpy(), err_msg=name)
 
 
+def test_lm_head_reads_the_embedding_blocks(kept_llm, smollm2_llm):
+    """The tied table keeps its Q8_0 blocks (layers.cpu_lm_head reads them for decode rows); they mean exactly
+    the dense table. The dequantizing load keeps none."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    weight = model_of(kept_llm).lm_head.weight
+    assert weight is model_of(kept_llm).model.embed_tokens.weight
+    assert weight.ggml_blocks.ggml_type == GGMLQuantizationType.Q8_0 and weight.ggml_blocks.shape == (49152, 612)
+    values = dequantize(weight.ggml_blocks.numpy(), GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(values, weight.numpy())
+    np.testing.assert_array_equal(values, model_of(smollm2_llm).lm_head.weight.numpy())
+    assert not hasattr(model_of(smollm2_llm).lm_head.weight, "ggml_blocks")
+
+
+def test_greedy_tokens_match_the_dequantized_model(kept_llm, smollm2_llm):
+    """Decode rows take the blocks' LM head here, oneDNN's dense one there (whose greedy tokens equal
+    transformers': test_smollm2_offline.py): the same 24 tokens."""
+    from tests.e2e.test_smollm2_offline import NUM_TOKENS, PROMPTS
+
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in smollm2_llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in kept_llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+
+
 def test_predictions_match_the_dequantized_model(kept_llm, smollm2_llm, smollm2_tokenizer):
     token_ids = smollm2_tokenizer(TEXT).input_ids
     quality = quant_quality(smollm2_llm, kept_llm, token_ids)

@@ -297,6 +297,13 @@ def test_request_chat_template_needs_the_flag(server):
     assert "--trust-request-chat-template" in error["message"] and error["param"] == "chat_template"
 
 
+@pytest.mark.parametrize("path", ["/start_profile", "/stop_profile"])
+def test_profiling_routes_are_404_without_a_profiler_dir(server, path):
+    # As vLLM without a profiler configured (tests/e2e/test_server_profiling.py has the server with one).
+    error = assert_openai_error(post(server, path), 404)
+    assert error["code"] == "profiler_disabled" and "--profiler-dir" in error["message"]
+
+
 def raw_request(server, head: str, body: bytes = b"") -> socket.socket:
     """An HTTP/1.1 request on a socket of its own, sent as given (`head`: the request line and any
     headers beyond Host and the key)."""

@@ -53,7 +53,7 @@ def test_help_comes_from_field_docstrings():
     assert set(docs) == {"host", "port", "api_key", "served_model_name", "max_waiting_requests",
                          "max_request_body_bytes", "metrics_no_auth", "uvicorn_log_level",
                          "trust_request_chat_template", "enable_auto_tool_choice", "tool_call_parser",
-                         "reasoning_parser"}
+                         "reasoning_parser", "profiler_dir"}
     assert "Tokens per KV-cache block" in field_docs(CacheConfig)["block_size"]
 
 

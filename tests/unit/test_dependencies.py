@@ -8,9 +8,10 @@ from importlib.metadata import PackageNotFoundError, packages_distributions, req
 
 import tokenmill
 
-OPTIONAL = {"triton", "matplotlib"}
+OPTIONAL = {"triton", "matplotlib", "ray"}
 """Imported only where installed (tokenmill.kernels.triton_available), or only for an optional feature that says
-what to install when it is missing (matplotlib: bench serve --plot, the `bench` extra)."""
+what to install when it is missing (matplotlib: bench serve --plot, the `bench` extra; ray: the ray executor,
+the `ray` extra)."""
 
 
 def base_distributions() -> set[str]:

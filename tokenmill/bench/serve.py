@@ -1,15 +1,16 @@
 """`tokenmill bench serve`: load an OpenAI-compatible server (tokenmill's, vLLM's, ...) with streamed
-completions of random prompts, and report throughput and latency, with vLLM's `vllm bench serve` flags,
+completions of synthetic prompts, and report throughput and latency, with vLLM's `vllm bench serve` flags,
 metrics and JSON result keys, so the two can be compared run for run.
 
-Prompts are random token ids drawn from the server's own tokenization of a built-in text, sent as
-token-id prompts, so every request has exactly --random-input-len tokens; with --ignore-eos every request
-generates exactly --random-output-len tokens. Requests arrive at --request-rate per second (all at once
-by default): Poisson arrivals, or gamma-distributed gaps with --burstiness other than 1 (as vLLM's); at
-most --max-concurrency in flight. Every streamed chunk counts as tokens arriving (for ITL), as vLLM's
-benchmark counts them. A server that decodes speculatively (its /metrics has tokenmill's or vLLM's
-spec_decode_* counters) also has the run's acceptance rate and length reported, from those counters
-read before and after the run.
+Prompts are random token ids drawn from the server's own tokenization of a built-in text, sent as token-id
+prompts, so every request has exactly the prompt length drawn; with --ignore-eos every request generates
+exactly its output length. The datasets are vLLM's (serve_datasets.py): `random`, with an optional shared
+prefix and spread of lengths, and `prefix_repetition`, a few long prefixes each shared by many requests.
+Requests arrive at --request-rate per second (all at once by default): Poisson arrivals, or gamma-distributed
+gaps with --burstiness other than 1 (as vLLM's); at most --max-concurrency in flight. Every streamed chunk
+counts as tokens arriving (for ITL), as vLLM's benchmark counts them. The server's /metrics, read before and
+after the run, add the run's speculative decoding acceptance (tokenmill's or vLLM's spec_decode_* counters)
+and the server's own mean TTFT and queue time and prefix-cache hit rate (server_metrics.py), where it has them.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenmill.bench import spec_decode
+from tokenmill.bench import serve_datasets, server_metrics, spec_decode
+from tokenmill.bench.serve_datasets import BenchRequest
 
 SEED_TEXT = (
     "The quick brown fox jumps over the lazy dog while the river runs past old mills, grinding grain "
@@ -44,13 +47,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=None,
                         help="bearer key, if the server wants one (default: $TOKENMILL_API_KEY)")
-    parser.add_argument("--dataset-name", default="random", choices=["random"],
-                        help="where prompts come from: random token ids (the only dataset here)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
-    parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--random-output-len", type=int, default=64, help="generated tokens per request (max_tokens)")
+    serve_datasets.add_cli_args(parser)
     parser.add_argument("--ignore-eos", action="store_true",
-                        help="generate all --random-output-len tokens, whatever the model samples")
+                        help="generate every request's whole output length, whatever the model samples")
     parser.add_argument("--request-rate", type=_rates, default=[math.inf],
                         help="requests per second (default: inf, all at once); several, comma-separated "
                              "(4,8,16,inf), sweep: one run per rate, a table, and --plot")
@@ -63,7 +63,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="metrics whose percentiles are reported, of ttft, tpot, itl, e2el")
     parser.add_argument("--metric-percentiles", "--percentiles", default="99",
                         help="comma-separated percentiles reported for those metrics (the median always is)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of prompts and arrival times (a sweep's i-th rate uses seed + i)")
     parser.add_argument("--save-result", action="store_true", help="write the results as JSON")
     parser.add_argument("--result-dir", default=".", help="folder of --save-result's file")
     parser.add_argument("--result-filename", default=None,
@@ -75,6 +76,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 class RequestResult:
     ok: bool = False
     error: str = ""
+    prompt_len: int = 0
     ttft: float = 0.0
     latency: float = 0.0
     output_tokens: int = 0
@@ -92,10 +94,11 @@ async def _get_model_and_vocab(client, args) -> tuple[str, list[int]]:
     return model, sorted(set(response.json()["tokens"]))
 
 
-async def _one_request(client, args: argparse.Namespace, model: str, prompt: list[int]) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": args.random_output_len, "temperature": 0.0,
-            "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
-    result = RequestResult()
+async def _one_request(client, args: argparse.Namespace, model: str, request: BenchRequest) -> RequestResult:
+    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
+            "temperature": 0.0, "ignore_eos": args.ignore_eos, "stream": True,
+            "stream_options": {"include_usage": True}}
+    result = RequestResult(prompt_len=len(request.prompt_token_ids))
     start = last = time.perf_counter()
     num_chunks = 0
     try:
@@ -127,14 +130,17 @@ async def _one_request(client, args: argparse.Namespace, model: str, prompt: lis
     return result
 
 
-async def _spec_decode_counters(client):
-    """The server's speculative decoding counters (a SpecDecodingStats); None when /metrics has none, or
-    cannot be read (a server without it, a key it refuses): the report then leaves them out."""
+async def _read_metrics(client) -> tuple:
+    """The server's speculative decoding counters (a SpecDecodingStats) and server_metrics' series; each None
+    when /metrics has none, or cannot be read (a server without it, a key it refuses): the report then
+    leaves them out."""
     try:
         response = await client.get("/metrics")
-        return spec_decode.from_metrics(response.text) if response.status_code == 200 else None
+        if response.status_code != 200:
+            return None, None
+        return spec_decode.from_metrics(response.text), server_metrics.from_metrics(response.text)
     except Exception:  # whatever stops the read, the benchmark itself is not at stake
-        return None
+        return None, None
 
 
 def _rates(text: str) -> list[float]:
@@ -168,60 +174,67 @@ class Concurrency:
 
 
 async def _run(args: argparse.Namespace) -> tuple[list[RequestResult], float, int, dict]:
-    """The requests' results, the run's duration, the peak concurrency, and spec_decode.summary() of the run."""
+    """The requests' results, the run's duration, the peak concurrency, and the run's spec_decode.summary()
+    and server_metrics.summary()."""
     import httpx
 
     from tokenmill.cli.args import api_key_or_env
 
     api_key = api_key_or_env(args.api_key)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts, max_keepalive_connections=None)
+    # Idle connections expire here before any server closes them (uvicorn's default keep-alive is 5 s, as is
+    # httpx's expiry): a request sent on a connection being closed fails with ReadError.
+    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts, max_keepalive_connections=None,
+                          keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
         model, vocab = await _get_model_and_vocab(client, args)
         rng = random.Random(args.seed)
-        prompts = [[rng.choice(vocab) for _ in range(args.random_input_len)] for _ in range(args.num_prompts)]
-        gaps = arrival_gaps(args.num_prompts, args.request_rate, args.burstiness, rng)
-        semaphore = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+        requests = serve_datasets.make_requests(args, vocab, rng)
+        gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, rng)
+        semaphore = asyncio.Semaphore(args.max_concurrency or len(requests))
         in_flight = Concurrency()
 
-        async def limited(prompt: list[int]) -> RequestResult:
+        async def limited(request: BenchRequest) -> RequestResult:
             async with semaphore:
                 in_flight.enter()
                 try:
-                    return await _one_request(client, args, model, prompt)
+                    return await _one_request(client, args, model, request)
                 finally:
                     in_flight.leave()
 
-        spec_before = await _spec_decode_counters(client)
+        spec_before, server_before = await _read_metrics(client)
         start = time.perf_counter()
         tasks = []
-        for prompt, gap in zip(prompts, gaps):
+        for request, gap in zip(requests, gaps):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(prompt)))
+            tasks.append(asyncio.create_task(limited(request)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        spec_run = spec_decode.difference(spec_before, await _spec_decode_counters(client))
-        return results, duration, in_flight.peak, spec_decode.summary(spec_run)
+        spec_after, server_after = await _read_metrics(client)
+        run_summary = {**spec_decode.summary(spec_decode.difference(spec_before, spec_after)),
+                       **server_metrics.summary(server_metrics.difference(server_before, server_after))}
+        return results, duration, in_flight.peak, run_summary
 
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
-def summarize(results: list[RequestResult], duration: float, input_len: int, metrics: list[str],
-              percentiles: list[float], peak_concurrency: int = 0) -> dict:
+def summarize(results: list[RequestResult], duration: float, metrics: list[str], percentiles: list[float],
+              peak_concurrency: int = 0) -> dict:
     """vLLM's result keys: throughputs, then mean / median / std / chosen percentiles (ms) of each metric."""
     done = [r for r in results if r.ok]
+    input_tokens = sum(r.prompt_len for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     summary = {
         "completed": len(done),
         "failed": len(results) - len(done),
         "duration": duration,
-        "total_input_tokens": input_len * len(done),
+        "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
-        "total_token_throughput": (output_tokens + input_len * len(done)) / duration,
+        "total_token_throughput": (output_tokens + input_tokens) / duration,
         "max_concurrent_requests": peak_concurrency,
     }
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
@@ -248,26 +261,36 @@ def format_result_line(key: str, value) -> str:
     return f"{key:<32} {value}"
 
 
-def result_path(args: argparse.Namespace) -> str | None:
-    if args.result_file:
-        return args.result_file
-    if not args.save_result:
-        return None
+def result_path(args: argparse.Namespace, sweep: bool = False) -> str | None:
+    """Where this rate's JSON goes; in a sweep a named file gets the rate before its extension (one per rate)."""
     rate = "inf" if not math.isfinite(args.request_rate) else f"{args.request_rate:g}"
-    name = args.result_filename or f"tokenmill-{rate}qps-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    return os.path.join(args.result_dir, name)
+    if args.result_file:
+        path = args.result_file
+    elif not args.save_result:
+        return None
+    else:
+        path = os.path.join(args.result_dir,
+                            args.result_filename or f"tokenmill-{rate}qps-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        if not args.result_filename:
+            return path
+    if not sweep:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-{rate}qps{ext}"
 
 
-def run_one_rate(args: argparse.Namespace, metrics: list[str], percentiles: list[float]) -> dict:
-    results, duration, peak, spec_summary = asyncio.run(_run(args))
-    summary = {**summarize(results, duration, args.random_input_len, metrics, percentiles, peak), **spec_summary}
+def run_one_rate(args: argparse.Namespace, metrics: list[str], percentiles: list[float], sweep: bool = False) -> dict:
+    results, duration, peak, run_summary = asyncio.run(_run(args))
+    summary = {**summarize(results, duration, metrics, percentiles, peak), **run_summary}
     print(f"{'=' * 16} tokenmill bench serve, {args.request_rate:g} req/s {'=' * 16}")
+    print(format_result_line("dataset", serve_datasets.describe(args)))
     for key, value in summary.items():
         print(format_result_line(key, value))
-    path = result_path(args)
+    path = result_path(args, sweep)
     if path is not None:
         with open(path, "w") as f:
-            json.dump({**vars(args), "request_rate": str(args.request_rate), **summary}, f, indent=2, default=str)
+            json.dump({**vars(args), "request_rate": str(args.request_rate),
+                       "dataset_params": serve_datasets.dataset_params(args), **summary}, f, indent=2, default=str)
     return summary
 
 
@@ -306,13 +329,18 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)}; choose from {', '.join(METRICS)}")
     if args.burstiness <= 0:
         raise ValueError(f"--burstiness must be positive, got {args.burstiness}")
+    serve_datasets.check_args(args)
+    if (note := serve_datasets.rounding_note(args)) is not None:
+        print(note, file=sys.stderr)
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     if args.plot and not {"ttft", "tpot"} <= set(metrics):
         raise ValueError("--plot draws TTFT and TPOT: keep both in --percentile-metrics")
-    rates, summaries = args.request_rate, []
-    for rate in rates:
-        args.request_rate = rate
-        summaries.append(run_one_rate(args, metrics, percentiles))
+    rates, summaries, seed = args.request_rate, [], args.seed
+    for i, rate in enumerate(rates):
+        # Each rate draws its own prompts: the same ones again would be answered from the prefix cache.
+        args.request_rate, args.seed = rate, seed + i
+        summaries.append(run_one_rate(args, metrics, percentiles, sweep=len(rates) > 1))
+    args.seed = seed
     if len(rates) > 1:
         print(f"{'rate':>8} {'out tok/s':>10} {'TTFT med':>9} {'TPOT med':>9} {'ITL mean':>9}")
         for rate, summary in zip(rates, summaries):

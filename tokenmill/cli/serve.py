@@ -12,7 +12,10 @@ from tokenmill.cli.args import (
     engine_config_from_args,
     given_fields,
 )
-from tokenmill.config import ServerConfig
+from tokenmill.config import ParallelConfig, ServerConfig
+
+PROFILER_DIR_ENV = "TOKENMILL_TORCH_PROFILER_DIR"
+"""Where `serve` finds the profiler folder when --profiler-dir is not given (vLLM's VLLM_TORCH_PROFILER_DIR)."""
 
 
 def register(subparsers) -> None:
@@ -33,12 +36,24 @@ def served_model_name(args: argparse.Namespace, model_path: str) -> str:
     return os.path.basename(model_path).removesuffix(".gguf")
 
 
-def run(args: argparse.Namespace) -> int:
-    from tokenmill.server.launch import check_port_free, run_server  # the server's dependencies load only here
-
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The flags given, and the environment's API key and profiler folder for those not given."""
     server_kwargs = given_fields(args, ServerConfig)
     server_kwargs.setdefault("api_key", api_key_or_env(None))
-    server_config = ServerConfig(**server_kwargs)
+    server_kwargs.setdefault("profiler_dir", os.environ.get(PROFILER_DIR_ENV) or None)
+    return ServerConfig(**server_kwargs)
+
+
+def run(args: argparse.Namespace) -> int:
+    parallel = ParallelConfig(**given_fields(args, ParallelConfig))
+    if parallel.is_headless:
+        # Another node of --nnodes: only its ranks; node 0 sends them the model and the configuration.
+        from tokenmill.executor.headless import run_headless_node
+
+        return run_headless_node(parallel)
+    from tokenmill.server.launch import check_port_free, run_server  # the server's dependencies load only here
+
+    server_config = server_config_from_args(args)
     # Before the default model is resolved, which may mean downloading it (run_server checks again).
     check_port_free(server_config.host, server_config.port)
     engine_config = engine_config_from_args(args)

@@ -31,10 +31,10 @@ from tokenmill.engine.dp_balancer import DataParallelBalancer, ReplicaLoad
 from tokenmill.engine.frontend import load_frontend
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.outputs import RequestOutput
-from tokenmill.protocol import EngineCoreOutputs, SchedulerStats
+from tokenmill.protocol import EngineCoreOutputs, ProfileReply, SchedulerStats
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["AsyncEngine", "EngineDeadError", "StatLogger"]
+__all__ = ["AsyncEngine", "EngineDeadError", "ProfilerError", "StatLogger"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,13 @@ class StatLogger(Protocol):
     def record(self, outputs: list[RequestOutput], stats: SchedulerStats | None, engine_index: int = 0) -> None:
         """Called with every batch of outputs delivered and the scheduler stats that came with them, from
         replica `engine_index`. A replica that failed reports empty stats (its counters restart at zero)."""
+
+
+class ProfilerError(RuntimeError):
+    def __init__(self, message: str, is_misuse: bool) -> None:
+        super().__init__(message)
+        self.is_misuse = is_misuse
+        """The caller's error (start while running, stop while not), not the profiler's."""
 
 
 class AsyncEngine:
@@ -194,6 +201,26 @@ class AsyncEngine:
         route = self._routes.pop(request_id, None)
         if route is not None:
             self._open_seqs[route[0]] -= route[1]
+
+    async def start_profile(self, output_dir: str) -> None:
+        """Start every serving core's torch profiler (core_profiler.py); its traces go to `output_dir`."""
+        await self._profile(start=True, output_dir=output_dir)
+
+    async def stop_profile(self) -> list[ProfileReply]:
+        """Stop the profilers; returns once each core has written its trace (one reply per core)."""
+        return await self._profile(start=False)
+
+    async def _profile(self, start: bool, output_dir: str = "") -> list[ProfileReply]:
+        serving = [replica for replica in self.replicas if replica.is_healthy]
+        if not serving:
+            raise EngineDeadError(self.dead_reason)
+        replies = await asyncio.gather(*(replica.profile(start, output_dir) for replica in serving))
+        errors = [(replica, reply) for replica, reply in zip(serving, replies) if reply.error is not None]
+        if errors:
+            message = "; ".join(reply.error if len(serving) == 1 else f"{replica.name}: {reply.error}"
+                                for replica, reply in errors)
+            raise ProfilerError(message, is_misuse=all(reply.is_misuse for _, reply in errors))
+        return replies
 
     def handle_outputs(self, replica: CoreReplica, core_outputs: EngineCoreOutputs) -> None:
         """A batch of one replica's outputs: detokenize, deliver, and stop what hit a stop string."""

@@ -10,7 +10,7 @@ import enum
 
 import msgspec
 
-from tokenmill.protocol import EngineCoreOutputs, EngineRequest
+from tokenmill.protocol import EngineCoreOutputs, EngineRequest, ProfileCommand
 
 
 class RequestKind(bytes, enum.Enum):
@@ -18,6 +18,8 @@ class RequestKind(bytes, enum.Enum):
     """payload: EngineRequest"""
     ABORT = b"X"
     """payload: list of request ids"""
+    PROFILE = b"P"
+    """payload: ProfileCommand"""
 
 
 def _enc_hook(obj: object) -> object:
@@ -28,6 +30,8 @@ def _enc_hook(obj: object) -> object:
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _request_decoder = msgspec.msgpack.Decoder(EngineRequest)
 _abort_decoder = msgspec.msgpack.Decoder(list[str])
+_payload_decoders = {RequestKind.ADD: _request_decoder, RequestKind.ABORT: _abort_decoder,
+                     RequestKind.PROFILE: msgspec.msgpack.Decoder(ProfileCommand)}
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 
 
@@ -43,10 +47,13 @@ def encode_abort(request_ids: list[str]) -> list[bytes]:
     return [RequestKind.ABORT.value, _encoder.encode(request_ids)]
 
 
-def decode_request(frames: list[bytes]) -> tuple[RequestKind, EngineRequest | list[str]]:
+def encode_profile(command: ProfileCommand) -> list[bytes]:
+    return [RequestKind.PROFILE.value, _encoder.encode(command)]
+
+
+def decode_request(frames: list[bytes]) -> tuple[RequestKind, EngineRequest | list[str] | ProfileCommand]:
     kind, payload = RequestKind(frames[0]), frames[1]
-    decoder = _request_decoder if kind == RequestKind.ADD else _abort_decoder
-    return kind, decoder.decode(payload)
+    return kind, _payload_decoders[kind].decode(payload)
 
 
 def encode_outputs(outputs: EngineCoreOutputs) -> bytes:

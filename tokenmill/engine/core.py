@@ -5,6 +5,10 @@ for step N's tokens and updates the requests with them, so the host's work overl
 The scheduler counts the tokens in flight (`num_output_placeholders`) and the worker feeds them to
 step N+1 on the device; a request that stops at step N wastes one token of step N+1.
 
+Under pipeline parallelism up to one step per stage is in flight (micro-batches): step() queues step
+N+1 while steps N-k+1..N run on the stages downstream, then updates from step N-k+1. The scheduler keeps
+a request out of a step while an earlier one in flight computes its next token.
+
 This file must only contain what every model and request needs: no tokenizer, no HTTP, no
 model code. It runs in the caller's process (offline LLM) or in its own (server).
 """
@@ -14,7 +18,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Protocol
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.tokenizer import load_tokenizer
@@ -29,6 +34,9 @@ from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.waiting import AwaitingGrammar
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 
+if TYPE_CHECKING:
+    from tokenmill.engine.core_profiler import CoreProfiler
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,14 +48,19 @@ class StepRunner(Protocol):
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: StepRunner, async_scheduling: bool,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, num_batches_in_flight: int = 1) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.async_scheduling = async_scheduling
         self.awaiting_grammar = AwaitingGrammar(grammars) if grammars is not None else None
         """Structured-output requests whose grammar is compiling: the scheduler sees them once it is compiled
         (None when the engine has no tokenizer, hence no grammars)."""
-        self._in_flight: tuple[SchedulerOutput, PendingOutput | ReadyOutput] | None = None
+        self.max_steps_in_flight = max(num_batches_in_flight - 1, int(async_scheduling))
+        """Steps left in flight when step() returns: 0 (synchronous), 1 (async scheduling) or one less than the
+        pipeline's micro-batches."""
+        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput | ReadyOutput]] = deque()
+        self.profiler: CoreProfiler | None = None
+        """Set while a torch profiler trace is recorded (core_profiler.py): each step is then a named range."""
 
     @classmethod
     def from_config(cls, config: EngineConfig, hf_config, max_model_len: int) -> EngineCore:
@@ -74,7 +87,8 @@ class EngineCore:
             spec = config.speculative_config
             draft_budget = DraftBudget(spec.num_speculative_tokens, executor.measure_step_cost(),
                                        spec.disable_by_batch_size, executor.max_verify_tokens)
-        scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len, draft_budget)
+        num_batches = config.parallel_config.num_batches_in_flight
+        scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len, draft_budget, num_batches)
         async_scheduling = config.scheduler_config.async_scheduling
         if async_scheduling is None:
             async_scheduling = executor.device.type == "cuda"
@@ -84,7 +98,7 @@ class EngineCore:
             grammars = GrammarCompiler(functools.partial(load_tokenizer, config.model_config, hf_config),
                                        hf_config.vocab_size)
             executor.enable_structured_outputs(grammars)
-        core = cls(scheduler, executor, async_scheduling, grammars)
+        core = cls(scheduler, executor, async_scheduling, grammars, num_batches)
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
         return core
 
@@ -115,14 +129,13 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_requests(self) -> bool:
-        return (self.scheduler.has_requests() or self._in_flight is not None
-                or bool(self.awaiting_grammar))
+        return self.scheduler.has_requests() or bool(self._in_flight) or bool(self.awaiting_grammar)
 
     def step(self) -> EngineCoreOutputs:
         failed = []
         if self.awaiting_grammar:
             ready, failed = self.awaiting_grammar.take_ready(idle=not self.scheduler.has_requests()
-                                                             and self._in_flight is None)
+                                                             and not self._in_flight)
             for request in ready:
                 self.scheduler.add_request(request)
         outputs = self._step()
@@ -132,18 +145,26 @@ class EngineCore:
         return outputs
 
     def _step(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule() if self.scheduler.has_requests() else None
+        if self.profiler is None or scheduler_output is None:
+            return self._run(scheduler_output)
+        with self.profiler.step_region(scheduler_output):
+            return self._run(scheduler_output)
+
+    def _run(self, scheduler_output: SchedulerOutput | None) -> EngineCoreOutputs:
+        """Launch the scheduled step (if any) and update the requests with the tokens of the finished one."""
         launched = None
-        if self.scheduler.has_requests():
-            scheduler_output = self.scheduler.schedule()
+        if scheduler_output is not None:
             launched = scheduler_output, self.executor.execute_model(scheduler_output)
-        if not self.async_scheduling:
-            return self._update(launched)
-        finished, self._in_flight = self._in_flight, launched
-        outputs = self._update(finished)
+        if launched is not None:
+            self._in_flight.append(launched)
+            if len(self._in_flight) <= self.max_steps_in_flight:
+                return EngineCoreOutputs()  # the pipeline fills first
+        outputs = self._update(self._in_flight.popleft() if self._in_flight else None)
         if not self.scheduler.has_requests():
-            # Every request ended in the step just updated: the one in flight only holds their extra tokens.
-            self._update(self._in_flight)
-            self._in_flight = None
+            # Every request ended in the step just updated: those in flight only hold their extra tokens.
+            while self._in_flight:
+                self._update(self._in_flight.popleft())
         return outputs
 
     def _update(self, step: tuple[SchedulerOutput, PendingOutput | ReadyOutput] | None) -> EngineCoreOutputs:

@@ -1,5 +1,5 @@
 """The frontend's handle on the engine-core process: start it, wait for its handshake, send it
-requests and aborts, receive its outputs (asyncio), and stop it.
+requests, aborts and profiler commands, receive its outputs (asyncio), and stop it.
 
 Sockets are IPC files in a private temporary folder, so nothing listens on the network.
 
@@ -23,9 +23,9 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.codec import decode_outputs, encode_abort, encode_add
+from tokenmill.engine.codec import decode_outputs, encode_abort, encode_add, encode_profile
 from tokenmill.engine.core_proc import run_engine_core
-from tokenmill.protocol import EngineCoreOutputs, EngineRequest
+from tokenmill.protocol import EngineCoreOutputs, EngineRequest, ProfileCommand
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,10 @@ class CoreProcessClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._input.send_multipart(encode_abort(request_ids), flags=zmq.NOBLOCK)
+
+    def send_profile_command(self, command: ProfileCommand) -> None:
+        """The reply comes back among the outputs (EngineCoreOutputs.profile_reply)."""
+        self._input.send_multipart(encode_profile(command), flags=zmq.NOBLOCK)
 
     @property
     def is_alive(self) -> bool:

@@ -24,6 +24,7 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.engine.codec import RequestKind, decode_request, encode_outputs
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.core_profiler import handle_profile_command
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineRequest
 from tokenmill.request import FinishReason
 
@@ -118,9 +119,11 @@ class EngineCoreProc:
         for kind, payload in messages:
             if kind == RequestKind.ADD:
                 rejected += self._add(payload)
-            else:
+            elif kind == RequestKind.ABORT:
                 self.core.abort_requests(payload)
                 aborted = True
+            else:  # answered at once, in order with the outputs of the steps before it
+                self.outputs.put(EngineCoreOutputs(profile_reply=handle_profile_command(self.core, payload)))
         if rejected or aborted:
             # Aborts change the gauges even when no step follows (the engine may now be idle).
             self.outputs.put(EngineCoreOutputs(rejected, self.core.scheduler.make_stats()))

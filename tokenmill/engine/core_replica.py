@@ -10,12 +10,13 @@ independently of one another.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import CoreProcessClient
-from tokenmill.protocol import EngineCoreOutputs, SchedulerStats
+from tokenmill.protocol import EngineCoreOutputs, ProfileCommand, ProfileReply, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class CoreReplica:
         self._starting: CoreProcessClient | None = None
         """A core being started by a restart (in a thread), which shutdown() must stop too."""
         self._shut_down = False
+        self._profile_calls: dict[int, asyncio.Future[ProfileReply]] = {}
+        """Profiler commands sent and not answered yet, by call id."""
+        self._call_ids = itertools.count()
 
     def wait_ready(self) -> None:
         self.core.wait_ready()
@@ -81,12 +85,32 @@ class CoreReplica:
                     return
                 if core_outputs.scheduler_stats is not None:
                     self.last_stats = core_outputs.scheduler_stats
+                if core_outputs.profile_reply is not None:
+                    self._settle_profile_call(core_outputs.profile_reply)
                 self.owner.handle_outputs(self, core_outputs)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             logger.exception("the output loop of %s failed", self.name)
             self._on_core_failure(core, f"the engine's output processing failed: {e!r}")
+
+    async def profile(self, start: bool, output_dir: str = "") -> ProfileReply:
+        """Start or stop the core's torch profiler; returns once the core has done it (a stop: written the
+        trace). EngineDeadError if the core fails meanwhile."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        call_id = next(self._call_ids)
+        future = self._profile_calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self.core.send_profile_command(ProfileCommand(call_id, start, output_dir))
+            return await future
+        finally:
+            self._profile_calls.pop(call_id, None)
+
+    def _settle_profile_call(self, reply: ProfileReply) -> None:
+        future = self._profile_calls.pop(reply.call_id, None)
+        if future is not None and not future.done():  # the caller may have left (a client hung up)
+            future.set_result(reply)
 
     def _on_core_exit(self, core: CoreProcessClient) -> None:
         asyncio.get_running_loop().remove_reader(core.proc.sentinel)
@@ -143,6 +167,10 @@ class CoreReplica:
             self.dead_reason = reason
         self.last_stats = None
         self.owner.replica_failed(self, reason)
+        for future in self._profile_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self._profile_calls.clear()
         if self._output_task is not None and not self._output_task.done():
             self._output_task.cancel()
 

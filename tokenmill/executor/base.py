@@ -20,7 +20,7 @@ from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
-from tokenmill.worker.worker import Worker
+from tokenmill.worker.worker import Worker, num_local_devices, resolve_device
 
 
 class Executor(ABC):
@@ -89,10 +89,40 @@ def make_executor(config: EngineConfig, hf_config: PretrainedConfig, max_model_l
     check_tensor_parallel(hf_config, parallel.tensor_parallel_size)
     check_pipeline_parallel(hf_config, parallel.pipeline_parallel_size)
     check_expert_parallel(hf_config, parallel)
-    if parallel.distributed_executor_backend == "mp":
+    backend = choose_backend(config)
+    if backend == "mp":
         from tokenmill.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, hf_config, max_model_len)
+    if backend == "ray":
+        try:
+            from tokenmill.executor.ray_executor import RayExecutor
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "ray":
+                raise
+            raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'tokenmill[ray]'") from None
+        return RayExecutor(config, hf_config, max_model_len)
     from tokenmill.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config, hf_config, max_model_len)
+
+
+def choose_backend(config: EngineConfig) -> str:
+    """The configured backend, else vLLM's choice: mp when the ranks fit this node's devices, ray when they do
+    not and a Ray cluster is running (the ranks then go to its nodes)."""
+    parallel = config.parallel_config
+    if parallel.distributed_executor_backend is not None:
+        return parallel.distributed_executor_backend
+    num_devices = num_local_devices(resolve_device(config.device_config.device))
+    if num_devices is None or num_devices >= parallel.world_size:
+        return "mp"
+    try:
+        from tokenmill.executor.ray_executor import ray_cluster_running
+    except ImportError:
+        ray_cluster_running = None
+    if ray_cluster_running is not None and ray_cluster_running():
+        return "ray"
+    raise ValueError(f"{parallel.world_size} ranks (tensor_parallel_size x pipeline_parallel_size) need as many "
+                     f"GPUs and this node has {num_devices}: start a Ray cluster over several nodes (`ray start "
+                     f"--head`, then `ray start --address HEAD:6379` on the others; `pip install tokenmill[ray]`) "
+                     f"or spread the ranks with --nnodes/--node-rank/--master-addr")

@@ -12,6 +12,10 @@ send returns at once (ZMQ's I/O thread delivers it) so the driver starts its own
 for the others; the ranks then meet in the model's collectives. A shared-memory ring as in vLLM can
 replace the transport later behind the same `_send`.
 
+With --nnodes N, this host runs the first world_size / N ranks and headless nodes the others
+(headless.py): their inboxes and the driver's outbox also listen on TCP ports published in node 0's
+torch.distributed store (multinode.py), where the process group meets too.
+
 Failures: a rank that raises reports its traceback and exits; a rank that dies is noticed by a watchdog
 thread. The driver's next collective fails (gloo sees the closed connection at once; NCCL's group is
 aborted by the watchdog, since it would wait forever) and the step raises a RuntimeError naming the
@@ -44,6 +48,8 @@ from tokenmill.distributed.parallel_state import (
     is_distributed,
 )
 from tokenmill.executor.base import Executor
+from tokenmill.executor.deferred_driver import DeferredDriverSteps
+from tokenmill.executor.multinode import HEARTBEAT_TIMEOUT_S, RemoteNodes
 from tokenmill.kv_cache.sizing import KVCacheSpec
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
@@ -72,6 +78,9 @@ class WorkerFailed(RuntimeError):
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
         self.world_size = config.parallel_config.world_size
+        if config.parallel_config.is_headless:
+            raise ValueError("a node with node_rank > 0 runs only its ranks (`tokenmill serve --node-rank N`); "
+                             "the engine runs on node 0")
         if is_distributed():
             raise RuntimeError("a tensor- or pipeline-parallel engine is already running in this process: shut it "
                                "down first")
@@ -84,6 +93,9 @@ class MultiprocExecutor(Executor):
         self._failure: str | None = None
         self._errors: dict[int, str] = {}
         self._closed = threading.Event()
+        self._remote: RemoteNodes | None = None
+        self._deferred: DeferredDriverSteps | None = None
+        """Pipeline micro-batches on the CPU: the driver computes a step when its tokens are awaited."""
         atexit.register(self.shutdown)
         try:
             self._start(config, hf_config, max_model_len)
@@ -92,23 +104,36 @@ class MultiprocExecutor(Executor):
             raise
 
     def _start(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
+        parallel = config.parallel_config
+        if parallel.nnodes > 1:
+            self._remote = RemoteNodes(parallel, self._context, self._results)
         for rank in range(1, self.world_size):
             inbox = self._context.socket(zmq.PUSH)
             inbox.setsockopt(zmq.SNDHWM, 0)  # never block the driver on a slow (or dead) rank
             inbox.setsockopt(zmq.LINGER, 0)
-            inbox.bind(addresses(self._folder, rank)[0])
             self._inboxes.append(inbox)
-            self._procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "tokenmill.executor.worker_proc", self._folder, str(rank), str(os.getpid())])
+            if rank >= parallel.ranks_per_node:  # another node's: it connects over TCP
+                self._remote.bind_inbox(inbox, rank)
+                continue
+            inbox_address, outbox_address = addresses(self._folder, rank)
+            inbox.bind(inbox_address)
+            self._procs[rank] = subprocess.Popen([sys.executable, "-m", "tokenmill.executor.worker_proc",
+                                                  inbox_address, outbox_address, str(rank), str(os.getpid())])
         threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
+        init_method = f"file://{self._folder}/rendezvous"
+        if self._remote is not None:
+            self._remote.publish()
+            init_method = self._remote.init_method
+            logger.info("waiting for nodes 1-%d to join at %s", parallel.nnodes - 1, init_method)
         # Every rank says hello once it has imported and connected, so the driver never waits in the
         # rendezvous for a rank that already died.
         self._collect("hello")
-        init_method = f"file://{self._folder}/rendezvous"
         self._send("init", config, hf_config, max_model_len, init_method)
         self.driver_worker = Worker(config, hf_config, max_model_len, rank=0, distributed_init_method=init_method)
         self._collect("result")
         parallel = config.parallel_config
+        if parallel.num_batches_in_flight > 1 and self.driver_worker.device.type == "cpu":
+            self._deferred = DeferredDriverSteps(self._execute_on_driver)
         logger.info("%d ranks ready (tensor parallel %d x pipeline stages %d; children %s)", self.world_size,
                     parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                     ", ".join(str(p.pid) for p in self._procs.values()))
@@ -116,6 +141,8 @@ class MultiprocExecutor(Executor):
     # -- the calls ---------------------------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Run worker.`method`(*args) on every rank at once; returns each rank's result, rank 0 first."""
+        if self._deferred is not None:
+            self._deferred.run_queued()
         self._send(method, *args)
         try:
             first = getattr(self.driver_worker, method)(*args)
@@ -144,6 +171,11 @@ class MultiprocExecutor(Executor):
         draws) and the other stages' ranks are sent them (worker/stage_tokens.py), so each keeps its own rows
         right; only rank 0's output is returned."""
         self._send("execute_model", scheduler_output)
+        if self._deferred is not None:
+            return self._deferred.launch(scheduler_output)
+        return self._execute_on_driver(scheduler_output)
+
+    def _execute_on_driver(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
         try:
             return self.driver_worker.execute_model(scheduler_output)
         except Exception as e:
@@ -179,20 +211,25 @@ class MultiprocExecutor(Executor):
 
     def _watch(self) -> None:
         while not self._closed.wait(_WATCH_INTERVAL_S):
+            try:
+                failure = self._remote.check() if self._remote is not None else None
+            except zmq.ZMQError:  # its socket closed by a shutdown meanwhile
+                return
             for rank, proc in self._procs.items():
                 code = proc.poll()
                 if code is not None:
-                    self._failure = self._failure or f"tensor-parallel rank {rank} (pid {proc.pid}) exited with " \
-                                                     f"code {code}"
-                    logger.error("%s", self._failure)
-                    if get_tp_group().backend == "nccl":
-                        abort_distributed()  # unblock the driver's collective: NCCL would wait forever
-                    return
+                    failure = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+            if failure is not None:
+                self._failure = self._failure or failure
+                logger.error("%s", self._failure)
+                if get_tp_group().backend == "nccl":
+                    abort_distributed()  # unblock the driver's collective: NCCL would wait forever
+                return
 
     def _raise_if_a_rank_failed(self, error: Exception) -> None:
         """A failed collective on the driver is most likely a rank gone: name it (waiting a moment for the
-        watchdog to see the exit)."""
-        deadline = time.monotonic() + 2.0
+        watchdog to see the exit, or another node's heartbeat stop)."""
+        deadline = time.monotonic() + (2.0 if self._remote is None else HEARTBEAT_TIMEOUT_S + 1.0)
         while self._failure is None and time.monotonic() < deadline:
             time.sleep(_WATCH_INTERVAL_S / 2)
         if self._failure is not None:
@@ -225,7 +262,10 @@ class MultiprocExecutor(Executor):
                 proc.kill()  # stuck in a collective with a rank that is gone
                 proc.wait()
         for socket in (*self._inboxes, self._results):
-            socket.close(linger=0)
+            # Another node's inbox: let the "shutdown" above cross the network first.
+            socket.close(linger=1000 if self._remote is not None else 0)
+        if self._remote is not None:
+            self._remote.close()
         self._context.term()
         destroy_distributed()
         shutil.rmtree(self._folder, ignore_errors=True)

@@ -1,9 +1,13 @@
-"""A rank other than the driver: `python -m tokenmill.executor.worker_proc FOLDER RANK PARENT_PID`.
+"""A rank other than the driver: `python -m tokenmill.executor.worker_proc INBOX OUTBOX RANK PARENT_PID`.
+
+INBOX and OUTBOX are the driver's ZMQ addresses for this rank (ipc:// on the driver's node, tcp:// from
+another node); PARENT_PID is the process that started it (the executor, or a headless node's launcher).
 
 It builds its Worker (joining the group, loading its shard), then runs whatever the driver sends, in
-order. Steps return nothing: each step's tokens are resolved after the next step is launched, as the
-async engine core does, so this rank's device never idles for them (its rows need a step's tokens on
-the host only before the step after next reads them, which the model runner itself ensures).
+order. Steps return nothing: each step's tokens are resolved after the next step is launched (with k pipeline
+micro-batches in flight, after the next k - 1), as the engine core does, so this rank never idles for them:
+a step needs them on the host only when the engine scheduled it after updating from theirs, hence launched
+it later (async scheduling's next step reads them on the device, as the model runner ensures).
 """
 
 from __future__ import annotations
@@ -15,10 +19,9 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 
 import zmq
-
-from tokenmill.executor.multiproc import addresses
 
 _PARENT_POLL_S = 1.0
 
@@ -31,12 +34,11 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
-def main(folder: str, rank: int, parent_pid: int) -> None:
+def main(inbox_address: str, outbox_address: str, rank: int, parent_pid: int) -> None:
     # Ctrl-C reaches the whole process group: the driver decides when this rank stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True, name="parent-watch").start()
     context = zmq.Context()
-    inbox_address, outbox_address = addresses(folder, rank)
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect(inbox_address)
     outbox.connect(outbox_address)
@@ -52,16 +54,16 @@ def main(folder: str, rank: int, parent_pid: int) -> None:
         method, (config, hf_config, max_model_len, init_method) = pickle.loads(inbox.recv())
         worker = Worker(config, hf_config, max_model_len, rank=rank, distributed_init_method=init_method)
         reply("result")
-        pending = None
+        pending = deque()
+        max_unresolved = max(1, config.parallel_config.num_batches_in_flight - 1)
         while True:
             method, args = pickle.loads(inbox.recv())
             if method == "shutdown":
                 break
             if method == "execute_model":
-                launched = worker.execute_model(*args)
-                if pending is not None:
-                    pending.result()
-                pending = launched
+                pending.append(worker.execute_model(*args))
+                if len(pending) > max_unresolved:
+                    pending.popleft().result()
             else:
                 reply("result", getattr(worker, method)(*args))
         destroy_distributed()
@@ -75,4 +77,4 @@ def main(folder: str, rank: int, parent_pid: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

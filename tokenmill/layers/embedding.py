@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from tokenmill.layers.cpu_gemm import cpu_linear
+from tokenmill.layers.cpu_lm_head import cpu_logits
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,11 +19,15 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.keeps_ggml_blocks = False  # an LM head's table keeps the GGUF blocks the loader hands it
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         shard = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
         param.data.zero_()
         param.data[: shard.shape[0]].copy_(shard)
+        blocks = getattr(loaded_weight, "ggml_blocks", None)
+        if blocks is not None and self.keeps_ggml_blocks and self.tp_size == 1 and param.dim() == 2:
+            param.ggml_blocks = blocks  # type: ignore[attr-defined]  # for layers.cpu_lm_head
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -40,18 +44,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__(vocab_size, hidden_size)
+        self.keeps_ggml_blocks = True
         self.bias = nn.Parameter(torch.zeros(self.shard_size), requires_grad=False) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        embedding.keeps_ggml_blocks = True  # the shared table loads through the embedding's loader
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.device.type == "cpu":
-            # The largest GEMM of a decode step: prepacked. Logits in float32, since the sampler's argmax
-            # over bfloat16 is ~9x slower on the CPU (24 ms at batch 64 against a 1 ms conversion).
-            logits = cpu_linear(hidden_states, self.weight, self.bias).float()
+        if hidden_states.device.type == "cpu":  # the largest GEMM of a decode step: layers.cpu_lm_head
+            logits = cpu_logits(hidden_states, self.weight, self.bias)
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
         # Every rank gets the whole vocabulary's logits (and samples alike): [num_tokens, tp * shard_size].

@@ -219,7 +219,9 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
     """The tensors of a dense model under Hugging Face names: gguf's reader and name map, plus
     transformers' per-family fixes. Tensors are dequantized to float32, except where `keep_quantized(name)`
     holds for a tensor of a type layers.quant.gguf multiplies: those come as their raw rows, a uint8
-    [rows, row_bytes] tensor tagged with its GGML type (layers.quant.gguf.tag_ggml).
+    [rows, row_bytes] tensor tagged with its GGML type (layers.quant.gguf.tag_ggml). With `keep_quantized`,
+    the other matrices of those types (the embedding, the LM head) come dense with their raw rows as
+    `ggml_blocks`.
 
     NOTE: transformers' load_gguf_checkpoint does the same but re-parses the metadata and builds the
     name map once per submodule (~8 s of a ~20 s load for SmolLM2-135M); here each happens once.
@@ -257,4 +259,10 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
                                    parsed_parameters={"tensors": {}})
         if result.name in to_hf:
             out = torch.from_numpy(np.copy(result.weights))
-            yield to_hf[result.name], tag_ggml(out, int(tensor.tensor_type)) if raw else out
+            if raw:
+                out = tag_ggml(out, int(tensor.tensor_type))
+            elif keep_quantized is not None and int(tensor.tensor_type) in QUANTIZED_TYPES and out.dim() == 2:
+                # The embedding table loads dense (a lookup table) and carries its blocks, which the CPU LM head
+                # reads for a few rows (layers.cpu_lm_head). The processors allowed above leave its rows alone.
+                out.ggml_blocks = tag_ggml(torch.from_numpy(np.copy(tensor.data)), int(tensor.tensor_type))
+            yield to_hf[result.name], out

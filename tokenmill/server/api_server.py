@@ -19,6 +19,7 @@ from tokenmill.server.openai_protocol import (
     TokenizeRequest,
 )
 from tokenmill.server.openapi import openapi_spec
+from tokenmill.server.profiling import start_profile, stop_profile
 from tokenmill.server.serving_chat import create_chat_completion, render_messages
 from tokenmill.server.serving_completion import create_completion
 from tokenmill.server.state import ServerState
@@ -110,6 +111,14 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
         if any(not 0 <= t < vocab_size for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {vocab_size})", param="tokens")
         return JSONResponse({"prompt": await state.off_loop(engine.tokenizer.decode, req.tokens)})
+
+    @app.post("/start_profile")
+    async def start_profiler() -> dict:
+        return await start_profile(state)
+
+    @app.post("/stop_profile")
+    async def stop_profiler() -> dict:
+        return await stop_profile(state)
 
     # Added last, so it runs first: a request without the key is refused before its body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)

@@ -19,10 +19,12 @@ from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.api_server import build_app
 from tokenmill.server.metrics import PrometheusStatLogger
+from tokenmill.server.profiling import prepare_profiler_dir
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
+KEEP_ALIVE_S = 10
 GRACEFUL_SHUTDOWN_S = 3
 
 
@@ -50,6 +52,8 @@ def check_port_free(host: str, port: int) -> None:
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_name: str) -> None:
     check_port_free(server_config.host, server_config.port)
+    if server_config.profiler_dir is not None:
+        prepare_profiler_dir(server_config.profiler_dir)
     # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C: the core is stopped on the way out.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     registry = CollectorRegistry()
@@ -69,6 +73,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
             port=server_config.port,
             log_level=server_config.uvicorn_log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            # Longer than httpx's (the openai client's) 5 s pool expiry: with equal timeouts a client may send a
+            # request on a connection the server is closing at that moment, and the request fails.
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         server = uvicorn.Server(config)
         # uvicorn re-raises the signal that stopped it once it is done; make that a no-op so the

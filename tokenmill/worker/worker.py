@@ -50,11 +50,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def num_local_devices(device: torch.device) -> int | None:
+    """Devices of this kind on this node, one per rank (None: the CPU, where any number of ranks fit)."""
+    return torch.cuda.device_count() if device.type == "cuda" else None
+
+
 class Worker:
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int, rank: int = 0,
-                 distributed_init_method: str | None = None) -> None:
+                 distributed_init_method: str | None = None, local_rank: int | None = None) -> None:
         """Global `rank` of tensor_parallel_size x pipeline_parallel_size ranks (parallel_state's layout), joined
-        through `distributed_init_method` when there are several."""
+        through `distributed_init_method` when there are several; `local_rank` is its GPU's index among those
+        this process sees (default: its index among its node's ranks)."""
         self.config = config
         self.hf_config = hf_config
         self.max_model_len = max_model_len
@@ -62,7 +68,9 @@ class Worker:
         world_size = config.parallel_config.world_size
         self.device = resolve_device(config.device_config.device)
         if self.device.type == "cuda" and world_size > 1:
-            self.device = torch.device("cuda", rank)  # one GPU per rank of this host
+            if local_rank is None:
+                local_rank = rank % config.parallel_config.ranks_per_node
+            self.device = torch.device("cuda", local_rank)  # one GPU per rank of this host
             torch.cuda.set_device(self.device)
         if world_size > 1:
             # Before the model: its layers take their shard's sizes from the group.
@@ -175,6 +183,7 @@ class Worker:
             vocab_size=self.hf_config.vocab_size,
             proposer=self._make_proposer(shape.block_size),
             max_drafts=0 if speculative is None else speculative.num_speculative_tokens,
+            num_batches_in_flight=self.config.parallel_config.num_batches_in_flight,
         )
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
             if self.config.parallel_config.pipeline_parallel_size > 1:

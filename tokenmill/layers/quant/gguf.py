@@ -4,7 +4,7 @@ The loader (model.loader.iter_gguf_weights) hands each linear layer the file's r
 [out_features, row_bytes] tagged with its GGML type (`ggml_type`), already row-permuted where llama.cpp's
 converter permuted q/k for its rotary layout (a permutation of whole output rows). Embeddings, the LM head
 (tied to the embedding in SmolLM2) and norms stay dense: one lookup table serves both, and the norms are
-F32 in every GGUF.
+F32 in every GGUF. The LM head's table also keeps its blocks, which layers.cpu_lm_head reads for decode rows.
 
 A fused layer's parts (q/k/v, gate/up) may come in different types (llama.cpp's mixed "_M" recipes give v
 and down more bits): after loading, runs of consecutive parts of one type are concatenated into one blob,
@@ -180,13 +180,27 @@ class GGUFLinearMethod(QuantMethod):
 
     @staticmethod
     def _dense_run(layer: LinearBase, i: int, dtype: torch.dtype) -> torch.Tensor:
-        ggml_type, _, _ = layer.gguf_runs[i]
-        weight = getattr(layer, f"qweight{i}")
-        if ggml_type == DENSE:
-            return weight.to(dtype)
-        if dtype == torch.bfloat16 and ggml_type in bf16_kernel_types():  # one pass, the same values
-            return gguf_dequantize_bf16_cpu(weight, ggml_type, layer.input_size)
-        return gguf_dequantize_cpu(weight, ggml_type, layer.input_size).to(dtype)
+        return dense_tile(getattr(layer, f"qweight{i}"), layer.gguf_runs[i][0], layer.input_size, dtype)
+
+
+def dense_tile(weight: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A kept weight [n, row_bytes] (or a dense run [n, k]) as a dense [n, k] tile of `dtype`."""
+    if ggml_type == DENSE:
+        return weight.to(dtype)
+    if dtype == torch.bfloat16 and ggml_type in bf16_kernel_types():  # one pass, the same values
+        return gguf_dequantize_bf16_cpu(weight, ggml_type, k)
+    return gguf_dequantize_cpu(weight, ggml_type, k).to(dtype)
+
+
+def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """x [m, k] @ one kept weight [n, row_bytes] (GGML blocks, or dense [n, k] for DENSE) -> [m, n] in x's
+    dtype, choosing as GGUFLinearMethod.apply does: a dense tile from DENSE_GEMM_ROWS rows, else the kernel
+    (bfloat16 products where the type has them)."""
+    if ggml_type == DENSE or x.shape[0] >= DENSE_GEMM_ROWS:
+        return F.linear(x, dense_tile(weight, ggml_type, k, x.dtype))
+    if x.dtype == torch.bfloat16 and ggml_type in bf16_kernel_types():
+        return gguf_gemm_bf16_cpu(x.contiguous(), weight, ggml_type, k).to(x.dtype)
+    return gguf_gemm_cpu(x.float().contiguous(), weight, ggml_type, k).to(x.dtype)
 
 
 class GGUFConfig(QuantConfig):
@@ -201,6 +215,11 @@ class GGUFConfig(QuantConfig):
     def linear_method(self, layer_name: str) -> QuantMethod:
         return GGUFLinearMethod()
 
+    def moe_method(self, layer_name: str) -> Any:
+        from tokenmill.layers.quant.gguf_moe import GGUFMoEMethod
+
+        return GGUFMoEMethod()
+
     def describe(self) -> str:
-        return ("gguf (linear weights kept in their GGML types, multiplied by the CPU kernel; embeddings, LM "
-                "head and norms dense)")
+        return ("gguf (linear weights and MoE experts kept in their GGML types, multiplied by the CPU kernel; "
+                "embeddings, LM head, routers and norms dense)")
