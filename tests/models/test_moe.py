@@ -1,7 +1,8 @@
 """Mixture-of-experts specifics beyond test_models_vs_hf.py's greedy comparison: the tiny models' routing is
 not degenerate, a wrong expert mapping changes the tokens (so that comparison catches it), transformers 5's
 all-experts tensor layout loads, and quantized experts without a loader (GPTQ, AWQ, compressed-tensors,
-per-tensor FP8, GGUF) are refused rather than misloaded; FP8 experts are tests/e2e/test_quantization_fp8_moe.py's."""
+per-tensor FP8) are refused rather than misloaded; FP8 experts are tests/e2e/test_quantization_fp8_moe.py's,
+GGUF files of MoE models test_gguf_moe.py's."""
 
 from __future__ import annotations
 
@@ -146,13 +147,6 @@ def test_experts_a_checkpoint_leaves_unquantized_load(references, tmp_path):
     path = _with_quant_config(references("qwen3-moe").path, tmp_path / "dense-experts", quant)
     ref = references("qwen3-moe")
     assert greedy(path, ref.prompts[:1], len(ref.expected[0])) == ref.expected[:1]
-
-
-def test_gguf_moe_is_refused(references):
-    hf_config = references("mixtral").hf_model.config
-    with pytest.raises(ValueError, match="GGUF files of mixture-of-experts models"):
-        load_model(ModelConfig(model="unused.gguf", load_format="gguf"), hf_config, torch.device("cpu"),
-                   torch.float32)
 
 
 def test_qwen3_30b_a3b_config_builds_with_dummy_weights(tmp_path):

@@ -11,7 +11,8 @@ Fewer, larger GEMMs per rank and no slicing of the intermediate size; the shared
 An all-to-all dispatch (ranks holding different tokens) would only pay with data-parallel attention, which
 the engine does not have: every rank already holds every token.
 Experts are 16-bit, or e4m3 under an fp8 quantization config (layers.quant.fp8_moe: block-quantized FP8
-checkpoints, or online per-row); other quantized experts are refused by layers.quant.
+checkpoints, or online per-row), or a GGUF file's GGML blocks on the CPU (layers.quant.gguf_moe); other
+quantized experts are refused by layers.quant.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ computation. The CPU path, and the reference the fused Triton kernel (kernels/fu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -75,15 +77,36 @@ def fused_experts_torch(
     (scale_block b), or [E, N, 1] per row (scale_block 0). Each expert is dequantized when its turn comes and
     multiplied as the dense FP8 CPU path does (fp8_linear_torch: W8A8 in float32).
     """
+    if w13_scale is None:
+        def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, w2[expert])
+    else:
+        def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+            gate, up = _fp8_linear(x, w13[expert], w13_scale[expert], scale_block).chunk(2, -1)
+            return _fp8_linear(F.silu(gate) * up, w2[expert], w2_scale[expert], scale_block)
+    return run_experts(hidden_states, topk_weights, topk_ids, w13.shape[0], w2.shape[1], expert_mlp)
+
+
+def run_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    out_features: int,
+    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """fused_experts_torch's dispatch and combine around any expert computation: expert_mlp(expert, rows
+    [n, hidden]) -> [n, out_features] for the rows routed to that expert (each expert called once, if any)."""
     num_tokens, top_k = topk_ids.shape
     weights = topk_weights.to(hidden_states.dtype)
     # One sort instead of a scan of the assignments per expert; the -1s sort first and are skipped.
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
-    skipped, *counts = torch.bincount(flat_ids + 1, minlength=w13.shape[0] + 1).tolist()
+    skipped, *counts = torch.bincount(flat_ids + 1, minlength=num_experts + 1).tolist()
     token_of = order // top_k
     new = hidden_states.new_zeros if skipped else hidden_states.new_empty  # skipped slots stay zero
-    slot_out = new(num_tokens * top_k, w2.shape[1])  # [num_tokens * top_k, hidden]
+    slot_out = new(num_tokens * top_k, out_features)  # [num_tokens * top_k, out_features]
     start = skipped
     for expert, count in enumerate(counts):
         if count == 0:
@@ -91,12 +114,7 @@ def fused_experts_torch(
         slots = order[start : start + count]
         tokens = token_of[start : start + count]
         start += count
-        if w13_scale is None:
-            gate, up = F.linear(hidden_states[tokens], w13[expert]).chunk(2, dim=-1)
-            slot_out[slots] = F.linear(F.silu(gate) * up, w2[expert])
-        else:
-            gate, up = _fp8_linear(hidden_states[tokens], w13[expert], w13_scale[expert], scale_block).chunk(2, -1)
-            slot_out[slots] = _fp8_linear(F.silu(gate) * up, w2[expert], w2_scale[expert], scale_block)
+        slot_out[slots] = expert_mlp(expert, hidden_states[tokens]).to(slot_out.dtype)
     weighted = slot_out * weights.reshape(-1, 1)
     return weighted.view(num_tokens, top_k, -1).sum(dim=1)
 

@@ -41,7 +41,10 @@ def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
     if is_gguf(path):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+        from tokenmill.model.gguf_moe import moe_config
+
         config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        config = moe_config(path, config)  # the experts' fields transformers leaves out; Mixtral's class
         # GGUF metadata names the family but not the class.
         if not getattr(config, "architectures", None):
             config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
@@ -106,8 +109,11 @@ def load_model(
         load_format = "gguf" if is_gguf(model_config.model) else "safetensors"
     requested, checkpoint_quant = model_config.quantization, getattr(hf_config, "quantization_config", None)
     if load_format == "gguf" and _num_experts(hf_config):
-        raise ValueError(f"GGUF files of mixture-of-experts models ({hf_config.architectures}) are not supported "
-                         "yet: load the model's safetensors checkpoint")
+        from tokenmill.model.gguf_moe import GGUF_MOE_ARCHITECTURES
+
+        if hf_config.architectures[0] not in GGUF_MOE_ARCHITECTURES:
+            raise ValueError(f"GGUF files of mixture-of-experts models ({hf_config.architectures}) load for "
+                             f"{', '.join(GGUF_MOE_ARCHITECTURES)} only: load the model's safetensors checkpoint")
     if load_format == "gguf":
         if _keep_gguf_quantized(model_config, device, dtype):
             checkpoint_quant = {"quant_method": "gguf"}  # the file's own types, as a checkpoint would name them
@@ -171,11 +177,16 @@ def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device, dtype:
 def _gguf_quantized_weights(model: nn.Module, stacked_params: dict[str, tuple[str, str | int]]):
     """name -> whether the Hugging Face tensor `name` loads into a layer that keeps GGUF blocks."""
     from tokenmill.layers.quant.gguf import GGUFLinearMethod
+    from tokenmill.layers.quant.gguf_moe import GGUFMoEMethod
 
     layers = {name for name, module in model.named_modules()
               if isinstance(getattr(module, "quant_method", None), GGUFLinearMethod)}
+    experts = {name for name, module in model.named_modules()
+               if isinstance(getattr(module, "quant_method", None), GGUFMoEMethod)}
 
     def keep(name: str) -> bool:
+        if ".experts." in name:  # model.layers.N.mlp.experts.E.gate_proj.weight (model.gguf_moe)
+            return name.partition(".experts.")[0] + ".experts" in experts
         module, _, kind = name.rpartition(".")
         prefix, _, leaf = module.rpartition(".")
         leaf = stacked_params.get(leaf, (leaf,))[0]  # q_proj -> qkv_proj
@@ -216,9 +227,10 @@ def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
                       keep_quantized: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a dense model under Hugging Face names: gguf's reader and name map, plus
-    transformers' per-family fixes. Tensors are dequantized to float32, except where `keep_quantized(name)`
-    holds for a tensor of a type layers.quant.gguf multiplies: those come as their raw rows, a uint8
+    """The tensors of a model under Hugging Face names: gguf's reader and name map, plus transformers'
+    per-family fixes, and stacked MoE experts split per expert (model.gguf_moe). Tensors are dequantized to
+    float32, except where `keep_quantized(name)` holds for a tensor of a type layers.quant.gguf multiplies
+    (or layers.quant.gguf_moe, for experts): those come as their raw rows, a uint8
     [rows, row_bytes] tensor tagged with its GGML type (layers.quant.gguf.tag_ggml). With `keep_quantized`,
     the other matrices of those types (the embedding, the LM head) come dense with their raw rows as
     `ggml_blocks`.
@@ -233,6 +245,7 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
     from tokenmill.layers.quant.gguf import QUANTIZED_TYPES, tag_ggml
+    from tokenmill.model.gguf_moe import expert_weights, is_expert_tensor
 
     reader = GGUFReader(path)
     arch_name = read_field(reader, "general.architecture")[0]
@@ -247,14 +260,22 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
     # The processor undoes llama.cpp's conversion tweaks (the q/k rotary permutation for llama).
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=hf_config.to_dict())
     # Processors known to move only whole rows of linear weights (llama's permutation) or to touch only
-    # norms: raw rows go through them unchanged in meaning. Others see dequantized values only.
-    if type(processor) not in (TensorProcessor, hf_gguf.LlamaTensorProcessor, hf_gguf.Gemma2TensorProcessor):
+    # norms and routers (Qwen-MoE's, whose experts come through expert_weights instead): raw rows go through
+    # them unchanged in meaning. Others see dequantized values only.
+    if type(processor) not in (TensorProcessor, hf_gguf.LlamaTensorProcessor, hf_gguf.Gemma2TensorProcessor,
+                               hf_gguf.Qwen2MoeTensorProcessor):
         keep_quantized = None
     for tensor in reader.tensors:
+        if is_expert_tensor(tensor.name):  # llama.cpp's stacked experts, one expert at a time
+            raw_type = int(tensor.tensor_type) in QUANTIZED_TYPES
+            yield from expert_weights(tensor, hf_config.model_type, keep_quantized if raw_type else None)
+            continue
         hf_name = to_hf.get(tensor.name)
         raw = (keep_quantized is not None and hf_name is not None and int(tensor.tensor_type) in QUANTIZED_TYPES
                and len(tensor.data.shape) == 2 and keep_quantized(hf_name))
         weights = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
+        if ".ffn_gate_inp_shexp." in tensor.name:  # Qwen2-MoE's shared-expert gate: [H] or [1, H] in files,
+            weights = weights.reshape(-1)  # [H] where the processor makes it HF's [1, H]
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=to_hf,
                                    parsed_parameters={"tensors": {}})
         if result.name in to_hf:

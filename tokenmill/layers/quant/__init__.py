@@ -99,7 +99,8 @@ def check_moe_experts(model: nn.Module, config: QuantConfig) -> None:
             continue
         raise ValueError(f"{name}: the checkpoint stores mixture-of-experts weights quantized with "
                          f"{config.name!r} ({config.describe()}), which tokenmill does not load for MoE experts "
-                         "yet (only unquantized experts, or fp8 with block scales); use the unquantized checkpoint")
+                         "yet (only unquantized experts, fp8 with block scales, or GGUF); use the unquantized "
+                         "checkpoint")
 
 
 def _quantized_moe_layers(model: nn.Module, config: QuantConfig) -> list[tuple[str, nn.Module]]:
