@@ -151,6 +151,21 @@ def test_write_latent_cache(device, dtype, dims):
     assert torch.equal(pool.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
 
 
+@interpret
+@pytest.mark.parametrize("qk_nope_head_dim", [16, 24], ids=["qk32", "qk40"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, "fp8"], ids=str)
+def test_triton_backend_mla_forms(device, dtype, qk_nope_head_dim):
+    """The Triton backend's forward_mla over a mixed step (tests/models/test_deepseek.py): the latent cache writer,
+    the absorbed kernels for the decodes, a verification and a short chunk after a long prefix, and the expanded
+    rows (a prompt, a chunk over its decompressed prefix) through kernels.prefill_attention at the tiny MLA sizes:
+    keys [k_nope | k_pe] 32 or 40 wide (padded to 64 in the kernel, masked), values 24 wide zero-padded to them."""
+    from tests.models.test_deepseek import run_mixed_mla_step
+    from tokenmill.attention.triton_attn import TritonAttentionBackend
+
+    tolerance = cases.TOLERANCE[torch.float32 if dtype == "fp8" else dtype]
+    assert run_mixed_mla_step(TritonAttentionBackend(), dtype, device, qk_nope_head_dim) < tolerance
+
+
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_deepseek_shapes_long_contexts(device, dtype, num_heads):

@@ -1,10 +1,13 @@
 """DeepSeek-V2/V3 pieces the end-to-end token test (test_models_vs_hf.py) cannot single out: each routing
 method's MoE block against transformers' on many tokens, MLA's absorbed weights read back from a quantized
-kv_b_proj, the latent KV cache's shape and size, and the tiny models on the GPU (the Triton MLA path) against
-transformers' greedy tokens. The MLA kernels themselves: tests/kernels/test_mla_attention.py."""
+kv_b_proj, the latent KV cache's shape and size, a step mixing MLA's absorbed and expanded forms (the CPU
+backend here; the Triton one in tests/kernels/test_mla_attention.py), every multi-token request expanded in the
+engine, and the tiny models on the GPU (the Triton MLA path) against transformers' greedy tokens. The MLA kernels
+themselves: tests/kernels/test_mla_attention.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,54 +96,123 @@ def test_latent_cache_is_one_row_per_token():
     assert torch.equal(layer.kv_cache[[0, 2]], before[[0, 2]])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "fp8"], ids=str)
-@torch.no_grad()
-def test_torch_backend_latent_attention(dtype):
-    """The CPU backend's forward_mla: the new rows written, then every query shape (decode, prefill chunk after a
-    prefix, whole prompt, 1 + 3 verify) against the float64 reference; float32 and bfloat16 take the C kernel,
-    float16 and an fp8 cache the torch path."""
-    import numpy as np
+# One step of every query shape, and the form the cost rule gives each at the tiny sizes (kv_lora_rank 32, qk_nope 16,
+# qk_rope 16, v_head_dim 24): decodes, a 20-token chunk after a 5-token prefix, a whole prompt, a 1 + 3
+# verification over 21 tokens, a 6-token chunk after a 40-token prefix.
+MIXED_Q_LENS, MIXED_CONTEXTS = [1, 20, 7, 1, 4, 6], [30, 5, 0, 0, 21, 40]
+MIXED_EXPANDED = [False, True, True, False, False, False]
 
+
+@torch.no_grad()
+def run_mixed_mla_step(backend, dtype, device: str, qk_nope_head_dim: int = 16) -> float:
+    """One step of MIXED_* through backend.forward_mla with a tiny DeepSeek-V3 MLA module's weights (each request
+    in the form the cost rule picks: the expanded and absorbed rows split), against MLA computed as transformers
+    does (every key decompressed, float64). Checks the new latent rows and returns the output's relative error.
+    qk_nope_head_dim 24 makes the expanded keys 40 wide, not a power of two."""
+    from tests.kernels.cases import rel_error
     from tokenmill.attention.backend import BatchLayout
-    from tokenmill.attention.torch_attn import TorchAttentionBackend
+    from tokenmill.attention.mla_split import expanded_attention_ref, prefers_expanded
     from tokenmill.kernels.kv_fp8 import FP8_DTYPE
-    from tokenmill.kernels.mla_decode import mla_attention_ref
-    from tokenmill.layers.mla import LatentAttention
 
     g = torch.Generator().manual_seed(0)
     act = torch.float32 if dtype == "fp8" else dtype
-    layer = LatentAttention(num_heads=4, kv_lora_rank=32, rope_dim=16, scale=0.15)
+    config = TINY_MODELS["deepseek-v3"].make_config()
+    config.qk_nope_head_dim = qk_nope_head_dim
+    module = MultiHeadLatentAttention(config, rope_interleaved=True)
+    for param in module.parameters():
+        param.data = (0.2 * torch.randn(param.shape, generator=g)).to(act)
+    module.to(device)
+    layer = module.attn
     layer.k_scale.fill_(0.5)
-    q_lens, contexts, block_size = [1, 6, 1, 4, 7], [30, 9, 0, 21, 0], 8
+    q_lens, contexts, block_size = MIXED_Q_LENS, MIXED_CONTEXTS, 8
+    dims = (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim)
+    assert prefers_expanded(np.array(q_lens), np.array(contexts), dims).tolist() == MIXED_EXPANDED
     seq_lens = [q + c for q, c in zip(q_lens, contexts)]
     max_blocks = max(-(-n // block_size) for n in seq_lens)
     block_table = torch.randperm(len(q_lens) * max_blocks, generator=g).view(len(q_lens), max_blocks)
-    layer.kv_cache = torch.randn(layer.kv_cache_shape(block_table.numel(), block_size), generator=g).to(
-        FP8_DTYPE if dtype == "fp8" else dtype)
+    # Never-written slots hold NaN, as a fresh GPU pool may: no form may read them.
+    cache = torch.full(layer.kv_cache_shape(block_table.numel(), block_size), float("nan"))
     positions = np.concatenate([np.arange(c, c + q) for q, c in zip(q_lens, contexts)])
     owners = np.repeat(np.arange(len(q_lens)), q_lens)
+    for i, context in enumerate(contexts):  # the cached prefixes
+        slots = block_table[i, torch.arange(context) // block_size] * block_size + torch.arange(context) % block_size
+        cache.view(-1, cache.shape[2])[slots] = torch.randn(context, cache.shape[2], generator=g)
+    layer.kv_cache = cache.to(FP8_DTYPE if dtype == "fp8" else dtype).to(device)
     slots = block_table.numpy()[owners, positions // block_size] * block_size + positions % block_size
     layout = BatchLayout(np.cumsum([0, *q_lens]).astype(np.int32), np.array(seq_lens, dtype=np.int32),
                          block_table.numpy().astype(np.int32), slots.astype(np.int64), block_size)
-    backend = TorchAttentionBackend()
-    num_tokens = sum(q_lens)
-    query = torch.randn(num_tokens, 4, 48, generator=g).to(act)
-    c_kv, k_pe = torch.randn(num_tokens, 32, generator=g).to(act), torch.randn(num_tokens, 16, generator=g).to(act)
-    out = backend.forward_mla(layer, query, c_kv, k_pe, layer.kv_cache, backend.build_metadata(layout, "cpu"))
-    stored = layer.kv_cache.view(-1, 48)[torch.from_numpy(slots)].float() * (0.5 if dtype == "fp8" else 1.0)
+    num_tokens, num_heads = sum(q_lens), module.num_heads
+    new = lambda *shape: torch.randn(*shape, generator=g).to(act).to(device)
+    rope = config.qk_rope_head_dim
+    q_nope, q_pe = new(num_tokens, num_heads, config.qk_nope_head_dim), new(num_tokens, num_heads, rope)
+    c_kv, k_pe = new(num_tokens, config.kv_lora_rank), new(num_tokens, rope)
+    metadata = backend.build_metadata(layout, torch.device(device))
+    out = backend.forward_mla(layer, q_nope, q_pe, c_kv, k_pe, module, layer.kv_cache, metadata)
+    assert out.shape == (num_tokens, num_heads, config.v_head_dim)
+    (split,) = metadata.mla_splits.values()
+    assert split.expanded.rows.tolist() == np.flatnonzero(np.repeat(MIXED_EXPANDED, q_lens)).tolist()
+    stored = layer.kv_cache.view(-1, cache.shape[2])[torch.from_numpy(slots).to(device)].float()
+    stored = stored * (0.5 if dtype == "fp8" else 1.0)
     torch.testing.assert_close(stored, torch.cat([c_kv, k_pe], -1).float(), rtol=0.07, atol=0.07 * 0.5)
-    ref = mla_attention_ref(query, layer.kv_cache, layout.query_start_loc.tolist(), seq_lens, block_table,
-                            layer.scale, 32, layer.k_scale)
+    ref = expanded_attention_ref(layer.kv_cache, module.kv_b_proj.weight, q_nope, q_pe, layout.query_start_loc.tolist(),
+                                 seq_lens, block_table, layer.scale, layer.k_scale)
+    return rel_error(out.cpu(), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "fp8"], ids=str)
+def test_torch_backend_mla_forms(dtype):
+    """The CPU backend's forward_mla over a mixed step: absorbed rows (decodes, a verification, a short chunk after
+    a long prefix) and expanded rows (a prompt, a chunk whose prefix is decompressed from the cache) split, both
+    against the decompressed float64 reference; float32 and bfloat16 take the C kernel, float16 and an fp8 cache
+    the torch path."""
+    from tokenmill.attention.torch_attn import TorchAttentionBackend
+
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3, "fp8": 1e-5}[dtype]
-    assert ((out.double() - ref).norm() / ref.norm()).item() < tolerance
+    assert run_mixed_mla_step(TorchAttentionBackend(), dtype, "cpu") < tolerance
+
+
+@pytest.mark.parametrize("setting", ["chunked-prefill", "ngram-chunked-preemption"])
+def test_every_multi_token_request_expanded(references, monkeypatch, setting):
+    """The cost rule sends few tiny-model chunks after a prefix to the expanded form: with every multi-token
+    request expanded (chunks after cached context, recomputation after preemption, draft verification, mixed
+    with decodes), transformers' greedy tokens still, in float32."""
+    from tests.models.test_models_vs_hf import BASE_ARGS, ENGINE_SETTINGS
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.attention import mla_split
+
+    built = []
+    build_split = mla_split.build_split
+
+    def recording_build_split(*args):
+        built.append(build_split(*args))
+        return built[-1]
+
+    monkeypatch.setattr(mla_split, "prefers_expanded", lambda q_lens, context_lens, dims: q_lens > 1)
+    monkeypatch.setattr(mla_split, "build_split", recording_build_split)
+    ref = references("deepseek-v3")
+    llm = LLM(ref.path, **BASE_ARGS, **ENGINE_SETTINGS[setting])
+    if "ngram" in setting:
+        budget = llm.engine.core.scheduler.draft_budget
+        budget.cost, budget.min_gain = None, 0.0
+    params = SamplingParams(temperature=0, max_tokens=len(ref.expected[0]), ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == ref.expected
+    expanded = [split.expanded for split in built if split.expanded is not None]
+    assert any(q < n for e in expanded for q, n in zip(np.diff(e.query_start_loc_host), e.seq_lens_host)), \
+        "no expanded request attended to cached context"
+    assert any(split.absorbed_metadata is not None for split in built if split.expanded is not None), \
+        "no step mixed the forms"
+    if "ngram" in setting:  # verifications over contexts longer than the step: their keys a few heads at a time
+        assert any(e.heads_per_pass(ref.hf_model.config.num_attention_heads) < 4 for e in expanded)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", ["default", "chunked-prefill", "ngram-chunked-preemption"])
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
 def test_tiny_models_on_cuda_match_transformers(references, name, setting):
-    """float32 on the GPU: the latent cache writer, the decode kernel (CUDA graphs), the causal kernel for prefill
-    chunks and draft verification, preemption; transformers' greedy tokens exactly."""
+    """float32 on the GPU: the latent cache writer, the decode kernel (CUDA graphs), the absorbed causal kernel for
+    draft verification, the expanded form through the prefill kernel for prompts, preemption; transformers' greedy
+    tokens exactly."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from tests.models.test_models_vs_hf import BASE_ARGS, ENGINE_SETTINGS

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from tokenmill.attention.mla_split import ExpandedRequests, LatentProjections
     from tokenmill.layers.attention import Attention
     from tokenmill.layers.mla import LatentAttention
 
@@ -60,14 +61,31 @@ class AttentionBackend(ABC):
     def forward_mla(
         self,
         layer: LatentAttention,
-        query: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank + rope_dim]: [W_UK^T q_nope | q_pe]
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, rope_dim], rotated
         c_kv: torch.Tensor,  # [num_tokens, kv_lora_rank], normed
         k_pe: torch.Tensor,  # [num_tokens, rope_dim], rotated
+        projections: LatentProjections,  # the model's MLA module: W_UK, W_UV, kv_b_proj
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
         metadata: object,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         """Multi-head latent attention (layers.mla): store each new token's latent row [c_kv | k_pe] at its slot,
-        then every head attends (causal) over its request's rows, which are the keys, their c_kv part the values."""
+        then attend, each request in the absorbed or the expanded form (attention.mla_split.forward_mla, which
+        calls latent_attention and expanded_attention below)."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no multi-head latent attention")
+
+    def latent_attention(self, layer: LatentAttention, query: torch.Tensor, kv_cache: torch.Tensor,
+                         metadata: object) -> torch.Tensor:
+        """MLA's absorbed form: query [n, num_heads, kv_lora_rank + rope_dim] ([W_UK^T q_nope | q_pe]) attends
+        (causal) over its requests' latent rows, which are the keys, their c_kv part the values
+        -> [n, num_heads, kv_lora_rank]."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no multi-head latent attention")
+
+    def expanded_attention(self, query: torch.Tensor, pool: torch.Tensor, expanded: ExpandedRequests,
+                           scale: float) -> torch.Tensor:
+        """MLA's expanded form, for some of the heads: causal multi-head attention of query [n, heads, head_dim]
+        over the decompressed pool [2, num_blocks, block_size, heads, head_dim] (attention.mla_split.expanded_kv),
+        laid out as `expanded` says -> [n, heads, head_dim]."""
         raise NotImplementedError(f"attention backend {self.name!r} has no multi-head latent attention")
 
     def copy_metadata(self, dst: object, src: object) -> None:

@@ -12,12 +12,13 @@ dequantized (kernels.kv_fp8) as each request's context is gathered.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention import mla_split
 from tokenmill.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.attention.cpu_kernel import (
     kernel_applies,
@@ -41,6 +42,8 @@ class TorchAttentionMetadata:
     decode_token_ids: torch.Tensor  # [num_decodes] flat index of each single-token request's query
     decode_seq_lens: torch.Tensor  # [num_decodes] int64
     decode_block_table: torch.Tensor  # [num_decodes, max_decode_blocks] int64
+    layout: BatchLayout | None = None  # the host layout, for MLA's split (attention.mla_split)
+    mla_splits: dict = field(default_factory=dict)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -174,6 +177,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode_token_ids=to_device(qsl[:-1][is_decode]),
             decode_seq_lens=to_device(decode_seq_lens),
             decode_block_table=to_device(decode_block_table),
+            layout=layout,
         )
 
     def forward(
@@ -204,10 +208,14 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out
 
-    def forward_mla(self, layer, query, c_kv, k_pe, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
+    def forward_mla(self, layer, q_nope, q_pe, c_kv, k_pe, projections, kv_cache,
+                    metadata: TorchAttentionMetadata) -> torch.Tensor:
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [num_tokens, kv_lora_rank + rope_dim]
         stored = quantize_kv(latent, layer.k_scale, kv_cache.dtype)
         as_bytes(kv_cache).view(-1, latent.shape[1]).index_copy_(0, metadata.slot_mapping, as_bytes(stored))
+        return mla_split.forward_mla(self, layer, q_nope, q_pe, projections, kv_cache, metadata)
+
+    def latent_attention(self, layer, query, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
         pool = latent_as_kv(kv_cache)
         if kernel_applies(query, pool):
             out = paged_attention_cpu(query, pool, metadata.block_table, metadata.query_start_loc_cpu,
@@ -221,3 +229,11 @@ class TorchAttentionBackend(AttentionBackend):
             batched_decode_attention(out, query, pool, metadata.decode_token_ids, metadata.decode_seq_lens,
                                      metadata.decode_block_table, layer.scale, None, None, **scales)
         return out[..., : layer.kv_lora_rank]
+
+    def expanded_attention(self, query, pool, expanded, scale) -> torch.Tensor:
+        block_table = expanded.block_table.long()
+        if kernel_applies(query, pool):
+            return paged_attention_cpu(query, pool, block_table, torch.tensor(expanded.query_start_loc_host),
+                                       torch.tensor(expanded.seq_lens_host), scale)
+        return paged_attention_torch(query, pool, block_table, expanded.query_start_loc_host,
+                                     expanded.seq_lens_host, scale)

@@ -9,11 +9,12 @@ Decode-only metadata can be copied into the static tensors of a captured CUDA gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from tokenmill.attention import mla_split
 from tokenmill.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.device_copy import pack_to_device
 from tokenmill.kernels.decode_attention import decode_attention
@@ -35,6 +36,8 @@ class TritonAttentionMetadata:
     max_prefill_len: int
     packed: torch.Tensor
     """The bytes of the five vectors above and their alignment padding, contiguous (one copy for graphs)."""
+    layout: BatchLayout | None = None  # the host layout, for MLA's split (attention.mla_split)
+    mla_splits: dict = field(default_factory=dict)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -52,6 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
             *views,
             max_prefill_len=int(q_lens[prefill_ids].max()) if len(prefill_ids) else 0,
             packed=packed[: starts[5]],
+            layout=layout,
         )
 
     def forward(
@@ -76,9 +80,14 @@ class TritonAttentionBackend(AttentionBackend):
                               metadata.block_table, metadata.prefill_req_ids, metadata.max_prefill_len, **args)
         return out
 
-    def forward_mla(self, layer, query, c_kv, k_pe, kv_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
-        """kernels.mla_cache writes the latent rows, kernels.mla_decode attends (decode and multi-token queries)."""
+    def forward_mla(self, layer, q_nope, q_pe, c_kv, k_pe, projections, kv_cache,
+                    metadata: TritonAttentionMetadata) -> torch.Tensor:
+        """kernels.mla_cache writes the latent rows; the absorbed requests go to kernels.mla_decode (decode and
+        multi-token queries), the expanded ones to the prefill kernel (attention.mla_split)."""
         write_latent_cache(c_kv, k_pe, kv_cache, metadata.slot_mapping, layer.k_scale)
+        return mla_split.forward_mla(self, layer, q_nope, q_pe, projections, kv_cache, metadata)
+
+    def latent_attention(self, layer, query, kv_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
         out = torch.empty((*query.shape[:2], layer.kv_lora_rank), dtype=query.dtype, device=query.device)
         if metadata.decode_req_ids.numel():
             mla_decode_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
@@ -87,6 +96,14 @@ class TritonAttentionBackend(AttentionBackend):
             mla_prefill_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
                                   metadata.block_table, metadata.prefill_req_ids, metadata.max_prefill_len,
                                   layer.scale, layer.k_scale)
+        return out
+
+    def expanded_attention(self, query, pool, expanded, scale) -> torch.Tensor:
+        """The pool holds the decompressed keys and (zero-padded) values in the query's dtype: no fp8 scales. The
+        kernel pads the head width to a power of two in registers and masks the loads past it."""
+        out = torch.empty_like(query)
+        prefill_attention(query, pool, out, expanded.query_start_loc, expanded.seq_lens, expanded.block_table,
+                          expanded.req_ids, expanded.max_query_len, scale)
         return out
 
     def copy_metadata(self, dst: TritonAttentionMetadata, src: TritonAttentionMetadata) -> None:

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (MLA, absorbed form) over the latent KV cache: decode, prefill chunks, verify steps.
+"""Multi-head latent attention (MLA, absorbed form) over the latent KV cache: decode, verify steps, and the prefill
+chunks that attention.mla_split keeps absorbed (short ones after a long prefix; the others run expanded).
 
 The cache holds one row per token, [c_kv | k_pe] (kv_lora_rank + qk_rope_head_dim wide, 512 + 64 for the
 released DeepSeek models), in a [num_blocks, block_size, latent_dim] pool: no separate V, since V is the

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA, DeepSeek-V2/V3) over the paged KV cache, in the absorbed form.
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) over the paged latent KV cache: absorbed and expanded forms.
 
 Each token's keys and values come from one latent c_kv (kv_lora_rank wide, RMS-normed) and one shared
 rotary key k_pe (qk_rope_head_dim). kv_b_proj expands c_kv per head into k_nope and v; instead of expanding
@@ -9,8 +9,11 @@ the cached latents every step, its two halves are folded into the query and the 
 
 So attention runs in the latent space as multi-query attention with one KV head of width
 kv_lora_rank + qk_rope_head_dim (576 for the released models): K = [c_kv | k_pe], query = [W_UK^T q_nope | q_pe],
-and the first kv_lora_rank dims of the output go through W_UV per head, then o_proj. Absorbed everywhere:
-prefill too (the expanded form is the faster prefill for long prompts; not done yet).
+and the first kv_lora_rank dims of the output go through W_UV per head, then o_proj. That is the cheap form for
+decodes; for prompts and large prefill chunks the expanded form is: the cached latents of the request's keys
+decompressed by kv_b_proj into per-head k_nope and v, and ordinary causal attention with 192-wide keys and
+128-wide values instead of 576 and 512 (attention.mla_split picks the form per request by its cost, and splits
+a mixed step's rows between them).
 
 The rotary embedding is applied here, to the 64-wide pe parts only, and the Attention layer gets none:
 DeepSeek lays the rotary pairs out interleaved (x0, x1), (x2, x3)... (V2 always; V3 unless
@@ -20,8 +23,9 @@ the rotary with the KV write (a plain KV write runs instead).
 
 The cache (LatentAttention) holds one row [c_kv | k_pe] per token and layer, no separate V: the c_kv part of
 the row is the value. The layer declares that shape to the worker (kv_cache_shape), and the backends attend
-over it with their forward_mla: the Triton kernels of kernels.mla_decode / kernels.mla_cache on the GPU, on
-the CPU the generic paths over a view that reads the row as both K and V.
+over it with their forward_mla: absorbed, the Triton kernels of kernels.mla_decode / kernels.mla_cache on the
+GPU, on the CPU the generic paths over a view that reads the row as both K and V; expanded, the backends'
+ordinary prefill attention over the decompressed keys and values. Both read the same cache, written once.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -72,6 +77,7 @@ class LatentAttention(Attention):
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> None:
         super().__init__(num_heads, kv_lora_rank + rope_dim, scale, num_kv_heads=1)
         self.kv_lora_rank = kv_lora_rank
+        self.rope_dim = rope_dim
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.head_dim)
@@ -79,11 +85,13 @@ class LatentAttention(Attention):
     def copy_kv_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.kv_cache[dst] = self.kv_cache[src]
 
-    def forward(self, query: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-        """query [num_tokens, num_heads, head_dim] ([W_UK^T q_nope | q_pe]), c_kv [num_tokens, kv_lora_rank]
-        (normed), k_pe [num_tokens, rope_dim] (rotated) -> [num_tokens, num_heads, kv_lora_rank]."""
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                projections: MultiHeadLatentAttention) -> torch.Tensor:
+        """q_nope [num_tokens, num_heads, qk_nope], q_pe [num_tokens, num_heads, rope_dim] (rotated), c_kv
+        [num_tokens, kv_lora_rank] (normed), k_pe [num_tokens, rope_dim] (rotated) -> [num_tokens, num_heads,
+        v_head_dim], the values before o_proj. projections: the absorbed and expanded forms' weights."""
         ctx = get_forward_context()
-        return ctx.backend.forward_mla(self, query, c_kv, k_pe, self.kv_cache, ctx.attn_metadata)
+        return ctx.backend.forward_mla(self, q_nope, q_pe, c_kv, k_pe, projections, self.kv_cache, ctx.attn_metadata)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -134,14 +142,27 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = self._rotate(positions, q_pe, k_pe.unsqueeze(1))
-        w_uk, w_uv = self._absorbed_weights()
-        # [num_heads, num_tokens, qk_nope] @ [num_heads, qk_nope, kv_lora_rank]: each head's query in the latent space
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        query = torch.cat([q_latent, q_pe], dim=-1)  # [num_tokens, num_heads, latent_dim]
-        out = self.attn(query, c_kv, k_pe.squeeze(1))  # [num_tokens, num_heads, kv_lora_rank]
-        # [num_heads, num_tokens, kv_lora_rank] @ [num_heads, kv_lora_rank, v_head_dim]
-        values = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        values = self.attn(q_nope, q_pe, c_kv, k_pe.squeeze(1), self)  # [num_tokens, num_heads, v_head_dim]
         return self.o_proj(values.reshape(num_tokens, self.num_heads * self.v_head_dim))
+
+    def absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """[n, num_heads, qk_nope], [n, num_heads, qk_rope] -> [n, num_heads, latent_dim]: [W_UK^T q_nope | q_pe]."""
+        w_uk, _ = self._absorbed_weights()
+        # [num_heads, n, qk_nope] @ [num_heads, qk_nope, kv_lora_rank]: each head's query in the latent space
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        return torch.cat([q_latent, q_pe], dim=-1)
+
+    def latent_to_values(self, latent_out: torch.Tensor) -> torch.Tensor:
+        """[n, num_heads, kv_lora_rank] -> [n, num_heads, v_head_dim]: through W_UV."""
+        _, w_uv = self._absorbed_weights()
+        # [num_heads, n, kv_lora_rank] @ [num_heads, kv_lora_rank, v_head_dim]
+        return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def expand_latent(self, c_kv: torch.Tensor, heads: slice) -> torch.Tensor:
+        """[n, kv_lora_rank] -> [n, len(heads), qk_nope + v_head_dim]: those heads' [k_nope | v] (the expanded form),
+        kv_b_proj's rows for them (a quantized layer's weight as the absorbed form reads it)."""
+        weight = self._kv_b_weight()[heads]  # [heads, qk_nope + v_head_dim, kv_lora_rank], contiguous rows
+        return F.linear(c_kv, weight.reshape(-1, self.kv_lora_rank)).view(c_kv.shape[0], weight.shape[0], -1)
 
     def _rotate(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +173,11 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads' (W_UK [num_heads, qk_nope, kv_lora_rank], W_UV [num_heads, v_head_dim, kv_lora_rank])."""
+        weight = self._kv_b_weight()
+        return weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
+
+    def _kv_b_weight(self) -> torch.Tensor:
+        """This rank's kv_b_proj weight in float, [num_heads, qk_nope + v_head_dim, kv_lora_rank]."""
         if isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod):
             weight = self.kv_b_proj.weight  # views of the loaded weight: nothing is copied, nothing goes stale
         else:
@@ -164,5 +190,4 @@ class MultiHeadLatentAttention(nn.Module):
                                 device=self.kv_a_layernorm.weight.device)
                 self._dense_kv_b = self.kv_b_proj(eye).t().contiguous()
             weight = self._dense_kv_b
-        weight = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-        return weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
+        return weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
