@@ -2,11 +2,11 @@
 dequantized at load (the session's smollm2_llm engine, gguf_dequantize=True).
 
 The two hold the same weight values (tested exactly below): the kernel only sums the products in another
-order and regroups each block's scale and offset, so the logits differ by float32 rounding. Measured on
-the fixed text (2026-12-02, 2-core Xeon, float32): top-1 agreement 1.000 over 81 positions, KL below
-0.00005 nats everywhere (printed as 0.0000). The bounds (top-1 >= 0.99, mean KL <= 1e-5, max KL <= 1e-3)
-leave room for another CPU's rounding; a wrong block decoding, row permutation or part offset changes the
-predictions far past them (the FP8 test's wrong-scale case moves KL to ~0.1).
+order, so the logits differ by float32 rounding. Measured on the fixed text (2026-12-02, 2-core Xeon,
+float32): top-1 agreement 1.000 over 81 positions, KL below 0.00005 nats everywhere (printed as 0.0000).
+The bounds (top-1 >= 0.99, mean KL <= 1e-5, max KL <= 1e-3) leave room for another CPU's rounding; a wrong
+block decoding, row permutation or part offset changes the predictions far past them (the FP8 test's
+wrong-scale case moves KL to ~0.1).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def test_greedy_generation(kept_llm):
 
 
 def test_batched_decode_matches_single(kept_llm):
-    """Rows 1-2 take the kernel's fused path, more rows its tiles: the same tokens either way."""
+    """1 to 8 rows take the kernel's fused path, with the same arithmetic per output whatever their number
+    (tests/unit/test_gguf_cpu_kernel.py): the same tokens alone and together."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["The capital of France is", "Water boils at", "The largest planet is", "One, two, three,",
                "My favourite colour is"]

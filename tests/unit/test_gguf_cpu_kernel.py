@@ -62,7 +62,7 @@ def test_dequantize_matches_gguf_exactly(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 64])  # the fused decode path (<= 2 rows), tiles and their edges
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 64])  # the fused path (<= 8 rows), tiles and their edges
 @pytest.mark.parametrize("n,k", [(37, 256), (8, 768)])
 def test_gemm_matches_float64_reference(ggml_type, m, n, k):
     rng = np.random.default_rng(m * 1000 + n)
@@ -80,6 +80,21 @@ def test_gemm_on_the_default_models_tensors(smollm2_path):
         raw = np.ascontiguousarray(tensor.data[:rows])
         for m in (1, 3):
             check_gemm(raw, int(tensor.tensor_type), x[:m].contiguous())
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_row_does_not_depend_on_the_batch(ggml_type):
+    """float32 too: the fused path (<= 8 rows) and the tiles do the same arithmetic per output, so a row's
+    result is the same alone or within any batch (the prefix cache recomputes a prompt's last rows alone)."""
+    rng = np.random.default_rng(6)
+    raw = torch.from_numpy(random_blocks(ggml_type, 53, 768, rng))  # 53 rows: a last step of fewer
+    x = torch.from_numpy(rng.standard_normal((64, 768))).float()
+    for row in (0, 5, 63):
+        alone = gguf_gemm_cpu(x[row:row + 1].contiguous(), raw, int(ggml_type), 768)[0]
+        for size in (2, 4, 7, 8, 9, 64):
+            start = min(row, 64 - size)
+            within = gguf_gemm_cpu(x[start:start + size].contiguous(), raw, int(ggml_type), 768)
+            assert torch.equal(within[row - start], alone), (row, size)
 
 
 def test_gemm_writes_into_a_column_slice():
@@ -179,7 +194,7 @@ def mixed_qkv_layer(dtype: torch.dtype):
     return layer, torch.from_numpy(np.concatenate(dense))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 200])  # fused decode path, tiles, dequantized tile for prefill
+@pytest.mark.parametrize("rows", [1, 7, 20, 200])  # fused path (<= 8 rows), tiles, dense tile for prefill
 def test_fused_layer_of_mixed_types(rows):
     layer, weight = mixed_qkv_layer(torch.float32)
     assert [run[0] for run in layer.gguf_runs] == [int(T.Q4_1), int(T.Q8_0), int(T.Q6_K)]

@@ -7,10 +7,10 @@ same float32 rows was 1.1x faster at one row, slower from two: BENCHMARKS.md, is
 holds the same values as Q8_0 blocks, 30 MB. Where the loader kept them beside the dense table (a GGUF
 served with its linear weights kept quantized: model.loader.iter_gguf_weights), up to QUANTIZED_ROWS
 float32 rows go through the GGUF kernel (layers.quant.gguf_cpu) over those blocks. They mean exactly the
-dense table's float32 values (an fp16 scale times an int8 is exact in float32) and the kernel sums in
-float32 (at 1-2 rows each block's dot product times its scale), so the logits differ from the dense GEMM's
-only by float32 rounding in another order. From ~48 rows oneDNN's tiles win. bfloat16 stays dense: its
-57 MB table through oneDNN beat the kernel's bfloat16 path at every row count measured (1-64).
+dense table's float32 values (an fp16 scale times an int8 is exact in float32) and the kernel sums their
+float32 products, so the logits differ from the dense GEMM's only by float32 rounding in another order.
+From ~48 rows oneDNN's tiles win. bfloat16 stays dense: its 57 MB table through oneDNN beat the kernel's
+bfloat16 path at every row count measured (1-64).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ that stays in L1 (the same float32 values gguf's `dequantize` gives: the product
 no fused multiply-add), then takes dot products of MR activation rows with them in AVX-512 registers.
 Activations stay float32, so the result differs from the dequantized model's only in summation order.
 Large batches walk the activations in chunks that fit in L2, dequantizing each tile once per chunk.
+Up to 8 rows of Q4_0, Q4_1 and Q8_0 (decode steps) skip the scratch buffer: each block is decoded into
+registers, a 4-bit block's 32 weights looked up among its 16 values, with the tiles' arithmetic per output,
+so a float32 row's result does not depend on the batch either (below the dense prefill path).
 
 bfloat16 activations (gguf_gemm_bf16; Q4_0, Q4_1, Q8_0; CPUs with AVX512_BF16) multiply the weights rounded
 to bfloat16 (round to nearest even, as .to(torch.bfloat16): the dense bfloat16 model's weights exactly),
@@ -59,7 +62,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 #define NR 4        /* weight rows per tile */
 #define MR 4        /* activation rows per register tile */
-#define SMALL_M 2   /* up to this many rows take the fused path (measured: the tiles win from 4) */
+#define SMALL_M 8   /* up to this many rows take the fused path */
 #define L2_BYTES (512 * 1024)  /* activation rows per chunk: this many bytes of them */
 
 static inline float half_at(const uint8_t *p) {  /* IEEE half, little-endian, to float (exact) */
@@ -137,79 +140,116 @@ static int dequant_row_avx512(int type, const uint8_t *src, float *dst, int64_t 
 #endif
 
 #if defined(__AVX512F__) && defined(__F16C__)
-/* Decode rows (m <= MR) of the 32-weight types, fused: y = sum over blocks of d * (q . x) + c * sum(x), where
-   c is Q4_1's m, Q4_0's -8 d, Q8_0's 0. The same sum as over the dequantized weights, regrouped: per block
-   it saves the dequantization's multiply and add of every weight, which bound the decode step. */
-static inline __attribute__((always_inline)) void small_m_block(int type, const uint8_t *src, __m512 *lo,
-                                                                __m512 *hi, float *d, float *c) {
-    uint32_t halves;
-    memcpy(&halves, src, 4);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
-    *d = _mm_cvtss_f32(dm);
+/* Few rows (m <= SMALL_M): a block of each of fused_rows(m) weight rows is decoded into registers, to the
+   float32 values dequant_row gives, and used by every activation row; no scratch buffer. Every output is
+   reduce_add(acc) with acc = fma(x, w, acc) over chunks of 16 weights in order: the tile path's arithmetic
+   exactly, so a row's result does not depend on how many rows come with it (below DENSE_GEMM_ROWS).
+   A 4-bit block has 16 values: they are computed once (the same products and sums as dequant_row's) and
+   its 32 weights looked up by their nibbles (VPERMPS reads an index's low 4 bits only). With the scales
+   gathered 16 blocks at a time, a Q4_1 block at one row takes 7 vector instructions (5 to decode, 2 FMAs),
+   3 of them on the shuffle port, where converting every weight and each scale alone took 13, 8 on that
+   port: the decode, not memory, bound this path (BENCHMARKS.md, issue 23). */
+/* Bytes ahead the weights are prefetched: a decode step's weights come from memory, not the caches (one row
+   over 110 MB of Q4_1 weights: 1.5x faster with it, the same from 2 to 16 KiB ahead). A step of nr weight
+   rows reads one contiguous span, nr * bytes a block. */
+#define PREFETCH_BYTES 4096
+#define FR_MAX 4  /* weight rows per step, fused_rows(m): m * that many accumulators (8 at m = 1: no faster) */
+static inline int fused_rows(int m) { return m <= 4 ? 4 : 2; }
+
+/* The scales (d, and Q4_1's m) of up to 16 blocks of a row as float32, in one gather: converting them one
+   by one took as many shuffle-port instructions as the rest of a block's decode. */
+static inline __attribute__((always_inline)) void fused_scales(const int type, const uint8_t *src, int kb,
+                                                               float *d, float *m) {
+    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(bytes));
+    const __m512i halves = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << kb) - 1), at,
+                                                       src, 1);  /* each block's first 4 bytes */
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves)));
+    if (type == Q4_1) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16))));
+}
+
+/* Block `src`'s 32 weights as dequant_row gives them, d and m its scales. */
+static inline __attribute__((always_inline)) void fused_block(const int type, const uint8_t *src, float d,
+                                                              float m, __m512 *lo, __m512 *hi) {
+    const __m512 dv = _mm512_set1_ps(d);
     if (type == Q8_0) {
-        *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2))));
-        *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 18))));
-        *c = 0.0f;
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2)))), dv);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 18)))), dv);
         return;
     }
     const int bytes = type == Q4_0 ? 18 : 20;
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* q * d is exact in float32 (4 bits times 11), so one rounding, fused or not: dequant_row's values. */
+    const __m512 values = type == Q4_0 ? _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), dv)
+                                       : _mm512_fmadd_ps(iota, dv, _mm512_set1_ps(m));
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + bytes - 16)));
-    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xf)));
-    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-    *c = type == Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(dm)) : -8.0f * *d;
+    *lo = _mm512_permutexvar_ps(q, values);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values);
 }
 
-/* Two blocks per step into two accumulators: one chain of dependent FMAs would wait on their latency. */
-static inline __attribute__((always_inline)) void small_m_row(int type, const uint8_t *src, const float *x,
-                                                              const float *xsum, int64_t K, float *y,
-                                                              int64_t ldy, const int mr) {
+static inline __attribute__((always_inline)) void fused(const int type, const uint8_t *w, int64_t row_bytes,
+                                                        const float *x, int64_t K, float *y, int64_t ldy,
+                                                        const int mr, const int nr) {
     const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
     const int64_t nb = K / 32;
-    __m512 acc[2][MR];
-    float offset[2][MR];
-    for (int u = 0; u < 2; u++)
-        for (int i = 0; i < mr; i++) {
-            acc[u][i] = _mm512_setzero_ps();
-            offset[u][i] = 0.0f;
-        }
-    for (int64_t b = 0; b < nb; b += 2) {
-        for (int u = 0; u < 2 && b + u < nb; u++) {
-            __m512 lo, hi;
-            float d, c;
-            small_m_block(type, src + (b + u) * bytes, &lo, &hi, &d, &c);
-            const __m512 dv = _mm512_set1_ps(d);
+    __m512 acc[SMALL_M][FR_MAX];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int kb = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        float d[FR_MAX][16], m[FR_MAX][16];
+        for (int j = 0; j < nr; j++) fused_scales(type, w + j * row_bytes + b0 * bytes, kb, d[j], m[j]);
+        for (int b = 0; b < kb; b++) {
+            __m512 lo[FR_MAX], hi[FR_MAX];
+            for (int j = 0; j < nr; j++)
+                fused_block(type, w + j * row_bytes + (b0 + b) * bytes, d[j][b], m[j][b], &lo[j], &hi[j]);
+            const float *xb = x + (b0 + b) * 32;
+            /* An address past the weights' end is only a hint: prefetches never fault. */
+            const char *ahead = (const char *)((uintptr_t)w + PREFETCH_BYTES + (b0 + b) * nr * bytes);
+            for (int l = 0; l < nr * bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
             for (int i = 0; i < mr; i++) {
-                const float *xb = x + i * K + (b + u) * 32;
-                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
-                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), t);
-                acc[u][i] = _mm512_fmadd_ps(dv, t, acc[u][i]);
-                offset[u][i] += c * xsum[i * nb + b + u];
+                const __m512 x0 = _mm512_loadu_ps(xb + i * K), x1 = _mm512_loadu_ps(xb + i * K + 16);
+                for (int j = 0; j < nr; j++) {
+                    acc[i][j] = _mm512_fmadd_ps(x0, lo[j], acc[i][j]);
+                    acc[i][j] = _mm512_fmadd_ps(x1, hi[j], acc[i][j]);
+                }
             }
         }
     }
     for (int i = 0; i < mr; i++)
-        y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i])) + (offset[0][i] + offset[1][i]);
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
+
+/* The instances: the type, m and a whole step of weight rows (or one, for the last rows) as constants. */
+#define FUSED_M(T, M) \
+    case M: \
+        if (nr == fused_rows(M)) fused(T, w, row_bytes, x, K, y, ldy, M, fused_rows(M)); \
+        else for (int j = 0; j < nr; j++) fused(T, w + j * row_bytes, row_bytes, x, K, y + j, ldy, M, 1); \
+        return;
+#define FUSED_TYPE(T) \
+    static void fused_##T(const uint8_t *w, int64_t row_bytes, const float *x, int64_t M, int64_t K, float *y, \
+                          int64_t ldy, int nr) { \
+        switch (M) { FUSED_M(T, 1) FUSED_M(T, 2) FUSED_M(T, 3) FUSED_M(T, 4) FUSED_M(T, 5) FUSED_M(T, 6) \
+                     FUSED_M(T, 7) FUSED_M(T, 8) } \
+    }
+FUSED_TYPE(Q4_0)
+FUSED_TYPE(Q4_1)
+FUSED_TYPE(Q8_0)
 
 static void small_m(int type, const uint8_t *w, const float *x, int64_t M, int64_t N, int64_t K,
                     int64_t row_bytes, float *y, int64_t ldy, int num_threads) {
-    float *xsum = malloc(sizeof(float) * M * (K / 32));  /* each activation block's sum */
-    for (int64_t i = 0; i < M * (K / 32); i++) {
-        float s = 0.0f;
-        for (int j = 0; j < 32; j++) s += x[i * 32 + j];
-        xsum[i] = s;
-    }
+    const int fr = fused_rows((int)M);
+    const int64_t steps = (N + fr - 1) / fr;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N >= 64)")
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *src = w + n * row_bytes;
-        switch (M) {
-        case 4: small_m_row(type, src, x, xsum, K, y + n, ldy, 4); break;
-        case 3: small_m_row(type, src, x, xsum, K, y + n, ldy, 3); break;
-        case 2: small_m_row(type, src, x, xsum, K, y + n, ldy, 2); break;
-        default: small_m_row(type, src, x, xsum, K, y + n, ldy, 1);
-        }
+    for (int64_t s = 0; s < steps; s++) {
+        const int64_t n0 = s * fr;
+        const int nr = N - n0 < fr ? (int)(N - n0) : fr;
+        const uint8_t *ws = w + n0 * row_bytes;
+        if (type == Q4_0) fused_Q4_0(ws, row_bytes, x, M, K, y + n0, ldy, nr);
+        else if (type == Q4_1) fused_Q4_1(ws, row_bytes, x, M, K, y + n0, ldy, nr);
+        else fused_Q8_0(ws, row_bytes, x, M, K, y + n0, ldy, nr);
     }
-    free(xsum);
 }
 #endif
 
