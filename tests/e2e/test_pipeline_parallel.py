@@ -4,9 +4,11 @@ A tiny seeded random Llama (3 layers: an uneven 2 + 1 split; tied embeddings, so
 embedding for its LM head) runs on two stages with async scheduling, chunked prefill, prefix caching, ngram
 drafts and a KV pool small enough to preempt, and must give the one-process engine's tokens: greedy,
 seeded random, n > 1 and penalties alike, with the same logprobs and prompt logprobs (the stages compute
-exactly what one process does; only the last samples, the others are sent its tokens). Qwen2-MoE (a dense
-layer, then experts behind a shared expert) on two stages must give transformers' greedy tokens, and two
-stages of two tensor-parallel ranks each the one-process engine's.
+exactly what one process does; only the last samples, the others are sent its tokens). It does so with two
+micro-batches in flight (the default: each stage computes one while the other computes the other, a request
+in one at a time), through an abort while its batch is in flight, and with one batch at a time. Qwen2-MoE (a
+dense layer, then experts behind a shared expert) on two stages must give transformers' greedy tokens, and
+two stages of two tensor-parallel ranks each the one-process engine's.
 """
 
 from __future__ import annotations
@@ -90,6 +92,41 @@ def generate_recording(llm: LLM) -> tuple[list, list]:
         del core.step
 
 
+def record_overlaps(scheduler) -> list[bool]:
+    """From now on, for each batch scheduled: whether it samples for some requests while another batch in flight
+    samples for others (asserting that no request is in both)."""
+    overlaps = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        busy = {rid for step in scheduler.steps_in_flight for rid, (request, _) in step.items()
+                if request.num_output_placeholders}
+        output = schedule()
+        assert not busy & set(output.num_scheduled_tokens)
+        samples = any(scheduler.requests[rid].num_output_placeholders for rid in output.num_scheduled_tokens)
+        overlaps.append(bool(busy) and samples)
+        return output
+
+    scheduler.schedule = recording_schedule
+    return overlaps
+
+
+def abort_while_its_batch_is_in_flight(llm: LLM, reference) -> None:
+    """r0 is aborted while a micro-batch computes its token and its id is reused at once: both runs of r0,
+    and r4 beside them, give the one-process greedy tokens."""
+    engine, greedy = llm.engine, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    for i in (0, 4):
+        engine.add_request(f"r{i}", prompts()[i], greedy)
+    while not any(step.get("r0") for step in engine.core.scheduler.steps_in_flight):
+        engine.step()
+    engine.abort_request(["r0"])
+    engine.add_request("r0", prompts()[0], greedy)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert finished == {"r0": reference[0].outputs[0].token_ids, "r4": reference[4].outputs[0].token_ids}
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """(folder, the one-process engine's outputs with every feature on); made before any staged engine, since
@@ -102,22 +139,35 @@ def llama(tmp_path_factory):
     return folder, reference
 
 
-def test_two_stages_give_the_one_process_outputs(llama):
+@pytest.mark.parametrize("batches_in_flight", [None, 1])
+def test_two_stages_give_the_one_process_outputs(llama, batches_in_flight):
     folder, reference = llama
-    llm = LLM(str(folder), **FEATURES, pipeline_parallel_size=2)
+    llm = LLM(str(folder), **FEATURES, pipeline_parallel_size=2, pipeline_batches_in_flight=batches_in_flight)
     try:
         core = llm.engine.core
         assert core.executor.world_size == 2 and core.async_scheduling
         driver = core.executor.driver_worker  # rank 0: the last stage, layer 2 of 0..2
         assert driver.model.model.stage.start == 2 and len(driver.attn_layers) == 1
+        overlaps = record_overlaps(core.scheduler) if batches_in_flight is None else None
         actual, stats = generate_recording(llm)
         # The features composed with the stages did run.
         assert sum(s.prefix_cache_hits for s in stats) > 0
         assert stats[-1].spec_decoding.num_draft_tokens > 0
         assert core.scheduler.num_preemptions > 0
         assert_same_outputs(reference, actual)
+        if overlaps is not None:
+            assert sum(overlaps) > len(overlaps) / 2  # two micro-batches ran at once over most steps
+            abort_while_its_batch_is_in_flight(llm, reference)
         kv = core.scheduler.kv
         assert kv.pool.num_free_blocks == kv.pool.num_blocks
+        # Stopped with a step queued on the driver: the first stage, waiting for its share, is not left behind.
+        llm.engine.add_request("late", prompts()[1], SamplingParams(max_tokens=50))
+        for _ in range(3):
+            llm.engine.step()
+        assert core._in_flight
+        start = time.monotonic()
+        core.shutdown()
+        assert time.monotonic() - start < 3  # not the 5 s a stuck rank is given before it is killed
     finally:
         llm.engine.core.shutdown()
     from tokenmill.distributed.parallel_state import get_pp_size, is_distributed
@@ -240,6 +290,9 @@ def test_what_does_not_compose_is_refused():
             speculative_config={"method": "eagle", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         LLM("unused", pipeline_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match=r"pipeline_batches_in_flight must be an integer from 1 to pipeline_"
+                                         r"parallel_size \(2\), got 3"):
+        LLM("unused", pipeline_parallel_size=2, pipeline_batches_in_flight=3)
     from transformers import LlamaConfig
 
     from tokenmill.executor.base import check_pipeline_parallel

@@ -15,9 +15,10 @@ reads it.
 
 Random sequences of adds (shared prefixes, n > 1 forks, priorities, salts), aborts, stop-string stops
 and steps run on tiny pools, under FCFS and priority, with and without prefix caching, chunked prefill,
-async scheduling and speculative decoding. After every step: waiting requests hold no blocks, the block reference counts
-add up, the limits hold; at the end every request finished exactly once with the right tokens, and
-every block is free. A step that schedules nothing while work waits raises SchedulerStalledError.
+async scheduling, speculative decoding and pipeline micro-batches (two or three steps in flight). After every
+step: waiting requests hold no blocks, the block reference counts add up, the limits hold; at the end every
+request finished exactly once with the right tokens, and every block is free. A step that schedules nothing
+while work waits raises SchedulerStalledError.
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ def engine_configs(draw):
         chunked=chunked,
         async_scheduling=draw(st.booleans()),
         num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        num_batches_in_flight=draw(st.sampled_from([1, 1, 2, 3])),
     )
 
 
@@ -227,12 +229,14 @@ class Driver:
         )
         self.kv = KVCacheManager(config["num_blocks"], config["block_size"], enable_caching=config["caching"])
         k = config.get("num_speculative_tokens", 0)
+        num_batches = config.get("num_batches_in_flight", 1)
         self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len,
-                                   DraftBudget(k, cost=None) if k else None)
+                                   DraftBudget(k, cost=None) if k else None, num_batches)
         self.salts: dict[str, str | None] = {}
         self.runner = FakeRunner(config["block_size"], config["budget"], self.salts,
                                  lambda: self.kv.pool.cached_blocks.values())
-        self.core = EngineCore(self.scheduler, self.runner, config["async_scheduling"])
+        self.core = EngineCore(self.scheduler, self.runner, config["async_scheduling"],
+                               num_batches_in_flight=num_batches)
         self.expected: dict[str, Expected] = {}
         self.parents: list[list[str]] = []
         self.num_added = 0

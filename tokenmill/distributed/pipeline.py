@@ -37,3 +37,9 @@ def broadcast_from_driver(tensor: torch.Tensor) -> torch.Tensor:
     """The driver's `tensor` on every rank of the world, in place (every rank calls it, same shape)."""
     dist.broadcast(tensor, DRIVER_RANK)
     return tensor
+
+
+def start_broadcast_from_driver(tensor: torch.Tensor) -> dist.Work:
+    """broadcast_from_driver, returning at once; `tensor` holds the driver's values after wait() (on the host
+    under gloo, which receives in a background thread; NCCL's wait() only orders the device's stream)."""
+    return dist.broadcast(tensor, DRIVER_RANK, async_op=True)

@@ -1,9 +1,11 @@
 """MultiprocExecutor: one process per rank (tensor_parallel_size x pipeline_parallel_size) on this host.
 
 Rank 0 (the driver) runs in the engine core's own process, so its step output is today's PendingOutput:
-no copy of the tokens between processes, and async scheduling overlaps exactly as with one rank. Ranks
-1..N-1 are child processes (`python -m tokenmill.executor.worker_proc`: plain subprocesses, since the
-server's engine-core process is a daemon, which multiprocessing forbids to have children).
+no copy of the tokens between processes, and async scheduling overlaps exactly as with one rank (with
+pipeline micro-batches on the CPU it computes its share of a step when the tokens are awaited, so that the
+other stages get the next batch first: deferred_driver.py). Ranks 1..N-1 are child processes (`python -m
+tokenmill.executor.worker_proc`: plain subprocesses, since the server's engine-core process is a daemon,
+which multiprocessing forbids to have children).
 
 Each call goes to every rank over ZMQ (one PUSH socket per rank, ipc:// paths in a private temporary
 folder: no ports, no fixed names), pickled once. Why pickle over ZMQ: the SchedulerOutput is small (diffs
@@ -249,6 +251,8 @@ class MultiprocExecutor(Executor):
             return
         self._closed.set()
         atexit.unregister(self.shutdown)
+        if self._deferred is not None and self._failure is None:
+            self._deferred.finish()  # the other stages wait for the driver's share of the steps they ran
         for inbox in self._inboxes:
             try:
                 inbox.send(pickle.dumps(("shutdown", ())), flags=zmq.NOBLOCK)

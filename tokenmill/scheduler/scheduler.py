@@ -12,6 +12,10 @@ slots) for up to k draft tokens that the worker's proposer fills and one forward
 in flight its request's counters assume every draft is accepted (`num_computed_tokens` and
 `num_output_placeholders` are upper bounds); the update takes back what was not.
 
+Pipeline micro-batches (`num_batches_in_flight` > 1): several steps are in flight, one per stage, and a
+request whose next token one of them computes sits out the next ones (its prompt chunks need no token: they
+may follow each other); the requests are spread evenly over the batches so that every stage has work.
+
 This file must only contain what every request and model needs; rarer features live behind their
 own modules and touch it in a few lines at most.
 """
@@ -44,7 +48,7 @@ class SchedulerStalledError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 draft_budget: DraftBudget | None = None) -> None:
+                 draft_budget: DraftBudget | None = None, num_batches_in_flight: int = 1) -> None:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # A prompt longer than one step's budget could then never be scheduled.
             raise ValueError(
@@ -62,6 +66,7 @@ class Scheduler:
         self.forks = PendingForks()
         self.draft_budget = draft_budget
         """None: no speculative decoding, no lookahead."""
+        self.num_batches_in_flight = num_batches_in_flight
         self.spec_stats = SpecDecodingStats()
         self.steps_in_flight: deque[dict[str, tuple[Request, int]]] = deque()
         """The requests of each scheduled step not yet updated, with the lookahead each was given, oldest
@@ -107,15 +112,16 @@ class Scheduler:
         num_preemptions_before = self.num_preemptions
         drafts_per_request = self.draft_budget.drafts_per_request(len(self.running)) if self.draft_budget else 0
 
+        max_num_reqs = self._max_reqs_per_batch()
         for request in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(num_scheduled) == max_num_reqs:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
-            if request.num_output_placeholders and reaches_length(
+            if request.num_output_placeholders and (self.num_batches_in_flight > 1 or reaches_length(
                 request, self.max_model_len, request.num_output_placeholders
-            ):
-                continue  # the step in flight gives its last token; the update will finish it
+            )):
+                continue  # a micro-batch in flight computes its next token, or the step in flight its last one
             num_left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             num_new = min(num_left, budget)
             num_drafts = (self._lookahead(request, num_new == num_left, budget - num_new, drafts_per_request)
@@ -139,11 +145,13 @@ class Scheduler:
         if self.num_preemptions > num_preemptions_before:
             budget = 0
 
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(num_scheduled) < max_num_reqs):
             request = self.waiting.peek()
-            # A request preempted with a token in flight gets it back in update_from_output before
-            # the next schedule(): admission is closed in the step that preempted it.
-            assert request.num_output_placeholders == 0
+            if request.num_output_placeholders:
+                # Preempted with a token in flight: it gets it back in update_from_output, after which it may
+                # start again (admission is closed in the step that preempted it; more micro-batches may follow).
+                break
             # Waiting requests hold no blocks: what running requests free is always enough to admit one.
             assert request.num_computed_tokens == 0
             computed = self._get_computed_blocks(request)
@@ -206,6 +214,11 @@ class Scheduler:
             for follower in self.forks.release_followers(request):
                 self.waiting.add_preempted(follower)  # to the front: each has one token to compute
         return output
+
+    def _max_reqs_per_batch(self) -> int:
+        """One micro-batch's share of the requests (all of them without micro-batches)."""
+        num_reqs = len(self.running) + len(self.waiting)
+        return -(-num_reqs // self.num_batches_in_flight)
 
     def _lookahead(self, request: Request, reaches_end: bool, budget_left: int, drafts_per_request: int) -> int:
         """Draft tokens a request may have verified in this step: only when the step reaches the end of its

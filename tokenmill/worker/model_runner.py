@@ -44,6 +44,7 @@ class ModelRunner:
         vocab_size: int,
         proposer: Proposer | None = None,
         max_drafts: int = 0,
+        num_batches_in_flight: int = 1,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -62,13 +63,13 @@ class ModelRunner:
         """Drafts and verification; None without speculative decoding."""
         self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
         self._last_pending: PendingOutput | None = None
-        # Pinned landing buffers for sampled tokens; two, since a step's copy may still be read
-        # while the next step is launched.
+        # Pinned landing buffers for sampled tokens, one per step launched before the oldest one's copy is read:
+        # a step and the next under async scheduling, a step per micro-batch in flight under pipeline stages.
         pinned = device.type == "cuda"
         # A verifying step's rows carry a count and up to 1 + max_drafts tokens.
         width = 1 if max_drafts == 0 else 2 + max_drafts
         self._host_buffers = [torch.empty(max_num_reqs * width, dtype=torch.int64, pin_memory=pinned)
-                              for _ in range(2)]
+                              for _ in range(max(2, num_batches_in_flight))]
         self._num_launched = 0
         self.stage = get_pp_stage()
         """This rank's pipeline stage: only the last one computes logits and samples."""
@@ -116,6 +117,7 @@ class ModelRunner:
         """The last hidden states, and the auxiliary layers' where a proposer asked the model for them."""
         input_ids, positions = self._to_device(batch.input_ids), self._to_device(batch.positions)
         if len(batch.last_token_dst):
+            self._last_pending.wait_for_tokens()
             dst, src = self._to_device(np.stack([batch.last_token_dst, batch.last_token_src]))
             input_ids[dst] = self._last_sampled[src]
         if self.cuda_graphs is not None:
@@ -128,7 +130,8 @@ class ModelRunner:
 
     def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> PendingOutput:
         if not self.stage.is_last:  # the last stage samples; this rank keeps its rows with the driver's tokens
-            return self._pending_output(batch, receive_sampled_tokens(batch, self.device))
+            tokens, arrival = receive_sampled_tokens(batch, self.device)
+            return self._pending_output(batch, tokens, arrival=arrival)
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         rows = batch.sampled_rows
         constrained = self.grammar_rows.constrained(rows, self.states) if self.grammar_rows is not None else []
@@ -164,7 +167,7 @@ class ModelRunner:
         return self._pending_output(batch, tokens, output.logprobs, num_logprobs, prompt_logprobs)
 
     def _pending_output(self, batch: InputBatch, tokens: torch.Tensor | VerifiedTokens, logprobs=None,
-                        num_logprobs=None, prompt_logprobs=None) -> PendingOutput:
+                        num_logprobs=None, prompt_logprobs=None, arrival=None) -> PendingOutput:
         rows = batch.sampled_rows
         positions = self.states.reserve_sampled_tokens(rows)
         # After a verifying step the next one reads every input on the host (execute_model waits for it).
@@ -172,7 +175,8 @@ class ModelRunner:
         self._num_launched += 1
         self._last_pending = PendingOutput(
             self.states, self._sampled_request_ids(batch), rows, positions, tokens, logprobs, num_logprobs,
-            prompt_logprobs, host_buffer=self._host_buffers[self._num_launched % 2],
+            prompt_logprobs, host_buffer=self._host_buffers[self._num_launched % len(self._host_buffers)],
+            arrival=arrival,
         )
         return self._last_pending
 

@@ -12,6 +12,7 @@ with a count per row, and the row's token count and KV count are settled when th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from tokenmill.sample.logprobs import to_token_logprobs
 from tokenmill.sample.sampler import LogprobsTensors
 from tokenmill.scheduler.output import ModelRunnerOutput, TokenLogprobs
 from tokenmill.worker.request_state import RequestStates
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
 
 
 @dataclass
@@ -46,9 +50,10 @@ class PendingOutput:
         num_logprobs: list[int | None] | None = None,
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
         host_buffer: torch.Tensor | None = None,
+        arrival: Work | None = None,
     ) -> None:
         """`token_ids` [n] on the device (one per row) or a verifying step's tokens; `host_buffer`, pinned
-        and long enough, receives them."""
+        and long enough, receives them; `arrival` is the receive still filling them (another pipeline stage's)."""
         self._states = states
         self._request_ids = request_ids
         self._rows = rows
@@ -58,11 +63,14 @@ class PendingOutput:
         self._prompt_logprobs = prompt_logprobs or {}
         self._output: ModelRunnerOutput | None = None
         self._event = None
+        self._arrival = arrival
         self.verified = token_ids if isinstance(token_ids, VerifiedTokens) else None
         if self.verified is not None:
+            self.wait_for_tokens()  # read right here (the next step waits for a verifying step's anyway)
             # One copy: the counts as column 0, the tokens after them.
             token_ids = torch.cat([self.verified.num_emitted.unsqueeze(1), self.verified.token_ids], dim=1).flatten()
         if token_ids.is_cuda:
+            self.wait_for_tokens()  # NCCL: the copy below queues behind the receive; the host does not wait
             self._host_tokens = host_buffer[: len(token_ids)]
             self._host_tokens.copy_(token_ids, non_blocking=True)
             if logprobs is not None:
@@ -82,6 +90,7 @@ class PendingOutput:
         """Wait for the copy, store the tokens in the worker's rows, and return the step's output."""
         if self._output is not None:
             return self._output
+        self.wait_for_tokens()
         if self._event is not None:
             self._event.synchronize()
         num_drafts = {}
@@ -106,6 +115,12 @@ class PendingOutput:
         self._output = ModelRunnerOutput(dict(zip(self._request_ids, token_ids)), logprobs, self._prompt_logprobs,
                                          num_drafts)
         return self._output
+
+    def wait_for_tokens(self) -> None:
+        """Until the tokens are on their device (received from the last pipeline stage)."""
+        if self._arrival is not None:
+            self._arrival.wait()
+            self._arrival = None
 
     def _num_top_per_entry(self) -> list[int]:
         per_row = [k or 0 for k in self._num_logprobs]
