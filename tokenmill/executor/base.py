@@ -9,6 +9,7 @@ Every rank runs every call; only the driver rank's (rank 0's: the last pipeline 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -55,6 +56,28 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the other ranks' processes (if any); idempotent."""
+
+
+class RankGroupExecutor(Executor):
+    """An executor of several ranks: every set-up call runs on all of them (collective_rpc), rank 0's answer first."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """`method` of every rank's Worker with `args`; their results, rank 0's first."""
+
+    def determine_kv_cache_spec(self) -> KVCacheSpec:
+        return min(self.collective_rpc("determine_kv_cache_spec"), key=lambda spec: spec.num_blocks)
+
+    def initialize_cache(self, spec: KVCacheSpec) -> None:
+        self.collective_rpc("initialize_cache", spec)
+
+    def measure_step_cost(self) -> StepCost:
+        return self.collective_rpc("measure_step_cost")[0]
+
+    def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
+        # Every rank must mask alike, since every rank samples (and must sample the same tokens): the others
+        # get a compiler of their own (GrammarCompiler pickles as its recipe).
+        self.collective_rpc("enable_structured_outputs", compiler)
 
 
 def check_tensor_parallel(hf_config: PretrainedConfig, tp_size: int) -> None:

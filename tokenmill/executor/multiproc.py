@@ -49,13 +49,10 @@ from tokenmill.distributed.parallel_state import (
     get_tp_group,
     is_distributed,
 )
-from tokenmill.executor.base import Executor
+from tokenmill.executor.base import RankGroupExecutor
 from tokenmill.executor.deferred_driver import DeferredDriverSteps
 from tokenmill.executor.multinode import HEARTBEAT_TIMEOUT_S, RemoteNodes
-from tokenmill.kv_cache.sizing import KVCacheSpec
-from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
-from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.worker import Worker
 
@@ -77,7 +74,7 @@ class WorkerFailed(RuntimeError):
     """A tensor-parallel rank raised or died: the engine cannot go on."""
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankGroupExecutor):
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
         self.world_size = config.parallel_config.world_size
         if config.parallel_config.is_headless:
@@ -152,21 +149,6 @@ class MultiprocExecutor(Executor):
             self._raise_if_a_rank_failed(e)
             raise
         return [first, *self._collect("result")]
-
-    def determine_kv_cache_spec(self) -> KVCacheSpec:
-        specs = self.collective_rpc("determine_kv_cache_spec")
-        return min(specs, key=lambda spec: spec.num_blocks)
-
-    def initialize_cache(self, spec: KVCacheSpec) -> None:
-        self.collective_rpc("initialize_cache", spec)
-
-    def measure_step_cost(self) -> StepCost:
-        return self.collective_rpc("measure_step_cost")[0]
-
-    def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
-        # Every rank must mask alike, since every rank samples (and must sample the same tokens): the others
-        # get a compiler of their own (GrammarCompiler pickles as its recipe).
-        self.collective_rpc("enable_structured_outputs", compiler)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
         """The last stage's ranks sample the same tokens from the same gathered logits (same seed, same RNG

@@ -33,13 +33,10 @@ from transformers import PretrainedConfig
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import abort_distributed, destroy_distributed, is_distributed
-from tokenmill.executor.base import Executor
+from tokenmill.executor.base import RankGroupExecutor
 from tokenmill.executor.multiproc import STARTUP_TIMEOUT_S, WorkerFailed
 from tokenmill.executor.ray_rank import DevicePlaceholder, RankActor
-from tokenmill.kv_cache.sizing import KVCacheSpec
-from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
-from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.worker import Worker, resolve_device
 
@@ -81,7 +78,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankGroupExecutor):
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
         self.world_size = config.parallel_config.world_size
         if is_distributed():
@@ -154,18 +151,6 @@ class RayExecutor(Executor):
             self._raise_if_a_rank_failed(e)
             raise
         return [first, *self._get(refs)]
-
-    def determine_kv_cache_spec(self) -> KVCacheSpec:
-        return min(self.collective_rpc("determine_kv_cache_spec"), key=lambda spec: spec.num_blocks)
-
-    def initialize_cache(self, spec: KVCacheSpec) -> None:
-        self.collective_rpc("initialize_cache", spec)
-
-    def measure_step_cost(self) -> StepCost:
-        return self.collective_rpc("measure_step_cost")[0]
-
-    def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
-        self.collective_rpc("enable_structured_outputs", compiler)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
         """As the mp executor's: every rank runs the step, rank 0's output is returned."""
