@@ -299,7 +299,7 @@ def test_request_chat_template_needs_the_flag(server):
 
 @pytest.mark.parametrize("path", ["/start_profile", "/stop_profile"])
 def test_profiling_routes_are_404_without_a_profiler_dir(server, path):
-    # As vLLM without a profiler configured (tests/e2e/test_server_profiling.py has the server with one).
+    # As vLLM without a profiler configured (tests/e2e/test_server_limits.py has the server with one).
     error = assert_openai_error(post(server, path), 404)
     assert error["code"] == "profiler_disabled" and "--profiler-dir" in error["message"]
 
