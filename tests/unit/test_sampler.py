@@ -231,3 +231,14 @@ def test_reused_metadata_draws_fresh_keys_as_a_fresh_build_would():
     fresh = build_sampling_metadata(params, {}, VOCAB, CPU, use_kernel=True)
     assert torch.equal(reused.seeds, fresh.seeds) and not torch.equal(reused.seeds, built.seeds)
     assert reused.top_p is built.top_p and reused.draw_temperature is built.draw_temperature
+
+
+def test_greedy_ids_on_the_cpu_equal_torch_argmax_with_ties_and_nan():
+    from tokenmill.sample.sampler import greedy_ids
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (16, 1000), generator=generator).float()  # many ties per row
+    logits[3, 17] = logits[3, 9] = float("nan")
+    logits[5] = float("-inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(greedy_ids(logits.to(dtype)), logits.to(dtype).argmax(dim=-1))
