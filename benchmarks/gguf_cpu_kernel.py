@@ -5,10 +5,14 @@ model's shapes, optionally against another version of the kernel's source, alter
     git show HEAD:tokenmill/layers/quant/gguf_cpu.py > /tmp/gguf_cpu_old.py
     python3 benchmarks/gguf_cpu_kernel.py --against /tmp/gguf_cpu_old.py    # old and new, alternated
 
-Weights are gguf's `quantize` of Gaussian values, `--weights-mib` of copies of each tensor called in turn
-(as a decode step reads a whole model's weights once: they come from memory, not the caches; 0: one copy,
-cache-resident). Each figure is the fastest of `--repeats` passes over the copies (the machine may be
-shared), one thread unless `--threads`. "same" says whether both kernels gave identical outputs.
+Weights are gguf's `quantize` of Gaussian values (for the K-quants, which it cannot quantize: random bytes
+with float16 scales in [0.001, 0.05], since every bit pattern of their quants is valid), `--weights-mib` of
+copies of each tensor called in turn (as a decode step reads a whole model's weights once: they come from
+memory, not the caches; 0: one copy, cache-resident). Each figure is the fastest of `--repeats` passes over
+the copies (the machine may be shared), one thread unless `--threads`. "same" says whether both kernels gave
+identical outputs. Llama-3.2-1B's shapes in Q4_K_M's types:
+
+    python3 benchmarks/gguf_cpu_kernel.py --types Q4_K,Q5_K,Q6_K --shapes 2048x2048,8192x2048,2048x8192
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quantize
 
 from tokenmill.cpu_compile import compile_library
 from tokenmill.layers.quant import gguf_cpu
@@ -32,6 +36,21 @@ def load(source: str, name: str) -> ctypes.CDLL:
     lib.gguf_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int64,
                                                                              ctypes.c_int]
     return lib
+
+
+# Byte offsets of the K-quants' float16 fields in a super-block.
+_K_HALVES = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+
+
+def blocks_of(n: int, k: int, ggml_type: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """[n, row_bytes] uint8: gguf's quantize of Gaussian weights, or valid random K-quant super-blocks."""
+    if ggml_type not in _K_HALVES:
+        return quantize(rng.standard_normal((n, k)).astype(np.float32), ggml_type)
+    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, (n * k // block, block_bytes), dtype=np.uint8)
+    for offset in _K_HALVES[ggml_type]:
+        raw[:, offset:offset + 2] = rng.uniform(0.001, 0.05, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n, -1)
 
 
 def source_of(path: str) -> str:
@@ -61,7 +80,7 @@ def main() -> None:
         ggml_type = GGMLQuantizationType[type_name]
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
-            blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), ggml_type)
+            blocks = blocks_of(n, k, ggml_type, rng)
             copies = max(1, int(args.weights_mib * 2**20 // blocks.nbytes))
             weights = [torch.from_numpy(blocks.copy()) for _ in range(copies)]
             for m in (int(v) for v in args.rows.split(",")):

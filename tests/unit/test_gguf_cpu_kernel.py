@@ -97,14 +97,15 @@ def test_row_does_not_depend_on_the_batch(ggml_type):
             assert torch.equal(within[row - start], alone), (row, size)
 
 
-def test_gemm_writes_into_a_column_slice():
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q4_K], ids=lambda t: t.name)
+def test_gemm_writes_into_a_column_slice(ggml_type):
     """A fused layer's runs write their slices of one output in place (row stride = the whole output)."""
     rng = np.random.default_rng(1)
-    raw = random_blocks(T.Q4_1, 12, 256, rng)
+    raw = random_blocks(ggml_type, 12, 256, rng)
     x = torch.from_numpy(rng.standard_normal((5, 256))).float()
     out = torch.full((5, 20), 7.0)
-    gguf_gemm_cpu(x, torch.from_numpy(raw), int(T.Q4_1), 256, out=out[:, 4:16])
-    torch.testing.assert_close(out[:, 4:16], gguf_gemm_cpu(x, torch.from_numpy(raw), int(T.Q4_1), 256))
+    gguf_gemm_cpu(x, torch.from_numpy(raw), int(ggml_type), 256, out=out[:, 4:16])
+    torch.testing.assert_close(out[:, 4:16], gguf_gemm_cpu(x, torch.from_numpy(raw), int(ggml_type), 256))
     assert (out[:, :4] == 7).all() and (out[:, 16:] == 7).all()
 
 

@@ -9,9 +9,9 @@ that stays in L1 (the same float32 values gguf's `dequantize` gives: the product
 no fused multiply-add), then takes dot products of MR activation rows with them in AVX-512 registers.
 Activations stay float32, so the result differs from the dequantized model's only in summation order.
 Large batches walk the activations in chunks that fit in L2, dequantizing each tile once per chunk.
-Up to 8 rows of Q4_0, Q4_1 and Q8_0 (decode steps) skip the scratch buffer: each block is decoded into
-registers, a 4-bit block's 32 weights looked up among its 16 values, with the tiles' arithmetic per output,
-so a float32 row's result does not depend on the batch either (below the dense prefill path).
+Up to 8 rows (decode steps) skip the scratch buffer: each block is decoded into registers (a 4-bit block's
+32 weights looked up among its 16 values, a Q5_K sub-block's among 32), with the tiles' arithmetic per
+output, so a float32 row's result does not depend on the batch either (below the dense prefill path).
 
 bfloat16 activations (gguf_gemm_bf16; Q4_0, Q4_1, Q8_0; CPUs with AVX512_BF16) multiply the weights rounded
 to bfloat16 (round to nearest even, as .to(torch.bfloat16): the dense bfloat16 model's weights exactly),
@@ -139,9 +139,10 @@ static int dequant_row_avx512(int type, const uint8_t *src, float *dst, int64_t 
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 /* Few rows (m <= SMALL_M): a block of each of fused_rows(m) weight rows is decoded into registers, to the
-   float32 values dequant_row gives, and used by every activation row; no scratch buffer. Every output is
+   float32 values dequant_row gives, and used by every activation row; no scratch buffer (AVX512BW too: the
+   K-quants' byte operations; every AVX-512 CPU but the Xeon Phi has it). Every output is
    reduce_add(acc) with acc = fma(x, w, acc) over chunks of 16 weights in order: the tile path's arithmetic
    exactly, so a row's result does not depend on how many rows come with it (below DENSE_GEMM_ROWS).
    A 4-bit block has 16 values: they are computed once (the same products and sums as dequant_row's) and
@@ -153,6 +154,7 @@ static int dequant_row_avx512(int type, const uint8_t *src, float *dst, int64_t 
    over 110 MB of Q4_1 weights: 1.5x faster with it, the same from 2 to 16 KiB ahead). A step of nr weight
    rows reads one contiguous span, nr * bytes a block. */
 #define PREFETCH_BYTES 4096
+#define K_PREFETCH_BYTES 512  /* the K-quants': each weight row's own, this far ahead (5-10% over 1 KiB) */
 #define FR_MAX 4  /* weight rows per step, fused_rows(m): m * that many accumulators (8 at m = 1: no faster) */
 static inline int fused_rows(int m) { return m <= 4 ? 4 : 2; }
 
@@ -188,14 +190,27 @@ static inline __attribute__((always_inline)) void fused_block(const int type, co
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values);
 }
 
-static inline __attribute__((always_inline)) void fused(const int type, const uint8_t *w, int64_t row_bytes,
-                                                        const float *x, int64_t K, float *y, int64_t ldy,
-                                                        const int mr, const int nr) {
+/* acc[i][j] += x[i] . (lo[j], hi[j]) over 32 weights, for mr activation rows (stride K) and nr weight rows:
+   two FMAs per output, its 16-weight chunks in order. */
+static inline __attribute__((always_inline)) void fused_fma(const float *xb, int64_t K, const int mr,
+                                                            const int nr, const __m512 *lo, const __m512 *hi,
+                                                            __m512 acc[SMALL_M][FR_MAX]) {
+    for (int i = 0; i < mr; i++) {
+        const __m512 x0 = _mm512_loadu_ps(xb + i * K), x1 = _mm512_loadu_ps(xb + i * K + 16);
+        for (int j = 0; j < nr; j++) {
+            acc[i][j] = _mm512_fmadd_ps(x0, lo[j], acc[i][j]);
+            acc[i][j] = _mm512_fmadd_ps(x1, hi[j], acc[i][j]);
+        }
+    }
+}
+
+/* The 32-weight types (Q4_0, Q4_1, Q8_0). */
+static inline __attribute__((always_inline)) void fused_blocks(const int type, const uint8_t *w,
+                                                               int64_t row_bytes, const float *x, int64_t K,
+                                                               __m512 acc[SMALL_M][FR_MAX], const int mr,
+                                                               const int nr) {
     const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
     const int64_t nb = K / 32;
-    __m512 acc[SMALL_M][FR_MAX];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         const int kb = nb - b0 < 16 ? (int)(nb - b0) : 16;
         float d[FR_MAX][16], m[FR_MAX][16];
@@ -204,19 +219,176 @@ static inline __attribute__((always_inline)) void fused(const int type, const ui
             __m512 lo[FR_MAX], hi[FR_MAX];
             for (int j = 0; j < nr; j++)
                 fused_block(type, w + j * row_bytes + (b0 + b) * bytes, d[j][b], m[j][b], &lo[j], &hi[j]);
-            const float *xb = x + (b0 + b) * 32;
             /* An address past the weights' end is only a hint: prefetches never fault. */
             const char *ahead = (const char *)((uintptr_t)w + PREFETCH_BYTES + (b0 + b) * nr * bytes);
             for (int l = 0; l < nr * bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-            for (int i = 0; i < mr; i++) {
-                const __m512 x0 = _mm512_loadu_ps(xb + i * K), x1 = _mm512_loadu_ps(xb + i * K + 16);
-                for (int j = 0; j < nr; j++) {
-                    acc[i][j] = _mm512_fmadd_ps(x0, lo[j], acc[i][j]);
-                    acc[i][j] = _mm512_fmadd_ps(x1, hi[j], acc[i][j]);
-                }
-            }
+            fused_fma(x + (b0 + b) * 32, K, mr, nr, lo, hi, acc);
         }
     }
+}
+
+/* The K-quants: a super-block of 256 weights is 8 units of 32, decoded as dequant_row gives them (its scales
+   first, for every unit: k_scales, q6_k_scales), each unit into two vectors as a 32-weight block is. A
+   4-bit unit (Q4_K) is one 16-value table looked up by nibble. Q5_K's 5-bit and Q6_K's 6-bit quants are
+   first assembled as bytes, 64 at a time, into a 256-byte buffer in L1 (q5_k_quants, q6_k_quants): 3 to 5
+   instructions per 64 weights, where assembling them in 32-bit lanes took 2 or 3 per 16. A Q5_K unit then
+   looks its weights up among 32 values (VPERMT2PS reads an index's low 5 bits); Q6_K's 64 values are too
+   many for tables, so its quants are converted and scaled. */
+static inline __attribute__((always_inline)) __m512i nibbles(const uint8_t *q, const int high) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    return high ? _mm512_srli_epi32(v, 4) : v;  /* the low nibble's upper bits: ignored by VPERMPS */
+}
+
+/* Bits 0-3 of each byte from low, bits 4-7 from high (VPTERNLOGD's bitwise select). */
+static inline __attribute__((always_inline)) __m512i low4_high(__m512i low, __m512i high) {
+    return _mm512_ternarylogic_epi32(_mm512_set1_epi8(0xf), low, high, 0xca);
+}
+
+/* 32 bytes at p, in both halves of a vector: a load, no shuffle. */
+static inline __attribute__((always_inline)) __m512i both_halves(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* 16-bit lanes' shift counts: a in the low half (32 bytes), b in the high. */
+static inline __attribute__((always_inline)) __m512i halves_by(const int a, const int b) {
+    return _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16((short)a), _mm512_set1_epi16((short)b));
+}
+
+/* Q4_K / Q5_K: the 8 sub-blocks' d * scale (sc[0..7]) and dmin * min (sc[8..15]) as dequant_row computes
+   them (products of a float16 and 6 bits: exact), unpacked from their 12 bytes 16 lanes at once. */
+static inline __attribute__((always_inline)) void k_scales(const uint8_t *src, float *sc) {
+    /* Lane j < 8: scale j; lane 8 + j: min j. Low bits from byte at[], shifted by by[] and masked by
+       keep[]; sub-blocks 4-7 take their top 2 bits from byte top[] (bits 6-7, to bits 4-5). */
+    const __m512i at = _mm512_set_epi32(11, 10, 9, 8, 7, 6, 5, 4, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i by = _mm512_set_epi32(4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i keep = _mm512_set_epi32(15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63);
+    const __m512i top = _mm512_set_epi32(7, 6, 5, 4, 0, 0, 0, 0, 3, 2, 1, 0, 0, 0, 0, 0);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 4)));
+    const __m512i low = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(at, bytes), by), keep);
+    const __m512i high = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(top, bytes), 6), 4);
+    const __m512i six = _mm512_mask_or_epi32(low, 0xf0f0, low, high);
+    uint32_t halves;
+    memcpy(&halves, src, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));  /* d, dmin */
+    const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_broadcastss_ps(dm),
+                                          _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+    _mm512_storeu_ps(sc, _mm512_mul_ps(_mm512_cvtepi32_ps(six), d));
+}
+
+/* Q4_K unit u: sub-block u, the low (u even) or high nibbles of 32 bytes. Its 16 values d1 * q - dm1
+   (d1 * q exact: 4 bits times 17) as one table. */
+static inline __attribute__((always_inline)) void q4_k_unit(const uint8_t *src, const float *sc, const int u,
+                                                            __m512 *lo, __m512 *hi) {
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 values = _mm512_fmsub_ps(iota, _mm512_set1_ps(sc[u]), _mm512_set1_ps(sc[8 + u]));
+    const uint8_t *q = src + 16 + 32 * (u / 2);
+    *lo = _mm512_permutexvar_ps(nibbles(q, u & 1), values);
+    *hi = _mm512_permutexvar_ps(nibbles(q + 16, u & 1), values);
+}
+
+/* Q5_K: q[32 u + l] = sub-block u's quant l (bits 0-4; bits 5-7 left over). A pair of sub-blocks is the
+   low and high nibbles of 32 bytes, with bits 2c and 2c + 1 of qh[l]; shifting 16-bit lanes moves a
+   neighbour byte's bits only into bits that are replaced or ignored. */
+static inline __attribute__((always_inline)) void q5_k_quants(const uint8_t *src, uint8_t *q) {
+    const __m512i qh = both_halves(src + 16);
+    _Pragma("GCC unroll 4")
+    for (int c = 0; c < 4; c++) {
+        const __m512i ql = _mm512_srlv_epi16(both_halves(src + 48 + 32 * c), halves_by(0, 4));
+        const __m512i high = c < 2 ? _mm512_sllv_epi16(qh, halves_by(4 - 2 * c, 3 - 2 * c))
+                                   : _mm512_srlv_epi16(qh, halves_by(2 * c - 4, 2 * c - 3));
+        _mm512_storeu_si512(q + 64 * c, low4_high(ql, high));
+    }
+}
+
+/* Q5_K unit u: 32 values d1 * q - dm1 (exact products: 5 bits times 17) in two tables. */
+static inline __attribute__((always_inline)) void q5_k_unit(const uint8_t *q, const float *sc, const int u,
+                                                            __m512 *lo, __m512 *hi) {
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 d1 = _mm512_set1_ps(sc[u]), dm1 = _mm512_set1_ps(sc[8 + u]);
+    const __m512 values = _mm512_fmsub_ps(iota, d1, dm1);
+    const __m512 values16 = _mm512_fmsub_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), d1, dm1);
+    *lo = _mm512_permutex2var_ps(values, nibbles(q + 32 * u, 0), values16);
+    *hi = _mm512_permutex2var_ps(values, nibbles(q + 32 * u + 16, 0), values16);
+}
+
+/* Q6_K: the 16 sub-blocks' d * scale (exact: 11 bits times 8). */
+static inline __attribute__((always_inline)) void q6_k_scales(const uint8_t *src, float *sc) {
+    uint16_t half;
+    memcpy(&half, src + 208, 2);
+    const __m512 d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(half)));
+    const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 192)));
+    _mm512_storeu_ps(sc, _mm512_mul_ps(_mm512_cvtepi32_ps(scales), d));
+}
+
+/* Q6_K: q[i] = quant i - 32 as int8, in weight order. Each half of the super-block: groups 0 and 1 are the
+   low nibbles of its 64 bytes of ql with bits 0-1 and 2-3 of qh[l]; groups 2 and 3 the high nibbles with
+   bits 4-5 and 6-7 (dequant_row's q1..q4). */
+static inline __attribute__((always_inline)) void q6_k_quants(const uint8_t *src, int8_t *q) {
+    const __m512i six = _mm512_set1_epi8(63), bias = _mm512_set1_epi8(32);
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(src + 64 * h), qh = both_halves(src + 128 + 32 * h);
+        const __m512i g01 = low4_high(ql, _mm512_sllv_epi16(qh, halves_by(4, 2)));
+        const __m512i g23 = low4_high(_mm512_srli_epi16(ql, 4), _mm512_srlv_epi16(qh, halves_by(0, 2)));
+        _mm512_storeu_si512(q + 128 * h, _mm512_sub_epi8(_mm512_and_si512(g01, six), bias));
+        _mm512_storeu_si512(q + 128 * h + 64, _mm512_sub_epi8(_mm512_and_si512(g23, six), bias));
+    }
+}
+
+/* Q6_K unit u: sub-blocks 2u and 2u + 1, (d * scale) * q as dequant_row multiplies. */
+static inline __attribute__((always_inline)) void q6_k_unit(const int8_t *q, const float *sc, const int u,
+                                                            __m512 *lo, __m512 *hi) {
+    const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * u)));
+    const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * u + 16)));
+    *lo = _mm512_mul_ps(_mm512_set1_ps(sc[2 * u]), _mm512_cvtepi32_ps(q0));
+    *hi = _mm512_mul_ps(_mm512_set1_ps(sc[2 * u + 1]), _mm512_cvtepi32_ps(q1));
+}
+
+static inline __attribute__((always_inline)) void fused_super_blocks(const int type, const uint8_t *w,
+                                                                     int64_t row_bytes, const float *x,
+                                                                     int64_t K, __m512 acc[SMALL_M][FR_MAX],
+                                                                     const int mr, const int nr) {
+    const int bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+    for (int64_t b = 0; b < K / 256; b++) {
+        float sc[FR_MAX][16];
+        _Alignas(64) uint8_t q[FR_MAX][256];
+        for (int j = 0; j < nr; j++) {
+            const uint8_t *src = w + j * row_bytes + b * bytes;
+            if (type == Q6_K) {
+                q6_k_scales(src, sc[j]);
+                q6_k_quants(src, (int8_t *)q[j]);
+            } else {
+                k_scales(src, sc[j]);
+                if (type == Q5_K) q5_k_quants(src, q[j]);
+            }
+            /* Each row's next weights (rows of K-quants are long: one span ahead would lag its last rows). */
+            for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)src + K_PREFETCH_BYTES + l, _MM_HINT_T0);
+        }
+        /* The units read the scales and quants from memory (broadcasts and widening loads: load ports):
+           without this, the compiler takes them from the stored vectors by shuffles, on the port the
+           lookups need. */
+        __asm__("" : "+m"(sc), "+m"(q));
+        _Pragma("GCC unroll 8")
+        for (int u = 0; u < 8; u++) {
+            __m512 lo[FR_MAX], hi[FR_MAX];
+            for (int j = 0; j < nr; j++) {
+                if (type == Q4_K) q4_k_unit(w + j * row_bytes + b * bytes, sc[j], u, &lo[j], &hi[j]);
+                else if (type == Q5_K) q5_k_unit(q[j], sc[j], u, &lo[j], &hi[j]);
+                else q6_k_unit((const int8_t *)q[j], sc[j], u, &lo[j], &hi[j]);
+            }
+            fused_fma(x + b * 256 + u * 32, K, mr, nr, lo, hi, acc);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void fused(const int type, const uint8_t *w, int64_t row_bytes,
+                                                        const float *x, int64_t K, float *y, int64_t ldy,
+                                                        const int mr, const int nr) {
+    __m512 acc[SMALL_M][FR_MAX];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    if (type == Q4_K || type == Q5_K || type == Q6_K) fused_super_blocks(type, w, row_bytes, x, K, acc, mr, nr);
+    else fused_blocks(type, w, row_bytes, x, K, acc, mr, nr);
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
@@ -236,6 +408,9 @@ static inline __attribute__((always_inline)) void fused(const int type, const ui
 FUSED_TYPE(Q4_0)
 FUSED_TYPE(Q4_1)
 FUSED_TYPE(Q8_0)
+FUSED_TYPE(Q4_K)
+FUSED_TYPE(Q5_K)
+FUSED_TYPE(Q6_K)
 
 static void small_m(int type, const uint8_t *w, const float *x, int64_t M, int64_t N, int64_t K,
                     int64_t row_bytes, float *y, int64_t ldy, int num_threads) {
@@ -246,9 +421,14 @@ static void small_m(int type, const uint8_t *w, const float *x, int64_t M, int64
         const int64_t n0 = s * fr;
         const int nr = N - n0 < fr ? (int)(N - n0) : fr;
         const uint8_t *ws = w + n0 * row_bytes;
-        if (type == Q4_0) fused_Q4_0(ws, row_bytes, x, M, K, y + n0, ldy, nr);
-        else if (type == Q4_1) fused_Q4_1(ws, row_bytes, x, M, K, y + n0, ldy, nr);
-        else fused_Q8_0(ws, row_bytes, x, M, K, y + n0, ldy, nr);
+        switch (type) {
+        case Q4_0: fused_Q4_0(ws, row_bytes, x, M, K, y + n0, ldy, nr); break;
+        case Q4_1: fused_Q4_1(ws, row_bytes, x, M, K, y + n0, ldy, nr); break;
+        case Q8_0: fused_Q8_0(ws, row_bytes, x, M, K, y + n0, ldy, nr); break;
+        case Q4_K: fused_Q4_K(ws, row_bytes, x, M, K, y + n0, ldy, nr); break;
+        case Q5_K: fused_Q5_K(ws, row_bytes, x, M, K, y + n0, ldy, nr); break;
+        default: fused_Q6_K(ws, row_bytes, x, M, K, y + n0, ldy, nr);
+        }
     }
 }
 #endif
@@ -379,8 +559,8 @@ static void tile_any(const float *x, int64_t K, const float *w, float *y, int64_
 int gguf_gemm(float *y, const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
               int type, int64_t ldy, int num_threads) {
     if (K % 32) return 1;
-#if defined(__AVX512F__) && defined(__F16C__)
-    if (M <= SMALL_M && (type == Q4_0 || type == Q4_1 || type == Q8_0)) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+    if (M <= SMALL_M) {
         small_m(type, w, x, M, N, K, row_bytes, y, ldy, num_threads);
         return 0;
     }
