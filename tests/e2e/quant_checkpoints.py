@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.layers.quant.fp8 import FP8, FP8_MAX, dequantize_fp8
 
 TINY_TEXT = list(range(3, 200, 3))  # token ids of a fixed "text" for the tiny models
@@ -72,6 +72,18 @@ def engine(path: str, **kwargs) -> LLM:
 
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def greedy_prefix_lengths(reference: LLM, candidate: LLM, max_tokens: int = 32) -> list[int]:
+    """For three prefixes of TINY_TEXT: how many greedy tokens the candidate engine gives before its first
+    difference from the reference's (decoding's skinny rows, not only the prefill's)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": TINY_TEXT[:n]} for n in (5, 17, 40)]
+    ref = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in candidate.generate(prompts, params, use_tqdm=False)]
+    same = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got)]
+    print(f"greedy tokens equal before the first difference: {same} of {max_tokens}")
+    return same
 
 
 def is_linear_weight(name: str) -> bool:

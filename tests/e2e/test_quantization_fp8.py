@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.quant_checkpoints import TINY_TEXT, engine, tiny_model, write_fp8
+from tests.e2e.quant_checkpoints import TINY_TEXT, engine, greedy_prefix_lengths, tiny_model, write_fp8
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.quant_quality import quant_quality
 
@@ -109,12 +109,7 @@ def test_fp8_kernels_in_the_engine_on_the_gpu(tiny, layout):
     print(f"{layout} on the GPU: {quality}")
     assert quality.top1_agreement >= 0.85 and quality.mean_kl < 0.03, quality
     # Decoding (skinny rows) agrees too: greedy continuations share a long prefix.
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
-    prompts = [{"prompt_token_ids": TINY_TEXT[:n]} for n in (5, 17, 40)]
-    ref = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in candidate.generate(prompts, params, use_tqdm=False)]
-    same = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got)]
-    print(f"greedy tokens equal before the first difference: {same} of 32")
+    same = greedy_prefix_lengths(reference, candidate)
     assert sum(same) >= 32, same
 
 

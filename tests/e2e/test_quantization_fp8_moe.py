@@ -17,7 +17,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from tests.e2e.quant_checkpoints import TINY_TEXT, engine, per_expert_state, tiny_moe_model, write_fp8
+from tests.e2e.quant_checkpoints import (
+    TINY_TEXT,
+    engine,
+    greedy_prefix_lengths,
+    per_expert_state,
+    tiny_moe_model,
+    write_fp8,
+)
 from tests.e2e.quant_checkpoints import _save as save_checkpoint
 from tests.e2e.test_quantization_fp8 import MODES, _mode_tokens
 from tokenmill import LLM, SamplingParams
@@ -171,12 +178,7 @@ def test_fp8_moe_kernel_in_the_engine_on_the_gpu(checkpoint, online):
     quality = quant_quality(reference, candidate, TINY_TEXT)
     print(f"fp8 MoE ({'online' if online else 'block checkpoint'}) on the GPU: {quality}")
     assert quality.top1_agreement >= 0.85 and quality.mean_kl < 0.04, quality
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
-    prompts = [{"prompt_token_ids": TINY_TEXT[:n]} for n in (5, 17, 40)]
-    ref = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in candidate.generate(prompts, params, use_tqdm=False)]
-    same = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got)]
-    print(f"greedy tokens equal before the first difference: {same} of 32")
+    same = greedy_prefix_lengths(reference, candidate)
     if not online:  # against its dequantized twin only the kernel's arithmetic differs; online fp8 rounds the
         # weights too, so a tiny random model's near-ties may flip early (the quality bounds above judge it)
         assert sum(same) >= 32, same
