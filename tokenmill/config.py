@@ -92,6 +92,10 @@ class DeviceConfig:
     """auto | cuda | cpu."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
+    max_cudagraph_capture_size: int | None = None
+    """Largest step with prefills, in tokens, that replays a CUDA graph (prompt chunks beside decodes, short
+    prompts, draft verification); larger ones run eagerly, decode-only steps always replay theirs. None:
+    min(2048, max_num_batched_tokens); 0: graphs for decode-only steps alone."""
     attention_backend: str | None = None
     """Attention implementation; None picks the platform default."""
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from tokenmill.attention.backend import BatchLayout
+from tokenmill.attention.backend import BatchLayout, FixedShape
 from tokenmill.attention.torch_attn import TorchAttentionBackend
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.norm import RMSNorm
@@ -116,3 +116,37 @@ def test_padded_decode_matches_unpadded(device, qk_transform):
     torch.testing.assert_close(out[:3], expected, rtol=1e-5, atol=1e-5)
     assert torch.all(out[3:] == 0)  # padding requests attend to nothing...
     torch.testing.assert_close(pool_padded, pool_expected, rtol=0, atol=0)  # ...and store nothing
+
+
+@interpret
+def test_fixed_grid_step_matches_unpadded(device):
+    """A mixed step padded to a full-step graph's shape (fixed grids, -1 padded request lists, padding tokens)
+    attends and stores exactly as the same step unpadded."""
+    from tokenmill.attention.triton_attn import TritonAttentionBackend
+
+    rng = np.random.default_rng(3)
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 64, 4, 2, 32
+    layout = _make_step([1, 30, 1, 5, 70], [40, 0, 100, 20, 3], block_size, num_blocks, rng)
+    n, size = int(layout.query_start_loc[-1]), 128
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn((size, heads, head_dim), generator=g).to(device)
+    k = torch.randn((size, kv_heads, head_dim), generator=g).to(device)
+    v = torch.randn((size, kv_heads, head_dim), generator=g).to(device)
+    pool = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(device)
+    layer = _layer(heads, kv_heads, head_dim, device, "rope")
+    backend, dev, positions = TritonAttentionBackend(), torch.device(device), _positions(layout, device)
+
+    pool_expected = pool.clone()
+    expected = backend.forward(layer, positions, q[:n], k[:n], v[:n], pool_expected,
+                               backend.build_metadata(layout, dev))
+    # As a graph captures it: an empty step at the full shape, the step's metadata copied in at its own width.
+    empty = BatchLayout(np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 20), np.int32),
+                        np.zeros(0, np.int64), block_size)
+    static = backend.build_metadata(empty, dev, padded_to=FixedShape(size, 8, 4, 20))
+    step = backend.build_metadata(layout, dev, padded_to=FixedShape(size, 8, 4, layout.block_table.shape[1]))
+    backend.copy_metadata(static, step)
+    positions_pad = torch.cat([positions, torch.zeros(size - n, dtype=positions.dtype, device=device)])
+    out = backend.forward(layer, positions_pad, q, k, v, pool, static)
+    # Not bitwise: on a GPU the unpadded step splits its decodes' contexts (split-KV), the fixed grid does not.
+    torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, pool_expected, rtol=0, atol=0)  # the padding tokens store nothing

@@ -68,3 +68,28 @@ def test_gemma2_final_logits_are_soft_capped(references):
         got = model.compute_logits(hidden)
     assert got.abs().max() <= hf.config.final_logit_softcapping
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["default", "chunked-prefill", "ngram-chunked-preemption"])
+def test_greedy_tokens_match_hf_on_cuda(references, model_name: str, setting: str):
+    """float32 on the GPU with every step in a CUDA graph where one fits: decode-only steps and steps with
+    prefills (fixed-grid attention, padded tokens and requests); transformers' greedy tokens exactly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    ref = references(model_name)
+    llm = LLM(ref.path, **{**BASE_ARGS, "device": "cuda"}, max_num_seqs=8, max_cudagraph_capture_size=256,
+              **ENGINE_SETTINGS[setting])
+    runner = llm.engine.core.executor.driver_worker.model_runner
+    replays = []
+    if runner.mixed_cuda_graphs is not None:  # absent for latent attention (MLA) models
+        mixed_run = runner.mixed_cuda_graphs.run
+        runner.mixed_cuda_graphs.run = lambda *args: replays.append(mixed_run(*args)) or replays[-1]
+    if "ngram" in setting:
+        budget = llm.engine.core.scheduler.draft_budget
+        budget.cost, budget.min_gain = None, 0.0
+    params = SamplingParams(temperature=0, max_tokens=len(ref.expected[0]), ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == ref.expected
+    if runner.mixed_cuda_graphs is not None:
+        assert any(r is not None for r in replays), "no step with prefills replayed a graph"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -35,10 +35,25 @@ class BatchLayout:
     block_size: int
 
 
+class FixedShape(NamedTuple):
+    """The shape a full-step CUDA graph is captured for. Metadata padded to it (build_metadata's `padded_to`)
+    launches its kernels on grids fixed by it, so that one graph serves every step that fits."""
+
+    num_tokens: int
+    num_decodes: int
+    """Slots for requests of one query token."""
+    num_prefills: int
+    """Slots for the others (prompt chunks, verified drafts)."""
+    num_block_columns: int
+
+
 class AttentionBackend(ABC):
     name: str
     supports_cuda_graphs: bool = False
     """Whether forward() is capturable: no host syncs, and copy_metadata() is implemented."""
+    supports_mixed_cuda_graphs: bool = False
+    """Whether build_metadata(layout, device, padded_to=FixedShape(...)) gives metadata whose kernels launch on
+    grids fixed by that shape, so that one graph serves any step with prefills that fits."""
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:

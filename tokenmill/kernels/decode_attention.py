@@ -48,6 +48,8 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     req = tl.load(req_ids_ptr + idx).to(tl.int64)
+    if req < 0:  # padding of a fixed grid (a full-step CUDA graph)
+        return
     token = tl.load(query_start_loc_ptr + req).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req)
 
@@ -188,7 +190,7 @@ def decode_attention(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
-    req_ids: torch.Tensor,  # [num_decodes] int32: requests with exactly one query token
+    req_ids: torch.Tensor,  # [num_decodes] int32: requests with exactly one query token; -1 entries are skipped
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,

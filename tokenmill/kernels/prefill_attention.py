@@ -5,6 +5,10 @@ that request's K/V (cached prefix and this step's tokens alike, already in the p
 table with an online softmax. The grid is (tiles of the longest request, requests, heads); tiles past a
 request's end return at once, and the heaviest (last) tiles are started first.
 
+Under a full-step CUDA graph the grid cannot follow the batch: it is fixed by the captured shape (enough
+tiles for any split of its tokens into requests) and each program finds its (request, tile) by walking the
+requests' tile counts, read from the device; the programs past the last tile return at once.
+
 An fp8 (float8_e4m3fn) pool is dequantized in registers, here and in the decode kernel: each K/V tile is
 widened to the query's dtype (exactly: every e4m3 value is a float16, bfloat16 and float32 value), and the
 layer's scales, read through pointers so that a CUDA graph sees their current values, multiply the scores
@@ -34,7 +38,7 @@ def _tanh(x):
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr, k_scale_ptr, v_scale_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr, num_reqs_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
@@ -42,9 +46,27 @@ def _prefill_kernel(
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+    FIXED_GRID: tl.constexpr,
 ):
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    req = tl.load(req_ids_ptr + tl.program_id(1)).to(tl.int64)
+    if FIXED_GRID:
+        # Program p takes the p-th tile in request order, each request's last (heaviest) tile first.
+        target = tl.program_id(0)
+        req = -1
+        tile = 0
+        first = 0
+        for i in range(tl.load(num_reqs_ptr)):
+            r = tl.load(req_ids_ptr + i)
+            n = tl.cdiv(tl.load(query_start_loc_ptr + r + 1) - tl.load(query_start_loc_ptr + r), BLOCK_M)
+            hit = (target >= first) & (target < first + n)
+            req = tl.where(hit, r, req)
+            tile = tl.where(hit, first + n - 1 - target, tile)
+            first += n
+        if req < 0:
+            return
+        req = req.to(tl.int64)
+    else:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        req = tl.load(req_ids_ptr + tl.program_id(1)).to(tl.int64)
     head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -138,21 +160,32 @@ def prefill_attention(
     config: tuple[int, int, int, int] | None = None,
     k_scale: torch.Tensor | None = None,  # [] float32; an fp8 pool's scales, unused otherwise
     v_scale: torch.Tensor | None = None,
+    num_reqs: torch.Tensor | None = None,  # [1] int32: how many of req_ids count, for a fixed grid
 ) -> None:
-    """config: (BLOCK_M, BLOCK_N, num_warps, num_stages), to override the tuned choice (benchmarks)."""
+    """config: (BLOCK_M, BLOCK_N, num_warps, num_stages), to override the tuned choice (benchmarks).
+
+    With `num_reqs` the grid is fixed by the shapes alone (a CUDA graph's step): req_ids is padded, only its
+    first num_reqs entries are requests, and max_query_len is not read."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    if req_ids.numel() == 0 or max_query_len == 0:
+    fixed_grid = num_reqs is not None
+    if req_ids.numel() == 0 or (max_query_len == 0 and not fixed_grid):
         return
     if query.stride(-1) != 1:
         query = query.contiguous()
     block_m, block_n, num_warps, num_stages = config or _config(head_dim, query.dtype)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_scale, v_scale, is_fp8 = kv_scales(kv_cache, k_scale, v_scale)
-    grid = (triton.cdiv(max_query_len, block_m), req_ids.numel(), num_heads)
+    if fixed_grid:
+        # Requests of 2+ tokens, at most num_tokens // 2 of them: each adds at most one partial tile.
+        max_reqs = min(req_ids.numel(), query.shape[0] // 2)
+        grid = (triton.cdiv(query.shape[0] + max_reqs * (block_m - 1), block_m), 1, num_heads)
+    else:
+        grid = (triton.cdiv(max_query_len, block_m), req_ids.numel(), num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_table, req_ids, k_scale, v_scale,
+        query_start_loc, seq_lens, block_table, req_ids, req_ids if num_reqs is None else num_reqs,
+        k_scale, v_scale,
         scale, logits_soft_cap or 1.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -161,7 +194,7 @@ def prefill_attention(
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype), IS_FP8=is_fp8,
+        DOT_PRECISION=dot_precision(query.dtype), IS_FP8=is_fp8, FIXED_GRID=fixed_grid,
         num_warps=num_warps, num_stages=num_stages,
     )
 

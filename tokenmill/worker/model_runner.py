@@ -24,6 +24,7 @@ from tokenmill.spec.proposers import Proposer
 from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
+from tokenmill.worker.mixed_cuda_graph import MixedCudaGraphRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput, VerifiedTokens
 from tokenmill.worker.request_state import RequestStates
 from tokenmill.worker.speculative import SpeculativeDecoding
@@ -57,6 +58,8 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self.cuda_graphs: CudaGraphRunner | None = None
         """Decode graphs, set by the worker after the KV pool exists (None: always eager)."""
+        self.mixed_cuda_graphs: MixedCudaGraphRunner | None = None
+        """Graphs for steps with prefills up to a size, set by the worker as well (None: those run eagerly)."""
         self.grammar_rows: GrammarRows | None = None
         """Structured outputs' per-row grammars; set by the worker when the engine enables them."""
         self.speculative = None if proposer is None else SpeculativeDecoding(proposer, self.sampler, device)
@@ -120,10 +123,11 @@ class ModelRunner:
             self._last_pending.wait_for_tokens()
             dst, src = self._to_device(np.stack([batch.last_token_dst, batch.last_token_src]))
             input_ids[dst] = self._last_sampled[src]
-        if self.cuda_graphs is not None:
-            hidden_states = self.cuda_graphs.run(batch.layout, input_ids, positions)
-            if hidden_states is not None:
-                return hidden_states
+        for graphs in (self.cuda_graphs, self.mixed_cuda_graphs):
+            if graphs is not None:
+                hidden_states = graphs.run(batch.layout, input_ids, positions)
+                if hidden_states is not None:
+                    return hidden_states
         metadata = self.attn_backend.build_metadata(batch.layout, self.device)
         with forward_context(self.attn_backend, metadata):
             return self.model(input_ids, positions)

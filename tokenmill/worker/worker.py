@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import init_distributed, set_expert_parallel
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.mla import LatentAttention
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
@@ -33,6 +34,7 @@ from tokenmill.worker.draft_model import (
     load_eagle3_head,
     load_eagle_head,
 )
+from tokenmill.worker.mixed_cuda_graph import DEFAULT_MAX_TOKENS, MixedCudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.sampler_warmup import compile_sampler_in_background, warm_up_sampler
@@ -190,6 +192,7 @@ class Worker:
                 # A stage's forward pass sends and receives between stages: kept out of graphs for now.
                 logger.info("pipeline parallelism: CUDA graphs are off, every step runs eagerly")
             else:
+                self._capture_mixed_cuda_graphs(shape.block_size)
                 self._capture_cuda_graphs(shape.block_size)
         if self.device.type == "cuda":
             warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device,
@@ -227,6 +230,29 @@ class Worker:
                                      max_batch_size=self.config.scheduler_config.max_num_seqs)
             runner.capture()
             owner.cuda_graphs = runner
+
+    def _capture_mixed_cuda_graphs(self, block_size: int) -> None:
+        """The target's graphs for steps with prefills (worker.mixed_cuda_graph), captured before the decode graphs
+        (their largest step needs the most memory)."""
+        sched = self.config.scheduler_config
+        max_tokens = self.config.device_config.max_cudagraph_capture_size
+        if max_tokens is None:
+            max_tokens = min(DEFAULT_MAX_TOKENS, sched.max_num_batched_tokens)
+        if max_tokens <= 0:
+            return
+        if not self.attn_backend.supports_mixed_cuda_graphs:
+            logger.info("attention backend %r has no fixed-grid kernels: steps with prefills run eagerly",
+                        self.attn_backend.name)
+            return
+        if any(isinstance(m, LatentAttention) for m in self.model.modules()):
+            # MLA splits a step's requests between its two forms on the host.
+            logger.info("latent attention (MLA): steps with prefills run eagerly")
+            return
+        runner = MixedCudaGraphRunner(self.model, self.attn_backend, self.device, block_size,
+                                      max_blocks_per_req=-(-self.max_model_len // block_size),
+                                      max_num_reqs=sched.max_num_seqs, max_tokens=max_tokens)
+        runner.capture()
+        self.model_runner.mixed_cuda_graphs = runner
 
     def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
         """Grammars for structured outputs, compiled by `compiler` (the engine core's, which also uses it to
