@@ -119,14 +119,18 @@ def test_padded_decode_matches_unpadded(device, qk_transform):
 
 
 @interpret
-def test_fixed_grid_step_matches_unpadded(device):
+@pytest.mark.parametrize("q_lens, context_lens", [
+    ([1, 30, 1, 5, 70], [40, 0, 100, 20, 3]),  # prompt chunks beside decodes
+    ([3] * 12 + [1, 1], [3 * i for i in range(14)]),  # verification: more tiles than programs, which take turns
+], ids=["prompts", "verification"])
+def test_fixed_grid_step_matches_unpadded(device, q_lens, context_lens):
     """A mixed step padded to a full-step graph's shape (fixed grids, -1 padded request lists, padding tokens)
-    attends and stores exactly as the same step unpadded."""
+    attends and stores as the same step unpadded."""
     from tokenmill.attention.triton_attn import TritonAttentionBackend
 
     rng = np.random.default_rng(3)
     block_size, num_blocks, heads, kv_heads, head_dim = 16, 64, 4, 2, 32
-    layout = _make_step([1, 30, 1, 5, 70], [40, 0, 100, 20, 3], block_size, num_blocks, rng)
+    layout = _make_step(q_lens, context_lens, block_size, num_blocks, rng)
     n, size = int(layout.query_start_loc[-1]), 128
     g = torch.Generator().manual_seed(3)
     q = torch.randn((size, heads, head_dim), generator=g).to(device)
@@ -142,8 +146,8 @@ def test_fixed_grid_step_matches_unpadded(device):
     # As a graph captures it: an empty step at the full shape, the step's metadata copied in at its own width.
     empty = BatchLayout(np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 20), np.int32),
                         np.zeros(0, np.int64), block_size)
-    static = backend.build_metadata(empty, dev, padded_to=FixedShape(size, 8, 4, 20))
-    step = backend.build_metadata(layout, dev, padded_to=FixedShape(size, 8, 4, layout.block_table.shape[1]))
+    static = backend.build_metadata(empty, dev, padded_to=FixedShape(size, 16, 16, 20))
+    step = backend.build_metadata(layout, dev, padded_to=FixedShape(size, 16, 16, layout.block_table.shape[1]))
     backend.copy_metadata(static, step)
     positions_pad = torch.cat([positions, torch.zeros(size - n, dtype=positions.dtype, device=device)])
     out = backend.forward(layer, positions_pad, q, k, v, pool, static)

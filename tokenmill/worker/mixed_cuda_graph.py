@@ -31,9 +31,6 @@ GiB = 1 << 30
 DEFAULT_MAX_TOKENS = 2048
 """Beyond about this many tokens an 8B model's step on an H200 outlasts its eager launches."""
 
-PREFILL_SLOTS = 8
-"""Most prompt chunks (or draft verifications) a graphed step takes; a step with more runs eagerly."""
-
 
 def mixed_capture_sizes(max_tokens: int) -> list[int]:
     """Token counts to capture. A step pads up to the next one, and padding costs GPU time in proportion:
@@ -70,10 +67,9 @@ class MixedCudaGraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor | tuple[torch.Tensor, ...]]] = {}
 
     def _shape(self, size: int, num_block_columns: int) -> FixedShape:
-        """A graph of `size` tokens has room for a decode per token, and for a few prompt chunks: the prefill
-        kernel's fixed grid grows by a tile per prefill slot, launched whether used or not."""
-        return FixedShape(size, min(self.max_num_reqs, size), min(PREFILL_SLOTS, max(1, size // 2)),
-                          num_block_columns)
+        """A graph of `size` tokens has room for as many requests as the step may have of either kind."""
+        slots = min(self.max_num_reqs, size)
+        return FixedShape(size, slots, slots, num_block_columns)
 
     def _metadata(self, layout: BatchLayout, size: int, num_block_columns: int) -> object:
         padded_to = self._shape(size, num_block_columns)
