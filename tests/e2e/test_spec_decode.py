@@ -256,11 +256,11 @@ def record_target_hidden_states(llm: LLM) -> list:
     records, first = [], [False]
     forward = proposer._forward
 
-    def recording_forward(layout, input_ids, positions, graphs, hidden=None):
+    def recording_forward(layout, input_ids, positions, hidden=None):
         if first[0]:
             first[0] = False
             records.append((np.array(positions), np.array(input_ids), hidden.cpu().clone()))
-        return forward(layout, input_ids, positions, graphs, hidden=hidden)
+        return forward(layout, input_ids, positions, hidden=hidden)
 
     def first_pass_of(method):
         def wrapped(*args, **kwargs):

@@ -5,7 +5,9 @@ sized for both models), so the scheduler's allocation, prefix caching and preemp
 Each proposal first brings the draft model's KV up to the request's known tokens (the tokens accepted
 since its last proposal, or the whole prompt of a new request: a prefix-cache hit holds the target's
 KV, not necessarily the draft's), in one varlen forward pass whose last position gives draft 1; then
-k - 1 one-token steps (decode CUDA graphs where captured) give the rest. The KV it writes at drafted
+k - 1 one-token steps give the rest, their layouts built together before the first runs. A one-token
+step (the first pass too, when it is one token per request) replays a CUDA graph of the forward pass and
+its argmax where the worker captured one. The KV it writes at drafted
 positions is not counted as computed: the next proposal rewrites it from the tokens actually emitted.
 
 Greedy drafts are a deterministic function of the context, so the rejection rule's draft distribution
@@ -25,6 +27,20 @@ from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.request_state import RequestStates
 
 
+class GreedyDraftStep(nn.Module):
+    """A drafter's forward pass followed by each row's greedy token: what a draft step's CUDA graph captures, so
+    that the LM head and argmax launch nothing of their own either."""
+
+    def __init__(self, model: nn.Module, greedy) -> None:
+        super().__init__()
+        self.model = model
+        self.greedy = greedy
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states = self.model(*inputs)
+        return hidden_states, self.greedy(hidden_states)
+
+
 class DraftModelProposer:
     def __init__(self, model: nn.Module, attn_backend: AttentionBackend, device: torch.device, block_size: int,
                  max_num_reqs: int) -> None:
@@ -32,8 +48,13 @@ class DraftModelProposer:
         self.attn_backend = attn_backend
         self.device = device
         self.block_size = block_size
+        self.graph_step = GreedyDraftStep(model, self._greedy)
+        """What the worker captures for one-token draft steps."""
+        self.graph_extra_inputs: tuple[tuple[int, torch.dtype], ...] = ()
+        """(width, dtype) of each per-token input the model takes beside token ids and positions (its graphs'
+        extra static buffers)."""
         self.cuda_graphs: CudaGraphRunner | None = None
-        """The draft model's decode graphs, set by the worker (None: eager)."""
+        """graph_step's graphs by padded batch size, set by the worker (None: eager)."""
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         """Tokens of each row whose draft-model KV is in the cache."""
         self._generation = np.full(max_num_reqs, -1, dtype=np.int64)
@@ -49,10 +70,10 @@ class DraftModelProposer:
         tokens = self._catch_up(states, rows, start, lengths)
         self.num_computed[rows] = lengths
         drafts = [tokens]
-        for j in range(1, int(max_drafts.max())):
-            # Draft j + 1 from draft j at position length + j - 1 (all rows step together: the few that need
-            # fewer drafts only waste a row of a small model's step).
-            tokens = self._step(states, rows, lengths + j - 1, tokens)
+        # Draft j + 1 from draft j at position length + j - 1 (all rows step together: the few that need
+        # fewer drafts only waste a row of a small model's step).
+        for layout, positions in self._decode_steps(states, rows, lengths, int(max_drafts.max()) - 1):
+            tokens = self._step(layout, tokens, positions)[1]
             drafts.append(tokens)
         drafted = torch.stack(drafts, dim=1).cpu().numpy()
         return [drafted[i, :k] for i, k in enumerate(max_drafts.tolist())]
@@ -66,14 +87,29 @@ class DraftModelProposer:
         positions = np.repeat(start, num_new) + np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1],
                                                                                            num_new)
         layout = self._layout(states, rows, token_rows, positions, query_start_loc, end.astype(np.int32))
-        hidden = self._forward(layout, states.token_ids[token_rows, positions], positions, graphs=False)
+        input_ids = states.token_ids[token_rows, positions]
+        if len(positions) == len(rows):  # one token each (nothing accepted last time): a step graphs may replay
+            return self._step(layout, input_ids, positions)[1]
+        hidden = self._forward(layout, input_ids, positions)
         return self._greedy(hidden[self._to_device(query_start_loc[1:] - 1)])
 
-    def _step(self, states: RequestStates, rows: np.ndarray, positions: np.ndarray,
-              input_ids: torch.Tensor) -> torch.Tensor:
-        layout = self._layout(states, rows, rows, positions, np.arange(len(rows) + 1, dtype=np.int32),
-                              (positions + 1).astype(np.int32))
-        return self._greedy(self._forward(layout, input_ids, positions, graphs=True))
+    def _decode_steps(self, states: RequestStates, rows: np.ndarray, first: np.ndarray,
+                      num_steps: int) -> list[tuple[BatchLayout, torch.Tensor]]:
+        """The layouts and device positions of `num_steps` one-token steps of `rows`, the first at positions
+        `first`, each one further: built together before any runs (one host-to-device copy of the positions)."""
+        if num_steps <= 0:
+            return []
+        positions = first[None, :] + np.arange(num_steps)[:, None]  # [num_steps, num_rows]
+        block_size = self.block_size
+        slots = states.block_table[rows[None, :], positions // block_size].astype(np.int64) * block_size
+        slots += positions % block_size
+        seq_lens = (positions + 1).astype(np.int32)
+        max_blocks = -(-seq_lens.max(axis=1) // block_size)
+        block_table = states.block_table[rows, : int(max_blocks[-1])]
+        query_start_loc = np.arange(len(rows) + 1, dtype=np.int32)
+        positions_t = self._to_device(positions)
+        return [(BatchLayout(query_start_loc, seq_lens[s], block_table[:, : int(max_blocks[s])], slots[s], block_size),
+                 positions_t[s]) for s in range(num_steps)]
 
     def _layout(self, states: RequestStates, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray,
                 query_start_loc: np.ndarray, seq_lens: np.ndarray) -> BatchLayout:
@@ -83,24 +119,34 @@ class DraftModelProposer:
         return BatchLayout(query_start_loc, seq_lens, states.block_table[rows, :max_blocks], slot_mapping,
                            self.block_size)
 
-    def _forward(self, layout: BatchLayout, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,
-                 graphs: bool, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """`hidden`: the extra input of a head that drafts from hidden states (spec/eagle.py); eager."""
-        if isinstance(input_ids, np.ndarray):
-            input_ids = self._to_device(input_ids)
-        positions_t = self._to_device(positions)
-        if graphs and self.cuda_graphs is not None:
-            hidden = self.cuda_graphs.run(layout, input_ids, positions_t)
-            if hidden is not None:
-                return hidden
+    def _step(self, layout: BatchLayout, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor,
+              hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass of one token per row: its output hidden states and each row's greedy token, from one graph
+        replay where a graph fits (the hidden states are then the graph's static output: use them before its
+        next replay), else eagerly."""
+        if self.cuda_graphs is not None:
+            out = self.cuda_graphs.run(layout, self._tensor(input_ids), self._tensor(positions),
+                                       *(() if hidden is None else (hidden,)))
+            if out is not None:
+                hidden_states, tokens = out
+                return hidden_states, tokens.clone()  # the drafts of every step are stacked after the last
+        hidden_states = self._forward(layout, input_ids, positions, hidden=hidden)
+        return hidden_states, self._greedy(hidden_states)
+
+    def _forward(self, layout: BatchLayout, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """An eager pass; `hidden`: the extra input of a head that drafts from hidden states (spec/eagle.py)."""
         metadata = self.attn_backend.build_metadata(layout, self.device)
         with forward_context(self.attn_backend, metadata):
             if hidden is not None:
-                return self.model(input_ids, positions_t, hidden)
-            return self.model(input_ids, positions_t)
+                return self.model(self._tensor(input_ids), self._tensor(positions), hidden)
+            return self.model(self._tensor(input_ids), self._tensor(positions))
 
     def _greedy(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states).argmax(dim=-1)
+
+    def _tensor(self, values: np.ndarray | torch.Tensor) -> torch.Tensor:
+        return values if isinstance(values, torch.Tensor) else self._to_device(values)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)

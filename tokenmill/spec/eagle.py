@@ -76,6 +76,7 @@ class EagleProposer(DraftModelProposer):
         self.pending = torch.zeros(max_num_reqs, self.window, hidden_size, dtype=dtype, device=device)
         self.pending_start = np.zeros(max_num_reqs, dtype=np.int64)
         self.pending_len = np.zeros(max_num_reqs, dtype=np.int64)
+        self.graph_extra_inputs = ((hidden_size, dtype),)  # the hidden states each token's step reads
 
     @torch.inference_mode()
     def observe(self, states: RequestStates, rows: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray,
@@ -130,7 +131,7 @@ class EagleProposer(DraftModelProposer):
             row_ids = np.array([r[0] for r in consume_rows], dtype=np.int64)
             layout = self._layout(states, row_ids, token_rows, pos, qsl, np.array(consume_end, dtype=np.int32))
             hidden = source[self._to_device(np.array(consume_src, dtype=np.int64))]
-            self._forward(layout, states.token_ids[token_rows, pos + 1], pos, graphs=False, hidden=hidden)
+            self._forward(layout, states.token_ids[token_rows, pos + 1], pos, hidden=hidden)
         if keep_dst:
             kept = source[self._to_device(np.array(keep_src, dtype=np.int64))]
             self.pending.view(base, -1)[self._to_device(np.array(keep_dst, dtype=np.int64))] = kept
@@ -155,18 +156,18 @@ class EagleProposer(DraftModelProposer):
         src = token_rows * self.window + positions - self.pending_start[token_rows]
         hidden = self.pending.view(-1, self.pending.shape[-1])[self._to_device(src)]
         layout = self._layout(states, rows, token_rows, positions, qsl, (lengths - 1).astype(np.int32))
-        out = self._forward(layout, states.token_ids[token_rows, positions + 1], positions, graphs=False,
-                            hidden=hidden)
-        self.num_computed[rows] = lengths - 1
-        hidden = out[self._to_device(qsl[1:] - 1)]
-        tokens = self._greedy(hidden)
-        steps = [tokens]
-        for j in range(1, int(max_drafts.max())):
-            pos = lengths - 2 + j
-            layout = self._layout(states, rows, rows, pos, np.arange(len(rows) + 1, dtype=np.int32),
-                                  (pos + 1).astype(np.int32))
-            hidden = self._forward(layout, tokens, pos, graphs=False, hidden=hidden)
+        input_ids = states.token_ids[token_rows, positions + 1]
+        if len(positions) == len(rows):  # one position each (the usual pass after a verify step): graphs fit it
+            hidden, tokens = self._step(layout, input_ids, positions, hidden)
+        else:
+            hidden = self._forward(layout, input_ids, positions, hidden=hidden)[self._to_device(qsl[1:] - 1)]
             tokens = self._greedy(hidden)
+        self.num_computed[rows] = lengths - 1
+        steps = [tokens]
+        # Draft j + 1 from draft j and the head's own output, at position length + j - 2, one token per row:
+        # graph replays where captured (`hidden`, a graph's output, goes to its input buffer first).
+        for layout, pos in self._decode_steps(states, rows, lengths - 1, int(max_drafts.max()) - 1):
+            hidden, tokens = self._step(layout, tokens, pos, hidden)
             steps.append(tokens)
         drafted = torch.stack(steps, dim=1).cpu().numpy()
         for i, k, d in zip(index.tolist(), max_drafts.tolist(), drafted):

@@ -3,7 +3,12 @@
 A decode step launches a few hundred small kernels; replaying them from a graph removes the launch
 cost. The batch is padded up to the nearest captured size: padding requests have no context and a
 negative slot, so they store nothing and read nothing. Every graph shares one memory pool, captured
-largest first. Only the forward pass is captured; logits and sampling run eagerly on its output.
+largest first (a drafter's graphs may join the target's pool: the two never replay at once). Only the
+target's forward pass is captured, its logits and sampling run eagerly on its output; a drafter's step
+captures its greedy tokens too (spec/draft_model.GreedyDraftStep).
+
+A model may take per-token inputs beside the token ids and positions (an EAGLE head's hidden states
+[n, width]): each gets a static buffer of its own that run() copies the step's rows into.
 """
 
 from __future__ import annotations
@@ -58,7 +63,9 @@ class CudaGraphRunner:
         block_size: int,
         max_blocks_per_req: int,
         max_batch_size: int,
+        extra_inputs: tuple[tuple[int, torch.dtype], ...] = (),
     ) -> None:
+        """`extra_inputs`: (width, dtype) of each per-token input the model takes after input_ids and positions."""
         self.model = model
         self.attn_backend = attn_backend
         self.device = device
@@ -67,26 +74,31 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_batch_size)
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # [max_batch_size]
         self.positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # [max_batch_size]
+        # [max_batch_size, width] each; zeros, so that padding rows compute on finite values
+        self.extra_inputs = [torch.zeros(self.sizes[-1], width, dtype=dtype, device=device)
+                             for width, dtype in extra_inputs]
+        self.pool = None
+        """The graphs' memory pool handle, once captured."""
         # size -> (graph, its static attention metadata, its output hidden states [size, hidden_size], or
         # those and the auxiliary layers' a proposer asked the model for (EAGLE-3))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor | tuple[torch.Tensor, ...]]] = {}
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None) -> None:
+        """`pool`: another runner's pool to capture into (its graphs and these must never replay concurrently)."""
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         # every size's kernels compile together, before any capture
         precompile(lambda: [self._eager_forward(size) for size in self.sizes], self.device)
-        pool = None
         for size in reversed(self.sizes):
             metadata = self._eager_forward(size)  # a first run outside the capture (lazy initialisations)
-            input_ids, positions = self.input_ids[:size], self.positions[:size]
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), forward_context(self.attn_backend, metadata):
-                hidden_states = self.model(input_ids, positions)
+                hidden_states = self.model(*self._static_inputs(size))
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = (graph, metadata, hidden_states)
+        self.pool = pool
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d decode CUDA graphs (batch sizes %d-%d) in %.1f s, %.2f GiB",
@@ -103,13 +115,17 @@ class CudaGraphRunner:
         )
         metadata = self.attn_backend.build_metadata(pad_layout(empty, size), self.device)
         with forward_context(self.attn_backend, metadata):
-            self.model(self.input_ids[:size], self.positions[:size])
+            self.model(*self._static_inputs(size))
         return metadata
 
-    def run(self, layout: BatchLayout, input_ids: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+    def _static_inputs(self, size: int) -> list[torch.Tensor]:
+        return [self.input_ids[:size], self.positions[:size]] + [buffer[:size] for buffer in self.extra_inputs]
+
+    def run(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,
+            *extra_inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """Hidden states [num_reqs, hidden_size] of a decode-only step (a tuple where the model returns
-        several), or None if no graph fits it."""
+        several), or None if no graph fits it. The result is a view of the graph's static output: read it
+        before the next replay of any graph of the pool."""
         num_reqs = len(layout.seq_lens)
         if len(layout.slot_mapping) != num_reqs or num_reqs > self.sizes[-1]:
             return None
@@ -119,6 +135,8 @@ class CudaGraphRunner:
         self.attn_backend.copy_metadata(static_metadata, metadata)
         self.input_ids[:num_reqs].copy_(input_ids, non_blocking=True)
         self.positions[:num_reqs].copy_(positions, non_blocking=True)
+        for buffer, values in zip(self.extra_inputs, extra_inputs, strict=True):
+            buffer[:num_reqs].copy_(values, non_blocking=True)
         graph.replay()
         if isinstance(hidden_states, tuple):
             return tuple(t[:num_reqs] for t in hidden_states)

@@ -207,7 +207,6 @@ class Worker:
             return DraftModelProposer(self.draft_model, self.attn_backend, self.device, block_size,
                                       self.config.scheduler_config.max_num_seqs)
         if self.eagle_head is not None:
-            # Eager: the head's decode steps take the hidden states as an input the decode graphs do not have.
             # EAGLE-1 keeps the target's last hidden states; EAGLE-3 its auxiliary states through the head's fc.
             eagle1 = speculative.method in ("eagle", "mtp")  # MTP drafts from the last states as EAGLE-1 does
             proposer = EagleProposer if eagle1 else Eagle3Proposer
@@ -222,13 +221,19 @@ class Worker:
             logger.info("attention backend %r cannot be captured: decode runs eagerly", self.attn_backend.name)
             return
         models = [(self.model, self.model_runner)]
-        if self.draft_model is not None:
-            models.append((self.draft_model, self.model_runner.speculative.proposer))
+        if self.draft_model is not None or self.eagle_head is not None:
+            proposer = self.model_runner.speculative.proposer
+            models.append((proposer.graph_step, proposer))  # a draft step and its greedy tokens
+        pool = None
         for model, owner in models:
+            # A drafter's graphs (an EAGLE head's take its hidden-state input in a static buffer of their own)
+            # join the target's pool: drafting and the target's forward pass never overlap.
             runner = CudaGraphRunner(model, self.attn_backend, self.device, block_size,
                                      max_blocks_per_req=-(-self.max_model_len // block_size),
-                                     max_batch_size=self.config.scheduler_config.max_num_seqs)
-            runner.capture()
+                                     max_batch_size=self.config.scheduler_config.max_num_seqs,
+                                     extra_inputs=getattr(owner, "graph_extra_inputs", ()))
+            runner.capture(pool)
+            pool = runner.pool
             owner.cuda_graphs = runner
 
     def _capture_mixed_cuda_graphs(self, block_size: int) -> None:
