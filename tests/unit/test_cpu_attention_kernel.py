@@ -3,6 +3,7 @@ chunks and multi-token queries after a cached context (speculative verification)
 soft-capping, grouped heads, both storage dtypes; NaN in every pool slot no request owns."""
 
 import math
+import platform
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from tokenmill.attention import cpu_kernel
 from tokenmill.attention.backend import BatchLayout
 from tokenmill.attention.cpu_kernel import kernel_applies, load_kernel, paged_attention_cpu
 from tokenmill.attention.torch_attn import TorchAttentionBackend, paged_attention_torch, write_kv
+from tokenmill.cpu_compile import FLAGS, cpu_signature
 from tokenmill.kernels.prefill_attention import paged_attention_ref
 from tokenmill.layers.attention import Attention
 
@@ -69,6 +71,35 @@ def test_kernel_equals_the_float64_reference(dtype, shape, heads, head_dim, wind
                               window, soft_cap)
     ref = paged_attention_ref(query, kv_cache, qsl, seq_lens, block_table, scale, window, soft_cap)
     assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
+# The kernel as built for other x86 CPUs than this one: AVX-512 without AVX512_BF16, and no AVX-512 at all
+# (the portable loops), with the bits of kernel_paths() each build should report here.
+OTHER_BUILDS = {
+    "native": ((), lambda cpu: ("avx512f" in cpu) | ("avx512f" in cpu and "avx512_bf16" in cpu) << 1),
+    "no_avx512_bf16": (("-mno-avx512bf16",), lambda cpu: int("avx512f" in cpu)),
+    "no_avx512": (("-mno-avx512f",), lambda cpu: 0),
+}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 compiler flags")
+@pytest.mark.parametrize("build", OTHER_BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_builds_for_other_cpus_equal_the_float64_reference(monkeypatch, build, dtype):
+    extra_flags, expected_paths = OTHER_BUILDS[build]
+    lib = load_kernel(tuple(FLAGS) + extra_flags)
+    assert lib is not None, "gcc and clang take these flags on x86: the source does not build without AVX-512"
+    assert lib.kernel_paths() == expected_paths(set(cpu_signature().split()))
+    monkeypatch.setattr(cpu_kernel, "load_kernel", lambda: lib)
+    # head sizes: whole 32-lane bfloat16 vectors, whole 16-lane float32 vectors only, neither
+    for heads, head_dim in [((9, 3), 64), ((4, 2), 96), ((6, 1), 40)]:
+        for shape, (window, soft_cap) in zip(SHAPES, [(None, None), (13, None), (None, 20.0), (8, 5.0)]):
+            q_lens, context_lens = SHAPES[shape]
+            query, kv_cache, block_table, qsl, seq_lens = make_case(q_lens, context_lens, *heads, head_dim, 16, dtype)
+            out = paged_attention_cpu(query, kv_cache, block_table, torch.tensor(qsl), torch.tensor(seq_lens), 0.1,
+                                      window, soft_cap)
+            ref = paged_attention_ref(query, kv_cache, qsl, seq_lens, block_table, 0.1, window, soft_cap)
+            assert rel_error(out, ref) < TOLERANCE[dtype], (heads, head_dim, shape)
 
 
 @pytest.mark.parametrize("block_size", [8, 32])
