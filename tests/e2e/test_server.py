@@ -77,6 +77,15 @@ def test_models_health_version(server, client):
     assert httpx.get(server.url("/version")).json()["version"]
 
 
+def test_engine_core_and_server_freeze_their_startup_heap(server):
+    """Both long-lived processes take their start-up objects out of the garbage collector's full passes."""
+    import re
+
+    frozen = dict(re.findall(r"(engine core|server): (\d+) start-up objects frozen", server.log_tail(10**6)))
+    assert set(frozen) == {"engine core", "server"}, server.log_tail()
+    assert all(int(count) > 10_000 for count in frozen.values()), frozen
+
+
 def test_models_retrieve(client):
     card = client.models.retrieve(MODEL)
     assert card.id == MODEL and card.model_extra["max_model_len"] == MAX_MODEL_LEN

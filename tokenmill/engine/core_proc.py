@@ -25,6 +25,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.codec import RequestKind, decode_request, encode_outputs
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.core_profiler import handle_profile_command
+from tokenmill.engine.heap_freeze import freeze_startup_heap
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineRequest
 from tokenmill.request import FinishReason
 
@@ -54,6 +55,7 @@ def run_engine_core(
         ready.send(("error", traceback.format_exc()))
         ready.close()
         raise SystemExit(1) from None
+    freeze_startup_heap("engine core")
     ready.send(("ready", None))
     ready.close()
     proc.run()

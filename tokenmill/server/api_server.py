@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 import tokenmill
+from tokenmill.engine.heap_freeze import freeze_startup_heap
 from tokenmill.server.errors import bad_request, error_response, install_error_handlers
 from tokenmill.server.middleware import ALWAYS_OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware
 from tokenmill.server.openai_protocol import (
@@ -34,6 +35,7 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        freeze_startup_heap("server")
         yield
         state.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
         state.grammar_checker.shutdown()
