@@ -145,29 +145,28 @@ def _prefill_kernel(
 ):
     head = tl.program_id(2)
     if FIXED_GRID:
-        # The programs take the step's tiles in turn: slot p, p + G, p + 2G, ... of G programs per head.
+        # The programs take the step's tiles in turns: slots p, p + G, p + 2G, ... of G programs per head.
         num_reqs = tl.load(num_reqs_ptr)
-        num_tiles = 0
+        num_slots = 0
         for i in range(num_reqs):
             r = tl.load(req_ids_ptr + i)
-            num_tiles += tl.cdiv(tl.load(query_start_loc_ptr + r + 1) - tl.load(query_start_loc_ptr + r), BLOCK_M)
-        for slot in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            num_slots += tl.cdiv(tl.load(query_start_loc_ptr + r + 1) - tl.load(query_start_loc_ptr + r), BLOCK_M)
+        first_slot = tl.program_id(0)
+        slot_step = tl.num_programs(0)
+    else:  # one tile, of the grid's own request
+        num_reqs = 0
+        num_slots = 1
+        first_slot = 0
+        slot_step = 1
+    for slot in range(first_slot, num_slots, slot_step):
+        if FIXED_GRID:
             req, tile = _find_tile(slot, query_start_loc_ptr, req_ids_ptr, num_reqs, BLOCK_M)
-            q_start = tl.load(query_start_loc_ptr + req)
-            q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-            _attend_tile(
-                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
-                req, tile, head, q_start, q_len, sm_scale, softcap, window,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, head_dim,
-                QUERIES_PER_KV, BLOCK_SIZE, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
-                IS_FP8,
-            )
-    else:
-        tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        req = tl.load(req_ids_ptr + tl.program_id(1)).to(tl.int64)
+        else:
+            req = tl.load(req_ids_ptr + tl.program_id(1)).to(tl.int64)
+            tile = tl.num_programs(0) - 1 - tl.program_id(0)
         q_start = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-        if tile * BLOCK_M < q_len:
+        if tile * BLOCK_M < q_len:  # a tile past its request's end (the eager grid's) does nothing
             _attend_tile(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
                 req, tile, head, q_start, q_len, sm_scale, softcap, window,

@@ -8,7 +8,9 @@ target's forward pass is captured, its logits and sampling run eagerly on its ou
 captures its greedy tokens too (spec/draft_model.GreedyDraftStep).
 
 A model may take per-token inputs beside the token ids and positions (an EAGLE head's hidden states
-[n, width]): each gets a static buffer of its own that run() copies the step's rows into.
+[n, width]): each gets a static buffer of its own that run() copies the step's rows into. The graphs for
+steps with prefills (worker.mixed_cuda_graph) are this runner with other sizes, another fit test and
+metadata padded to a fixed shape: the three hooks _capture_sizes, _graph_size and _metadata.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def pad_layout(layout: BatchLayout, size: int, num_block_columns: int | None = N
 
 
 class CudaGraphRunner:
+    captured = "decode CUDA graphs (batch sizes %d-%d)"
+    """The start-up log's name for what this runner captures, with its smallest and largest size."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -71,7 +76,7 @@ class CudaGraphRunner:
         self.device = device
         self.block_size = block_size
         self.max_blocks_per_req = max_blocks_per_req
-        self.sizes = capture_sizes(max_batch_size)
+        self.sizes = self._capture_sizes(max_batch_size)
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # [max_batch_size]
         self.positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # [max_batch_size]
         # [max_batch_size, width] each; zeros, so that padding rows compute on finite values
@@ -101,11 +106,25 @@ class CudaGraphRunner:
         self.pool = pool
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("captured %d decode CUDA graphs (batch sizes %d-%d) in %.1f s, %.2f GiB",
+        logger.info("captured %d " + self.captured + " in %.1f s, %.2f GiB",
                     len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / GiB)
 
+    def _capture_sizes(self, max_size: int) -> list[int]:
+        return capture_sizes(max_size)
+
+    def _graph_size(self, layout: BatchLayout) -> int | None:
+        """The captured size that takes this step, None if none does: here one token per request."""
+        num_reqs = len(layout.seq_lens)
+        if len(layout.slot_mapping) != num_reqs or num_reqs > self.sizes[-1]:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+
+    def _metadata(self, layout: BatchLayout, size: int) -> object:
+        """The step's attention metadata padded to a graph of `size` (at the layout's block table width)."""
+        return self.attn_backend.build_metadata(pad_layout(layout, size), self.device)
+
     def _eager_forward(self, size: int) -> object:
-        """The padded decode step of `size` empty requests, run eagerly; returns its attention metadata."""
+        """The padded step of `size` with no requests, run eagerly; returns its attention metadata."""
         empty = BatchLayout(
             query_start_loc=np.zeros(1, dtype=np.int32),
             seq_lens=np.zeros(0, dtype=np.int32),
@@ -113,7 +132,7 @@ class CudaGraphRunner:
             slot_mapping=np.zeros(0, dtype=np.int64),
             block_size=self.block_size,
         )
-        metadata = self.attn_backend.build_metadata(pad_layout(empty, size), self.device)
+        metadata = self._metadata(empty, size)
         with forward_context(self.attn_backend, metadata):
             self.model(*self._static_inputs(size))
         return metadata
@@ -123,21 +142,20 @@ class CudaGraphRunner:
 
     def run(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,
             *extra_inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
-        """Hidden states [num_reqs, hidden_size] of a decode-only step (a tuple where the model returns
-        several), or None if no graph fits it. The result is a view of the graph's static output: read it
-        before the next replay of any graph of the pool."""
-        num_reqs = len(layout.seq_lens)
-        if len(layout.slot_mapping) != num_reqs or num_reqs > self.sizes[-1]:
+        """Hidden states [num_tokens, hidden_size] of the step (a tuple where the model returns several), or
+        None if no graph fits it. The result is a view of the graph's static output: read it before the next
+        replay of any graph of the pool."""
+        size = self._graph_size(layout)
+        if size is None:
             return None
-        size = self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+        num_tokens = len(layout.slot_mapping)
         graph, static_metadata, hidden_states = self.graphs[size]
-        metadata = self.attn_backend.build_metadata(pad_layout(layout, size), self.device)
-        self.attn_backend.copy_metadata(static_metadata, metadata)
-        self.input_ids[:num_reqs].copy_(input_ids, non_blocking=True)
-        self.positions[:num_reqs].copy_(positions, non_blocking=True)
+        self.attn_backend.copy_metadata(static_metadata, self._metadata(layout, size))
+        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
         for buffer, values in zip(self.extra_inputs, extra_inputs, strict=True):
-            buffer[:num_reqs].copy_(values, non_blocking=True)
+            buffer[:num_tokens].copy_(values, non_blocking=True)
         graph.replay()
         if isinstance(hidden_states, tuple):
-            return tuple(t[:num_reqs] for t in hidden_states)
-        return hidden_states[:num_reqs]
+            return tuple(t[:num_tokens] for t in hidden_states)
+        return hidden_states[:num_tokens]

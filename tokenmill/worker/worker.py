@@ -192,8 +192,7 @@ class Worker:
                 # A stage's forward pass sends and receives between stages: kept out of graphs for now.
                 logger.info("pipeline parallelism: CUDA graphs are off, every step runs eagerly")
             else:
-                self._capture_mixed_cuda_graphs(shape.block_size)
-                self._capture_cuda_graphs(shape.block_size)
+                self._capture_cuda_graphs(shape.block_size, pool=self._capture_mixed_cuda_graphs(shape.block_size))
         if self.device.type == "cuda":
             warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device,
                             background=self._sampler_compile)
@@ -216,7 +215,9 @@ class Worker:
                             self.dtype)
         return make_proposer(speculative)
 
-    def _capture_cuda_graphs(self, block_size: int) -> None:
+    def _capture_cuda_graphs(self, block_size: int, pool=None) -> None:
+        """Decode graphs of the target, then of the drafter if any, all in one memory pool (`pool`: the one the
+        graphs for steps with prefills were captured into, if they were)."""
         if not self.attn_backend.supports_cuda_graphs:
             logger.info("attention backend %r cannot be captured: decode runs eagerly", self.attn_backend.name)
             return
@@ -224,7 +225,6 @@ class Worker:
         if self.draft_model is not None or self.eagle_head is not None:
             proposer = self.model_runner.speculative.proposer
             models.append((proposer.graph_step, proposer))  # a draft step and its greedy tokens
-        pool = None
         for model, owner in models:
             # A drafter's graphs (an EAGLE head's take its hidden-state input in a static buffer of their own)
             # join the target's pool: drafting and the target's forward pass never overlap.
@@ -236,28 +236,29 @@ class Worker:
             pool = runner.pool
             owner.cuda_graphs = runner
 
-    def _capture_mixed_cuda_graphs(self, block_size: int) -> None:
+    def _capture_mixed_cuda_graphs(self, block_size: int):
         """The target's graphs for steps with prefills (worker.mixed_cuda_graph), captured before the decode graphs
-        (their largest step needs the most memory)."""
+        (their largest step needs the most memory); returns their pool (None if none were captured)."""
         sched = self.config.scheduler_config
         max_tokens = self.config.device_config.max_cudagraph_capture_size
         if max_tokens is None:
             max_tokens = min(DEFAULT_MAX_TOKENS, sched.max_num_batched_tokens)
         if max_tokens <= 0:
-            return
+            return None
         if not self.attn_backend.supports_mixed_cuda_graphs:
             logger.info("attention backend %r has no fixed-grid kernels: steps with prefills run eagerly",
                         self.attn_backend.name)
-            return
+            return None
         if any(isinstance(m, LatentAttention) for m in self.model.modules()):
             # MLA splits a step's requests between its two forms on the host.
             logger.info("latent attention (MLA): steps with prefills run eagerly")
-            return
+            return None
         runner = MixedCudaGraphRunner(self.model, self.attn_backend, self.device, block_size,
                                       max_blocks_per_req=-(-self.max_model_len // block_size),
                                       max_num_reqs=sched.max_num_seqs, max_tokens=max_tokens)
         runner.capture()
         self.model_runner.mixed_cuda_graphs = runner
+        return runner.pool
 
     def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
         """Grammars for structured outputs, compiled by `compiler` (the engine core's, which also uses it to
