@@ -123,7 +123,8 @@ def test_padded_decode_matches_unpadded(device, qk_transform):
     ([1, 30, 1, 5, 70], [40, 0, 100, 20, 3]),  # prompt chunks beside decodes
     ([3] * 12 + [1, 1], [3 * i for i in range(14)]),  # verification: more tiles than programs, which take turns
 ], ids=["prompts", "verification"])
-def test_fixed_grid_step_matches_unpadded(device, q_lens, context_lens):
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 20, "logits_soft_cap": 3.0}], ids=["plain", "window"])
+def test_fixed_grid_step_matches_unpadded(device, q_lens, context_lens, options):
     """A mixed step padded to a full-step graph's shape (fixed grids, -1 padded request lists, padding tokens)
     attends and stores as the same step unpadded."""
     from tokenmill.attention.triton_attn import TritonAttentionBackend
@@ -137,7 +138,7 @@ def test_fixed_grid_step_matches_unpadded(device, q_lens, context_lens):
     k = torch.randn((size, kv_heads, head_dim), generator=g).to(device)
     v = torch.randn((size, kv_heads, head_dim), generator=g).to(device)
     pool = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(device)
-    layer = _layer(heads, kv_heads, head_dim, device, "rope")
+    layer = _layer(heads, kv_heads, head_dim, device, "rope", **options)
     backend, dev, positions = TritonAttentionBackend(), torch.device(device), _positions(layout, device)
 
     pool_expected = pool.clone()
