@@ -241,8 +241,8 @@ class Worker:
         (their largest step needs the most memory); returns their pool (None if none were captured)."""
         sched = self.config.scheduler_config
         max_tokens = self.config.device_config.max_cudagraph_capture_size
-        if max_tokens is None:
-            max_tokens = min(DEFAULT_MAX_TOKENS, sched.max_num_batched_tokens)
+        # No step exceeds the token budget: larger graphs would only cost memory and start-up time.
+        max_tokens = min(DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, sched.max_num_batched_tokens)
         if max_tokens <= 0:
             return None
         if not self.attn_backend.supports_mixed_cuda_graphs:
