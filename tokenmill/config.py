@@ -46,7 +46,8 @@ class ModelConfig:
     gguf_dequantize: bool = False
     """GGUF files: dequantize every tensor to the model's dtype at load (the dense path) instead of keeping the
     linear layers' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized and multiplying them in place (the CPU
-    default). The GPU has no GGUF GEMM yet and always dequantizes at load."""
+    default; in bfloat16 a small model keeps a dense copy beside them for steps of many rows, a larger one is
+    dequantized). The GPU has no GGUF GEMM yet and always dequantizes at load."""
 
 
 @dataclass(frozen=True)

@@ -113,17 +113,30 @@ def test_gguf_dequantize_conflicts_with_quantization_gguf(smollm2_path):
         LLM(smollm2_path, quantization="gguf", gguf_dequantize=True, skip_tokenizer_init=True)
 
 
-def test_bfloat16_dequantizes_unless_gguf_is_asked_for(smollm2_path, smollm2_tokenizer):
-    """In bfloat16 (dtype auto on CPUs with bfloat16 units) the default is the dense path; quantization='gguf'
-    keeps the blocks, whose kernel (bfloat16 products with AMX / AVX512_BF16 where present, else float32) then
-    stays close to the dense bfloat16 model."""
+def test_bfloat16_keeps_blocks_and_a_dense_copy(smollm2_path, smollm2_tokenizer):
+    """In bfloat16 (dtype auto on CPUs with bfloat16 units) the default model keeps both forms of its linear
+    layers: a prompt's many rows take the dense copy, the dequantized model's bfloat16 weights through the
+    same oneDNN GEMM (so its predictions are the dequantized engine's), decode rows the blocks. gguf_dequantize
+    gives the dense path alone; quantization='gguf' the blocks alone, whose kernel (bfloat16 products with AMX
+    / AVX512_BF16 where present, else float32) then stays close to the dense bfloat16 model."""
+    from tokenmill.layers.quant.gguf import GGUFLinearMethod
     from tokenmill.layers.quant.unquantized import UnquantizedLinearMethod
 
     token_ids = smollm2_tokenizer(TEXT)["input_ids"]
-    dense = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16")
+    dense = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16", gguf_dequantize=True)
     layer = dense.engine.core.executor.driver_worker.model.model.layers[0].mlp.down_proj
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+    both = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16")
+    layer = both.engine.core.executor.driver_worker.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer.quant_method, GGUFLinearMethod) and layer.dense_copy is not None
+    quality = quant_quality(dense, both, token_ids)
+    print(f"bfloat16 blocks and dense copy vs dequantized: {quality}")
+    assert quality.top1_agreement == 1.0 and quality.max_kl <= 1e-6, quality
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    assert "Paris" in both.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].text
+    del both
     kept = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=512, dtype="bfloat16", quantization="gguf")
+    assert model_of(kept).model.layers[0].mlp.down_proj.dense_copy is None
     quality = quant_quality(dense, kept, token_ids)
     print(f"bfloat16 kept vs dequantized: {quality}")
     # Same bfloat16 weights; only the sums' order and rounding differ from oneDNN's.

@@ -1,4 +1,4 @@
-"""The CPU LM head (layers.cpu_lm_head): a few float32 rows through the table's GGUF blocks, the rest dense.
+"""The CPU LM head (layers.cpu_lm_head): a few rows (float32 or bfloat16) through the GGUF blocks, the rest dense.
 
 Blocks come from gguf's own `quantize`; the dense table is their `dequantize`, as the loader gives both. The
 reference is the float64 product with that table: both paths sum float32 products, so they are held to a
@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 from tokenmill.layers.cpu_gemm import cpu_linear
-from tokenmill.layers.cpu_lm_head import QUANTIZED_ROWS, cpu_logits, quantized_lm_head_applies
+from tokenmill.layers.cpu_lm_head import BF16_QUANTIZED_ROWS, QUANTIZED_ROWS, cpu_logits, quantized_lm_head_applies
 from tokenmill.layers.quant.gguf import tag_ggml
 from tokenmill.layers.quant.gguf_cpu import gguf_gemm_cpu, load_kernel
 
@@ -66,6 +66,24 @@ def test_bias_and_leading_dimensions():
 
 
 @torch.no_grad()
+def test_few_bfloat16_rows_read_the_blocks_in_float32():
+    """bfloat16 hidden states (a small model's "blocks and dense" form keeps the table's blocks): up to
+    BF16_QUANTIZED_ROWS rows, converted exactly, take the float32 kernel over the blocks, held to the float32
+    bound against the blocks' exact values; the dense bfloat16 table's logits differ by its rounding."""
+    weight = table(GGMLQuantizationType.Q8_0)
+    bf16_weight = weight.bfloat16()
+    bf16_weight.ggml_blocks = weight.ggml_blocks
+    x = torch.randn(BF16_QUANTIZED_ROWS, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert quantized_lm_head_applies(x, bf16_weight) and quantized_lm_head_applies(x[:1], bf16_weight)
+    logits = cpu_logits(x, bf16_weight, None)
+    blocks = weight.ggml_blocks
+    torch.testing.assert_close(logits, gguf_gemm_cpu(x.float(), blocks, blocks.ggml_type, HIDDEN), rtol=0, atol=0)
+    assert_close_to_float64(logits, x, weight)
+    dense = cpu_linear(x, bf16_weight, None).float()
+    torch.testing.assert_close(logits, dense, rtol=0.02, atol=0.02 * float(dense.abs().max()))
+
+
+@torch.no_grad()
 def test_many_rows_bfloat16_and_tables_without_blocks_stay_dense():
     weight = table(GGMLQuantizationType.Q8_0)
     many = torch.randn(QUANTIZED_ROWS + 1, HIDDEN)
@@ -75,7 +93,7 @@ def test_many_rows_bfloat16_and_tables_without_blocks_stay_dense():
 
     bf16_weight = weight.bfloat16()
     bf16_weight.ggml_blocks = weight.ggml_blocks
-    x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
+    x = torch.randn(BF16_QUANTIZED_ROWS + 1, HIDDEN, dtype=torch.bfloat16)
     assert not quantized_lm_head_applies(x, bf16_weight)
     logits = cpu_logits(x, bf16_weight, None)
     assert logits.dtype == torch.float32  # the sampler's argmax is ~9x faster over float32

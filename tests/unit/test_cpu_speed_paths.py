@@ -73,3 +73,33 @@ def test_resolve_dtype_logs_the_cpu_choice_and_honours_an_explicit_dtype(monkeyp
     monkeypatch.setattr("tokenmill.model.loader.cpu_flags", lambda: {"avx512_bf16"})
     assert resolve_dtype(ModelConfig(model="m", dtype="auto"), None, cpu) == torch.bfloat16
     assert resolve_dtype(ModelConfig(model="m", dtype="float32"), None, cpu) == torch.float32
+
+
+def test_bfloat16_gguf_keeps_both_forms_only_for_small_models(monkeypatch, caplog):
+    """In bfloat16 on the CPU a GGUF's linear layers keep their blocks and a dense copy while the copy stays
+    under layers.quant.gguf.DENSE_COPY_MAX_BYTES (said at start-up, with its size), else they are
+    dequantized at load; float16 is always dequantized."""
+    from transformers import LlamaConfig
+
+    from tokenmill.layers.quant import gguf
+    from tokenmill.model.loader import _gguf_form
+    from tokenmill.model.registry import get_model_class
+
+    hf_config = LlamaConfig(vocab_size=64, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=4)
+    model_class = get_model_class(["LlamaForCausalLM"])  # built on the meta device: no memory taken
+    # Per layer: qkv 1024 x (1024 + 2 x 512), o 1024 x 1024, gate/up 2 x 2048 x 1024, down 1024 x 2048.
+    dense_bytes = 2 * (1024 * 2048 + 1024 * 1024 + 2 * 2048 * 1024 + 1024 * 2048) * 2
+    cpu, config = torch.device("cpu"), ModelConfig(model="m.gguf")
+    with caplog.at_level(logging.INFO, logger="tokenmill.model.loader"):
+        assert _gguf_form(config, hf_config, model_class, cpu, torch.bfloat16) == "blocks and dense"
+    assert round(dense_bytes / 1e6) == 38 and "dense bfloat16 copy (38 MB" in caplog.text
+    monkeypatch.setattr(gguf, "DENSE_COPY_MAX_BYTES", dense_bytes - 1)
+    assert _gguf_form(config, hf_config, model_class, cpu, torch.bfloat16) == "dense"
+    assert "over the" in caplog.text
+    monkeypatch.setattr(gguf, "DENSE_COPY_MAX_BYTES", dense_bytes)
+    assert _gguf_form(config, hf_config, model_class, cpu, torch.bfloat16) == "blocks and dense"
+    assert _gguf_form(config, hf_config, model_class, cpu, torch.float16) == "dense"
+    assert _gguf_form(config, hf_config, model_class, cpu, torch.float32) == "blocks"
+    kept = ModelConfig(model="m.gguf", quantization="gguf")
+    assert _gguf_form(kept, hf_config, model_class, cpu, torch.bfloat16) == "blocks"

@@ -14,6 +14,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 
+from tokenmill.layers import cpu_gemm
+from tokenmill.layers.cpu_gemm import cpu_linear
 from tokenmill.layers.quant import gguf_cpu
 from tokenmill.layers.quant.gguf_cpu import (
     bf16_kernel_types,
@@ -176,7 +178,7 @@ def test_bf16_layer_uses_the_bf16_path_consistently():
 
 
 # -- the method: fused parts of mixed types, the prefill path, the fallback -----------------------------
-def mixed_qkv_layer(dtype: torch.dtype):
+def mixed_qkv_layer(dtype: torch.dtype, dense_copy: bool = False):
     """A QKV layer whose q, k, v come as Q4_1, Q8_0 and Q6_K blocks (as llama.cpp's mixed recipes give them),
     and the float64 weight they mean."""
     from tokenmill.layers.linear import QKVParallelLinear
@@ -184,7 +186,7 @@ def mixed_qkv_layer(dtype: torch.dtype):
 
     rng = np.random.default_rng(2)
     layer = QKVParallelLinear(hidden_size=256, head_dim=32, num_heads=4, num_kv_heads=2)
-    layer.set_quant_method(GGUFLinearMethod())
+    layer.set_quant_method(GGUFLinearMethod(dense_copy))
     layer.params_dtype = dtype
     dense = []
     for shard, ggml_type, rows in (("q", T.Q4_1, 128), ("k", T.Q8_0, 64), ("v", T.Q6_K, 64)):
@@ -211,6 +213,32 @@ def test_bfloat16_activations():
     assert y.dtype == torch.bfloat16
     expected = x.double() @ weight.T
     torch.testing.assert_close(y.double(), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))
+
+
+@pytest.mark.skipif(not cpu_gemm._onednn_available(), reason="torch built without oneDNN: no dense copy")
+@torch.no_grad()
+def test_dense_copy_serves_many_rows_and_the_blocks_few():
+    """Both forms of one bfloat16 layer (the loader's choice for small models): up to FEW_ROWS rows the
+    blocks through the float32 kernel (a float32 layer's result, rounded to bfloat16 once), more rows the
+    dense copy through oneDNN (the dequantized bfloat16 weights' oneDNN product); the two agree within
+    bfloat16 rounding, and the float32 reference holds both."""
+    from tokenmill.layers.quant.gguf import FEW_ROWS
+
+    both, weight = mixed_qkv_layer(torch.bfloat16, dense_copy=True)
+    assert both.dense_copy is not None
+    float32_blocks, _ = mixed_qkv_layer(torch.float32)
+    dense_bf16 = weight.to(torch.bfloat16)  # what the dequantizing load gives (rounded once from float32 values)
+    x = torch.randn(FEW_ROWS + 1, 256, generator=torch.Generator().manual_seed(7)).bfloat16()
+    few, many = both(x[:FEW_ROWS]), both(x)
+    assert few.dtype == many.dtype == torch.bfloat16
+    assert torch.equal(few, float32_blocks(x[:FEW_ROWS].float()).bfloat16())
+    assert torch.equal(many, cpu_linear(x, dense_bf16, None))
+    assert not torch.equal(few, many[:FEW_ROWS])  # two forms, not one: the weights round differently
+    expected = x.double() @ weight.T
+    tol = dict(rtol=0.02, atol=0.02 * float(expected.abs().max()))
+    torch.testing.assert_close(few.double(), many[:FEW_ROWS].double(), **tol)
+    torch.testing.assert_close(many.double(), expected, **tol)
+    torch.testing.assert_close(few.double(), expected[:FEW_ROWS], **tol)
 
 
 def test_without_a_compiler_the_weights_are_dequantized_once(monkeypatch):

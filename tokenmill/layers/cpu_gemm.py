@@ -29,11 +29,24 @@ def prepacked_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and x.shape[0] > 0 and not torch.is_grad_enabled() and _onednn_available())
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 or bfloat16 weight [n, k] reordered for packed_linear (an opaque oneDNN tensor that needs no
+    other copy), or None where oneDNN cannot take it."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not _onednn_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] (m > 0, the packed weight's dtype) @ weight.T + bias, from pack_weight's copy."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _packed(weight: torch.Tensor) -> torch.Tensor:
     cached = getattr(weight, _PACKED_ATTR, None)
     if cached is not None and cached[0] == weight._version:
         return cached[1]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    packed = pack_weight(weight)
     setattr(weight, _PACKED_ATTR, (weight._version, packed))
     return packed
 
@@ -42,7 +55,7 @@ def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x @ weight.T + bias, as F.linear; check prepacked_linear_applies() first."""
     if x.dim() != 2:
         return prepacked_linear(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], -1)
-    return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
+    return packed_linear(x, _packed(weight), bias)
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

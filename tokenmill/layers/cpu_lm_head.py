@@ -9,8 +9,10 @@ served with its linear weights kept quantized: model.loader.iter_gguf_weights), 
 float32 rows go through the GGUF kernel (layers.quant.gguf_cpu) over those blocks. They mean exactly the
 dense table's float32 values (an fp16 scale times an int8 is exact in float32) and the kernel sums their
 float32 products, so the logits differ from the dense GEMM's only by float32 rounding in another order.
-From ~48 rows oneDNN's tiles win. bfloat16 stays dense: its 57 MB table through oneDNN beat the kernel's
-bfloat16 path at every row count measured (1-64).
+From ~48 rows oneDNN's tiles win. In bfloat16 (where the loader keeps the blocks: a small model's
+"blocks and dense" form) the dense table is 57 MB and the kernel's bfloat16 path loses to oneDNN at every row
+count measured (1-64), but its float32 path over the 30 MB of blocks wins at one and two rows: the bfloat16
+rows are converted exactly, and the logits differ from oneDNN's by the table's bfloat16 rounding.
 """
 
 from __future__ import annotations
@@ -23,13 +25,17 @@ from tokenmill.layers.quant.gguf_cpu import KERNEL_TYPES, gguf_gemm_cpu, load_ke
 # Rows up to which the blocks win (one thread, float32, default model: 5.1 against 9.1 ms at 1 row,
 # 11.1 against 16.6 at 16, 19.3 against 22.2 at 32, 35.3 against 32.9 at 64).
 QUANTIZED_ROWS = 32
+# The same for bfloat16 rows (float32 kernel over the blocks against oneDNN's bfloat16 table, AMD development
+# machine, one thread: 1.38 against 1.82 ms at 1 row, 1.90 against 2.68 at 2, 2.25 against 2.32 at 4).
+BF16_QUANTIZED_ROWS = 2
 
 
 def quantized_lm_head_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether cpu_logits takes the weight's GGUF blocks for these rows."""
     blocks = getattr(weight, "ggml_blocks", None)
-    return (blocks is not None and hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
-            and 0 < hidden_states.numel() // weight.shape[1] <= QUANTIZED_ROWS
+    most_rows = {torch.float32: QUANTIZED_ROWS, torch.bfloat16: BF16_QUANTIZED_ROWS}.get(hidden_states.dtype, 0)
+    return (blocks is not None and hidden_states.device.type == "cpu"
+            and 0 < hidden_states.numel() // weight.shape[1] <= most_rows
             and blocks.ggml_type in KERNEL_TYPES and blocks.shape[0] == weight.shape[0]
             and not torch.is_grad_enabled() and load_kernel() is not None)
 
@@ -42,7 +48,7 @@ def cpu_logits(
     """hidden_states @ weight.T + bias, as float32 logits [..., vocab]."""
     if quantized_lm_head_applies(hidden_states, weight):
         blocks, k = weight.ggml_blocks, weight.shape[1]
-        logits = gguf_gemm_cpu(hidden_states.reshape(-1, k).contiguous(), blocks, blocks.ggml_type, k)
+        logits = gguf_gemm_cpu(hidden_states.reshape(-1, k).float().contiguous(), blocks, blocks.ggml_type, k)
         if bias is not None:
             logits += bias
         return logits.reshape(*hidden_states.shape[:-1], -1)

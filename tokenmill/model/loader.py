@@ -115,8 +115,9 @@ def load_model(
             raise ValueError(f"GGUF files of mixture-of-experts models ({hf_config.architectures}) load for "
                              f"{', '.join(GGUF_MOE_ARCHITECTURES)} only: load the model's safetensors checkpoint")
     if load_format == "gguf":
-        if _keep_gguf_quantized(model_config, device, dtype):
-            checkpoint_quant = {"quant_method": "gguf"}  # the file's own types, as a checkpoint would name them
+        form = _gguf_form(model_config, hf_config, model_class, device, dtype)
+        if form != "dense":  # the file's own types, as a checkpoint would name them
+            checkpoint_quant = {"quant_method": "gguf", "dense_copy": form == "blocks and dense"}
         elif requested == "gguf":
             requested = None  # named, but this device dequantizes (logged)
     quant_config = resolve_quant_config(requested, checkpoint_quant)
@@ -149,29 +150,62 @@ def _num_experts(hf_config: PretrainedConfig) -> int:
     return next((value for name in names if (value := getattr(hf_config, name, None))), 0)
 
 
-def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a GGUF's linear weights stay in their GGML types (layers.quant.gguf): on the CPU in float32
+def _gguf_form(model_config: ModelConfig, hf_config: PretrainedConfig, model_class: type[nn.Module],
+               device: torch.device, dtype: torch.dtype) -> str:
+    """How a GGUF's linear weights are held: "blocks" (their GGML types, layers.quant.gguf), "blocks and dense"
+    (also a dense copy for steps of many rows) or "dense" (dequantized at load). Blocks on the CPU in float32
     unless `gguf_dequantize`, or wherever `quantization="gguf"` asks; elsewhere there is no quantized GEMM yet."""
     if model_config.gguf_dequantize:
         if model_config.quantization == "gguf":
             raise ValueError("quantization 'gguf' keeps GGUF weights quantized and gguf_dequantize dequantizes "
                              "them: pass one of the two")
-        return False
+        return "dense"
     if model_config.quantization not in (None, "gguf"):
         # Another method (fp8) quantizes the GGUF's dequantized weights: it starts from the dense model.
-        return False
+        return "dense"
     if model_config.quantization != "gguf" and device.type == "cpu" and dtype != torch.float32:
-        # In bfloat16 the kernel's AMX / AVX512_BF16 path gains 1.15x at batch 1 but still loses a little at
-        # batch 64 (0.93-0.94x, BENCHMARKS.md; per GEMM it beats oneDNN from 1 to 64 rows, so the loss is
-        # elsewhere, not located yet); float16 has only the float32 path. quantization='gguf' takes them anyway.
-        logger.info("GGUF in %s on the CPU: dequantized at load (kept quantized it is 0.94x at batch 64 in bfloat16; "
-                    "dtype=float32 or quantization='gguf' keeps the GGML blocks)", str(dtype).removeprefix("torch."))
-        return False
+        return _gguf_form_in_16_bits(hf_config, model_class, dtype)
     if device.type != "cpu":
         logger.info("GGUF on %s: no quantized GEMM for this device yet, every tensor is dequantized at load",
                     device.type)
-        return False
-    return True
+        return "dense"
+    return "blocks"
+
+
+def _gguf_form_in_16_bits(hf_config: PretrainedConfig, model_class: type[nn.Module], dtype: torch.dtype) -> str:
+    """bfloat16 on the CPU: the blocks win at a decode step's few rows (float32 kernel, 5-6 bits a weight) and
+    oneDNN's bfloat16 GEMM from a handful of rows (the blocks alone are 0.94x at batch 64), so a small model
+    keeps both forms (layers.quant.gguf.FEW_ROWS); a larger one is dequantized at load, as are MoE experts (no
+    dense copy for them) and float16 (the kernel has only its float32 path there). quantization='gguf' keeps
+    the blocks alone anyway."""
+    from tokenmill.layers.quant.gguf import DENSE_COPY_MAX_BYTES, FEW_ROWS
+
+    name = str(dtype).removeprefix("torch.")
+    why = "dtype=float32 or quantization='gguf' keeps the GGML blocks alone"
+    if dtype != torch.bfloat16 or _num_experts(hf_config):
+        logger.info("GGUF in %s on the CPU: dequantized at load (%s)", name, why)
+        return "dense"
+    dense_bytes = _linear_weight_bytes(hf_config, model_class, dtype)
+    if dense_bytes > DENSE_COPY_MAX_BYTES:
+        logger.info("GGUF in %s on the CPU: dequantized at load, since a dense copy beside the GGML blocks would "
+                    "take %.0f MB of linear weights, over the %.0f MB limit (%s)", name, dense_bytes / 1e6,
+                    DENSE_COPY_MAX_BYTES / 1e6, why)
+        return "dense"
+    logger.info("GGUF in %s on the CPU: linear layers keep their GGML blocks for steps of up to %d rows and a "
+                "dense %s copy (%.0f MB, limit %.0f MB) for more rows (gguf_dequantize=True keeps the dense weights "
+                "alone, quantization='gguf' the blocks alone)", name, FEW_ROWS, name, dense_bytes / 1e6,
+                DENSE_COPY_MAX_BYTES / 1e6)
+    return "blocks and dense"
+
+
+def _linear_weight_bytes(hf_config: PretrainedConfig, model_class: type[nn.Module], dtype: torch.dtype) -> int:
+    """The bytes of the model's quantizable linear weights in `dtype` (from a free meta-device build)."""
+    from tokenmill.layers.linear import LinearBase
+
+    with torch.device("meta"):
+        model = model_class(hf_config)
+    return sum(m.output_size * m.input_size * dtype.itemsize for m in model.modules()
+               if isinstance(m, LinearBase) and getattr(m, "quantizable", True))
 
 
 def _gguf_quantized_weights(model: nn.Module, stacked_params: dict[str, tuple[str, str | int]]):

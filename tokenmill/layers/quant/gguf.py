@@ -15,6 +15,14 @@ On the CPU the GEMM is layers.quant.gguf_cpu's C kernel: float32 activations in 
 (Q4_0, Q4_1, Q8_0 on CPUs with AVX512_BF16) in bfloat16 products with float32 sums. Without a compiler, or
 on a device without a quantized GEMM (the GPU: the loader does not pick this method there), the weights are
 dequantized once and multiplied densely: the same numbers, the dense path's speed.
+
+In bfloat16 on the CPU the kernel wins only for the few rows of a decode step (memory-bound: 5-6 bits a
+weight against 16), and oneDNN's bfloat16 GEMM wins from a handful of rows on. So a small model
+(GGUFConfig(dense_copy=True), chosen by the loader under DENSE_COPY_MAX_BYTES) keeps both forms of each
+layer: its blocks, multiplied by the kernel's float32 path for up to FEW_ROWS rows (the bfloat16 activations
+converted exactly, the float32 sums rounded to bfloat16 once), and a dense copy, the dequantized model's
+bfloat16 weights in oneDNN's prepacked layout, for more rows. The two differ by the bfloat16 rounding of
+the weights and by the sums' order.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.cpu_gemm import pack_weight, packed_linear
 from tokenmill.layers.quant.base import QuantConfig, QuantMethod
 from tokenmill.layers.quant.gguf_cpu import (
     KERNEL_TYPES,
@@ -57,6 +66,18 @@ DENSE = -1  # a part's "type" when it arrived as a float tensor
 # at 0.75x the dequantized engine's throughput on 64 prompts of 128 tokens (BENCHMARKS.md).
 DENSE_GEMM_ROWS = 128
 
+# With a dense copy (bfloat16 on the CPU), up to this many rows take the blocks and more take the copy. Per
+# default-model layer on one core of the AMD development machine (AVX512_BF16, no AMX), the blocks through
+# the float32 path against oneDNN's bfloat16 at 1 / 2 / 4 / 8 rows: 182 / 214 / 316 / 523 us against
+# 283 / 316 / 302 / 377 us (the kernel's bfloat16 path: 230 / 388 / 299 / 441). End to end, blocks against
+# copy at batch 2 / 4 / 6 / 8: 1.23x / 1.11x / 0.90x / 0.93x. The kernel itself leaves its register path for
+# tiles above 8 rows (SMALL_M in gguf_cpu's source), past the crossing.
+FEW_ROWS = 4
+# The most bytes of dense linear weights (in the model's dtype) for which the loader keeps the dense copy
+# beside the blocks: SmolLM2-135M's are 212 MB in bfloat16, a 360M model's ~630 MB. Above it the copy's
+# memory outweighs the batch-1 gain for most users, and the model is dequantized at load as before.
+DENSE_COPY_MAX_BYTES = 1_000_000_000
+
 
 def tag_ggml(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Mark a [rows, row_bytes] uint8 tensor as GGUF blocks of `ggml_type` (what the loader yields)."""
@@ -82,6 +103,9 @@ def dequantize_gguf(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
 
 
 class GGUFLinearMethod(QuantMethod):
+    def __init__(self, dense_copy: bool = False) -> None:
+        self.dense_copy = dense_copy  # also keep the dense weight (packed for oneDNN) for steps of many rows
+
     def create_weights(self, layer: LinearBase) -> None:
         # A placeholder the checkpoint's tensors are "loaded" into: their bytes go to layer.gguf_parts,
         # since a part's size depends on its type, known only when it arrives.
@@ -145,6 +169,11 @@ class GGUFLinearMethod(QuantMethod):
                 blob = dequantize_gguf(blob, run[0], layer.input_size).to(layer.params_dtype)
                 layer.gguf_runs[i] = (DENSE, run[1], run[2])
             setattr(layer, f"qweight{i}", nn.Parameter(blob, requires_grad=False))
+        # The same values the dequantized model holds, in oneDNN's layout only (None where oneDNN cannot).
+        layer.dense_copy = None
+        if self.dense_copy:
+            dense = [self._dense_run(layer, i, layer.params_dtype) for i in range(len(runs))]
+            layer.dense_copy = pack_weight(dense[0] if len(dense) == 1 else torch.cat(dense))
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.gguf_runs is None:
@@ -152,13 +181,17 @@ class GGUFLinearMethod(QuantMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows, k = x2.shape
+        if layer.dense_copy is not None and rows > FEW_ROWS and x2.dtype == layer.params_dtype:
+            y = packed_linear(x2.contiguous(), layer.dense_copy, bias)
+            return y.reshape(*shape[:-1], y.shape[-1])
         if rows >= DENSE_GEMM_ROWS:
             # F.linear, not the prepacking cpu_linear: the tile is used once. One run (a layer of one type, all
             # of the default model's) is not copied through torch.cat: a prefill's output is tens of MB.
             ys = [F.linear(x2, self._dense_run(layer, i, x.dtype)) for i in range(len(layer.gguf_runs))]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         else:
-            bf16_types = bf16_kernel_types() if x2.dtype == torch.bfloat16 else ()
+            # Beside a dense copy, few rows take the float32 path: faster than the bfloat16 one at 1-2 rows.
+            bf16_types = bf16_kernel_types() if x2.dtype == torch.bfloat16 and layer.dense_copy is None else ()
             xb = x2.contiguous() if bf16_types else None
             xf = None
             y = torch.empty(rows, layer.output_size, dtype=torch.float32)
@@ -208,12 +241,16 @@ class GGUFConfig(QuantConfig):
 
     name = "gguf"
 
+    def __init__(self, dense_copy: bool = False) -> None:
+        super().__init__()
+        self.dense_copy = dense_copy  # the linear layers keep a dense copy too (the loader's "dense_copy" key)
+
     @classmethod
     def from_checkpoint(cls, config: dict[str, Any]) -> GGUFConfig:
-        return cls()
+        return cls(dense_copy=bool(config.get("dense_copy", False)))
 
     def linear_method(self, layer_name: str) -> QuantMethod:
-        return GGUFLinearMethod()
+        return GGUFLinearMethod(self.dense_copy)
 
     def moe_method(self, layer_name: str) -> Any:
         from tokenmill.layers.quant.gguf_moe import GGUFMoEMethod
@@ -221,5 +258,7 @@ class GGUFConfig(QuantConfig):
         return GGUFMoEMethod()
 
     def describe(self) -> str:
-        return ("gguf (linear weights and MoE experts kept in their GGML types, multiplied by the CPU kernel; "
+        copy = (f", and a dense copy of the linear weights for steps of more than {FEW_ROWS} rows"
+                if self.dense_copy else "")
+        return (f"gguf (linear weights and MoE experts kept in their GGML types, multiplied by the CPU kernel{copy}; "
                 "embeddings, LM head, routers and norms dense)")
