@@ -58,13 +58,33 @@ def load_kernel(flags: tuple[str, ...] = tuple(_FLAGS)) -> ctypes.CDLL | None:
     return lib
 
 
+# (data pointer, shape, strides, dtype) of a pool -> its K and V halves' data pointers, or None where a half is
+# not contiguous. Decided once per pool: at batch 1 the two views per check and per call cost more than the
+# attention itself. The answer depends on the key alone, so a new pool (or a view of one) decides afresh.
+_POOL_POINTERS: dict[tuple, tuple[int, int] | None] = {}
+
+
+def pool_pointers(kv_cache: torch.Tensor) -> tuple[int, int] | None:
+    """The data pointers of K (kv_cache[0]) and V (kv_cache[1]) where both are contiguous, else None."""
+    key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+    try:
+        return _POOL_POINTERS[key]
+    except KeyError:
+        k, v = kv_cache[0], kv_cache[1]
+        pointers = (k.data_ptr(), v.data_ptr()) if k.is_contiguous() and v.is_contiguous() else None
+        if len(_POOL_POINTERS) >= 1024:  # pools built per call (MLA's expanded requests) must not pile up
+            _POOL_POINTERS.clear()
+        _POOL_POINTERS[key] = pointers
+        return pointers
+
+
 def kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the C kernel can run this layer: CPU tensors of one supported dtype, rows of whole heads."""
-    return (query.device.type == "cpu" and kv_cache.dtype == query.dtype and query.dtype in _DTYPES
-            and kv_cache[0].is_contiguous() and kv_cache[1].is_contiguous()  # K and V go by pointer
+    return (query.is_cpu and kv_cache.dtype == query.dtype and query.dtype in _DTYPES
             and query.stride(2) == 1 and query.stride(1) == query.shape[2]
             and query.shape[1] % kv_cache.shape[3] == 0 and query.shape[1] <= _MAX_HEADS
-            and query.shape[2] <= _MAX_HEAD_DIM and load_kernel() is not None)
+            and query.shape[2] <= _MAX_HEAD_DIM and load_kernel() is not None
+            and pool_pointers(kv_cache) is not None)  # K and V go by pointer
 
 
 def paged_attention_cpu(
@@ -82,9 +102,10 @@ def paged_attention_cpu(
     num_heads = query.shape[1]
     out = torch.empty(query.shape, dtype=query.dtype)
     block_table = block_table.contiguous()
+    k_pointer, v_pointer = pool_pointers(kv_cache)
     status = load_kernel().paged_attention(
-        out.data_ptr(), query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-        block_table.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        out.data_ptr(), query.data_ptr(), k_pointer, v_pointer, block_table.data_ptr(), query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
         len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, block_table.stride(0),
         query.stride(0), out.stride(0), scale, sliding_window or 0, logits_soft_cap or 0.0,
         query.dtype == torch.bfloat16, torch.get_num_threads(),
@@ -98,12 +119,24 @@ def rope_and_cache_applies(layer, positions: torch.Tensor, key: torch.Tensor, va
     """Whether rope_and_cache() can stand in for the layer's transform_qk and the KV write: a rotary
     embedding whose table covers every position, no per-head q/k norms, key and value rows of whole
     heads (the query: kernel_applies)."""
-    rotary = layer.rotary_emb
-    return (rotary is not None and layer.q_norm is None and layer.k_norm is None
-            and rotary.cos_sin_cache.dtype == torch.float32 and rotary.rotary_dim % 2 == 0
-            and max_seq_len <= rotary.cos_sin_cache.shape[0] and positions.dtype == torch.int64
+    return (max_seq_len <= _rope_table_length(layer) and positions.dtype == torch.int64
             and key.dtype == value.dtype == layer.kv_cache.dtype
-            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value)))
+            and key.stride(2) == 1 and key.stride(1) == key.shape[2]
+            and value.stride(2) == 1 and value.stride(1) == value.shape[2])
+
+
+def _rope_table_length(layer) -> int:
+    """The rows of the layer's rotary table where its rotary embedding and norms admit rope_and_cache, else -1.
+    Fixed once the model is built, so decided once per table (a cast of the model builds a new one)."""
+    rotary = layer.rotary_emb
+    table = None if rotary is None else rotary.cos_sin_cache
+    decided = layer.__dict__.get("_rope_and_cache_table")  # (table, rows)
+    if decided is None or decided[0] is not table:
+        admits = (rotary is not None and layer.q_norm is None and layer.k_norm is None
+                  and table.dtype == torch.float32 and rotary.rotary_dim % 2 == 0)
+        decided = (table, table.shape[0] if admits else -1)
+        layer.__dict__["_rope_and_cache_table"] = decided
+    return decided[1]
 
 
 def rope_and_cache(
@@ -120,9 +153,10 @@ def rope_and_cache(
     rotary = layer.rotary_emb
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+    k_pointer, v_pointer = pool_pointers(kv_cache)
     load_kernel().rope_and_cache(
         q_out.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(), positions.data_ptr(),
-        rotary.cos_sin_cache.data_ptr(), slot_mapping.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        rotary.cos_sin_cache.data_ptr(), slot_mapping.data_ptr(), k_pointer, v_pointer,
         num_tokens, num_heads, key.shape[1], head_dim, rotary.rotary_dim, query.stride(0), key.stride(0),
         value.stride(0), query.dtype == torch.bfloat16, torch.get_num_threads(),
     )

@@ -107,7 +107,7 @@ def load_kernels() -> ctypes.CDLL | None:
 
 def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
     """CPU tensors of one supported dtype, contiguous (the kernels go by pointer), no autograd (no backward)."""
-    return (x.dtype in _DTYPES and x.device.type == "cpu" and x.is_contiguous() and weight.dtype == x.dtype
+    return (x.dtype in _DTYPES and x.is_cpu and x.is_contiguous() and weight.dtype == x.dtype
             and weight.is_contiguous() and weight.numel() == x.shape[-1] > 0
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
                                       and residual.is_contiguous()))

@@ -29,12 +29,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_triton(x):
+        weight = self.weight  # a parameter: each read goes through nn.Module.__getattr__
+        if x.is_cpu:
+            if cpu_norm.rms_norm_applies(x, weight, residual):
+                return cpu_norm.rms_norm_cpu(x, weight, self.eps, self.offset, residual)
+        elif use_triton(x):
             from tokenmill.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, self.offset, residual)
-        if x.device.type == "cpu" and cpu_norm.rms_norm_applies(x, self.weight, residual):
-            return cpu_norm.rms_norm_cpu(x, self.weight, self.eps, self.offset, residual)
+            return rms_norm(x, weight, self.eps, self.offset, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

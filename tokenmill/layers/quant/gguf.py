@@ -169,6 +169,10 @@ class GGUFLinearMethod(QuantMethod):
                 blob = dequantize_gguf(blob, run[0], layer.input_size).to(layer.params_dtype)
                 layer.gguf_runs[i] = (DENSE, run[1], run[2])
             setattr(layer, f"qweight{i}", nn.Parameter(blob, requires_grad=False))
+        # What apply() reads per call, gathered once (the f-string getattr per run and call showed in batch-1
+        # profiles): the layer's own Parameter objects, which in-place loads and CPU casts keep.
+        layer.gguf_run_weights = tuple((t, offset, size, getattr(layer, f"qweight{i}"))
+                                       for i, (t, offset, size) in enumerate(layer.gguf_runs))
         # The same values the dequantized model holds, in oneDNN's layout only (None where oneDNN cannot).
         layer.dense_copy = None
         if self.dense_copy:
@@ -179,7 +183,7 @@ class GGUFLinearMethod(QuantMethod):
         if layer.gguf_runs is None:
             return dense_linear(x, layer.weight, bias)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
         rows, k = x2.shape
         if layer.dense_copy is not None and rows > FEW_ROWS and x2.dtype == layer.params_dtype:
             y = packed_linear(x2.contiguous(), layer.dense_copy, bias)
@@ -195,21 +199,23 @@ class GGUFLinearMethod(QuantMethod):
             xb = x2.contiguous() if bf16_types else None
             xf = None
             y = torch.empty(rows, layer.output_size, dtype=torch.float32)
-            for i, (ggml_type, offset, size) in enumerate(layer.gguf_runs):
-                weight, out = getattr(layer, f"qweight{i}"), y[:, offset:offset + size]
+            runs = layer.gguf_run_weights
+            for ggml_type, offset, size, weight in runs:
+                out = y if len(runs) == 1 else y[:, offset:offset + size]  # one run: no slice view to build
                 if ggml_type in bf16_types:  # bfloat16 products (AMX / AVX512_BF16), float32 sums
                     gguf_gemm_bf16_cpu(xb, weight, ggml_type, k, out=out)
                     continue
-                if xf is None:
-                    xf = x2.float().contiguous()
+                if xf is None:  # float32 rows in place need no conversion op
+                    xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
                 if ggml_type == DENSE:
                     out.copy_(dense_linear(xf, weight.float(), None))
                 else:
                     gguf_gemm_cpu(xf, weight, ggml_type, k, out=out)
-            y = y.to(x.dtype)
+            if x.dtype != torch.float32:
+                y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
-        return y.reshape(*shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def _dense_run(layer: LinearBase, i: int, dtype: torch.dtype) -> torch.Tensor:
