@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.e2e.test_spec_decode import always_draft
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.loader import iter_safetensors_weights
 from tokenmill.model.registry import get_model_class, supported_architectures
@@ -43,8 +44,7 @@ def test_greedy_tokens_match_hf(references, model_name: str, setting: str):
     ref = references(model_name)
     llm = LLM(ref.path, **BASE_ARGS, **ENGINE_SETTINGS[setting])
     if "ngram" in setting:
-        budget = llm.engine.core.scheduler.draft_budget
-        budget.cost, budget.min_gain = None, 0.0  # draft every step: a random model's drafts gain little
+        always_draft(llm)  # a random model's drafts gain little: draft every step anyway
     params = SamplingParams(temperature=0, max_tokens=len(ref.expected[0]), ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == ref.expected
@@ -86,8 +86,7 @@ def test_greedy_tokens_match_hf_on_cuda(references, model_name: str, setting: st
         mixed_run = runner.mixed_cuda_graphs.run
         runner.mixed_cuda_graphs.run = lambda *args: replays.append(mixed_run(*args)) or replays[-1]
     if "ngram" in setting:
-        budget = llm.engine.core.scheduler.draft_budget
-        budget.cost, budget.min_gain = None, 0.0
+        always_draft(llm)  # a random model's drafts gain little: draft every step anyway
     params = SamplingParams(temperature=0, max_tokens=len(ref.expected[0]), ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == ref.expected

@@ -24,6 +24,7 @@ from tokenmill.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.device_copy import to_device
 from tokenmill.forward_context import forward_context
 from tokenmill.worker.cuda_graph import CudaGraphRunner
+from tokenmill.worker.input_batch import kv_slots
 from tokenmill.worker.request_state import RequestStates
 
 
@@ -101,8 +102,7 @@ class DraftModelProposer:
             return []
         positions = first[None, :] + np.arange(num_steps)[:, None]  # [num_steps, num_rows]
         block_size = self.block_size
-        slots = states.block_table[rows[None, :], positions // block_size].astype(np.int64) * block_size
-        slots += positions % block_size
+        slots = kv_slots(states.block_table, rows[None, :], positions, block_size)
         seq_lens = (positions + 1).astype(np.int32)
         max_blocks = -(-seq_lens.max(axis=1) // block_size)
         block_table = states.block_table[rows, : int(max_blocks[-1])]
@@ -113,8 +113,7 @@ class DraftModelProposer:
 
     def _layout(self, states: RequestStates, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray,
                 query_start_loc: np.ndarray, seq_lens: np.ndarray) -> BatchLayout:
-        slot_mapping = states.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
-        slot_mapping += positions % self.block_size
+        slot_mapping = kv_slots(states.block_table, token_rows, positions, self.block_size)
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         return BatchLayout(query_start_loc, seq_lens, states.block_table[rows, :max_blocks], slot_mapping,
                            self.block_size)

@@ -38,6 +38,14 @@ class InputBatch:
         return len(self.input_ids)
 
 
+def kv_slots(block_table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The pool slot (block * block_size + offset) of each token at `positions` of the request in row
+    `token_rows` (any shapes that broadcast together) -> int64."""
+    slots = block_table[token_rows, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    return slots
+
+
 def prepare_inputs(
     scheduler_output: SchedulerOutput, states: RequestStates, block_size: int, num_drafts: np.ndarray | None = None
 ) -> InputBatch:
@@ -62,8 +70,7 @@ def prepare_inputs(
     # The last step's tokens may still be on their way to the host: those inputs are read on the device.
     last_index = states.last_step_index[token_rows]
     last_token_dst = np.flatnonzero((last_index >= 0) & (positions == states.num_tokens[token_rows] - 1))
-    slot_mapping = states.block_table[token_rows, positions // block_size].astype(np.int64) * block_size
-    slot_mapping += positions % block_size
+    slot_mapping = kv_slots(states.block_table, token_rows, positions, block_size)
 
     seq_lens = (num_computed + num_new).astype(np.int32)
     max_blocks = int(-(-seq_lens.max() // block_size))

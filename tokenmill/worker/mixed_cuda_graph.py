@@ -55,23 +55,22 @@ class MixedCudaGraphRunner(CudaGraphRunner):
     def _capture_sizes(self, max_size: int) -> list[int]:
         return mixed_capture_sizes(max_size)
 
-    def _shape(self, size: int, num_block_columns: int) -> FixedShape:
-        """A graph of `size` tokens has room for as many requests as the step may have of either kind."""
-        slots = min(self.max_num_reqs, size)
-        return FixedShape(size, slots, slots, num_block_columns)
+    def _request_slots(self, size: int) -> int:
+        """Requests of each kind (decodes, the others) a graph of `size` tokens has room for: every request of a
+        step has a token, and a step has at most max_num_reqs."""
+        return min(self.max_num_reqs, size)
 
     def _graph_size(self, layout: BatchLayout) -> int | None:
         num_tokens = len(layout.slot_mapping)
         if num_tokens > self.sizes[-1]:
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+        slots = self._request_slots(size)
         num_decodes = int(np.count_nonzero(np.diff(layout.query_start_loc) == 1))
-        shape = self._shape(size, 0)
-        if num_decodes > shape.num_decodes or len(layout.seq_lens) - num_decodes > shape.num_prefills:
-            return None
-        return size
+        return size if num_decodes <= slots and len(layout.seq_lens) - num_decodes <= slots else None
 
     def _metadata(self, layout: BatchLayout, size: int) -> object:
         # The layout's own block table width: copy_metadata fills only those columns of the graph's.
-        padded_to = self._shape(size, layout.block_table.shape[1])
+        slots = self._request_slots(size)
+        padded_to = FixedShape(size, slots, slots, layout.block_table.shape[1])
         return self.attn_backend.build_metadata(layout, self.device, padded_to=padded_to)
