@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACKAGES="gguf fastapi starlette uvicorn httptools pydantic pydantic_core typing-inspection annotated-types pyzmq
-msgspec openai jiter sniffio xgrammar apache-tvm-ffi jsonschema referencing rpds-py jsonschema-specifications
+msgspec openai httpx2 httpcore2 truststore jiter sniffio xgrammar apache-tvm-ffi jsonschema referencing rpds-py jsonschema-specifications
 compressed-tensors loguru opentelemetry-api annotated-doc"
 mkdir -p .whl
 for name in $PACKAGES; do
