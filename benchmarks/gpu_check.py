@@ -64,6 +64,7 @@ WORKLOADS = {
 WORKLOADS["W1-fp8"] = [*WORKLOADS["W1"], "--quantization", "fp8"]
 WORKLOADS["W4-fp8"] = [*WORKLOADS["W4"], "--quantization", "fp8"]
 WORKLOADS["W3-fp8kv"] = [*WORKLOADS["W3"], "--kv-cache-dtype", "fp8"]
+WORKLOADS["W3-int8kv"] = [*WORKLOADS["W3"], "--kv-cache-dtype", "int8"]
 SUMMARY: list[tuple[str, str]] = []
 RESULTS: dict = {}
 
@@ -447,7 +448,7 @@ def main() -> int:
     start = time.perf_counter()
     timeouts = {"W1": 120, "W2": 100, "W3": 100, "W4": 180}
     timeouts.update({f"{name}-{variant}": timeouts[name] for name, variant in
-                     (("W1", "fp8"), ("W4", "fp8"), ("W3", "fp8kv"))})
+                     (("W1", "fp8"), ("W4", "fp8"), ("W3", "fp8kv"), ("W3", "int8kv"))})
     for sec in args.sections.split(","):
         elapsed = time.perf_counter() - start
         if elapsed > args.budget_s:

@@ -14,15 +14,15 @@ from tokenmill.model.base import kv_scale_targets
 from tokenmill.model.llama import LlamaForCausalLM
 
 
-@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3"])
+@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3", "int8"])
 def test_kv_cache_dtype_values(value):
     assert CacheConfig(kv_cache_dtype=value).kv_cache_dtype == value
     assert EngineConfig.from_kwargs("m", kv_cache_dtype=value).cache_config.kv_cache_dtype == value
 
 
-@pytest.mark.parametrize("value", ["fp8_e5m2", "FP8", "int8", "bfloat16", ""])
+@pytest.mark.parametrize("value", ["fp8_e5m2", "FP8", "INT8", "int4", "bfloat16", ""])
 def test_unsupported_kv_cache_dtypes_are_refused_by_name(value):
-    with pytest.raises(ValueError, match=r"kv_cache_dtype .* is not supported; choose one of auto, fp8, fp8_e4m3"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype .* not supported; choose one of auto, fp8, fp8_e4m3, int8"):
         CacheConfig(kv_cache_dtype=value)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig.from_kwargs("m", kv_cache_dtype=value)  # what LLM(model, kv_cache_dtype=...) builds
@@ -32,6 +32,7 @@ def test_kv_cache_dtype_flag():
     parse = lambda *argv: engine_config_from_args(make_parser().parse_args(["serve", "m", *argv]))
     assert parse().cache_config.kv_cache_dtype == "auto"
     assert parse("--kv-cache-dtype", "fp8").cache_config == CacheConfig(kv_cache_dtype="fp8")
+    assert parse("--kv-cache-dtype", "int8").cache_config == CacheConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="fp8_e5m2"):
         parse("--kv-cache-dtype", "fp8_e5m2")
 
@@ -41,6 +42,37 @@ def test_kv_cache_dtype_resolves_to_the_pool_dtype():
     assert resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
     for name in ("fp8", "fp8_e4m3"):
         assert resolve_kv_cache_dtype(name, torch.bfloat16) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("int8", torch.bfloat16) == torch.int8
+
+
+def test_int8_is_refused_for_latent_attention_caches():
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' does not support latent attention"):
+        check_kv_cache_dtype(torch.int8, torch.device("cpu"), "torch", has_latent_attention=True)
+    check_kv_cache_dtype(torch.int8, torch.device("cpu"), "torch")
+    check_kv_cache_dtype(torch.float8_e4m3fn, torch.device("cpu"), "torch", has_latent_attention=True)
+
+
+def test_int8_pool_counts_its_scales_and_copies_them_with_its_blocks():
+    """Bytes per token: K and V int8 rows plus a float32 scale per row; a block copy (a forked sample's) takes the
+    rows' scales along, and releasing the pool gives the layer its 0-d scales back."""
+    from tokenmill.layers.attention import Attention
+
+    layer = Attention(num_heads=8, head_dim=128, scale=1.0, num_kv_heads=2)
+    assert layer.kv_cache_bytes_per_token(torch.bfloat16) == 2 * 2 * 128 * 2
+    assert layer.kv_cache_bytes_per_token(torch.int8) == 2 * 2 * (128 + 4)
+    layer.allocate_kv_cache(5, 16, torch.int8, torch.device("cpu"))
+    assert layer.kv_cache.shape == (2, 5, 16, 2, 128) and layer.k_scale.shape == layer.v_scale.shape == (5, 16, 2)
+    layer.kv_cache.copy_(torch.randint(-127, 128, layer.kv_cache.shape, dtype=torch.int8))
+    layer.k_scale.copy_(torch.rand(5, 16, 2))
+    layer.v_scale.copy_(torch.rand(5, 16, 2))
+    layer.copy_kv_blocks(torch.tensor([1, 3]), torch.tensor([4, 0]))
+    for src, dst in ((1, 4), (3, 0)):
+        assert torch.equal(layer.kv_cache[:, dst], layer.kv_cache[:, src])
+        for scales in (layer.k_scale, layer.v_scale):
+            assert torch.equal(scales[dst], scales[src])
+    assert not torch.equal(layer.k_scale[2], layer.k_scale[1])
+    layer.release_kv_cache()
+    assert layer.kv_cache.numel() == 0 and layer.k_scale.shape == layer.v_scale.shape == ()
 
 
 def test_fp8_on_a_gpu_without_e4m3_conversions_is_refused_at_start_up(monkeypatch):

@@ -1,5 +1,6 @@
-"""FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3): the pool's dtype, the start-up check, and where the scales
-came from. The arithmetic itself is kernels.kv_fp8 (torch) and the Triton kernels (in registers)."""
+"""Quantized KV caches: FP8 (kv_cache_dtype fp8 / fp8_e4m3, per-layer scales) and INT8 (int8, a scale per token
+and KV head): the pool's dtype, the start-up checks, and where the fp8 scales came from. The arithmetic itself is
+kernels.kv_fp8 / kernels.kv_int8 (torch) and the Triton kernels (in registers)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.kernels.kv_fp8 import FP8_DTYPE, is_fp8
+from tokenmill.kernels.kv_int8 import INT8_DTYPE, is_int8
 
 if TYPE_CHECKING:
     from tokenmill.layers.attention import Attention
@@ -19,11 +21,16 @@ logger = logging.getLogger(__name__)
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """CacheConfig.kv_cache_dtype (validated there) as the pool's torch dtype."""
-    return model_dtype if name == "auto" else FP8_DTYPE
+    return {"auto": model_dtype, "int8": INT8_DTYPE}.get(name, FP8_DTYPE)
 
 
-def check_kv_cache_dtype(kv_dtype: torch.dtype, device: torch.device, backend_name: str) -> None:
-    """Refuse at start-up what cannot run: Triton converts to and from e4m3 only on compute capability 8.9+."""
+def check_kv_cache_dtype(kv_dtype: torch.dtype, device: torch.device, backend_name: str,
+                         has_latent_attention: bool = False) -> None:
+    """Refuse at start-up what cannot run: Triton converts to and from e4m3 only on compute capability 8.9+; the
+    latent (MLA) cache's kernels read per-layer scales only, not int8's per-row ones."""
+    if is_int8(kv_dtype) and has_latent_attention:
+        raise ValueError("kv_cache_dtype 'int8' does not support latent attention (MLA) caches: use kv_cache_dtype "
+                         "'fp8' or 'auto'")
     if not is_fp8(kv_dtype) or device.type != "cuda" or backend_name != "triton":
         return
     capability = torch.cuda.get_device_capability(device)

@@ -6,8 +6,9 @@ context in place through its block table, whatever the number of new tokens per 
 path below is the fallback (no C compiler, float16, another device): single-token (decode) requests are
 attended together in one batched matmul over their gathered, padded K/V; requests with several new
 tokens (prefill chunks) one by one, with a causal mask offset by the tokens already in the cache.
-An fp8 pool (kv_cache_dtype fp8) always takes the torch path: K/V are quantized as they are written and
-dequantized (kernels.kv_fp8) as each request's context is gathered.
+An fp8 or int8 pool (kv_cache_dtype fp8 / int8) always takes the torch path: K/V are quantized as they are
+written and dequantized (kernels.kv_fp8, kernels.kv_int8: each row with its own scale, gathered beside it) as
+each request's context is gathered.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tokenmill.attention.cpu_kernel import (
     rope_and_cache_applies,
 )
 from tokenmill.kernels.kv_fp8 import as_bytes, dequantize_kv, quantize_kv
+from tokenmill.kernels.kv_int8 import dequantize_rows, is_int8, quantize_rows
 
 
 @dataclass
@@ -50,8 +52,23 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     for pool, x, scale in ((kv_cache[0], key, k_scale), (kv_cache[1], value, v_scale)):
-        stored = quantize_kv(x, scale, kv_cache.dtype)
+        if is_int8(kv_cache.dtype):  # each row's scale goes to its slot beside it
+            stored, row_scales = quantize_rows(x)
+            scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, row_scales)
+        else:
+            stored = quantize_kv(x, scale, kv_cache.dtype)
         as_bytes(pool).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, as_bytes(stored))
+
+
+def gather_kv(pool: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The blocks' K or V [len(blocks), block_size, num_kv_heads, head_dim] read back in `dtype`: an int8 pool's
+    rows times their own scales, an fp8 pool's times the layer's (index_select: plain advanced indexing on the
+    pool is orders of magnitude slower on CPU)."""
+    rows = pool.index_select(0, blocks)
+    if is_int8(pool.dtype):
+        return dequantize_rows(rows, scale.index_select(0, blocks), dtype)
+    return dequantize_kv(rows, scale, dtype)
 
 
 def paged_attention_torch(
@@ -64,7 +81,7 @@ def paged_attention_torch(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     skip_decodes: bool = False,
-    k_scale: torch.Tensor | None = None,  # [] float32: an fp8 pool's scales
+    k_scale: torch.Tensor | None = None,  # an fp8 pool's scales ([] float32) or an int8 pool's (kernels.kv_int8)
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for every request, one at a time; `skip_decodes` leaves single-token requests'
@@ -80,10 +97,9 @@ def paged_attention_torch(
         if skip_decodes and num_queries == 1:
             continue
         blocks = block_table[i, : -(-seq_len // block_size)]
-        # index_select: plain advanced indexing on the pool is orders of magnitude slower on CPU.
-        k = key_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = value_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
+        k = gather_kv(key_cache, k_scale, blocks, query.dtype).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = gather_kv(value_cache, v_scale, blocks, query.dtype).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
         q = query[start:end].transpose(0, 1)  # [num_heads, n, head_dim]
         unmasked = num_queries == 1 and (sliding_window is None or seq_len <= sliding_window)
         if unmasked and logits_soft_cap is None:
@@ -128,11 +144,11 @@ def batched_decode_attention(
     groups = query.shape[1] // num_kv_heads
     length = max_blocks * block_size
     flat_blocks = block_table.reshape(-1)
-    # [num_decodes, num_kv_heads, length, head_dim]
-    k = kv_cache[0].index_select(0, flat_blocks).view(num_decodes, length, num_kv_heads, head_dim).transpose(1, 2)
-    v = kv_cache[1].index_select(0, flat_blocks).view(num_decodes, length, num_kv_heads, head_dim).transpose(1, 2)
     q = query.index_select(0, token_ids).view(num_decodes, num_kv_heads, groups, head_dim)
-    k = dequantize_kv(k, k_scale, q.dtype)
+    # [num_decodes, num_kv_heads, length, head_dim]
+    k = gather_kv(kv_cache[0], k_scale, flat_blocks, q.dtype).view(num_decodes, length, num_kv_heads, head_dim)
+    v = gather_kv(kv_cache[1], v_scale, flat_blocks, q.dtype).view(num_decodes, length, num_kv_heads, head_dim)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     scores = torch.matmul(q, k.transpose(2, 3)).float() * scale  # [n, kv_heads, groups, length]
     if logits_soft_cap is not None:
         scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
@@ -143,7 +159,7 @@ def batched_decode_attention(
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     # Slots past a request's length were never written (the pool is torch.empty): they may hold NaN,
     # and a zero attention weight times NaN is still NaN.
-    v = dequantize_kv(v, v_scale, q.dtype).masked_fill(~visible[:, None, :, None], 0.0)
+    v = v.masked_fill(~visible[:, None, :, None], 0.0)
     o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [n, kv_heads, groups, head_dim]
     out.index_copy_(0, token_ids, o.reshape(num_decodes, -1, head_dim))
 

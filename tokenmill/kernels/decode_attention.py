@@ -10,7 +10,7 @@ sizes and long contexts. The split count depends only on the batch shape (not on
 graph captured for a batch size stays valid for any context length.
 
 The arrival counters are kernels.arrivals' persistent, zeroed buffer (each launch resets what it used).
-An fp8 pool is dequantized in registers as in kernels.prefill_attention.
+An fp8 or int8 pool is dequantized in registers as in kernels.prefill_attention.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ def _decode_kernel(
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, softcap, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     head_dim,
     IS_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+    IS_INT8: tl.constexpr,
 ):
     idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -85,6 +86,9 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if IS_INT8:  # q . (k * scale) = (q . k) * scale: each key's own scale goes on its scores
+            scale_ptrs = page * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
+            s = s * tl.load(k_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
         if USE_SOFTCAP:
             s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
         else:
@@ -97,6 +101,8 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        if IS_INT8:  # sum p (v * scale) = sum (p * scale) v: each value row's scale goes on its weights
+            p = p * tl.load(v_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -196,7 +202,7 @@ def decode_attention(
     logits_soft_cap: float | None = None,
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
-    k_scale: torch.Tensor | None = None,  # [] float32; an fp8 pool's scales, unused otherwise
+    k_scale: torch.Tensor | None = None,  # an fp8 pool's scales ([] float32) or an int8 pool's (kernels.kv_int8)
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """config: (BLOCK_N, num_warps, num_stages), to override the tuned choice (benchmarks)."""
@@ -222,19 +228,20 @@ def decode_attention(
     else:
         part_out = part_lse = arrivals = out  # unused
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_scale, v_scale, is_fp8 = kv_scales(kv_cache, k_scale, v_scale)
+    scales = kv_scales(kv_cache, k_scale, v_scale)
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, arrivals,
-        query_start_loc, seq_lens, block_table, req_ids, k_scale, v_scale,
+        query_start_loc, seq_lens, block_table, req_ids, scales.k, scales.v,
         scale, logits_soft_cap or 1.0, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scales.stride_b,
+        scales.stride_t,
         head_dim,
         IS_SPLIT=num_splits > 1, SPLITS_PAD=MAX_SPLITS,
         QUERIES_PER_KV=group, GROUP_PAD=max(16, group_pow2), GROUP_POW2=group_pow2,
         BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype), IS_FP8=is_fp8,
+        DOT_PRECISION=dot_precision(query.dtype), IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
         num_warps=num_warps, num_stages=num_stages,
     )
 

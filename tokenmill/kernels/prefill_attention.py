@@ -13,7 +13,9 @@ An fp8 (float8_e4m3fn) pool is dequantized in registers, here and in the decode 
 widened to the query's dtype (exactly: every e4m3 value is a float16, bfloat16 and float32 value), and the
 layer's scales, read through pointers so that a CUDA graph sees their current values, multiply the scores
 (k_scale, folded into the softmax scale) and the output (v_scale): the products of scaling every element,
-with one multiply per score or output element instead of one per K/V element.
+with one multiply per score or output element instead of one per K/V element. An int8 pool is widened the same
+way (exactly), each key's and value row's own scale (kernels.kv_int8, read beside the pool at the key's slot and
+KV head) multiplying that key's scores and that row's softmax weights: one multiply per score, twice.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.kv_fp8 import is_fp8, kv_scales
+from tokenmill.kernels.kv_int8 import dequantize_rows, is_int8
 
 FIXED_GRID_EXTRA_TILES = 8
 """Programs per head beyond one per BLOCK_M tokens on a fixed grid. H200, Llama-3.1-8B heads, one 496-token
@@ -45,11 +48,12 @@ def _attend_tile(
     req, tile, head, q_start, q_len,
     sm_scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     head_dim,
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+    IS_INT8: tl.constexpr,
 ):
     """Query rows [tile * BLOCK_M, (tile + 1) * BLOCK_M) of request `req` for one query head."""
     seq_len = tl.load(seq_lens_ptr + req)
@@ -87,6 +91,9 @@ def _attend_tile(
         k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if IS_INT8:  # q . (k * scale) = (q . k) * scale: each key's own scale goes on its scores
+            scale_ptrs = page * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
+            s = s * tl.load(k_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
         if USE_SOFTCAP:
             s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
         else:
@@ -102,6 +109,8 @@ def _attend_tile(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        if IS_INT8:  # sum p (v * scale) = sum (p * scale) v: each value row's scale goes on its weights
+            p = p * tl.load(v_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -136,11 +145,12 @@ def _prefill_kernel(
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr, num_reqs_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
     head_dim,
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+    IS_INT8: tl.constexpr,
     FIXED_GRID: tl.constexpr,
 ):
     head = tl.program_id(2)
@@ -170,9 +180,10 @@ def _prefill_kernel(
             _attend_tile(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
                 req, tile, head, q_start, q_len, sm_scale, softcap, window,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, head_dim,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, stride_sb,
+                stride_st, head_dim,
                 QUERIES_PER_KV, BLOCK_SIZE, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
-                IS_FP8,
+                IS_FP8, IS_INT8,
             )
 
 
@@ -203,7 +214,7 @@ def prefill_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     config: tuple[int, int, int, int] | None = None,
-    k_scale: torch.Tensor | None = None,  # [] float32; an fp8 pool's scales, unused otherwise
+    k_scale: torch.Tensor | None = None,  # an fp8 pool's scales ([] float32) or an int8 pool's (kernels.kv_int8)
     v_scale: torch.Tensor | None = None,
     num_reqs: torch.Tensor | None = None,  # [1] int32: how many of req_ids count, for a fixed grid
 ) -> None:
@@ -220,7 +231,7 @@ def prefill_attention(
         query = query.contiguous()
     block_m, block_n, num_warps, num_stages = config or _config(head_dim, query.dtype)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_scale, v_scale, is_fp8 = kv_scales(kv_cache, k_scale, v_scale)
+    scales = kv_scales(kv_cache, k_scale, v_scale)
     if fixed_grid:
         # A tile per BLOCK_M tokens and a few for the requests' partial tiles; more tiles take turns.
         grid = (triton.cdiv(query.shape[0], block_m) + FIXED_GRID_EXTRA_TILES, 1, num_heads)
@@ -229,16 +240,18 @@ def prefill_attention(
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_table, req_ids, req_ids if num_reqs is None else num_reqs,
-        k_scale, v_scale,
+        scales.k, scales.v,
         scale, logits_soft_cap or 1.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scales.stride_b,
+        scales.stride_t,
         head_dim,
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype), IS_FP8=is_fp8, FIXED_GRID=fixed_grid,
+        DOT_PRECISION=dot_precision(query.dtype), IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
+        FIXED_GRID=fixed_grid,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -257,7 +270,7 @@ def paged_attention_ref(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense per-request attention in `dtype` (float64 by default): the reference for both kernels. An fp8
-    pool's K and V are dequantized first (fp8 * scale, in `dtype`)."""
+    pool's K and V are dequantized first (fp8 * scale, in `dtype`), an int8 pool's each row times its scale."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     groups = query.shape[1] // num_kv_heads
     out = torch.zeros(query.shape, dtype=dtype, device=query.device)
@@ -270,6 +283,9 @@ def paged_attention_ref(
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(dtype)
         if is_fp8(kv_cache.dtype):
             k, v = k * k_scale.to(dtype), v * v_scale.to(dtype)
+        elif is_int8(kv_cache.dtype):
+            k = dequantize_rows(k, k_scale[blocks].reshape(-1, num_kv_heads)[:seq_len].to(dtype), dtype)
+            v = dequantize_rows(v, v_scale[blocks].reshape(-1, num_kv_heads)[:seq_len].to(dtype), dtype)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         q = query[start:end].to(dtype)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale

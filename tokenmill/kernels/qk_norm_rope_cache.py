@@ -10,8 +10,8 @@ kernel's store rounds it), then rotated with each product and sum rounded as tor
 is compiled without fused multiply-adds, so the rotary matches the torch reference bit for bit (the norm's
 float32 sum of squares is reduced in another order than torch's). Each element's rotary partner (its
 element in the other half) is loaded and normed again rather than moved across the tile. Pool layout and
-negative (padding) slots as in kernels.reshape_and_cache; a padding token's q is still produced. An fp8 pool
-stores k and v quantized as reshape_and_cache stores them (store_kv).
+negative (padding) slots as in kernels.reshape_and_cache; a padding token's q is still produced. An fp8 or int8
+pool stores k and v quantized as reshape_and_cache stores them (store_kv, store_kv_int8).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.kv_fp8 import kv_scales
-from tokenmill.kernels.reshape_and_cache import reshape_and_cache_ref, store_kv
+from tokenmill.kernels.reshape_and_cache import reshape_and_cache_ref, store_kv, store_kv_int8
 from tokenmill.kernels.rms_norm import rms_norm_ref
 from tokenmill.kernels.rotary import rotary_embedding_ref
 
@@ -77,10 +77,10 @@ def _qk_norm_rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, slot_ptr, cos_sin_ptr,
     q_weight_ptr, k_weight_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ct, stride_ch, stride_cs,
+    stride_cb, stride_ct, stride_ch, stride_cs, stride_sb, stride_st,
     num_q_heads, head_dim, half, q_eps, k_eps, q_offset, k_offset,
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, HAS_Q_OFFSET: tl.constexpr, HAS_K_OFFSET: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, IS_INT8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # the q heads, then the kv heads
@@ -105,9 +105,16 @@ def _qk_norm_rope_cache_kernel(
             mask = dims < head_dim
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + dims
             # Rounded to the activation dtype first, as the unfused rotary output is, then to the pool's.
-            store_kv(k_cache_ptr + dst, k.to(dtype), k_scale_ptr, mask, IS_FP8)
+            k = k.to(dtype)
             v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims, mask=mask)
-            store_kv(v_cache_ptr + dst, v, v_scale_ptr, mask, IS_FP8)
+            if IS_INT8:  # the head's row as a one-row tile, its scale at its slot and head
+                scale_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kv_head
+                scale_dst = scale_dst + tl.zeros([1], tl.int64)
+                store_kv_int8(k_cache_ptr + dst[None, :], k[None, :], k_scale_ptr + scale_dst, mask[None, :])
+                store_kv_int8(v_cache_ptr + dst[None, :], v[None, :], v_scale_ptr + scale_dst, mask[None, :])
+            else:
+                store_kv(k_cache_ptr + dst, k, k_scale_ptr, mask, IS_FP8)
+                store_kv(v_cache_ptr + dst, v, v_scale_ptr, mask, IS_FP8)
 
 
 def qk_norm_rope_cache(
@@ -120,7 +127,7 @@ def qk_norm_rope_cache(
     cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] float32: cos | sin
     q_norm: HeadNorm | None = None,
     k_norm: HeadNorm | None = None,
-    k_scale: torch.Tensor | None = None,  # [] float32; an fp8 pool's scales, unused otherwise
+    k_scale: torch.Tensor | None = None,  # an fp8 pool's scales ([] float32) or an int8 pool's (kernels.kv_int8)
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The normed, rotated query (new, contiguous); the normed, rotated key and the value go to the pool."""
@@ -131,20 +138,21 @@ def qk_norm_rope_cache(
     if num_tokens == 0:
         return q_out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_scale, v_scale, is_fp8 = kv_scales(kv_cache, k_scale, v_scale)
+    scales = kv_scales(kv_cache, k_scale, v_scale)
     block = triton.next_power_of_2(head_dim)
     _qk_norm_rope_cache_kernel[(num_tokens, num_q_heads + num_kv_heads)](
         query, key, value, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
-        query if q_norm is None else q_norm.weight, key if k_norm is None else k_norm.weight, k_scale, v_scale,
+        query if q_norm is None else q_norm.weight, key if k_norm is None else k_norm.weight, scales.k, scales.v,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
+        scales.stride_b, scales.stride_t,
         num_q_heads, head_dim, cos_sin_cache.shape[1] // 2,
         0.0 if q_norm is None else q_norm.eps, 0.0 if k_norm is None else k_norm.eps,
         0.0 if q_norm is None else q_norm.offset, 0.0 if k_norm is None else k_norm.offset,
         HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None,
         HAS_Q_OFFSET=q_norm is not None and q_norm.offset != 0.0,
         HAS_K_OFFSET=k_norm is not None and k_norm.offset != 0.0,
-        BLOCK_SIZE=kv_cache.shape[2], BLOCK_D=block, IS_FP8=is_fp8,
+        BLOCK_SIZE=kv_cache.shape[2], BLOCK_D=block, IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
         num_warps=min(16, max(1, block // 256)),
         enable_fp_fusion=False,  # a * cos - b * sin as two rounded products, as the reference computes it
     )

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenmill.forward_context import get_forward_context
+from tokenmill.kernels.kv_int8 import SCALE_DTYPE, is_int8, scale_shape
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -55,7 +56,8 @@ class Attention(nn.Module):
         # kv_cache_shape(): [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the worker after sizing.
         self.kv_cache = torch.empty(0)
         # An fp8 pool's per-layer scales (attention.kv_quant). Buffers rather than parameters: a checkpoint
-        # without them is complete, and dummy weights leave them at 1.0.
+        # without them is complete, and dummy weights leave them at 1.0. An int8 pool replaces them with its
+        # per-row scales while it is bound (allocate_kv_cache).
         for name in ("k_scale", "v_scale"):
             self.register_buffer(name, torch.ones((), dtype=torch.float32), persistent=False)
             getattr(self, name).weight_loader = load_kv_scale
@@ -67,11 +69,35 @@ class Attention(nn.Module):
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return math.prod(self.kv_cache_shape(1, 1)) * dtype.itemsize
+        """The pool's bytes per token, an int8 pool's scales (K and V, one per KV head) included."""
+        scales = 2 * math.prod(scale_shape(1, 1, self.num_kv_heads)) * SCALE_DTYPE.itemsize if is_int8(dtype) else 0
+        return math.prod(self.kv_cache_shape(1, 1)) * dtype.itemsize + scales
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                          zeroed: bool = False) -> None:
+        """Bind a new pool of `dtype` to the layer; an int8 pool's K and V scales (kernels.kv_int8) come with it,
+        indexed by the same blocks, so that whatever a block id reaches (prefix-cache hits, reuse, the copies of
+        copy_kv_blocks) takes the scales along."""
+        alloc = torch.zeros if zeroed else torch.empty
+        self.kv_cache = alloc(self.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+        if is_int8(dtype):
+            scales = alloc((2, *scale_shape(num_blocks, block_size, self.num_kv_heads)), dtype=SCALE_DTYPE,
+                           device=device)
+            self.k_scale, self.v_scale = scales[0], scales[1]
+
+    def release_kv_cache(self) -> None:
+        """Unbind the pool (and an int8 pool's scales; an fp8 pool's per-layer scales stay the checkpoint's)."""
+        if is_int8(self.kv_cache.dtype):
+            self.k_scale, self.v_scale = (torch.ones((), dtype=torch.float32, device=self.k_scale.device)
+                                          for _ in range(2))
+        self.kv_cache = torch.empty(0)
 
     def copy_kv_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the pool's blocks `src` onto `dst` (int64 block ids on the pool's device)."""
+        """Copy the pool's blocks `src` onto `dst` (int64 block ids on the pool's device), with their scales."""
         self.kv_cache[:, dst] = self.kv_cache[:, src]
+        if is_int8(self.kv_cache.dtype):
+            for scales in (self.k_scale, self.v_scale):
+                scales[dst] = scales[src]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """positions [num_tokens]; q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim]."""

@@ -23,13 +23,10 @@ def profile_peak_memory(worker: Worker) -> int:
     num_reqs = min(sched.max_num_seqs, num_tokens)
     lengths = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
     blocks_per_req = [-(-n // block_size) for n in lengths]
-    temp_caches = [
-        torch.empty(layer.kv_cache_shape(sum(blocks_per_req), block_size), dtype=worker.kv_cache_dtype,
-                    device=worker.device)
-        for layer in worker.attn_layers
-    ]
-    for layer, cache in zip(worker.attn_layers, temp_caches):
-        layer.kv_cache = cache
+    for layer in worker.attn_layers:
+        layer.allocate_kv_cache(sum(blocks_per_req), block_size, worker.kv_cache_dtype, worker.device)
+    temp_bytes = sum(layer.kv_cache_bytes_per_token(worker.kv_cache_dtype) for layer in worker.attn_layers) * (
+        sum(blocks_per_req) * block_size)
 
     def make_runner() -> ModelRunner:
         return ModelRunner(worker.model, worker.attn_backend, worker.device, block_size, num_reqs,
@@ -56,9 +53,8 @@ def profile_peak_memory(worker: Worker) -> int:
     peak_torch = torch.cuda.max_memory_allocated(worker.device)
     free, total = torch.cuda.mem_get_info(worker.device)
     non_torch = (total - free) - torch.cuda.memory_reserved(worker.device)
-    temp_bytes = sum(c.numel() * c.element_size() for c in temp_caches)
     for layer in worker.attn_layers:
-        layer.kv_cache = torch.empty(0)
-    del temp_caches, runner
+        layer.release_kv_cache()
+    del runner
     torch.cuda.empty_cache()
     return peak_torch - temp_bytes + max(0, non_torch)

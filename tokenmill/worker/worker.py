@@ -12,6 +12,7 @@ from tokenmill.attention.backend import get_attention_backend
 from tokenmill.attention.kv_quant import check_kv_cache_dtype, log_kv_scales, resolve_kv_cache_dtype
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import init_distributed, set_expert_parallel
+from tokenmill.kernels.kv_fp8 import is_fp8
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.mla import LatentAttention
@@ -95,7 +96,6 @@ class Worker:
                     time.perf_counter() - start)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_backend = get_attention_backend(config.device_config.attention_backend, self.device)
-        check_kv_cache_dtype(self.kv_cache_dtype, self.device, self.attn_backend.name)
         speculative = config.speculative_config
         self.draft_model = None
         self.draft_attn_layers: list[Attention] = []
@@ -107,7 +107,10 @@ class Worker:
             load = {"eagle": load_eagle_head, "eagle3": load_eagle3_head, "mtp": load_mtp_head}[speculative.method]
             self.eagle_head = load(config, hf_config, self.model, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.eagle_head)
-        if self.kv_cache_dtype != self.dtype:
+        check_kv_cache_dtype(self.kv_cache_dtype, self.device, self.attn_backend.name,
+                             has_latent_attention=any(isinstance(layer, LatentAttention)
+                                                      for layer in self.attn_layers + self.draft_attn_layers))
+        if is_fp8(self.kv_cache_dtype):
             log_kv_scales(self.attn_layers)
         self.model_runner: ModelRunner | None = None
         self.num_kv_blocks = 0
@@ -171,9 +174,8 @@ class Worker:
         self.num_kv_blocks = spec.num_blocks
         for layer in self.attn_layers + self.draft_attn_layers:
             # A draft's KV in a prefix-cache hit may never have been written: zeros, never stale NaNs.
-            alloc = torch.zeros if layer in self.draft_attn_layers else torch.empty
-            layer.kv_cache = alloc(layer.kv_cache_shape(spec.num_blocks, shape.block_size),
-                                   dtype=self.kv_cache_dtype, device=self.device)
+            layer.allocate_kv_cache(spec.num_blocks, shape.block_size, self.kv_cache_dtype, self.device,
+                                    zeroed=layer in self.draft_attn_layers)
         speculative = self.config.speculative_config
         self.model_runner = ModelRunner(
             self.model,
