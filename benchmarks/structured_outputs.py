@@ -37,11 +37,12 @@ Sections:
               vocabulary (tokenmill's way) and against the model's 151,936 ids (the way before), which must
               draw the same tokens.
 
-The throughput section also times the engine's host work per sampled step (GrammarTimer): the runner's wait
-for the last step's tokens (the forward pass already queued), GrammarRows.apply and its pieces (accept, fill,
-host buffer, copy + kernel queued), the whole _sample, and per engine step its wall time and the core's wait
-for the GPU. The grammar work runs while the GPU runs the step's forward pass, so a structured run loses
-throughput only where it, with the rest of the step's host work, exceeds the GPU's step.
+The throughput section also times the engine's host work per runner step (GrammarTimer): the runner's wait
+for the last step's tokens, the grammars' pieces on the engine's side (send tokens, start, apply: the wait for
+the masks, host buffer, copy + kernel queued; with the matchers in the engine's process also their accept and
+fill), the whole _sample and execute_model, and per engine step its wall time and the core's wait for the GPU.
+On a GPU host the matchers run in a grammar process (structured/grammar_process.py), so their accept and fill
+overlap the engine's host work between `start` and the wait for the masks.
 """
 
 from __future__ import annotations
@@ -65,11 +66,8 @@ sys.path.insert(0, str(ROOT))
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 from tokenmill.structured.compiler import GrammarCompiler  # noqa: E402
-from tokenmill.structured.matchers import (  # noqa: E402 - unpack_bitmask: the old apply
-    GrammarRows,
-    fill_threads,
-    unpack_bitmask,
-)
+from tokenmill.structured.matcher_set import MatcherSet, fill_threads  # noqa: E402
+from tokenmill.structured.matchers import unpack_bitmask  # noqa: E402 - the old apply
 
 QWEN3_06B = str(ROOT / "benchmarks/models/qwen3-0.6b")
 TOKENIZER = str(ROOT / "benchmarks/models/smollm2-tokenizer")
@@ -238,22 +236,25 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
     return outputs, time.perf_counter() - start
 
 
-PIECES = {"accept": "_accept_new_tokens", "fill": "_fill", "fill with drafts": "_fill_with_drafts",
-          "host buffer (waits for its last copy)": "_host_buffer", "copy + kernel queued": "_apply"}
-"""GrammarRows' methods timed as the pieces of its apply (a piece may run more than once a step)."""
+PIECES = {"send tokens": "send_tokens", "start": "start", "host buffer (waits for its last copy)": "_host_buffer",
+          "copy + kernel queued": "_apply"}
+"""GrammarRows' methods timed as the pieces of a step's grammar work (a piece may run more than once a step)."""
+MATCHER_PIECES = {"accept (engine side)": "accept", "fill (engine side)": "fill", "wait for the masks": "take"}
+"""The same of its matchers' (in the engine's process: the accept and fill themselves; with a grammar process:
+sending them, and the wait for the masks)."""
 
 
 class GrammarTimer:
-    """The engine's host time per sampled step, in pieces: `wait for tokens` (the runner waits for the last
-    step's tokens before the grammars read them, the forward pass already queued), GrammarRows.apply and its
-    pieces (PIECES), the whole `_sample` (logits, masks, sampler launch), and, per engine step, the core's wait
-    for the step it updates and the step's wall time. Host time spent waiting shows the GPU was the bottleneck;
-    apply's time counts fully against throughput only when the host is (it overlaps the forward pass)."""
+    """The engine's host time per runner step, in pieces: `wait for tokens` (the runner waits for the last
+    step's tokens before the grammars read them), GrammarRows.apply and the pieces of the grammars' work
+    (PIECES, MATCHER_PIECES), the whole `_sample` (logits, masks, sampler launch), and, per engine step, the
+    core's wait for the step it updates and the step's wall time. Host time spent waiting shows the GPU was the
+    bottleneck; the grammars' time counts fully against throughput only when the host is."""
 
     def __init__(self, runner, core, engine) -> None:
         from tokenmill.worker.pending_output import PendingOutput
 
-        self.records: list[dict] = []  # one per _sample call
+        self.records: list[dict] = []  # one per runner step (execute_model)
         self.steps: list[dict] = []  # one per core.step: wall, core wait
         self._record: dict | None = None
         self._in_sample = False
@@ -261,7 +262,11 @@ class GrammarTimer:
         grammar_rows = runner.grammar_rows
         for key, name in [("apply", "apply"), *PIECES.items()]:
             self._wrap(grammar_rows, name, key)
-        self._wrap(runner, "_sample", "sample", opens=True)
+        for key, name in MATCHER_PIECES.items():
+            self._wrap(grammar_rows._matchers, name, key)
+        self._wrap(runner, "execute_model", "execute", opens=True)
+        self._wrap(runner, "_sample", "sample")
+        self._wrap(runner, "_finish_sample", "finish sample")  # with a grammar process: in the next step
         original_result = PendingOutput.result
         timer = self
 
@@ -311,7 +316,7 @@ class GrammarTimer:
                 timer._record = {"rows": 0}
                 timer.records.append(timer._record)
                 timer._in_sample = True
-            elif key == "apply":
+            elif key == "start":
                 timer._record["rows"] = len(args[-1])  # the constrained rows
             start = time.perf_counter()
             try:
@@ -341,7 +346,7 @@ def describe_host(records: list[dict], steps: list[dict], seconds: float) -> str
     rows = np.array([r["rows"] for r in records])
     full = [r for r, n in zip(records, rows) if n == rows.max()]
     parts = []
-    for key in ["wait for tokens", "apply", *PIECES, "sample"]:
+    for key in ["wait for tokens", "apply", *PIECES, *MATCHER_PIECES, "sample", "finish sample", "execute"]:
         total = sum(r.get(key, 0.0) for r in records)
         if total == 0.0:
             continue
@@ -409,12 +414,13 @@ def profile_run(llm: LLM, prompts, params, name: str, folder: str) -> None:
 def section_throughput(schemas: list[dict], model: str, output_len: int, max_model_len: int, dtype: str,
                        profile_dir: str | None = None) -> None:
     prompts = make_prompts(schemas)
-    note("host", f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable by this process; GrammarRows fills "
-         f"{len(schemas)} rows on {fill_threads(len(schemas))} xgrammar threads")
     llm = LLM(model, load_format="dummy", tokenizer=TOKENIZER, max_model_len=max_model_len, dtype=dtype)
     core = llm.engine.core
     # The worker: behind the executor (or, before it, the core's own).
     runner = (core.executor.driver_worker if hasattr(core, "executor") else core.worker).model_runner
+    where = "in the engine's process" if runner.grammar_rows.in_process else "in a grammar process"
+    note("host", f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable by this process; matchers {where}, "
+         f"filling {len(schemas)} rows on {fill_threads(len(schemas))} xgrammar threads")
     timer = GrammarTimer(runner, core, llm.engine)
     batch = len(schemas)
 
@@ -640,7 +646,7 @@ def replay_run(grammars: list, eos: int, max_steps: int) -> tuple[list[int], lis
     vocab = grammars[0].tokenizer_info.vocab_size
     matchers = [xgr.GrammarMatcher(g, override_stop_tokens=[eos]) for g in grammars]
     mask = np.zeros((len(matchers), (vocab + 31) // 32), dtype=np.int32)
-    engine_way = GrammarRows(None, vocab, torch.device("cpu"))
+    engine_way = MatcherSet()
     rng = np.random.default_rng(0)
     live, tokens = list(range(len(matchers))), None
     rows, accept_s, fill_s, drawn = [], [0.0], [], []
@@ -703,7 +709,14 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--profile", action="store_true",
                         help="throughput: cProfile one more structured and unconstrained run (profile_*.txt in --out)")
+    parser.add_argument("--matchers", choices=["auto", "process", "in-process"], default="auto",
+                        help="throughput: the grammar matchers in a process of their own or in the engine's (auto: "
+                             "structured.matchers.use_grammar_process decides: a process on a GPU with >= 4 CPUs)")
     args = parser.parse_args()
+    if args.matchers != "auto":
+        import tokenmill.structured.matchers as matchers
+
+        matchers.use_grammar_process = lambda device, wanted=args.matchers == "process": wanted
     num = args.num_requests or (8 if args.smoke else 256)
     output_len = args.output_len or (128 if args.smoke else 256)
     vocab_size = json.loads(Path(QWEN3_06B, "config.json").read_text())["vocab_size"]

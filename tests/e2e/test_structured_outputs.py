@@ -46,9 +46,12 @@ def generate_all(llm: LLM, temperature: float = 0.0, **params):
 @pytest.fixture(scope="module")
 def busy_llm(smollm2_path):
     """Async scheduling, 16-token prefill chunks and a pool so small that requests get preempted (no prefix
-    caching, so the samples of one prompt do not share its blocks)."""
-    return LLM(smollm2_path, max_model_len=256, num_gpu_blocks_override=17, max_num_batched_tokens=16,
-               async_scheduling=True, enable_prefix_caching=False)
+    caching, so the samples of one prompt do not share its blocks); the matchers in a grammar process of their
+    own, as on a GPU (the CPU's default keeps them in the engine's process: smollm2_llm's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("tokenmill.structured.matchers.use_grammar_process", lambda device: True)
+        return LLM(smollm2_path, max_model_len=256, num_gpu_blocks_override=17, max_num_batched_tokens=16,
+                   async_scheduling=True, enable_prefix_caching=False)
 
 
 def test_every_kind_of_spec_is_obeyed(smollm2_llm):
@@ -90,9 +93,11 @@ def test_bad_specs_fail_before_anything_is_scheduled(smollm2_llm):
         StructuredOutputsParams(regex="a", choice=["a"])
 
 
-def test_constrained_requests_draft_and_verify_exactly(smollm2_path):
+def test_constrained_requests_draft_and_verify_exactly(smollm2_path, monkeypatch):
     """Speculation on a constrained request: the grammar masks every draft position, and the tokens are
-    exactly those of the same request without speculation."""
+    exactly those of the same request without speculation (its matchers in a grammar process, the plain
+    engine's in its own process)."""
+    monkeypatch.setattr("tokenmill.structured.matchers.use_grammar_process", lambda device: True)
     # float32: the tokens must equal plain decoding's exactly (bfloat16 rounds a verify step differently).
     llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32",
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
@@ -107,6 +112,9 @@ def test_constrained_requests_draft_and_verify_exactly(smollm2_path):
     check(SPECS[2], outs[1].outputs[0].text)
     stats = llm.engine.last_stats.spec_decoding
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    assert not llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
+    monkeypatch.undo()
     plain = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32")
+    assert plain.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
     expected = plain.chat(asks, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]

@@ -1,9 +1,12 @@
 """GrammarRows (structured/matchers.py), the batched path, against one plain xgrammar matcher per row replaying
 the row's output: the same logits masked in every case the engine meets (new tokens one per row or several,
 drafts accepted, a draft the grammar refuses, a terminated matcher, a row without a grammar in the batch, a
-row reused by another request), over two steps so the double-buffered host masks are each used."""
+row reused by another request), over two steps so the double-buffered host masks are each used; with the
+matchers in the engine's process and in a grammar process of their own (structured/grammar_process.py)."""
 
+import functools
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +15,7 @@ import torch
 
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.grammar_process import GrammarProcessError
 from tokenmill.structured.matchers import GrammarRows, unpack_bitmask
 from tokenmill.worker.request_state import RequestStates
 
@@ -31,7 +35,9 @@ def setup():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), num_threads=1)
+    # A recipe a grammar process can take (a partial, not a lambda).
+    compiler = GrammarCompiler(functools.partial(AutoTokenizer.from_pretrained, TOKENIZER), len(tokenizer),
+                               num_threads=1)
     yield tokenizer, compiler
     compiler.shutdown()
 
@@ -62,17 +68,19 @@ def reference(compiler, tokenizer, spec, output: list[int], drafts: list[int], w
 
 def two_fill_threads(monkeypatch) -> None:
     """Every batched fill split over two of xgrammar's threads (GrammarRows uses one below 64 rows)."""
-    monkeypatch.setattr("tokenmill.structured.matchers.fill_threads", lambda num_rows: 2)
+    monkeypatch.setattr("tokenmill.structured.matcher_set.fill_threads", lambda num_rows: 2)
 
 
-@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("matchers", ["in process", "threaded", "grammar process"])
 @pytest.mark.parametrize("path", ["torch", pytest.param("kernel", marks=pytest.mark.interpret),
                                   pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_batched_masks_are_the_per_row_matchers(setup, path, threaded, monkeypatch):
+def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, monkeypatch):
     """`kernel`: the Triton kernel's path (kernels/token_bitmask.py), under TRITON_INTERPRET=1 on the CPU;
     `cuda`: the GPU's (pinned host masks, their non-blocking copy, the kernel). `threaded`: the fills on two
-    of xgrammar's threads, as a large step's are."""
+    of xgrammar's threads, as a large step's are; `grammar process`: the matchers in their own process, the
+    masks through shared memory (pinned on the GPU)."""
     tokenizer, compiler = setup
+    threaded = matchers == "threaded"
     if threaded:
         two_fill_threads(monkeypatch)
     device = torch.device("cpu")
@@ -86,7 +94,7 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, threaded, monkeypat
         device = torch.device("cuda")
     eos = frozenset([tokenizer.eos_token_id])
     states = RequestStates(8, 64, 4)
-    grammar_rows = GrammarRows(compiler, len(tokenizer), device)
+    grammar_rows = GrammarRows(compiler, len(tokenizer), device, in_process=matchers != "grammar process")
     outputs = {0: encode(tokenizer, '{"name": "'), 1: encode(tokenizer, "yes"), 2: [], 3: encode(tokenizer, "ok"),
                4: [], 5: []}
     outputs[3].append(tokenizer.eos_token_id)  # terminated
@@ -118,7 +126,8 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, threaded, monkeypat
             expected[first[i] : first[i] + counts[i]] = expected[first[i] : first[i] + counts[i]].masked_fill(
                 ~allowed, float("-inf"))
         on_device = logits.to(device)
-        grammar_rows.apply(on_device, rows_array, first, num_drafts, states, constrained)
+        grammar_rows.start(rows_array, first, num_drafts, states, constrained)
+        grammar_rows.apply(on_device)
         assert torch.equal(on_device.cpu(), expected)
 
     # Step 1: several new tokens per row (a replay), drafts accepted (row 1) and refused (row 2's first).
@@ -132,6 +141,11 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, threaded, monkeypat
     step([0, 1, 2, 4], {})
     step([0, 2], {0: encode(tokenizer, 'ice"}')})  # back to the first host buffer; drafts up to the end
     step([0, 4, 1], {})  # logits rows 0 and 2: not consecutive
+    if matchers == "grammar process":  # a grammar process that dies fails the next step, with a clear error
+        os.kill(grammar_rows._matchers.pid, signal.SIGKILL)
+        with pytest.raises(GrammarProcessError, match="exited"):
+            step([0, 2], {})
+    grammar_rows.close()
 
 
 @pytest.mark.parametrize("path", ["torch", pytest.param("kernel", marks=pytest.mark.interpret)])
@@ -180,8 +194,8 @@ def test_a_padded_model_vocab_masks_as_xgrammar_compiled_at_the_model_vocab(setu
             bitmask = xgr.allocate_token_bitmask(1, model_vocab)
             matcher.fill_next_token_bitmask(bitmask)
             expected[i].masked_fill_(~unpack_bitmask(bitmask, width, model_vocab)[0], float("-inf"))
-        grammar_rows.apply(logits, rows, np.arange(len(rows)), np.zeros(len(rows), dtype=np.int64), states,
-                           constrained)
+        grammar_rows.start(rows, np.arange(len(rows)), np.zeros(len(rows), dtype=np.int64), states, constrained)
+        grammar_rows.apply(logits)
         assert torch.equal(logits, expected)
         assert not torch.isfinite(logits[:, len(tokenizer) :]).any()
     compiler.shutdown()

@@ -31,21 +31,30 @@ class GrammarCompiler:
         self._lock = Lock()
         self._compiler = None
         self._compiled: dict[tuple[str, str, str], Future] = {}
+        self._listeners: list[Callable[[StructuredOutputsParams], None]] = []
 
     def __reduce__(self):
         # Sent to another process (a tensor-parallel rank) as its recipe: a compiler of its own, which needs
         # `load_tokenizer` to be picklable (a functools.partial, not a lambda).
         return type(self), (self._load_tokenizer, self._vocab_size, self._pool._max_workers)
 
+    def add_listener(self, listener: Callable[[StructuredOutputsParams], None]) -> None:
+        """`listener(spec)` at each spec this compiler starts on (a grammar process compiling its own copy)."""
+        self._listeners.append(listener)
+
     def submit(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar of a spec (a future: done at once when the spec was compiled before)."""
         key = (*params.key, params.reasoning_end or "")
         with self._lock:
             future = self._compiled.get(key)
-            if future is None:
+            is_new = future is None
+            if is_new:
                 if len(self._compiled) >= MAX_CACHED:
                     self._compiled.pop(next(iter(self._compiled)))
                 future = self._compiled[key] = self._pool.submit(self._compile, params)
+        if is_new:
+            for listener in self._listeners:
+                listener(params)
         return future
 
     def get(self, params: StructuredOutputsParams):

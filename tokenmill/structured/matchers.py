@@ -1,19 +1,24 @@
-"""The worker's grammar state: one xgrammar matcher per constrained row, and each step's token bitmask.
+"""The worker's grammar state: which rows are under a grammar, their matchers, and each step's token bitmask.
 
-A row's matcher is advanced with the tokens its request emitted since the last step (on the host: the
-runner waits for the last step's tokens before sampling a constrained row), then fills the row's bitmask
-of allowed next tokens (packed int32, 32 tokens a word), which is applied to the logits on the device
-before anything else of sampling. A request resumed after preemption gets a fresh matcher that replays
-its output so far. With speculative decoding the matcher walks through the step's drafts to mask every
-draft position (the rejection sampler then sees the constrained distribution there too), and rolls back.
+A row's matcher (structured/matcher_set.py) is advanced with the tokens its request emitted since the last
+step, then fills the row's bitmask of allowed next tokens (packed int32, 32 tokens a word), which is applied to
+the logits on the device before anything else of sampling. A request resumed after preemption gets a fresh
+matcher that replays its output so far. With speculative decoding the matcher walks through the step's drafts
+to mask every draft position (the rejection sampler then sees the constrained distribution there too), and
+rolls back.
 
-Per step, in the shadow of the forward pass that the runner has already queued: every row's new tokens go
-to the matchers in one xgrammar call and every mask is filled in another (xgrammar's BatchGrammarMatcher:
-its C++ threads, as many as fill_threads says, fill rows in parallel; the call blocks the calling thread),
-into a pinned host buffer; one non-blocking copy takes the buffer (the logits rows' index and the masks)
-to the device, and one kernel (kernels/token_bitmask.py) writes -inf where a bit is clear. The host
-buffers are two, used in turn, each reused only once the copy from it has run: the copy is queued behind
-the forward pass, so the next step may fill before it is done.
+The matchers live in a grammar process of their own on a GPU host with cores to spare (grammar_process.py;
+`use_grammar_process`), else in this process. A step is split so that the grammar process works while the
+engine does its other host work: `send_tokens` as soon as the last step's tokens are on the host, `start` once
+the step's sampled rows and drafts are known (the fill is requested), `apply` just before the sampler (waits for
+the masks), which the runner then launches only at the start of its next step (worker/pending_output.py's
+DeferredSample). In this process the same calls do the work where they are made, after the forward launch.
+
+The masks go into a host buffer (pinned on a GPU; shared memory the grammar process writes into when it is
+used); one non-blocking copy takes the buffer (the logits rows' index and the masks) to the device, and one
+kernel (kernels/token_bitmask.py) writes -inf where a bit is clear. The host buffers are two, used in turn,
+each refilled only once the copy from it has run: the copy is queued behind the forward pass, so the next
+step may fill before it is done.
 
 The masks cover the grammars' vocabulary, the tokenizer's (structured/vocab.py), which may be narrower than
 the model's logits: the kernel forbids the ids past it.
@@ -21,70 +26,130 @@ the model's logits: the kernel forbids the ids past it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tokenmill.kernels import use_triton
 from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.matcher_set import MatcherSet
 from tokenmill.worker.request_state import RequestStates
+
+if TYPE_CHECKING:
+    from tokenmill.worker.input_batch import InputBatch
+    from tokenmill.worker.pending_output import PendingOutput
 
 logger = logging.getLogger(__name__)
 
-MAX_FILL_THREADS = 8
-ROWS_PER_FILL_THREAD = 32
-"""xgrammar starts its fill threads anew at every call (and joins them): a thread per 32 rows, at most 8."""
+MIN_CPUS_FOR_PROCESS = 4
+"""A grammar process pays off only with a core of its own beside the engine's (and xgrammar's fill threads)."""
 
 
-@functools.cache
-def _usable_fill_threads() -> int:
-    """Half the CPUs this process may use (asked once: the fill runs every step)."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+def use_grammar_process(device: torch.device) -> bool:
+    """The matchers in a process of their own: on a GPU with cores to spare. Not on the CPU backend, whose
+    forward pass already takes the host's cores (and runs synchronously: nothing to overlap)."""
+    return device.type == "cuda" and len(os.sched_getaffinity(0)) >= MIN_CPUS_FOR_PROCESS
 
 
-def fill_threads(num_rows: int) -> int:
-    """Threads for one batched fill. Not xgrammar's 'auto' (half of std::thread::hardware_concurrency()): that
-    counts the host's CPUs, not this process's (a GPU lease may see 16 of a host's hundreds)."""
-    return max(1, min(MAX_FILL_THREADS, _usable_fill_threads(), num_rows // ROWS_PER_FILL_THREAD))
+class LocalMatchers:
+    """The matchers in this process: each call does its work at once."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self._compiler = compiler
+        self._set = MatcherSet()
+
+    def new_buffers(self, num_int32: int, pinned: bool) -> list[torch.Tensor]:
+        return [torch.empty(num_int32, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+
+    def add(self, row: int, params, stop_tokens: list[int]) -> None:
+        self._set.add(row, self._compiler.get(params), stop_tokens)
+
+    def accept(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray) -> None:
+        self._set.accept(rows, counts, tokens)
+
+    def fill(self, turn: int, offset: int, bitmask: np.ndarray, rows: np.ndarray, num_drafts: np.ndarray,
+             drafts: np.ndarray) -> None:
+        self._set.fill(rows, num_drafts, drafts, bitmask)
+
+    def take(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class GrammarRows:
-    def __init__(self, compiler: GrammarCompiler, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, device: torch.device,
+                 in_process: bool | None = None) -> None:
+        """`in_process`: the matchers here (True) or in a grammar process (False); None: use_grammar_process."""
         self.compiler = compiler
         self.vocab_size = vocab_size
         self.device = device
         self.grammar_vocab_size: int | None = None
         """The grammars' vocabulary (structured/vocab.py): the masks' width; known at the first add."""
         self._words = 0
+        if in_process is None:
+            in_process = not use_grammar_process(device)
+        if in_process:
+            self._matchers = LocalMatchers(compiler)
+        else:
+            from tokenmill.structured.grammar_process import GrammarProcess
+
+            self._matchers = GrammarProcess(compiler)
+            # The engine core's compiler (the same object in a one-process engine) says which specs are coming.
+            compiler.add_listener(self._matchers.compile)
         # Per row, sized on first use (the rows' count is the request states'):
         self._active: np.ndarray | None = None  # [rows] bool: the row has a matcher
         self._generation: np.ndarray | None = None  # [rows] the row's generation when its matcher was made
-        self._accepted: np.ndarray | None = None  # [rows] output tokens its matcher has accepted
-        self._matchers: list = []
-        self._batches: dict[int, object] = {}  # xgrammar's BatchGrammarMatcher by its number of fill threads
+        self._accepted: np.ndarray | None = None  # [rows] output tokens sent to its matcher
         self._capacity = 0  # masks a buffer holds
         self._host: list[torch.Tensor] = []  # two int32 [capacity + capacity * words]: logits rows, then masks
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each host buffer's last copy
         self._turn = 0
         self._on_device: torch.Tensor | None = None
+        self._started: tuple[torch.Tensor, int, np.ndarray] | None = None  # the step's buffer, masks, logits rows
+        self._tokens_from: PendingOutput | None = None  # the last step whose tokens send_ready_tokens sent
+
+    @property
+    def in_process(self) -> bool:
+        return isinstance(self._matchers, LocalMatchers)
+
+    @property
+    def works_apart(self) -> bool:
+        """Whether a grammar process holds the matchers and a row may be under a grammar: the runner then hands
+        over the tokens as early as it can (`send_ready_tokens`), and the masks' request before the launch."""
+        return not self.in_process and self._active is not None and bool(self._active.any())
+
+    def defers_sampler(self, batch: InputBatch) -> bool:
+        """Whether the step's sampler should wait for the masks until the runner's next step (DeferredSample),
+        so that the grammar process fills them while the engine does its other host work: with a grammar
+        process, and not for a step that verifies drafts (the next step needs its tokens at once)."""
+        return not self.in_process and not batch.sampled_num_drafts.any()
+
+    def start_step(self, batch: InputBatch, states: RequestStates) -> list[int]:
+        """`start` for the step's constrained rows (returned: their indices into the sampled rows), each with
+        1 + drafts logits rows, in order. The last step's tokens must be on the host."""
+        rows = batch.sampled_rows
+        constrained = self.constrained(rows, states)
+        if constrained:
+            counts = 1 + batch.sampled_num_drafts
+            self.start(rows, np.cumsum(counts) - counts, batch.sampled_num_drafts, states, constrained)
+        return constrained
 
     def add(self, row: int, states: RequestStates, eos_token_ids: frozenset[int]) -> None:
-        import xgrammar as xgr
-
         if self._active is None:
             num_rows = len(states.row_generation)
             self._active = np.zeros(num_rows, dtype=bool)
             self._generation = np.zeros(num_rows, dtype=np.int64)
             self._accepted = np.zeros(num_rows, dtype=np.int64)
-            self._matchers = [None] * num_rows
         params = states.sampling_params[row].structured_outputs
-        compiled = self.compiler.get(params)
         if self.grammar_vocab_size is None:
-            self.grammar_vocab_size = compiled.tokenizer_info.vocab_size  # xgrammar fills masks this wide
+            # xgrammar fills masks this wide (compiled by now: the engine core waited for it).
+            self.grammar_vocab_size = self.compiler.get(params).tokenizer_info.vocab_size
             self._words = -(-self.grammar_vocab_size // 32)
         # A stop token past the grammar's vocabulary cannot be sampled under it (the mask forbids it).
         stop_tokens = sorted(t for t in eos_token_ids if t < self.grammar_vocab_size)
@@ -92,8 +157,7 @@ class GrammarRows:
             logger.warning("row %d: every stop token (%s) lies past the grammars' %d-token vocabulary: its output "
                            "ends at the grammar's end only through max_tokens", row, sorted(eos_token_ids),
                            self.grammar_vocab_size)
-        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_tokens or None)
-        self._matchers[row] = matcher
+        self._matchers.add(row, params, stop_tokens)
         self._active[row] = True
         self._generation[row] = states.row_generation[row]
         self._accepted[row] = 0
@@ -107,107 +171,78 @@ class GrammarRows:
             return []
         stale = active & (self._generation[rows] != states.row_generation[rows])
         if stale.any():
-            for row in rows[stale].tolist():
-                self._active[row], self._matchers[row] = False, None
+            self._active[rows[stale]] = False  # its matcher stays until the row's next grammar replaces it
             active &= ~stale
         return np.flatnonzero(active).tolist()
 
-    def apply(self, logits: torch.Tensor, rows: np.ndarray, first_logit_rows: np.ndarray, num_drafts: np.ndarray,
-              states: RequestStates, constrained: list[int]) -> None:
-        """Mask the tokens the grammar of row `rows[i]` (i in `constrained`) forbids, in its logits rows
-        `first_logit_rows[i]` .. `+ num_drafts[i]`: one per draft position (the grammar having accepted the
-        drafts before it), then the position after the drafts. The rows' tokens must be on the host."""
+    def send_tokens(self, rows: np.ndarray, states: RequestStates) -> None:
+        """Advance the matchers of `rows` (those under a grammar) through the tokens their requests emitted
+        since: as soon as they are on the host, so that a grammar process accepts them meanwhile."""
+        if self._active is None:
+            return
+        self._advance(rows[self._active[rows] & (self._generation[rows] == states.row_generation[rows])], states)
+
+    def send_ready_tokens(self, last: PendingOutput | None, states: RequestStates) -> bool:
+        """`send_tokens` for the rows of the last step (`last`) if its tokens are on the host: never waits for
+        them. Whether the matchers have them now (also when there was no step, or they had them already)."""
+        if last is None or last is self._tokens_from:
+            return True
+        if not last.has_tokens():
+            return False
+        last.result()
+        self.send_tokens(last.rows, states)
+        self._tokens_from = last
+        return True
+
+    def start(self, rows: np.ndarray, first_logit_rows: np.ndarray, num_drafts: np.ndarray, states: RequestStates,
+              constrained: list[int]) -> None:
+        """Begin the masks of row `rows[i]` (i in `constrained`) for its logits rows `first_logit_rows[i]` ..
+        `+ num_drafts[i]`: one per draft position (the grammar having accepted the drafts before it), then the
+        position after the drafts. The rows' tokens must be on the host. `apply` finishes them."""
         chosen = np.asarray(constrained, dtype=np.int64)
         grammar_rows = rows[chosen]
-        matchers = [self._matchers[row] for row in grammar_rows.tolist()]
         drafts = np.asarray(num_drafts)[chosen]
         starts = np.asarray(first_logit_rows)[chosen]
         num_masks = len(chosen) + int(drafts.sum())
+        self._advance(grammar_rows, states)  # a resumed request's replay, a verifying step's tokens, or any not sent
         buffer, index, bitmask = self._host_buffer(num_masks)
-        self._accept_new_tokens(grammar_rows, matchers, states)
         if not drafts.any():
             index[:] = starts
-            self._fill(matchers, bitmask, range(len(matchers)))
+            draft_tokens = np.zeros(0, dtype=np.int64)
         else:
-            self._fill_with_drafts(grammar_rows, matchers, starts, drafts, index, bitmask, states)
+            first_slot = np.cumsum(drafts + 1) - (drafts + 1)
+            index[:] = np.repeat(starts - first_slot, drafts + 1) + np.arange(num_masks)
+            lengths = states.num_tokens[grammar_rows]  # the drafts sit after the row's tokens
+            draft_tokens = np.concatenate([states.token_ids[row, length : length + count] for row, length, count
+                                           in zip(grammar_rows.tolist(), lengths.tolist(), drafts.tolist())])
+        self._matchers.fill(self._turn, self._capacity, bitmask, grammar_rows, drafts, draft_tokens)
+        self._started = buffer, num_masks, index
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Mask the logits rows of the step `start` began (its masks done first)."""
+        buffer, num_masks, index = self._started
+        self._started = None
+        self._matchers.take()
         self._apply(logits, buffer, num_masks, index)
 
-    def _accept_new_tokens(self, grammar_rows: np.ndarray, matchers: list, states: RequestStates) -> None:
-        """Advance each matcher through the tokens its request emitted since it last accepted. On this thread,
-        not split over Python threads: xgrammar 0.2.9's calls (tvm-ffi bindings) did not run in parallel from
-        two threads, and at the default GIL switch interval the same calls took 70-100x longer from two
-        threads than from one (2-core machine). Neither can a Python thread overlap them with the engine's
-        other host work (a job of ~1 ms finished only after a 6 ms busy main thread did)."""
-        import xgrammar as xgr
+    def close(self) -> None:
+        self._matchers.close()
 
+    def _advance(self, grammar_rows: np.ndarray, states: RequestStates) -> None:
         start = states.num_prompt_tokens[grammar_rows] + self._accepted[grammar_rows]
         count = states.num_tokens[grammar_rows] - start
-        refused_tokens = []
-        single = count == 1  # the usual step: one new token per row, all in one call
-        if single.any():
-            one = np.flatnonzero(single)
-            tokens = states.token_ids[grammar_rows[one], start[one]].tolist()
-            accepted = xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in one.tolist()], tokens)
-            if not all(accepted):
-                refused_tokens += [(int(grammar_rows[i]), t) for i, t, ok in zip(one, tokens, accepted) if not ok]
-        # A resumed request replays its output; after a verifying step a row may have emitted several.
-        for i in np.flatnonzero(~single & (count > 0)).tolist():
-            row = int(grammar_rows[i])
-            for token in states.token_ids[row, start[i] : start[i] + count[i]].tolist():
-                if not matchers[i].accept_token(token):
-                    refused_tokens.append((row, token))
-        for row, token in refused_tokens:
-            logger.warning("grammar of row %d refused token %d it had allowed", row, token)
-        self._accepted[grammar_rows] += np.maximum(count, 0)
-
-    def _fill(self, matchers: list, bitmask: np.ndarray, slots) -> None:
-        """Each matcher's mask into its slot of `bitmask`: all in one call, but for terminated matchers."""
-        live, live_slots = [], []
-        for matcher, slot in zip(matchers, slots):
-            if matcher.is_terminated():
-                # Past the stop token: a draft there is rejected by the position before, and a step that
-                # async scheduling ran past its end is discarded, so any token will do.
-                bitmask[slot] = -1
-            else:
-                live.append(matcher)
-                live_slots.append(slot)
-        if live:
-            self._batch(len(live)).batch_fill_next_token_bitmask(live, bitmask, live_slots)
-
-    def _batch(self, num_rows: int):
-        import xgrammar as xgr
-
-        threads = fill_threads(num_rows)
-        if threads not in self._batches:
-            self._batches[threads] = xgr.BatchGrammarMatcher(threads)
-        return self._batches[threads]
-
-    def _fill_with_drafts(self, grammar_rows: np.ndarray, matchers: list, starts: np.ndarray, drafts: np.ndarray,
-                          index: np.ndarray, bitmask: np.ndarray, states: RequestStates) -> None:
-        """Speculation: a row's masks for its draft positions and the one after, walking the drafts (one
-        batched fill per position across the rows), then back to the known tokens."""
-        first_slot = np.cumsum(drafts + 1) - (drafts + 1)
-        index[:] = np.repeat(starts - first_slot, drafts + 1) + np.arange(len(index))
-        lengths = states.num_tokens[grammar_rows]
-        num_accepted = np.zeros(len(matchers), dtype=np.int64)
-        alive = list(range(len(matchers)))
-        for position in range(int(drafts.max()) + 1):
-            self._fill([matchers[i] for i in alive], bitmask, [int(first_slot[i]) + position for i in alive])
-            walking = []
-            for i in alive:
-                if position == drafts[i]:
-                    continue
-                matcher = matchers[i]
-                draft = int(states.token_ids[grammar_rows[i], lengths[i] + position])
-                if matcher.is_terminated() or not matcher.accept_token(draft):
-                    # The mask rejects this draft: the positions after it are never used.
-                    bitmask[first_slot[i] + position + 1 : first_slot[i] + drafts[i] + 1] = -1
-                    continue
-                num_accepted[i] += 1
-                walking.append(i)
-            alive = walking
-        for i in np.flatnonzero(num_accepted).tolist():
-            matchers[i].rollback(int(num_accepted[i]))  # back to the known tokens: the drafts may yet be rejected
+        moving = count > 0
+        if not moving.any():
+            return
+        if not moving.all():
+            grammar_rows, start, count = grammar_rows[moving], start[moving], count[moving]
+        if (count == 1).all():  # the usual step: one new token per row
+            tokens = states.token_ids[grammar_rows, start]
+        else:
+            tokens = np.concatenate([states.token_ids[row, first : first + n] for row, first, n
+                                     in zip(grammar_rows.tolist(), start.tolist(), count.tolist())])
+        self._matchers.accept(grammar_rows, count, tokens)
+        self._accepted[grammar_rows] += count
 
     def _host_buffer(self, num_masks: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         """This step's host buffer, once the copy from its last use has run, with its numpy views: the masks'
@@ -217,8 +252,15 @@ class GrammarRows:
             self._capacity = -(-max(num_masks, 2 * self._capacity) // 64) * 64
             pinned = self.device.type == "cuda"
             size = self._capacity * (1 + self._words)
-            # The old buffers may still be in flight: the caching host allocator keeps them until their copies ran.
-            self._host = [torch.empty(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+            if not self.in_process:
+                # The old buffers' shared memory is released: their copies must have run.
+                for event in self._copied:
+                    if event is not None:
+                        event.synchronize()
+                self._host = []
+            # In this process the old buffers may still be in flight: the caching host allocator keeps them until
+            # their copies ran.
+            self._host = self._matchers.new_buffers(size, pinned)
             self._copied = [None, None]
             self._on_device = torch.empty(size, dtype=torch.int32, device=self.device) if pinned else None
         self._turn ^= 1

@@ -8,6 +8,8 @@ behind these calls.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import nn
@@ -25,7 +27,7 @@ from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
 from tokenmill.worker.mixed_cuda_graph import MixedCudaGraphRunner
-from tokenmill.worker.pending_output import PendingOutput, ReadyOutput, VerifiedTokens
+from tokenmill.worker.pending_output import DeferredSample, PendingOutput, ReadyOutput, VerifiedTokens
 from tokenmill.worker.request_state import RequestStates
 from tokenmill.worker.speculative import SpeculativeDecoding
 from tokenmill.worker.stage_tokens import receive_sampled_tokens, share_sampled_tokens
@@ -66,6 +68,7 @@ class ModelRunner:
         """Drafts and verification; None without speculative decoding."""
         self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
         self._last_pending: PendingOutput | None = None
+        self._deferred: DeferredSample | None = None  # the last step, if its sampler waits for its grammar masks
         # Pinned landing buffers for sampled tokens, one per step launched before the oldest one's copy is read:
         # a step and the next under async scheduling, a step per micro-batch in flight under pipeline stages.
         pinned = device.type == "cuda"
@@ -78,8 +81,11 @@ class ModelRunner:
         """This rank's pipeline stage: only the last one computes logits and samples."""
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | DeferredSample | ReadyOutput:
         """Queue one step on the device; the returned output's result() waits for its tokens."""
+        if self._deferred is not None:  # the last step's sampler, its masks filled meanwhile: before anything else
+            self._deferred, deferred = None, self._deferred
+            deferred.launch()
         for request_id in scheduler_output.finished_request_ids:
             self.prompt_logprobs.drop(request_id)
         for row, new in self.states.apply(scheduler_output):
@@ -99,11 +105,21 @@ class ModelRunner:
             # Drafts need the last step's tokens on the host, and after a verifying step so do the positions.
             last.result()
             self.states.last_step_index.fill(-1)
+        # A grammar process gets the last step's tokens as soon as they are on the host (looked at here and before
+        # the launch, never waited for), and the step's mask request before the launch if it can: it accepts and
+        # fills while this step is launched. (Matchers in this process work after the launch instead, so that
+        # the device runs the forward pass meanwhile.)
+        grammars_early = self.grammar_rows is not None and self.grammar_rows.works_apart
+        if grammars_early:
+            self.grammar_rows.send_ready_tokens(last, self.states)
         num_drafts = None
         if scheduler_output.num_lookahead_tokens and self.speculative is not None:
             num_drafts = self.speculative.propose(scheduler_output, self.states)
         batch = prepare_inputs(scheduler_output, self.states, self.block_size, num_drafts)
         self.states.num_computed_tokens[batch.rows] += batch.num_new
+        constrained = None
+        if grammars_early and self.grammar_rows.send_ready_tokens(last, self.states):
+            constrained = self.grammar_rows.start_step(batch, self.states)
         hidden_states = self._forward(batch)
         aux_hidden_states = None
         if isinstance(hidden_states, tuple):  # the target also hands over inner layers' states (EAGLE-3)
@@ -114,7 +130,7 @@ class ModelRunner:
             self._collect_prompt_logprobs(batch, hidden_states)
         if len(batch.sampled_rows) == 0:
             return EMPTY_OUTPUT
-        return self._sample(batch, hidden_states)
+        return self._sample(batch, hidden_states, constrained)
 
     def _forward(self, batch: InputBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The last hidden states, and the auxiliary layers' where a proposer asked the model for them."""
@@ -132,23 +148,35 @@ class ModelRunner:
         with forward_context(self.attn_backend, metadata):
             return self.model(input_ids, positions)
 
-    def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> PendingOutput:
+    def _sample(self, batch: InputBatch, hidden_states: torch.Tensor,
+                constrained: list[int] | None) -> PendingOutput | DeferredSample:
+        """`constrained`: the rows whose masks began before the forward pass (None: not begun)."""
         if not self.stage.is_last:  # the last stage samples; this rank keeps its rows with the driver's tokens
             tokens, arrival = receive_sampled_tokens(batch, self.device)
             return self._pending_output(batch, tokens, arrival=arrival)
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         rows = batch.sampled_rows
-        constrained = self.grammar_rows.constrained(rows, self.states) if self.grammar_rows is not None else []
-        if self._last_pending is not None and (constrained or self.sampling_state.needs_output_ids[rows].any()):
-            # The slow path and the grammars read the last step's tokens on the host. This step's forward pass
-            # is already queued: the grammars' work below overlaps it on the GPU.
-            self._last_pending.result()
+        if constrained is None and self.grammar_rows is not None and self.grammar_rows.constrained(rows, self.states):
+            # The grammars read the last step's tokens on the host, which were not there before the forward pass
+            # (queued now: the grammars' work overlaps it on the GPU).
+            if self._last_pending is not None:
+                self._last_pending.result()
+            constrained = self.grammar_rows.start_step(batch, self.states)
+        if self._last_pending is not None and self.sampling_state.needs_output_ids[rows].any():
+            self._last_pending.result()  # the slow path reads the last step's tokens on the host
+        if constrained and self.stage.num_stages == 1 and self.grammar_rows.defers_sampler(batch):
+            # The sampler waits for the grammar process's masks until the engine's other host work is done.
+            self._deferred = DeferredSample(functools.partial(self._finish_sample, batch, logits, constrained))
+            return self._deferred
+        return self._finish_sample(batch, logits, constrained)
+
+    @torch.inference_mode()  # also when the engine's wait for the tokens launches it
+    def _finish_sample(self, batch: InputBatch, logits: torch.Tensor, constrained: list[int]) -> PendingOutput:
+        """Mask (the grammars' masks begun), sample or verify the drafts, and queue the tokens' way to the host."""
+        rows = batch.sampled_rows
         metadata = self.sampling_state.build_metadata(rows, self.states)
         if constrained:
-            # Each sampled request has 1 + drafts logits rows, in order.
-            counts = 1 + batch.sampled_num_drafts
-            self.grammar_rows.apply(logits, rows, np.cumsum(counts) - counts, batch.sampled_num_drafts,
-                                    self.states, constrained)
+            self.grammar_rows.apply(logits)
         verifying = bool(batch.sampled_num_drafts.any())
         if verifying:
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,

@@ -11,6 +11,7 @@ with a count per row, and the row's token count and KV count are settled when th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,17 @@ class PendingOutput:
     def is_done(self) -> bool:
         return self._output is not None
 
+    @property
+    def rows(self) -> np.ndarray:
+        """[n] the rows that sampled in this step."""
+        return self._rows
+
+    def has_tokens(self) -> bool:
+        """Whether the tokens are on the host already (result() would not wait); never blocks."""
+        if self._output is not None:
+            return True
+        return self._arrival is None and (self._event is None or self._event.query())
+
     def result(self) -> ModelRunnerOutput:
         """Wait for the copy, store the tokens in the worker's rows, and return the step's output."""
         if self._output is not None:
@@ -147,6 +159,24 @@ class PendingOutput:
             states.token_ids[row, position : position + count] = token_ids[i]
             states.num_tokens[row] += count - 1  # the launch counted one
             states.num_computed_tokens[row] -= 1 + self.verified.num_drafts[i] - count
+
+
+class DeferredSample:
+    """A step whose sampler waits for its grammar masks, which a grammar process fills while the engine updates,
+    outputs and schedules: launched first thing in the runner's next step, or by result() if that comes first
+    (without async scheduling, at once)."""
+
+    def __init__(self, launch: Callable[[], PendingOutput]) -> None:
+        self._launch = launch
+        self._pending: PendingOutput | None = None
+
+    def launch(self) -> PendingOutput:
+        if self._pending is None:
+            self._pending, self._launch = self._launch(), None
+        return self._pending
+
+    def result(self) -> ModelRunnerOutput:
+        return self.launch().result()
 
 
 class ReadyOutput:

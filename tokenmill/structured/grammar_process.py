@@ -1,0 +1,241 @@
+"""The rows' matchers in a process of their own: `python -m tokenmill.structured.grammar_process FD PARENT_PID`.
+
+The engine's host is its bottleneck at large batches, and xgrammar's accept and fill (~1.7 ms a step at 256 rows
+on the H200's host) cannot overlap the engine's Python from a thread (the GIL). Here they run on another core:
+the engine sends a step's new tokens as soon as it has them and the request for the step's masks once it knows
+its rows and drafts, does its other host work (the rest of the step's launch; with async scheduling also the
+engine core's update, outputs and scheduling, since the runner launches such a step's sampler first thing in its
+next step: worker/pending_output.py's DeferredSample), and only then waits for the masks, which the process
+writes into shared memory (the engine's host buffers, memory files mapped by both: registered as pinned memory on
+a GPU, so the copy to the device reads them directly).
+
+Messages go over a socket pair, in order, one way but for the reply to each fill. A plain subprocess (not
+multiprocessing's): the server's engine core is a daemon process, which multiprocessing forbids children. It
+leaves when the engine does (the socket closes, or the parent is gone), and a failure in it reaches the engine
+as an error at its next wait, never as a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 1.0
+"""How often a wait for the masks checks that the grammar process still runs."""
+
+
+class GrammarProcessError(RuntimeError):
+    pass
+
+
+class GrammarProcess:
+    """The engine's side: starts the process and speaks to it; the host buffers live in shared memory."""
+
+    def __init__(self, compiler) -> None:
+        ours, theirs = socket.socketpair()
+        # This engine's tokenmill, wherever it was imported from (a benchmark puts the repository on sys.path).
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.structured.grammar_process", str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()], env=env,
+        )
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._lock = threading.Lock()  # a compile hint may come from the thread that takes requests
+        self._memory: list[mmap.mmap] = []
+        self._pinned: list[int] = []  # the buffers' addresses registered with CUDA
+        self._send("init", compiler)
+        self._finalizer = weakref.finalize(self, _shut, self._conn, self._proc, self._memory, self._pinned)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def new_buffers(self, num_int32: int, pinned: bool) -> list:
+        """Two shared host buffers of `num_int32` int32 each (as torch tensors), which the process fills. The
+        last ones are released: the caller holds no view of them any more and their copies have run."""
+        import torch
+
+        _release(self._memory, self._pinned)
+        # Anonymous memory files, handed over through the socket: no /dev/shm (a container's is often 64 MB).
+        files = [os.memfd_create("tokenmill-grammar-masks") for _ in range(2)]
+        for fd in files:
+            os.ftruncate(fd, 4 * num_int32)
+        self._memory += [mmap.mmap(fd, 4 * num_int32) for fd in files]
+        buffers = [torch.frombuffer(memory, dtype=torch.int32, count=num_int32) for memory in self._memory]
+        if pinned:
+            for buffer in buffers:
+                error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), 4 * num_int32, 0))
+                if error != 0:
+                    raise GrammarProcessError(f"could not pin the grammar masks' shared memory (cudaError {error})")
+                self._pinned.append(buffer.data_ptr())  # in place: the finalizer holds the lists
+        try:
+            with self._lock:
+                self._conn.send(("buffers", 4 * num_int32))
+                for fd in files:
+                    send_handle(self._conn, fd, self._proc.pid)
+        except OSError:
+            raise self._died() from None
+        finally:
+            for fd in files:
+                os.close(fd)  # the mappings keep the memory
+        return buffers
+
+    def add(self, row: int, params, stop_tokens: list[int]) -> None:
+        self._send("add", row, params, stop_tokens)
+
+    def compile(self, params) -> None:
+        """Compile a spec ahead of its first add (the engine core's compiler has just started on it)."""
+        if not self._conn.closed and self._proc.poll() is None:  # a failure shows at the next step's wait
+            self._send("compile", params)
+
+    def accept(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray) -> None:
+        self._send("accept", rows, counts, tokens)
+
+    def fill(self, turn: int, offset: int, bitmask: np.ndarray, rows: np.ndarray, num_drafts: np.ndarray,
+             drafts: np.ndarray) -> None:
+        """Start filling the masks into buffer `turn`'s [offset, offset + bitmask.size) (`bitmask`: its view)."""
+        self._send("fill", turn, offset, bitmask.shape, rows, num_drafts, drafts)
+
+    def take(self) -> None:
+        """Wait until the last fill is written."""
+        while not self._conn.poll(_POLL_S):
+            if self._proc.poll() is not None:
+                raise self._died()
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError):
+            raise self._died() from None
+        if reply[0] == "error":
+            raise GrammarProcessError(f"the grammar process failed:\n{reply[1]}")
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _send(self, *message) -> None:
+        try:
+            with self._lock:
+                self._conn.send(message)
+        except OSError:
+            raise self._died() from None
+
+    def _died(self) -> GrammarProcessError:
+        try:  # its last words, if it could send them
+            while self._conn.poll(0):
+                reply = self._conn.recv()
+                if reply[0] == "error":
+                    return GrammarProcessError(f"the grammar process failed:\n{reply[1]}")
+        except (EOFError, OSError):
+            pass
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # alive, its socket broken: it cannot serve us any more
+            self._proc.kill()
+            code = self._proc.wait()
+        return GrammarProcessError(f"the grammar process exited (code {code}): structured outputs cannot go on")
+
+
+
+def _release(memory: list[mmap.mmap], pinned: list[int]) -> None:
+    if pinned:
+        import torch
+
+        for address in pinned:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        pinned.clear()
+    for block in memory:
+        try:
+            block.close()
+        except BufferError:  # a tensor still views it: the mapping goes with the last view
+            pass
+    memory.clear()
+
+
+def _shut(conn: Connection, proc: subprocess.Popen, memory: list[mmap.mmap], pinned: list[int]) -> None:
+    """Close the socket (the process leaves at once), wait for it, free the shared memory."""
+    conn.close()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _release(memory, pinned)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """An engine killed with SIGKILL cannot close our socket before we notice: leave no orphan behind."""
+    while True:
+        time.sleep(_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def serve(conn: Connection) -> None:
+    from tokenmill.structured.matcher_set import MatcherSet
+
+    _, compiler = conn.recv()
+    matchers = MatcherSet()
+    attached: list[mmap.mmap] = []
+    buffers: list[np.ndarray] = []
+    while True:
+        try:
+            kind, *args = conn.recv()
+        except (EOFError, OSError):
+            return  # the engine is gone
+        if kind == "accept":
+            matchers.accept(*args)
+        elif kind == "fill":
+            turn, offset, shape, rows, num_drafts, drafts = args
+            bitmask = buffers[turn][offset : offset + shape[0] * shape[1]].reshape(shape)
+            matchers.fill(rows, num_drafts, drafts, bitmask)
+            conn.send(("filled",))
+        elif kind == "add":
+            row, params, stop_tokens = args
+            matchers.add(row, compiler.get(params), stop_tokens)
+        elif kind == "compile":
+            compiler.submit(args[0])
+        elif kind == "buffers":
+            buffers = []  # views first: a mapping closes only once nothing views it
+            for memory in attached:
+                memory.close()
+            attached = []
+            for _ in range(2):
+                fd = recv_handle(conn)
+                attached.append(mmap.mmap(fd, args[0]))
+                os.close(fd)
+            buffers = [np.ndarray(args[0] // 4, dtype=np.int32, buffer=memory) for memory in attached]
+
+
+def main(fd: int, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the engine decides
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    conn = Connection(fd)
+    try:
+        serve(conn)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise
+
+
+if __name__ == "__main__":
+    logging.basicConfig(format="grammar process: %(levelname)s %(message)s")
+    main(int(sys.argv[1]), int(sys.argv[2]))
