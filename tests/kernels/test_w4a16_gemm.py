@@ -1,6 +1,6 @@
 """The integer-weight GEMMs (kernels.w4a16_gemm) against a float64 dequantize-then-matmul reference.
 
-Shapes cover decode (1, 7, 16 rows: the skinny kernel) and prefill (100 rows: the tiled one), group sizes
+Shapes cover decode (1 row: the GEMV; 7, 16 rows: the skinny kernel) and prefill (100 rows: the tiled one), group sizes
 32, 64, 128 and per-channel, symmetric and asymmetric, act-order, 4 and 8 bits, and both ways a step meets
 its scales (one per column, or gathered per feature). The cases marked `interpret` run on the CPU under
 TRITON_INTERPRET=1 (small shapes); the rest need the GPU.
@@ -109,6 +109,25 @@ def test_scale_step_layouts(device, dtype, kernel, rows, group, config):
     n, k = shape(device)
     fn = skinny_int_gemm if kernel == "skinny" else tiled_int_gemm
     assert run(fn, rows, n, k, group, 4, False, True, dtype, device, config=config) < cases.TOLERANCE[dtype]
+
+
+# The GEMV (up to 4 rows) with steps over several groups (group 32 in 128-wide steps), inside one group, and
+# per-channel; each row count is its own compiled variant.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,group,sym,act_order,bits,config", [
+    pytest.param(2, 32, False, True, 4, (16, 128, 4, 2), marks=interpret),
+    pytest.param(3, 128, True, False, 4, (32, 64, 4, 2), marks=interpret),
+    pytest.param(4, 0, False, False, 8, (16, 128, 4, 2), marks=interpret),
+    pytest.param(4, 64, True, True, 4, None),
+    pytest.param(3, 32, False, False, 8, None),
+])
+def test_gemv(device, dtype, rows, group, sym, act_order, bits, config):
+    from tokenmill.kernels.w4a16_gemm import gemv_int
+
+    skip_bf16_interpreted(device, dtype)
+    n, k = shape(device)
+    assert run(gemv_int, rows, n, k, group, bits, sym, act_order, dtype, device, config=config) \
+        < cases.TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])

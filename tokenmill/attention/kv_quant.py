@@ -31,6 +31,10 @@ def check_kv_cache_dtype(kv_dtype: torch.dtype, device: torch.device, backend_na
     if is_int8(kv_dtype) and has_latent_attention:
         raise ValueError("kv_cache_dtype 'int8' does not support latent attention (MLA) caches: use kv_cache_dtype "
                          "'fp8' or 'auto'")
+    if (is_fp8(kv_dtype) or is_int8(kv_dtype)) and device.type == "cpu":
+        logger.warning("KV cache in %s on the CPU: the C attention kernel reads 16/32-bit pools only, so attention "
+                       "takes the torch path (2-5x slower steps); use it where memory, not speed, is short",
+                       str(kv_dtype).removeprefix("torch."))
     if not is_fp8(kv_dtype) or device.type != "cuda" or backend_name != "triton":
         return
     capability = torch.cuda.get_device_capability(device)

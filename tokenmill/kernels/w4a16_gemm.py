@@ -7,7 +7,11 @@ along k (lowest bits first), `weight_scale` [n, groups], `weight_zero` [n, group
 its weight tile as int32 words, shifts each feature's bits out, and scales by its group: the weight crosses
 memory at 4 (or 8) bits, and no 16-bit copy is ever written.
 
-Two kernels:
+Three kernels:
+- `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns, every word
+  unpacked once for all the rows, the zero point and the scale applied per group to the sums rather than per
+  weight (scale * (sum q * x - zero * sum x)). The skinny kernel's 16-row tensor-core tile at one row ran at
+  a tenth of the weights' read rate on the H200 (BENCHMARKS.md): the unpacking, not the memory, set the pace.
 - `skinny_int_gemm`, decode (<= 16 rows): each program owns BLOCK_N output columns and walks all of K, as
   kernels.skinny_gemm does for 16-bit weights; a decode step only streams weights, and these are a quarter
   of the bytes.
@@ -124,6 +128,78 @@ def _tiled_int_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gemv_row(q, x_ptr, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr):
+    """One row's part of a step: sum over the step's groups of scale * (sum q * x - zero * sum x), [BLOCK_N].
+    The zero point leaves the inner product (one multiply-add per weight, not three)."""
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+    else:
+        cols = offs_k
+    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    dots = tl.sum(tl.reshape(q * x[None, :], (BLOCK_N, BLOCK_K // GROUP_STEP, GROUP_STEP)), axis=2)
+    sums = tl.sum(tl.reshape(x, (BLOCK_K // GROUP_STEP, GROUP_STEP)), axis=1)
+    return tl.sum(s * (dots - z * sums[None, :]), axis=1)
+
+
+@triton.jit
+def _gemv_int_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_sn, stride_om,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # A row or a few on the CUDA cores: a 16-row tensor-core tile would be 15 rows of padding, and there the
+    # unpacking, not the weight read, set the pace. Each word is loaded and unpacked once for every row.
+    PACK: tl.constexpr = 32 // BITS
+    # The step's groups: a step inside one group (or per-channel) meets one scale per column.
+    GROUP_STEP: tl.constexpr = BLOCK_K if GROUP == 0 or GROUP >= BLOCK_K else GROUP
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    row = offs_n[:, None].to(tl.int64)
+    shifts = tl.arange(0, PACK) * BITS
+    offs_g = tl.arange(0, BLOCK_K // GROUP_STEP)
+    acc0 = tl.zeros([BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, k, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k
+        offs_w = start // PACK + tl.arange(0, BLOCK_K // PACK)
+        words = tl.load(w_ptr + row * stride_wn + offs_w[None, :],
+                        mask=n_mask[:, None] & (offs_w * PACK < k)[None, :], other=0)
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BLOCK_K))
+        q = q.to(tl.float32)
+        if GROUP == 0:
+            group = tl.zeros_like(offs_g)
+        else:
+            group = (start + offs_g * GROUP_STEP) // GROUP
+        sz_mask = n_mask[:, None] & (start + offs_g * GROUP_STEP < k)[None, :]
+        s = tl.load(s_ptr + row * stride_sn + group[None, :], mask=sz_mask, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + row * stride_sn + group[None, :], mask=sz_mask, other=0.0).to(tl.float32)
+        else:
+            z = tl.full([BLOCK_N, BLOCK_K // GROUP_STEP], 1 << (BITS - 1), tl.float32)  # symmetric: the midpoint
+        acc0 += _gemv_row(q, x_ptr, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP, BLOCK_N, BLOCK_K, HAS_PERM)
+        if ROWS > 1:
+            acc1 += _gemv_row(q, x_ptr + stride_xm, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP, BLOCK_N, BLOCK_K,
+                              HAS_PERM)
+        if ROWS > 2:
+            acc2 += _gemv_row(q, x_ptr + 2 * stride_xm, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP, BLOCK_N,
+                              BLOCK_K, HAS_PERM)
+        if ROWS > 3:
+            acc3 += _gemv_row(q, x_ptr + 3 * stride_xm, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP, BLOCK_N,
+                              BLOCK_K, HAS_PERM)
+    tl.store(out_ptr + offs_n, acc0.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if ROWS > 1:
+        tl.store(out_ptr + stride_om + offs_n, acc1.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if ROWS > 2:
+        tl.store(out_ptr + 2 * stride_om + offs_n, acc2.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if ROWS > 3:
+        tl.store(out_ptr + 3 * stride_om + offs_n, acc3.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 def _block_k(group: int, widest: int, narrowest: int) -> int:
     """The widest step in [narrowest, widest] (powers of 2) that a group spans whole, else `widest` with the
     scales gathered per feature (narrower steps would starve the loads more than the gather costs)."""
@@ -172,6 +248,32 @@ def skinny_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.T
     return out
 
 
+GEMV_MAX_ROWS = 4
+
+
+def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+             perm: torch.Tensor | None, bits: int, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [rows <= 4, k] (bf16/fp16) @ dequant(weight).T on the CUDA cores; config = (BLOCK_N, BLOCK_K, num_warps,
+    num_stages). BLOCK_K must be a multiple of the group size or divide it."""
+    rows, n, k = _check(x, weight_packed, scale, zero, perm, bits)
+    assert rows <= GEMV_MAX_ROWS
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    group = _group_of(k, scale)
+    # ~512 weight bytes per column per step (as the fp8 GEMV's 512-1,024): many loads in flight per program.
+    block_n, block_k, num_warps, num_stages = config or (16, 4096 // bits if group == 0 or group <= 4096 // bits
+                                                         else group, 4, 3)
+    assert group == 0 or block_k % group == 0 or group % block_k == 0, (group, block_k)
+    _gemv_int_kernel[(triton.cdiv(n, block_n),)](
+        x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
+        out, n, k, x.stride(0), weight_packed.stride(0), scale.stride(0), out.stride(0),
+        BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None, ROWS=rows,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
 def tiled_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                    perm: torch.Tensor | None, bits: int,
                    config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
@@ -195,10 +297,12 @@ def tiled_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Te
 
 def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     perm: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """The layer's entry: the decode kernel up to 16 rows, the tiled one above (a choice by shape only, so
-    CUDA graphs capture it)."""
+    """The layer's entry: the GEMV up to 4 rows, the skinny kernel up to 16, the tiled one above (a choice by
+    shape only, so CUDA graphs capture it)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv_int(x, weight_packed, scale, zero, perm, bits)
     if x.shape[0] <= SKINNY_MAX_ROWS:
         return skinny_int_gemm(x, weight_packed, scale, zero, perm, bits)
     return tiled_int_gemm(x, weight_packed, scale, zero, perm, bits)
