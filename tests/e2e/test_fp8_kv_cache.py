@@ -170,8 +170,8 @@ MODES = {
 }
 
 
-def generate(path: str, **engine):
-    llm = LLM(path, **{**ENGINE, "max_model_len": 128}, kv_cache_dtype="fp8", **engine)
+def generate(path: str, kv_cache_dtype: str = "fp8", **engine):
+    llm = LLM(path, **{**ENGINE, "max_model_len": 128}, kv_cache_dtype=kv_cache_dtype, **engine)
     prompts, params = workload()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     kv = llm.engine.core.scheduler.kv

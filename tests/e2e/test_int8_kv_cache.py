@@ -22,7 +22,8 @@ from transformers.models.llama import modeling_llama
 from tokenmill import LLM
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_fp8_kv_cache import ENGINE, MODES, TEXT, checkpoints, text_logprobs, workload  # noqa: E402, F401
+from test_fp8_kv_cache import ENGINE, MODES, TEXT, checkpoints, text_logprobs  # noqa: E402, F401
+from test_fp8_kv_cache import generate as generate_with_kv_dtype  # noqa: E402
 from test_spec_decode import run  # noqa: E402
 
 
@@ -90,12 +91,7 @@ def test_int8_keeps_greedy_tokens_and_distributions_close_to_auto(logprobs):
 
 
 def generate(path: str, **engine):
-    llm = LLM(path, **{**ENGINE, "max_model_len": 128}, kv_cache_dtype="int8", **engine)
-    prompts, params = workload()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    kv = llm.engine.core.scheduler.kv
-    assert kv.pool.num_free_blocks == kv.pool.num_blocks, "blocks leaked"
-    return [[c.token_ids for c in out.outputs] for out in outputs], llm
+    return generate_with_kv_dtype(path, "int8", **engine)
 
 
 @pytest.fixture(scope="module")
