@@ -207,3 +207,13 @@ def test_fused_rope_and_cache_write_equals_transform_and_write(dtype, tol, parti
     write_kv(ref_cache, ref_key, value.double(), slots)
     torch.testing.assert_close(fused_query.double(), ref_query, atol=tol, rtol=tol)
     torch.testing.assert_close(fused_cache.double(), ref_cache, atol=tol, rtol=tol)
+
+    # rope_cache_attention: the write and paged_attention_cpu in one call, bit for bit (one request of 40 tokens,
+    # the last 11 new, over the pool's blocks in a shuffled order)
+    from tokenmill.attention.cpu_kernel import rope_cache_attention
+
+    block_table, qsl, seq_lens = torch.randperm(8, generator=g)[None], torch.tensor([0, 11]), torch.tensor([40])
+    one_call_cache = layer.kv_cache.clone()
+    out = rope_cache_attention(layer, positions, query, key, value, one_call_cache, slots, block_table, qsl, seq_lens)
+    assert torch.equal(one_call_cache, fused_cache)
+    assert torch.equal(out, paged_attention_cpu(fused_query, fused_cache, block_table, qsl, seq_lens, layer.scale))

@@ -53,6 +53,9 @@ def load_kernel(flags: tuple[str, ...] = tuple(_FLAGS)) -> ctypes.CDLL | None:
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8
                                     + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    lib.rope_cache_attention.restype = ctypes.c_int
+    lib.rope_cache_attention.argtypes = ([ctypes.c_void_p] * 12 + [ctypes.c_int64] * 12
+                                         + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
     lib.kernel_paths.restype = ctypes.c_int
     lib.kernel_paths.argtypes = []
     return lib
@@ -78,13 +81,17 @@ def pool_pointers(kv_cache: torch.Tensor) -> tuple[int, int] | None:
         return pointers
 
 
+def heads_fit(num_heads: int, head_dim: int) -> bool:
+    """Whether the kernel's stack rows hold a token's heads."""
+    return num_heads <= _MAX_HEADS and head_dim <= _MAX_HEAD_DIM
+
+
 def kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the C kernel can run this layer: CPU tensors of one supported dtype, rows of whole heads."""
     return (query.is_cpu and kv_cache.dtype == query.dtype and query.dtype in _DTYPES
             and query.stride(2) == 1 and query.stride(1) == query.shape[2]
-            and query.shape[1] % kv_cache.shape[3] == 0 and query.shape[1] <= _MAX_HEADS
-            and query.shape[2] <= _MAX_HEAD_DIM and load_kernel() is not None
-            and pool_pointers(kv_cache) is not None)  # K and V go by pointer
+            and query.shape[1] % kv_cache.shape[3] == 0 and heads_fit(query.shape[1], query.shape[2])
+            and load_kernel() is not None and pool_pointers(kv_cache) is not None)  # K and V go by pointer
 
 
 def paged_attention_cpu(
@@ -119,13 +126,13 @@ def rope_and_cache_applies(layer, positions: torch.Tensor, key: torch.Tensor, va
     """Whether rope_and_cache() can stand in for the layer's transform_qk and the KV write: a rotary
     embedding whose table covers every position, no per-head q/k norms, key and value rows of whole
     heads (the query: kernel_applies)."""
-    return (max_seq_len <= _rope_table_length(layer) and positions.dtype == torch.int64
+    return (max_seq_len <= rope_table_length(layer) and positions.dtype == torch.int64
             and key.dtype == value.dtype == layer.kv_cache.dtype
             and key.stride(2) == 1 and key.stride(1) == key.shape[2]
             and value.stride(2) == 1 and value.stride(1) == value.shape[2])
 
 
-def _rope_table_length(layer) -> int:
+def rope_table_length(layer) -> int:
     """The rows of the layer's rotary table where its rotary embedding and norms admit rope_and_cache, else -1.
     Fixed once the model is built, so decided once per table (a cast of the model builds a new one)."""
     rotary = layer.rotary_emb
@@ -161,3 +168,36 @@ def rope_and_cache(
         value.stride(0), query.dtype == torch.bfloat16, torch.get_num_threads(),
     )
     return q_out
+
+
+def rope_cache_attention(
+    layer,
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int64
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int64
+    seq_lens: torch.Tensor,  # [num_reqs] int64
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """rope_and_cache() then paged_attention_cpu() in one C call (the same arithmetic, so the same output); call
+    kernel_applies() and rope_and_cache_applies() first."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    rotary = layer.rotary_emb
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)
+    block_table, positions, slot_mapping = block_table.contiguous(), positions.contiguous(), slot_mapping.contiguous()
+    k_pointer, v_pointer = pool_pointers(kv_cache)
+    sliding_window, soft_cap = layer.sliding_window, layer.logits_soft_cap
+    status = load_kernel().rope_cache_attention(
+        out.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(), positions.data_ptr(),
+        rotary.cos_sin_cache.data_ptr(), slot_mapping.data_ptr(), k_pointer, v_pointer, block_table.data_ptr(),
+        query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        seq_lens.shape[0], num_tokens, num_heads, num_kv_heads, head_dim, rotary.rotary_dim, block_size,
+        block_table.stride(0), query.stride(0), key.stride(0), value.stride(0), num_heads * head_dim, layer.scale,
+        sliding_window or 0, soft_cap or 0.0, query.dtype == torch.bfloat16, torch.get_num_threads(),
+    )
+    assert status == 0, "kernel_applies() admits only shapes within the kernel's limits"
+    return out

@@ -413,4 +413,29 @@ void rope_and_cache(void *q_out, const void *query, const void *key, const void 
                kv_row * elem);
     }
 }
+
+/* A layer's attention where rope_and_cache applies: the rotated queries into a scratch of their own, then
+   paged_attention over them. One call instead of two: at batch 1 each call's Python (its checks, the
+   argument conversions, the query's allocation) costs more than its work. Returns nonzero, touching
+   nothing, where paged_attention would, or where the scratch cannot be had. */
+int rope_cache_attention(void *out, const void *query, const void *key, const void *value, const int64_t *positions,
+                         const float *cos_sin, const int64_t *slot_mapping, void *key_cache, void *value_cache,
+                         const int64_t *block_table, const int64_t *query_start_loc, const int64_t *seq_lens,
+                         int64_t num_reqs, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t rotary_dim, int64_t block_size, int64_t block_table_stride,
+                         int64_t query_stride, int64_t key_stride, int64_t value_stride, int64_t out_stride,
+                         float scale, int64_t sliding_window, float soft_cap, int is_bf16, int num_threads) {
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return 1;
+    const int64_t q_row = num_heads * head_dim;
+    void *rotated = malloc((size_t)((num_tokens > 0 ? num_tokens : 1) * q_row * (is_bf16 ? 2 : 4)));
+    if (rotated == NULL) return 1;
+    rope_and_cache(rotated, query, key, value, positions, cos_sin, slot_mapping, key_cache, value_cache, num_tokens,
+                   num_heads, num_kv_heads, head_dim, rotary_dim, query_stride, key_stride, value_stride, is_bf16,
+                   num_threads);
+    const int status = paged_attention(out, rotated, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                       num_reqs, num_heads, num_kv_heads, head_dim, block_size, block_table_stride,
+                                       q_row, out_stride, scale, sliding_window, soft_cap, is_bf16, num_threads);
+    free(rotated);
+    return status;
+}
 """

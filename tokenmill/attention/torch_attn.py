@@ -24,8 +24,8 @@ from tokenmill.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.attention.cpu_kernel import (
     kernel_applies,
     paged_attention_cpu,
-    rope_and_cache,
     rope_and_cache_applies,
+    rope_cache_attention,
 )
 from tokenmill.kernels.kv_fp8 import as_bytes, dequantize_kv, quantize_kv
 from tokenmill.kernels.kv_int8 import dequantize_rows, is_int8, quantize_rows
@@ -201,10 +201,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if kernel_applies(query, kv_cache):
             if rope_and_cache_applies(layer, positions, key, value, metadata.max_seq_len):
-                query = rope_and_cache(layer, positions, query, key, value, kv_cache, metadata.slot_mapping)
-            else:
-                query, key = layer.transform_qk(positions, query, key)
-                write_kv(kv_cache, key, value, metadata.slot_mapping)
+                return rope_cache_attention(layer, positions, query, key, value, kv_cache, metadata.slot_mapping,
+                                            metadata.block_table, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
+            query, key = layer.transform_qk(positions, query, key)
+            write_kv(kv_cache, key, value, metadata.slot_mapping)
             return paged_attention_cpu(
                 query, kv_cache, metadata.block_table, metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
                 layer.scale, layer.sliding_window, layer.logits_soft_cap,

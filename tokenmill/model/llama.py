@@ -18,6 +18,7 @@ from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
+from tokenmill.model.cpu_layer_step import CpuLayerStep
 from tokenmill.model.stage import StageLayers, make_embedding, make_lm_head, on_last_stage
 
 
@@ -110,6 +111,16 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # On the CPU, the same kernels with less Python between them (model.cpu_layer_step), where they apply.
+        if (hidden_states.is_cpu and hidden_states.dim() == 2 and hidden_states.is_contiguous()
+                and (residual is None or residual.is_contiguous()) and not torch.is_grad_enabled()):
+            step = CpuLayerStep.for_layer(self, hidden_states)
+            if step is not None:
+                return step(positions, hidden_states, residual)
+        return super().forward(positions, hidden_states, residual)
 
 
 def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
