@@ -143,3 +143,19 @@ def test_bfloat16_keeps_blocks_and_a_dense_copy(smollm2_path, smollm2_tokenizer)
     assert quality.top1_agreement >= 0.95 and quality.mean_kl < 5e-3, quality
     out = kept.generate(["The capital of France is"], None, use_tqdm=False)[0].outputs[0].text
     assert "Paris" in out
+
+
+@pytest.mark.gpu
+def test_the_gpu_serves_the_blocks_through_the_integer_kernels(smollm2_path, smollm2_tokenizer):
+    """quantization='gguf' on CUDA: the Q4_1 linear layers in the integer layout (layers.quant.gguf_int), the
+    same weight values as the file dequantized at load, so in float16 the predictions stay within rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    common = dict(device="cuda", dtype="float16", max_model_len=512, kv_cache_space=0.05, skip_tokenizer_init=True)
+    kept = LLM(smollm2_path, quantization="gguf", **common)
+    dense = LLM(smollm2_path, gguf_dequantize=True, **common)
+    layer = model_of(kept).model.layers[0].mlp.down_proj
+    assert [bits for _, _, bits, _ in layer.gguf_int_runs] == [4]
+    quality = quant_quality(dense, kept, smollm2_tokenizer(TEXT).input_ids)
+    print(f"GGUF on the GPU, integer kernels vs dequantized at load (float16): {quality}")
+    assert quality.top1_agreement >= 0.97 and quality.mean_kl <= 1e-3

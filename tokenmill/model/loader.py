@@ -154,7 +154,8 @@ def _gguf_form(model_config: ModelConfig, hf_config: PretrainedConfig, model_cla
                device: torch.device, dtype: torch.dtype) -> str:
     """How a GGUF's linear weights are held: "blocks" (their GGML types, layers.quant.gguf), "blocks and dense"
     (also a dense copy for steps of many rows) or "dense" (dequantized at load). Blocks on the CPU in float32
-    unless `gguf_dequantize`, or wherever `quantization="gguf"` asks; elsewhere there is no quantized GEMM yet."""
+    unless `gguf_dequantize`, or where `quantization="gguf"` asks (on CUDA: the integer-weight kernels, for
+    dense models); elsewhere there is no quantized GEMM."""
     if model_config.gguf_dequantize:
         if model_config.quantization == "gguf":
             raise ValueError("quantization 'gguf' keeps GGUF weights quantized and gguf_dequantize dequantizes "
@@ -165,9 +166,15 @@ def _gguf_form(model_config: ModelConfig, hf_config: PretrainedConfig, model_cla
         return "dense"
     if model_config.quantization != "gguf" and device.type == "cpu" and dtype != torch.float32:
         return _gguf_form_in_16_bits(hf_config, model_class, dtype)
+    if device.type == "cuda" and model_config.quantization == "gguf" and not _num_experts(hf_config):
+        logger.info("GGUF on cuda: Q4_0, Q4_1, Q8_0 and Q4_K weights kept in 4 or 8 bits for the integer-weight "
+                    "kernels, other types dequantized at load (layers.quant.gguf_int)")
+        return "blocks"
     if device.type != "cpu":
-        logger.info("GGUF on %s: no quantized GEMM for this device yet, every tensor is dequantized at load",
-                    device.type)
+        # The integer kernels are not yet faster than bfloat16 at decode (BENCHMARKS.md): opt-in only.
+        logger.info("GGUF on %s: every tensor is dequantized at load%s", device.type,
+                    " (quantization='gguf' keeps 4/8-bit weights, for less memory)" if device.type == "cuda"
+                    and not _num_experts(hf_config) else "")
         return "dense"
     return "blocks"
 

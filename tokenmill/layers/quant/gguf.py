@@ -11,6 +11,9 @@ and down more bits): after loading, runs of consecutive parts of one type are co
 and each blob is one GEMM writing its slice of the output. A part that arrives dense (an F32/F16 tensor)
 is a dense run of its own.
 
+On CUDA (quantization="gguf"), Q4_0, Q4_1, Q8_0 and Q4_K runs go into the integer-weight layout of the int4/int8
+kernels (layers.quant.gguf_int), the other types dequantized at load.
+
 On the CPU the GEMM is layers.quant.gguf_cpu's C kernel: float32 activations in float32, bfloat16 ones
 (Q4_0, Q4_1, Q8_0 on CPUs with AVX512_BF16) in bfloat16 products with float32 sums. Without a compiler, or
 on a device without a quantized GEMM (the GPU: the loader does not pick this method there), the weights are
@@ -46,6 +49,7 @@ from tokenmill.layers.quant.gguf_cpu import (
     gguf_gemm_cpu,
     load_kernel,
 )
+from tokenmill.layers.quant.gguf_int import apply_int_runs, hold_int_runs, runs_by_type
 from tokenmill.layers.quant.unquantized import dense_linear
 
 if TYPE_CHECKING:
@@ -144,6 +148,11 @@ class GGUFLinearMethod(QuantMethod):
             raise ValueError(f"GGUF: some parts of a fused {type(layer).__name__} are missing from the file")
         del layer.gguf_parts, layer.weight
         device = torch.get_default_device()
+        if device.type == "cuda":  # the integer-weight kernels where the type has a 4/8-bit form, else dense
+            hold_int_runs(layer, runs_by_type(parts), lambda t, raw: (
+                raw if t == DENSE else dequantize_gguf(raw, t, layer.input_size)).to(layer.params_dtype))
+            layer.gguf_runs = None
+            return
         if device.type != "cpu" or load_kernel() is None:  # dequantize once: the dense path
             dense = [raw.float() if t == DENSE else dequantize_gguf(raw, t, layer.input_size) for t, raw in parts]
             layer.weight = nn.Parameter(torch.cat(dense).to(device, layer.params_dtype), requires_grad=False)
@@ -173,6 +182,10 @@ class GGUFLinearMethod(QuantMethod):
         # profiles): the layer's own Parameter objects, which in-place loads and CPU casts keep.
         layer.gguf_run_weights = tuple((t, offset, size, getattr(layer, f"qweight{i}"))
                                        for i, (t, offset, size) in enumerate(layer.gguf_runs))
+        # (type, weight) of a layer that is one run of a kernel type (every layer of the default model): apply's
+        # short path for a decode's few rows.
+        first = layer.gguf_run_weights[0]
+        layer.gguf_one_run = (first[0], first[3]) if len(runs) == 1 and first[0] != DENSE else None
         # The same values the dequantized model holds, in oneDNN's layout only (None where oneDNN cannot).
         layer.dense_copy = None
         if self.dense_copy:
@@ -181,7 +194,16 @@ class GGUFLinearMethod(QuantMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.gguf_runs is None:
+            if hasattr(layer, "gguf_int_runs"):  # on CUDA (not the CPU's hot path)
+                return apply_int_runs(layer, x, bias)
             return dense_linear(x, layer.weight, bias)
+        one_run = layer.gguf_one_run
+        if (one_run is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.is_contiguous()
+                and (x.dtype == torch.float32 or self._float_rows(layer, x, one_run[0]))):
+            # What the kernel branch below computes for one run, with less Python: at batch 1 it weighs.
+            y = gguf_gemm_cpu(x if x.dtype == torch.float32 else x.float(), one_run[1], one_run[0], x.shape[1])
+            y = y if x.dtype == torch.float32 else y.to(x.dtype)
+            return y if bias is None else y + bias
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
         rows, k = x2.shape
@@ -216,6 +238,12 @@ class GGUFLinearMethod(QuantMethod):
         if bias is not None:
             y = y + bias
         return y if x.dim() == 2 else y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def _float_rows(layer: LinearBase, x: torch.Tensor, ggml_type: int) -> bool:
+        """Whether a few bfloat16 rows take the kernel's float32 path (beside a dense copy, or for a type without
+        bfloat16 products), as in apply's kernel branch."""
+        return x.dtype == torch.bfloat16 and (layer.dense_copy is not None or ggml_type not in bf16_kernel_types())
 
     @staticmethod
     def _dense_run(layer: LinearBase, i: int, dtype: torch.dtype) -> torch.Tensor:
