@@ -100,6 +100,8 @@ def test_bfloat16_gguf_keeps_both_forms_only_for_small_models(monkeypatch, caplo
     monkeypatch.setattr(gguf, "DENSE_COPY_MAX_BYTES", dense_bytes)
     assert _gguf_form(config, hf_config, model_class, cpu, torch.bfloat16) == "blocks and dense"
     assert _gguf_form(config, hf_config, model_class, cpu, torch.float16) == "dense"
-    assert _gguf_form(config, hf_config, model_class, cpu, torch.float32) == "blocks"
+    assert _gguf_form(config, hf_config, model_class, cpu, torch.float32) == "blocks"  # 76 MB in float32: over
+    monkeypatch.setattr(gguf, "DENSE_COPY_MAX_BYTES", 2 * dense_bytes)
+    assert _gguf_form(config, hf_config, model_class, cpu, torch.float32) == "blocks and dense"
     kept = ModelConfig(model="m.gguf", quantization="gguf")
     assert _gguf_form(kept, hf_config, model_class, cpu, torch.bfloat16) == "blocks"

@@ -164,8 +164,8 @@ def _gguf_form(model_config: ModelConfig, hf_config: PretrainedConfig, model_cla
     if model_config.quantization not in (None, "gguf"):
         # Another method (fp8) quantizes the GGUF's dequantized weights: it starts from the dense model.
         return "dense"
-    if model_config.quantization != "gguf" and device.type == "cpu" and dtype != torch.float32:
-        return _gguf_form_in_16_bits(hf_config, model_class, dtype)
+    if model_config.quantization != "gguf" and device.type == "cpu":
+        return _gguf_form_on_cpu(hf_config, model_class, dtype)
     if device.type == "cuda" and model_config.quantization == "gguf" and not _num_experts(hf_config):
         logger.info("GGUF on cuda: Q4_0, Q4_1, Q8_0 and Q4_K weights kept in 4 or 8 bits for the integer-weight "
                     "kernels, other types dequantized at load (layers.quant.gguf_int)")
@@ -179,28 +179,33 @@ def _gguf_form(model_config: ModelConfig, hf_config: PretrainedConfig, model_cla
     return "blocks"
 
 
-def _gguf_form_in_16_bits(hf_config: PretrainedConfig, model_class: type[nn.Module], dtype: torch.dtype) -> str:
-    """bfloat16 on the CPU: the blocks win at a decode step's few rows (float32 kernel, 5-6 bits a weight) and
-    oneDNN's bfloat16 GEMM from a handful of rows (the blocks alone are 0.94x at batch 64), so a small model
-    keeps both forms (layers.quant.gguf.FEW_ROWS); a larger one is dequantized at load, as are MoE experts (no
-    dense copy for them) and float16 (the kernel has only its float32 path there). quantization='gguf' keeps
-    the blocks alone anyway."""
-    from tokenmill.layers.quant.gguf import DENSE_COPY_MAX_BYTES, FEW_ROWS
+def _gguf_form_on_cpu(hf_config: PretrainedConfig, model_class: type[nn.Module], dtype: torch.dtype) -> str:
+    """The blocks win at a decode step's few rows (the float32 kernel, 5-6 bits a weight), oneDNN's dense GEMM
+    from a handful of rows (the blocks alone at batch 64: 0.94x in bfloat16, 0.73x in float32), so a small model
+    keeps both forms (layers.quant.gguf.few_rows). A larger one keeps the blocks alone in float32 (memory-bound
+    decoding reads a seventh of the bytes) and is dequantized at load in bfloat16, as are MoE experts in 16 bits
+    (no dense copy for them) and float16 (the kernel has only its float32 path there). quantization='gguf'
+    keeps the blocks alone anyway."""
+    from tokenmill.layers.quant.gguf import DENSE_COPY_MAX_BYTES, few_rows
 
     name = str(dtype).removeprefix("torch.")
-    why = "dtype=float32 or quantization='gguf' keeps the GGML blocks alone"
-    if dtype != torch.bfloat16 or _num_experts(hf_config):
-        logger.info("GGUF in %s on the CPU: dequantized at load (%s)", name, why)
+    alone = "blocks" if dtype == torch.float32 else "dense"  # without a copy
+    if dtype not in (torch.float32, torch.bfloat16) or (_num_experts(hf_config) and dtype != torch.float32):
+        logger.info("GGUF in %s on the CPU: dequantized at load (dtype=float32 or quantization='gguf' keeps the "
+                    "GGML blocks)", name)
         return "dense"
+    if _num_experts(hf_config):
+        return "blocks"
     dense_bytes = _linear_weight_bytes(hf_config, model_class, dtype)
     if dense_bytes > DENSE_COPY_MAX_BYTES:
-        logger.info("GGUF in %s on the CPU: dequantized at load, since a dense copy beside the GGML blocks would "
-                    "take %.0f MB of linear weights, over the %.0f MB limit (%s)", name, dense_bytes / 1e6,
-                    DENSE_COPY_MAX_BYTES / 1e6, why)
-        return "dense"
+        logger.info("GGUF in %s on the CPU: %s, since a dense copy beside the GGML blocks would take %.0f MB of "
+                    "linear weights, over the %.0f MB limit", name,
+                    "the GGML blocks alone" if alone == "blocks" else "dequantized at load", dense_bytes / 1e6,
+                    DENSE_COPY_MAX_BYTES / 1e6)
+        return alone
     logger.info("GGUF in %s on the CPU: linear layers keep their GGML blocks for steps of up to %d rows and a "
                 "dense %s copy (%.0f MB, limit %.0f MB) for more rows (gguf_dequantize=True keeps the dense weights "
-                "alone, quantization='gguf' the blocks alone)", name, FEW_ROWS, name, dense_bytes / 1e6,
+                "alone, quantization='gguf' the blocks alone)", name, few_rows(dtype), name, dense_bytes / 1e6,
                 DENSE_COPY_MAX_BYTES / 1e6)
     return "blocks and dense"
 

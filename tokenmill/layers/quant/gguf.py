@@ -25,7 +25,8 @@ weight against 16), and oneDNN's bfloat16 GEMM wins from a handful of rows on. S
 layer: its blocks, multiplied by the kernel's float32 path for up to FEW_ROWS rows (the bfloat16 activations
 converted exactly, the float32 sums rounded to bfloat16 once), and a dense copy, the dequantized model's
 bfloat16 weights in oneDNN's prepacked layout, for more rows. The two differ by the bfloat16 rounding of
-the weights and by the sums' order.
+the weights and by the sums' order. In float32 the same holds at twice the bytes (the blocks win up to
+FEW_ROWS_FLOAT32 rows): a small model keeps both forms there too, the two differing by the sums' order only.
 """
 
 from __future__ import annotations
@@ -70,13 +71,21 @@ DENSE = -1  # a part's "type" when it arrived as a float tensor
 # at 0.75x the dequantized engine's throughput on 64 prompts of 128 tokens (BENCHMARKS.md).
 DENSE_GEMM_ROWS = 128
 
-# With a dense copy (bfloat16 on the CPU), up to this many rows take the blocks and more take the copy. Per
-# default-model layer on one core of the AMD development machine (AVX512_BF16, no AMX), the blocks through
+# With a dense copy (small models on the CPU), up to this many rows take the blocks in bfloat16, more the copy.
+# Per default-model layer on one core of the AMD development machine (AVX512_BF16, no AMX), the blocks through
 # the float32 path against oneDNN's bfloat16 at 1 / 2 / 4 / 8 rows: 182 / 214 / 316 / 523 us against
 # 283 / 316 / 302 / 377 us (the kernel's bfloat16 path: 230 / 388 / 299 / 441). End to end, blocks against
 # copy at batch 2 / 4 / 6 / 8: 1.23x / 1.11x / 0.90x / 0.93x. The kernel itself leaves its register path for
 # tiles above 8 rows (SMALL_M in gguf_cpu's source), past the crossing.
 FEW_ROWS = 4
+FEW_ROWS_FLOAT32 = 8
+"""The same in float32, whose dense copy reads twice bfloat16's bytes: the default model end to end, blocks against
+copy at batch 6 / 8 / 12 / 16 (same machine, float32): 1.32x / 1.19x / 0.89x / 0.94x."""
+
+
+def few_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows a layer with a dense copy takes its blocks."""
+    return FEW_ROWS_FLOAT32 if dtype == torch.float32 else FEW_ROWS
 # The most bytes of dense linear weights (in the model's dtype) for which the loader keeps the dense copy
 # beside the blocks: SmolLM2-135M's are 212 MB in bfloat16, a 360M model's ~630 MB. Above it the copy's
 # memory outweighs the batch-1 gain for most users, and the model is dequantized at load as before.
@@ -207,7 +216,7 @@ class GGUFLinearMethod(QuantMethod):
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
         rows, k = x2.shape
-        if layer.dense_copy is not None and rows > FEW_ROWS and x2.dtype == layer.params_dtype:
+        if layer.dense_copy is not None and rows > few_rows(x2.dtype) and x2.dtype == layer.params_dtype:
             y = packed_linear(x2.contiguous(), layer.dense_copy, bias)
             return y.reshape(*shape[:-1], y.shape[-1])
         if rows >= DENSE_GEMM_ROWS:
@@ -292,7 +301,8 @@ class GGUFConfig(QuantConfig):
         return GGUFMoEMethod()
 
     def describe(self) -> str:
-        copy = (f", and a dense copy of the linear weights for steps of more than {FEW_ROWS} rows"
+        copy = (f", and a dense copy of the linear weights for steps of more than {FEW_ROWS} rows "
+                f"({FEW_ROWS_FLOAT32} in float32)"
                 if self.dense_copy else "")
         return (f"gguf (linear weights and MoE experts kept in their GGML types, multiplied by the CPU kernel{copy}; "
                 "embeddings, LM head, routers and norms dense)")
