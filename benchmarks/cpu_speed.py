@@ -88,7 +88,8 @@ def main() -> None:
             if i == 0 and args.dump_tokens and not dequantize:
                 np.save(args.dump_tokens, np.array(outputs))
     for dequantize, runs in rates.items():
-        gguf = f" gguf={'dequantized' if dequantize else 'kept'}" if args.engine == "tokenmill" else ""
+        is_gguf = args.engine == "tokenmill" and (args.model is None or args.model.endswith(".gguf"))
+        gguf = f" gguf={'dequantized' if dequantize else 'kept'}" if is_gguf else ""
         each = ", ".join(f"{r:.1f}" for r in runs)
         print(f"RESULT engine={args.engine} dtype={args.dtype}{gguf} batch={args.batch}: median "
               f"{statistics.median(runs):.1f} output tok/s over {len(runs)} runs ({each})")
