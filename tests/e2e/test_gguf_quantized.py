@@ -145,6 +145,20 @@ def test_bfloat16_keeps_blocks_and_a_dense_copy(smollm2_path, smollm2_tokenizer)
     assert "Paris" in out
 
 
+def test_the_integer_layout_predicts_as_the_dequantized_model(smollm2_path, smollm2_llm, smollm2_tokenizer,
+                                                               monkeypatch):
+    """The GPU's form of the blocks (layers.quant.gguf_int, taken here on the CPU through the integer kernels'
+    torch path): every Q4_1 layer in the integer layout, the same weights, so float32 predictions match."""
+    from tokenmill.layers.quant import gguf
+
+    monkeypatch.setattr(gguf, "uses_int_layout", lambda device: True)
+    llm = LLM(smollm2_path, quantization="gguf", dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+    layer = model_of(llm).model.layers[0].self_attn.qkv_proj
+    assert [bits for _, _, bits, _ in layer.gguf_int_runs] == [4]
+    quality = quant_quality(smollm2_llm, llm, smollm2_tokenizer(TEXT).input_ids)
+    assert quality.top1_agreement >= 0.99 and quality.mean_kl <= 1e-5 and quality.max_kl <= 1e-3
+
+
 @pytest.mark.gpu
 def test_the_gpu_serves_the_blocks_through_the_integer_kernels(smollm2_path, smollm2_tokenizer):
     """quantization='gguf' on CUDA: the Q4_1 linear layers in the integer layout (layers.quant.gguf_int), the

@@ -166,9 +166,11 @@ def _gguf_form(model_config: ModelConfig, hf_config: PretrainedConfig, model_cla
         return "dense"
     if model_config.quantization != "gguf" and device.type == "cpu":
         return _gguf_form_on_cpu(hf_config, model_class, dtype)
-    if device.type == "cuda" and model_config.quantization == "gguf" and not _num_experts(hf_config):
-        logger.info("GGUF on cuda: Q4_0, Q4_1, Q8_0 and Q4_K weights kept in 4 or 8 bits for the integer-weight "
-                    "kernels, other types dequantized at load (layers.quant.gguf_int)")
+    from tokenmill.layers.quant.gguf import uses_int_layout
+
+    if uses_int_layout(device) and model_config.quantization == "gguf" and not _num_experts(hf_config):
+        logger.info("GGUF on %s: Q4_0, Q4_1, Q8_0 and Q4_K weights kept in 4 or 8 bits for the integer-weight "
+                    "kernels, other types dequantized at load (layers.quant.gguf_int)", device.type)
         return "blocks"
     if device.type != "cpu":
         # The integer kernels are not yet faster than bfloat16 at decode (BENCHMARKS.md): opt-in only.

@@ -92,6 +92,12 @@ def few_rows(dtype: torch.dtype) -> int:
 DENSE_COPY_MAX_BYTES = 1_000_000_000
 
 
+def uses_int_layout(device: torch.device) -> bool:
+    """Where kept GGUF blocks go into the integer-weight layout (layers.quant.gguf_int): CUDA, for its int4/int8
+    kernels; the CPU has its own GGML kernel."""
+    return device.type == "cuda"
+
+
 def tag_ggml(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Mark a [rows, row_bytes] uint8 tensor as GGUF blocks of `ggml_type` (what the loader yields)."""
     raw.ggml_type = int(ggml_type)  # type: ignore[attr-defined]
@@ -157,7 +163,7 @@ class GGUFLinearMethod(QuantMethod):
             raise ValueError(f"GGUF: some parts of a fused {type(layer).__name__} are missing from the file")
         del layer.gguf_parts, layer.weight
         device = torch.get_default_device()
-        if device.type == "cuda":  # the integer-weight kernels where the type has a 4/8-bit form, else dense
+        if uses_int_layout(device):  # the integer-weight kernels where the type has a 4/8-bit form, else dense
             hold_int_runs(layer, runs_by_type(parts), lambda t, raw: (
                 raw if t == DENSE else dequantize_gguf(raw, t, layer.input_size)).to(layer.params_dtype))
             layer.gguf_runs = None
