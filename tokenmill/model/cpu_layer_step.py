@@ -67,28 +67,26 @@ class CpuLayerStep:
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """As PreNormDecoderLayer.forward, for contiguous hidden_states [rows, hidden] (and residual)."""
         threads = torch.get_num_threads()
-        rows, hidden = hidden_states.shape
-        params, eps, offset = self.norms[0]
-        weight = params["weight"]
-        h = torch.empty_like(hidden_states)
+        rows = hidden_states.shape[0]
+        h, residual = self._norm(0, hidden_states, residual, threads)
+        attn_out = self._attention(positions, self.qkv(h), rows, threads)
+        h, residual = self._norm(1, self.o(attn_out).contiguous(), residual, threads)
+        return self.down(self.act(self.gate_up(h))), residual
+
+    def _norm(self, index: int, x: torch.Tensor, residual: torch.Tensor | None,
+              threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm `index` of the layer on x (after adding the residual, when there is one): (normed, new residual)."""
+        params, eps, offset = self.norms[index]
+        rows, hidden = x.shape
+        h = torch.empty_like(x)
         if residual is None:
-            self.rms_norm(h.data_ptr(), None, hidden_states.data_ptr(), None, weight.data_ptr(), rows, hidden, eps,
+            self.rms_norm(h.data_ptr(), None, x.data_ptr(), None, params["weight"].data_ptr(), rows, hidden, eps,
                           offset, self.is_bf16, threads)
-            residual = hidden_states
-        else:
-            new_residual = torch.empty_like(hidden_states)
-            self.rms_norm(h.data_ptr(), new_residual.data_ptr(), hidden_states.data_ptr(), residual.data_ptr(),
-                          weight.data_ptr(), rows, hidden, eps, offset, self.is_bf16, threads)
-            residual = new_residual
-        qkv = self.qkv(h)
-        attn_out = self._attention(positions, qkv, rows, threads)
-        o = self.o(attn_out).contiguous()
-        params, eps, offset = self.norms[1]
-        weight = params["weight"]
-        h, new_residual = torch.empty_like(o), torch.empty_like(o)
-        self.rms_norm(h.data_ptr(), new_residual.data_ptr(), o.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                      rows, hidden, eps, offset, self.is_bf16, threads)
-        return self.down(self.act(self.gate_up(h))), new_residual
+            return h, x
+        new_residual = torch.empty_like(x)
+        self.rms_norm(h.data_ptr(), new_residual.data_ptr(), x.data_ptr(), residual.data_ptr(),
+                      params["weight"].data_ptr(), rows, hidden, eps, offset, self.is_bf16, threads)
+        return h, new_residual
 
     def _attention(self, positions: torch.Tensor, qkv: torch.Tensor, rows: int, threads: int) -> torch.Tensor:
         """[rows, q_size]: the backend's CPU route (TorchAttentionBackend.forward) for qkv's rows."""

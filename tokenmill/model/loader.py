@@ -164,19 +164,23 @@ def _gguf_form(model_config: ModelConfig, hf_config: PretrainedConfig, model_cla
     if model_config.quantization not in (None, "gguf"):
         # Another method (fp8) quantizes the GGUF's dequantized weights: it starts from the dense model.
         return "dense"
-    if model_config.quantization != "gguf" and device.type == "cpu":
-        return _gguf_form_on_cpu(hf_config, model_class, dtype)
     from tokenmill.layers.quant.gguf import uses_int_layout
 
-    if uses_int_layout(device) and model_config.quantization == "gguf" and not _num_experts(hf_config):
+    if model_config.quantization != "gguf":
+        if device.type == "cpu":
+            return _gguf_form_on_cpu(hf_config, model_class, dtype)
+        # The integer kernels are not yet faster than bfloat16 at decode (BENCHMARKS.md): opt-in only.
+        logger.info("GGUF on %s: every tensor is dequantized at load%s", device.type,
+                    " (quantization='gguf' keeps 4/8-bit weights, for less memory)"
+                    if uses_int_layout(device) and not _num_experts(hf_config) else "")
+        return "dense"
+    if uses_int_layout(device) and not _num_experts(hf_config):
         logger.info("GGUF on %s: Q4_0, Q4_1, Q8_0 and Q4_K weights kept in 4 or 8 bits for the integer-weight "
                     "kernels, other types dequantized at load (layers.quant.gguf_int)", device.type)
         return "blocks"
     if device.type != "cpu":
-        # The integer kernels are not yet faster than bfloat16 at decode (BENCHMARKS.md): opt-in only.
-        logger.info("GGUF on %s: every tensor is dequantized at load%s", device.type,
-                    " (quantization='gguf' keeps 4/8-bit weights, for less memory)" if device.type == "cuda"
-                    and not _num_experts(hf_config) else "")
+        logger.info("GGUF on %s: no quantized GEMM for this device, every tensor is dequantized at load",
+                    device.type)
         return "dense"
     return "blocks"
 

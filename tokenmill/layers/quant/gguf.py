@@ -173,25 +173,18 @@ class GGUFLinearMethod(QuantMethod):
             layer.weight = nn.Parameter(torch.cat(dense).to(device, layer.params_dtype), requires_grad=False)
             layer.gguf_runs = None
             return
-        runs: list[tuple[int, int, int]] = []  # (type, first output feature, features)
-        blobs: list[list[torch.Tensor]] = []
+        runs = runs_by_type(parts)
+        layer.gguf_runs = []  # (type, first output feature, features)
         offset = 0
-        for ggml_type, raw in parts:
-            if runs and runs[-1][0] == ggml_type:
-                runs[-1] = (ggml_type, runs[-1][1], runs[-1][2] + raw.shape[0])
-                blobs[-1].append(raw)
-            else:
-                runs.append((ggml_type, offset, raw.shape[0]))
-                blobs.append([raw])
-            offset += raw.shape[0]
-        layer.gguf_runs = runs
-        for i, (run, pieces) in enumerate(zip(runs, blobs)):
+        for i, (ggml_type, pieces) in enumerate(runs):
             blob = torch.cat(pieces)
-            if run[0] == DENSE:
+            if ggml_type == DENSE:
                 blob = blob.to(layer.params_dtype)
-            elif run[0] not in KERNEL_TYPES:  # the loader keeps only kernel types quantized; be safe anyway
-                blob = dequantize_gguf(blob, run[0], layer.input_size).to(layer.params_dtype)
-                layer.gguf_runs[i] = (DENSE, run[1], run[2])
+            elif ggml_type not in KERNEL_TYPES:  # the loader keeps only kernel types quantized; be safe anyway
+                blob = dequantize_gguf(blob, ggml_type, layer.input_size).to(layer.params_dtype)
+                ggml_type = DENSE
+            layer.gguf_runs.append((ggml_type, offset, blob.shape[0]))
+            offset += blob.shape[0]
             setattr(layer, f"qweight{i}", nn.Parameter(blob, requires_grad=False))
         # What apply() reads per call, gathered once (the f-string getattr per run and call showed in batch-1
         # profiles): the layer's own Parameter objects, which in-place loads and CPU casts keep.

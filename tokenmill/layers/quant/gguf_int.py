@@ -97,6 +97,7 @@ def hold_int_runs(layer: LinearBase, runs: list[tuple[int, list[torch.Tensor]]],
     per run (first output feature, features, bits or 0 for dense) and its tensors as the layer's parameters."""
     held = []
     offset = 0
+    device = torch.get_default_device()
     for i, (ggml_type, pieces) in enumerate(runs):
         raw = torch.cat(pieces)
         bits = INT_GGML_TYPES.get(ggml_type, 0)
@@ -105,7 +106,6 @@ def hold_int_runs(layer: LinearBase, runs: list[tuple[int, list[torch.Tensor]]],
             tensors = (pack_int32(w.q, bits, dim=1), w.scale, w.zero)
         else:
             tensors = (dense(ggml_type, raw),)
-        device = torch.get_default_device()
         for name, t in zip(("weight", "scale", "zero"), tensors):
             if t is not None:
                 setattr(layer, f"gguf_{name}{i}", nn.Parameter(t.to(device).contiguous(), requires_grad=False))
