@@ -23,7 +23,10 @@ def is_int8(dtype: torch.dtype) -> bool:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (int8 [..., head_dim], float32 scales [...]): each row over its own absmax."""
     x = x.to(torch.float32)
-    scale = x.abs().amax(dim=-1) / INT8_MAX
+    absmax = x.abs().amax(dim=-1)
+    # A tensor divisor: CUDA torch divides by a Python scalar as a multiply by its reciprocal, which is not the
+    # IEEE quotient the Triton writers (and torch on the CPU) compute.
+    scale = absmax / torch.full_like(absmax, INT8_MAX)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.round(x / divisor.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(INT8_DTYPE), scale
 
