@@ -3,7 +3,8 @@
 python benchmarks/w4a16_gemm.py [--sweep]  (on a CUDA device)
 
 Per row count, each projection's time for the kernel int_weight_gemm picks and for bf16; at 1-4 rows also the
-GEMV and the skinny kernel side by side, and with --sweep the GEMV's (BLOCK_N, BLOCK_K, warps, stages) configs.
+skinny kernel, and with --sweep the GEMV's (BLOCK_N, BLOCK_K, warps, stages) configs (each one compiles once per
+row count: 18 at one row, 13 at four).
 """
 
 from __future__ import annotations
@@ -20,11 +21,23 @@ from tokenmill.kernels.w4a16_gemm import GEMV_MAX_ROWS, gemv_int, int_weight_gem
 from tokenmill.layers.quant.w4a16 import pack_int32
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-GEMV_CONFIGS = list(itertools.product((8, 16, 32, 64), (256, 512, 1024, 2048), (4, 8), (2, 3)))
+# BLOCK_N 2-16, 64-256 words per column per step over at most BLOCK_K / 8 / 32 warps (more would send the words
+# through shared memory, kernels.w4a16_gemm._gemv_int_kernel), at most 16 words per thread, 8 from 3 rows
+# (registers); the GEMV has no shared-memory pipeline, so num_stages stays 1. 18 configs at 1 row, 13 at 4.
+GEMV_CONFIGS = [(bn, bk, w, 1) for bn, (bk, w) in itertools.product(
+    (2, 4, 8, 16), ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8))) if bn * bk // 8 // (32 * w) <= 16]
+
+
+def gemv_configs(rows: int) -> list[tuple[int, int, int, int]]:
+    return [c for c in GEMV_CONFIGS if rows <= 2 or c[0] * c[1] // 8 // (32 * c[2]) <= 8]
 
 
 def us(fn) -> float:
     return triton.testing.do_bench(fn) * 1e3
+
+
+def sweep_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=20) * 1e3  # shorter: many configs
 
 
 def main() -> None:
@@ -47,8 +60,8 @@ def main() -> None:
                 t_skinny = us(functools.partial(skinny_int_gemm, x, q, scale, None, None, 4))
                 line += f"   (skinny {t_skinny:.1f} us; the weight at 4.25 TB/s: {n * k / 2 / 4.25e6:.1f} us)"
                 if args.sweep:
-                    best = min((us(functools.partial(gemv_int, x, q, scale, None, None, 4, config=c)), c)
-                               for c in GEMV_CONFIGS)
+                    best = min((sweep_us(functools.partial(gemv_int, x, q, scale, None, None, 4, config=c)), c)
+                               for c in gemv_configs(rows))
                     line += f"   best GEMV {best[0]:.1f} us at {best[1]}"
             print(line, flush=True)
         print(f"rows {rows:5d} all four: int4 {total_int:.1f} us, bf16 {total_dense:.1f} us "

@@ -112,12 +112,15 @@ def test_scale_step_layouts(device, dtype, kernel, rows, group, config):
 
 
 # The GEMV (up to 4 rows) with steps over several groups (group 32 in 128-wide steps), inside one group, and
-# per-channel; each row count is its own compiled variant.
+# per-channel; each row count is its own compiled variant. The 512-wide steps over the interpreter's k = 256 take
+# the masked path along k (steps that do not divide k).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,group,sym,act_order,bits,config", [
     pytest.param(2, 32, False, True, 4, (16, 128, 4, 2), marks=interpret),
     pytest.param(3, 128, True, False, 4, (32, 64, 4, 2), marks=interpret),
     pytest.param(4, 0, False, False, 8, (16, 128, 4, 2), marks=interpret),
+    pytest.param(1, 128, False, True, 4, (8, 512, 4, 1), marks=interpret),
+    pytest.param(2, 0, True, False, 4, (1, 512, 1, 1), marks=interpret),
     pytest.param(4, 64, True, True, 4, None),
     pytest.param(3, 32, False, False, 8, None),
 ])

@@ -9,9 +9,12 @@ memory at 4 (or 8) bits, and no 16-bit copy is ever written.
 
 Three kernels:
 - `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns, every word
-  unpacked once for all the rows, the zero point and the scale applied per group to the sums rather than per
-  weight (scale * (sum q * x - zero * sum x)). The skinny kernel's 16-row tensor-core tile at one row ran at
-  a tenth of the weights' read rate on the H200 (BENCHMARKS.md): the unpacking, not the memory, set the pace.
+  unpacked once for all the rows (about 2 integer ops and an fma per weight, no int-to-float conversion) and
+  kept in its packed shape ([words, groups, slots, columns], x loaded to match: no change of layout, no shared
+  memory in the loop), the zero point and the scale applied per word to the sums rather than per weight
+  (scale * (sum q * x - zero * sum x); symmetric weights lose the midpoint in the float conversion). The skinny
+  kernel's 16-row tensor-core tile at one row ran at a tenth of the weights' read rate on the H200
+  (BENCHMARKS.md): the unpacking, not the memory, set the pace.
 - `skinny_int_gemm`, decode (<= 16 rows): each program owns BLOCK_N output columns and walks all of K, as
   kernels.skinny_gemm does for 16-bit weights; a decode step only streams weights, and these are a quarter
   of the bytes.
@@ -129,75 +132,149 @@ def _tiled_int_kernel(
 
 
 @triton.jit
-def _gemv_row(q, x_ptr, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr):
-    """One row's part of a step: sum over the step's groups of scale * (sum q * x - zero * sum x), [BLOCK_N].
-    The zero point leaves the inner product (one multiply-add per weight, not three)."""
-    if HAS_PERM:
-        cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start, k, valid, PACK: tl.constexpr,
+                     SUB: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr):
+    """A step's weight words [W, G, 1, BLOCK_N] and its scales and zeros [W, G, BLOCK_N] (GROUP 0: none, loaded
+    once), each thread loading those of its own words (the same for the W words of a group: cached loads), so
+    they need no change of layout either.
+    `valid` (scalar) turns the prefetch past the last step off; without EVEN_K the words and groups past k are
+    masked off too."""
+    if EVEN_K:
+        w_mask = valid
+        g_mask = valid
     else:
-        cols = offs_k
-    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-    dots = tl.sum(tl.reshape(q * x[None, :], (BLOCK_N, BLOCK_K // GROUP_STEP, GROUP_STEP)), axis=2)
-    sums = tl.sum(tl.reshape(x, (BLOCK_K // GROUP_STEP, GROUP_STEP)), axis=1)
-    return tl.sum(s * (dots - z * sums[None, :]), axis=1)
+        w_mask = valid & (start // PACK + word < k // PACK)[:, :, None, None]
+        g_mask = valid & (start + offs_g * SUB < k)[None, :, None]
+    words = tl.load(w_ptrs + start // PACK, mask=w_mask, other=0)
+    s = 0.0
+    z = 0.0
+    if GROUP != 0:
+        group = (start + offs_g * SUB) // GROUP
+        offs = tl.max_contiguous(s_offs + group[None, :, None], [1, 1, 1])
+        s = tl.load(s_ptr + offs, mask=g_mask, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + offs, mask=g_mask, other=0.0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
+def _gemv_row(acc, qz, z, x_ptr, cols, x_mask, s, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """One row's part of a step: acc [W, G, BLOCK_N] += scale * (sum over each word's slots of q * x, less
+    zero * sum of x), with x [W, G, PACK, 1] in the words' shape; the sums over the words and the groups wait
+    for the end. Symmetric weights come with the midpoint already taken off q."""
+    x = tl.load(x_ptr + cols, mask=x_mask, other=0.0).to(tl.float32)
+    dots = tl.sum(qz * x, axis=2)
+    if HAS_ZERO:  # the zero point once per word and column, not per weight
+        dots -= z * tl.sum(x, axis=2)
+    if GROUP == 0:
+        return acc + dots  # per-channel: scaled once at the end
+    return acc + dots * s
+
+
+@triton.jit
+def _gemv_store(out_ptr, acc, s_end, offs_n, n_mask, GROUP: tl.constexpr):
+    out = tl.sum(tl.sum(acc, axis=0), axis=0)
+    if GROUP == 0:
+        out = out * s_end
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _gemv_int_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    # A row or a few on the CUDA cores: a 16-row tensor-core tile would be 15 rows of padding, and there the
-    # unpacking, not the weight read, set the pace. Each word is loaded and unpacked once for every row.
+    # A row or a few on the CUDA cores, each program owning BLOCK_N output columns and walking all of K.
+    # The words stay in their packed shape from load to sum, [W words, G groups, PACK slots, BLOCK_N columns]:
+    # feature (g * W + w) * PACK + p of the step is slot p of word g * W + w, and x is loaded in that shape,
+    # [W, G, PACK, 1]. Both loads then give each thread the same words (consecutive threads on consecutive
+    # words: coalesced), the words of all BLOCK_N columns and x's PACK features of each (one 16-byte load, used
+    # for every column), so nothing changes layout in the loop. The old kernel's reshape of the unpacked tile
+    # into [BLOCK_N, BLOCK_K] sent 8x the weight's bytes through shared memory every step.
     PACK: tl.constexpr = 32 // BITS
-    # The step's groups: a step inside one group (or per-channel) meets one scale per column.
-    GROUP_STEP: tl.constexpr = BLOCK_K if GROUP == 0 or GROUP >= BLOCK_K else GROUP
+    SUB: tl.constexpr = GROUP if GROUP > 0 and GROUP < BLOCK_K else BLOCK_K  # the features one scale covers
+    G: tl.constexpr = BLOCK_K // SUB
+    W: tl.constexpr = SUB // PACK
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
-    row = offs_n[:, None].to(tl.int64)
-    shifts = tl.arange(0, PACK) * BITS
-    offs_g = tl.arange(0, BLOCK_K // GROUP_STEP)
-    acc0 = tl.zeros([BLOCK_N], tl.float32)
-    acc1 = tl.zeros([BLOCK_N], tl.float32)
-    acc2 = tl.zeros([BLOCK_N], tl.float32)
-    acc3 = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, k, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k
-        offs_w = start // PACK + tl.arange(0, BLOCK_K // PACK)
-        words = tl.load(w_ptr + row * stride_wn + offs_w[None, :],
-                        mask=n_mask[:, None] & (offs_w * PACK < k)[None, :], other=0)
-        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BLOCK_K))
-        q = q.to(tl.float32)
-        if GROUP == 0:
-            group = tl.zeros_like(offs_g)
-        else:
-            group = (start + offs_g * GROUP_STEP) // GROUP
-        sz_mask = n_mask[:, None] & (start + offs_g * GROUP_STEP < k)[None, :]
-        s = tl.load(s_ptr + row * stride_sn + group[None, :], mask=sz_mask, other=0.0).to(tl.float32)
+    rows_n = tl.minimum(offs_n, n - 1)  # the last block's extra columns read the last row: no load masks on n
+    offs_g = tl.arange(0, G)
+    offs_p = tl.arange(0, PACK)
+    word = tl.arange(0, W)[:, None] + offs_g[None, :] * W  # [W, G]
+    feature = word[:, :, None, None] * PACK + offs_p[None, None, :, None]  # [W, G, PACK, 1]
+    # One word per thread and column (the layout x's 16-byte loads get), not 16-byte vectors of 4 words, which
+    # would reach x's layout only through shared memory: the hint keeps the words' load in x's layout (threads
+    # in the same dimension order), 128 contiguous bytes per warp and column.
+    w_offs = tl.max_contiguous(word[:, :, None, None] + rows_n[None, None, None, :].to(tl.int64) * stride_wn,
+                               [1, 1, 1, 1])
+    w_ptrs = w_ptr + w_offs
+    s_offs = tl.zeros([W, 1, 1], tl.int32) + (rows_n * stride_sn)[None, None, :]  # [W, 1, BLOCK_N]
+    # Unpacking in about 2 instructions per weight, no int-to-float conversion (a quarter-rate instruction):
+    # slot p's bits in the mantissa of 2^23 make the float 2^23 + q * 2^pos, exactly, when they sit at bit
+    # `pos` below 23. The word or'ed with 2^23's bits once, each slot is one and with (its mask | 2^23's bits);
+    # the low slots where they are (pos = p * BITS), the high ones (bits 20-31 of int4, 16-31 of int8) after
+    # one shift of the word. One fma then scales by 2^-pos and takes 2^(23 - pos) off (and the midpoint for
+    # symmetric weights), exactly: q, or q - midpoint, as a float32.
+    HIGH: tl.constexpr = 12 if BITS == 4 else 16
+    TWO_23: tl.constexpr = 0x4B000000  # 2^23's float32 bits
+    low = (offs_p + 1) * BITS <= 23
+    pos = offs_p * BITS - tl.where(low, 0, HIGH)
+    slot_mask = ((((1 << BITS) - 1) << pos) | TWO_23).to(tl.uint32)[None, None, :, None]
+    slot_scale = ((127 - pos) << 23).to(tl.float32, bitcast=True)[None, None, :, None]  # 2^-pos
+    slot_offset = -((150 - pos) << 23).to(tl.float32, bitcast=True)[None, None, :, None]  # -2^(23 - pos)
+    if not HAS_ZERO:
+        slot_offset -= 1 << (BITS - 1)  # symmetric: the midpoint
+    low = low[None, None, :, None]
+    if GROUP == 0:  # one scale (and zero) per column for all of K
+        s_end = tl.load(s_ptr + rows_n * stride_sn).to(tl.float32)
         if HAS_ZERO:
-            z = tl.load(z_ptr + row * stride_sn + group[None, :], mask=sz_mask, other=0.0).to(tl.float32)
+            zw = tl.load(z_ptr + rows_n * stride_sn).to(tl.float32)[None, None, :]
         else:
-            z = tl.full([BLOCK_N, BLOCK_K // GROUP_STEP], 1 << (BITS - 1), tl.float32)  # symmetric: the midpoint
-        acc0 += _gemv_row(q, x_ptr, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP, BLOCK_N, BLOCK_K, HAS_PERM)
+            zw = 0.0
+    else:
+        s_end = 1.0
+    acc0 = tl.zeros([W, G, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([W, G, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([W, G, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([W, G, BLOCK_N], tl.float32)
+    # The next step's words are loaded before this step's math (registers, not a shared-memory pipeline):
+    # two steps of weight bytes in flight per program.
+    words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, 0, k, k > 0, PACK, SUB, GROUP,
+                                   HAS_ZERO, EVEN_K)
+    for start in range(0, k, BLOCK_K):
+        next_words, next_s, next_z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start + BLOCK_K,
+                                                      k, start + BLOCK_K < k, PACK, SUB, GROUP, HAS_ZERO, EVEN_K)
+        if GROUP != 0 and HAS_ZERO:
+            zw = z
+        elif GROUP != 0:
+            zw = 0.0
+        bits = words.to(tl.uint32, bitcast=True)
+        bits = tl.where(low, bits | TWO_23, (bits >> HIGH) | TWO_23)
+        q = (bits & slot_mask).to(tl.float32, bitcast=True)
+        qz = q * slot_scale + slot_offset
+        x_mask = start + feature < k
+        if HAS_PERM:  # act-order: the weight's feature j is the input's feature perm[j]
+            # Loaded in the words' layout (one element per thread and slot, as the hint makes it): the gathered
+            # x then is too. As 16-byte vectors both would cross threads through shared memory every step.
+            cols = tl.load(perm_ptr + tl.max_contiguous(start + feature, [1, 1, 1, 1]), mask=x_mask, other=0)
+        else:
+            cols = start + feature
+        acc0 = _gemv_row(acc0, qz, zw, x_ptr, cols, x_mask, s, GROUP, HAS_ZERO)
         if ROWS > 1:
-            acc1 += _gemv_row(q, x_ptr + stride_xm, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP, BLOCK_N, BLOCK_K,
-                              HAS_PERM)
+            acc1 = _gemv_row(acc1, qz, zw, x_ptr + stride_xm, cols, x_mask, s, GROUP, HAS_ZERO)
         if ROWS > 2:
-            acc2 += _gemv_row(q, x_ptr + 2 * stride_xm, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP, BLOCK_N,
-                              BLOCK_K, HAS_PERM)
+            acc2 = _gemv_row(acc2, qz, zw, x_ptr + 2 * stride_xm, cols, x_mask, s, GROUP, HAS_ZERO)
         if ROWS > 3:
-            acc3 += _gemv_row(q, x_ptr + 3 * stride_xm, perm_ptr, s, z, offs_k, k_mask, GROUP_STEP, BLOCK_N,
-                              BLOCK_K, HAS_PERM)
-    tl.store(out_ptr + offs_n, acc0.to(out_ptr.dtype.element_ty), mask=n_mask)
+            acc3 = _gemv_row(acc3, qz, zw, x_ptr + 3 * stride_xm, cols, x_mask, s, GROUP, HAS_ZERO)
+        words, s, z = next_words, next_s, next_z
+    _gemv_store(out_ptr, acc0, s_end, offs_n, n_mask, GROUP)
     if ROWS > 1:
-        tl.store(out_ptr + stride_om + offs_n, acc1.to(out_ptr.dtype.element_ty), mask=n_mask)
+        _gemv_store(out_ptr + stride_om, acc1, s_end, offs_n, n_mask, GROUP)
     if ROWS > 2:
-        tl.store(out_ptr + 2 * stride_om + offs_n, acc2.to(out_ptr.dtype.element_ty), mask=n_mask)
+        _gemv_store(out_ptr + 2 * stride_om, acc2, s_end, offs_n, n_mask, GROUP)
     if ROWS > 3:
-        tl.store(out_ptr + 3 * stride_om + offs_n, acc3.to(out_ptr.dtype.element_ty), mask=n_mask)
+        _gemv_store(out_ptr + 3 * stride_om, acc3, s_end, offs_n, n_mask, GROUP)
 
 
 def _block_k(group: int, widest: int, narrowest: int) -> int:
@@ -251,25 +328,53 @@ def skinny_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.T
 GEMV_MAX_ROWS = 4
 
 
+_TUNED_GEMV = {
+    # (n, rows <= 2, bits, group): the best of `benchmarks/w4a16_gemm.py --sweep` on the H200 (2026-12-02) for
+    # Llama-3.1-8B's projections, keyed by their widths (qkv, o / down, gate_up); 1 row stands for 1-2, 4 for 3-4.
+    (6144, True, 4, 128): (8, 1024, 2, 1), (4096, True, 4, 128): (4, 1024, 4, 1),
+    (28672, True, 4, 128): (4, 512, 2, 1),
+    (6144, False, 4, 128): (8, 512, 2, 1), (4096, False, 4, 128): (4, 512, 2, 1),
+    (28672, False, 4, 128): (8, 512, 2, 1),
+}
+
+
+def _gemv_config(n: int, bits: int, group: int, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 128 words per column per step (512 bytes, as the fp8 GEMV's
+    512-1,024) over 4 warps, which keeps the words' and x's layouts one (at most BLOCK_K / PACK / 32 warps).
+    8 columns per program (8 words per thread, ~96 registers) only where that still makes 8 programs per SM of
+    an H100/H200 (132 SMs; ~5 fit at once), else 4 (also from 3 rows, for the registers), 2 for small n: whole
+    waves, and bytes in flight on every SM. From the AOT compile for sm_90; the shapes in _TUNED_GEMV were
+    swept on the H200 (benchmarks/w4a16_gemm.py --sweep)."""
+    tuned = _TUNED_GEMV.get((n, rows <= 2, bits, group))
+    if tuned is not None:
+        return tuned
+    block_k = 4096 // bits
+    while group and block_k % group and group % block_k:
+        block_k //= 2  # whole groups per step, or steps inside one group
+    block_n = 8 if rows <= 2 and triton.cdiv(n, 8) >= 8 * 132 else 4
+    if triton.cdiv(n, block_n) < 2 * 132:
+        block_n = 2
+    return block_n, block_k, 4, 1
+
+
 def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
              perm: torch.Tensor | None, bits: int, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [rows <= 4, k] (bf16/fp16) @ dequant(weight).T on the CUDA cores; config = (BLOCK_N, BLOCK_K, num_warps,
-    num_stages). BLOCK_K must be a multiple of the group size or divide it."""
+    num_stages), powers of 2. BLOCK_K must be a multiple of the group size or divide it; steps that divide k keep
+    the weight loads unmasked along k."""
     rows, n, k = _check(x, weight_packed, scale, zero, perm, bits)
     assert rows <= GEMV_MAX_ROWS
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     group = _group_of(k, scale)
-    # ~512 weight bytes per column per step (as the fp8 GEMV's 512-1,024): many loads in flight per program.
-    block_n, block_k, num_warps, num_stages = config or (16, 4096 // bits if group == 0 or group <= 4096 // bits
-                                                         else group, 4, 3)
+    block_n, block_k, num_warps, num_stages = config or _gemv_config(n, bits, group, rows)
     assert group == 0 or block_k % group == 0 or group % block_k == 0, (group, block_k)
     _gemv_int_kernel[(triton.cdiv(n, block_n),)](
         x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
         out, n, k, x.stride(0), weight_packed.stride(0), scale.stride(0), out.stride(0),
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None, ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
