@@ -3,6 +3,7 @@ token bucket, and the tuned configs written to DIR/fused_moe_<device>.json (the 
 tokenmill/kernels/configs/).
 
     python benchmarks/fused_moe.py --out DIR [--shapes qwen3-30b-a3b,mixtral] [--buckets 1,16,256]
+    python benchmarks/fused_moe.py --decode [--fp8] --out DIR [--shapes qwen3-30b-a3b,qwen3-30b-a3b-tp2]
 
 Shapes: Qwen3-30B-A3B's experts (E=128, K=8, H=2048, I=768), its TP=2 slice (I=384), Mixtral-8x7B's (E=8,
 K=2, H=4096, I=14336), in bfloat16 (float16 shares the tiles). For each bucket of tokens, the gate/up and
@@ -11,6 +12,11 @@ independent launches), the best pair per BLOCK_M plus its alignment wins. Then t
 with the winner and is checked against the float32 torch path; the table gives its time, the time of the
 bf16 torch path (a loop over experts), and the floor: the bytes of the experts actually touched (plus the
 activations in and out) at the copy bandwidth measured here.
+
+--decode tunes kernels.fused_moe_decode (the GEMV path of 1..4 tokens) instead: one config per shape, the
+gate/up and down tiles each the fastest summed over T = 1, 2, 4 (a token's bits then do not depend on T),
+written to DIR/fused_moe_decode_<device>.json; then each T is checked and timed against the grouped GEMMs
+(with their tuned tiles) and the floor. --fp8: the same for e4m3 experts with 128 x 128 block scales.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenmill.kernels.fused_moe import (  # noqa: E402
     CONFIG_DIR,
+    FP8,
     MoeConfig,
     align_assignments,
     config_path,
@@ -39,6 +47,14 @@ from tokenmill.kernels.fused_moe import (  # noqa: E402
     fused_experts,
     gate_up_gemm,
     shape_key,
+)
+from tokenmill.kernels.fused_moe_decode import (  # noqa: E402
+    DecodeConfig,
+    decode_config_path,
+    decode_down,
+    decode_gate_up,
+    decode_shape_key,
+    fused_experts_decode,
 )
 from tokenmill.layers.moe_routing import fused_experts_torch, select_experts  # noqa: E402
 
@@ -66,6 +82,17 @@ DOWN_TILES = {
     64: [(64, 64, 8, 4, 3), (128, 64, 8, 4, 3), (128, 64, 8, 8, 4), (128, 128, 8, 8, 3)],
     128: [(64, 64, 8, 4, 4), (128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3)],
 }
+
+# The decode path's candidates: (BLOCK_N, BLOCK_K, num_warps, num_stages); the down kernel's BLOCK_K is per
+# expert (its tile is BLOCK_N x top-k x BLOCK_K).
+# Their loops are not software-pipelined (no tl.dot): a program has one step's loads in flight, so the
+# wide-K tiles (few steps, all programs resident) are there for the bandwidth, the narrow ones for the grid.
+DECODE_GATE_UP_TILES = [(4, 1024, 4, 3), (4, 2048, 8, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3),
+                        (16, 512, 8, 3), (16, 1024, 8, 3), (32, 256, 8, 3), (32, 128, 4, 3)]
+DECODE_DOWN_TILES = [(2, 512, 4, 3), (2, 1024, 8, 3), (4, 128, 4, 3), (4, 256, 8, 3), (4, 512, 8, 3), (8, 64, 4, 3),
+                     (8, 128, 8, 3), (8, 256, 8, 3), (16, 64, 8, 3), (16, 128, 8, 3), (32, 32, 4, 3)]
+DECODE_TOKENS = (1, 2, 4)
+FP8_BLOCK = 128  # --fp8: the block scales of the Qwen3 / DeepSeek-V3 FP8 releases
 
 
 def block_m_candidates(rows_per_expert: float) -> list[int]:
@@ -162,6 +189,125 @@ def check_and_time(tokens, experts, top_k, x, w13, w2, w13_f32, w2_f32, config, 
     }
 
 
+@dataclass
+class Experts:
+    """One layer's experts as the kernels take them: 16-bit, or e4m3 with block scales (--fp8)."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    scale_block: int = 0
+
+    def scales(self) -> dict:
+        return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale, "scale_block": self.scale_block}
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 weights (the reference's)."""
+        return tuple(w.float() if s is None else dequantize_blocks(w, s, self.scale_block)
+                     for w, s in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)))
+
+
+def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> e4m3 [E, N, K] and float32 scales [E, N / block, K / block], as the FP8 checkpoints hold."""
+    e, n, k = w.shape
+    tiles = w.float().reshape(e, n // block, block, k // block, block)
+    scale = tiles.abs().amax(dim=(2, 4)).clamp_min(1e-12) / torch.finfo(FP8).max
+    return (tiles / scale[:, :, None, :, None]).to(FP8).reshape(e, n, k), scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(block, dim=1).repeat_interleave(block, dim=2)
+
+
+def make_experts(experts: int, hidden: int, inter: int, fp8: bool) -> Experts:
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=DEVICE) * hidden**-0.5).to(DTYPE)
+    w2 = (torch.randn(experts, hidden, inter, device=DEVICE) * inter**-0.5).to(DTYPE)
+    if not fp8:
+        return Experts(w13, w2)
+    (q13, s13), (q2, s2) = quantize_blocks(w13, FP8_BLOCK), quantize_blocks(w2, FP8_BLOCK)
+    return Experts(q13, q2, s13, s2, FP8_BLOCK)
+
+
+def floor_us(x, ids, w2, bandwidth) -> float:
+    """The bytes of the experts actually touched, plus the activations in and out, at the copy bandwidth."""
+    tokens, hidden = x.shape
+    touched = ids[ids >= 0].unique().numel()
+    expert_bytes = 3 * w2.shape[2] * hidden * w2.element_size()
+    return (touched * expert_bytes + 2 * tokens * hidden * x.element_size()) / bandwidth * 1e6
+
+
+def tune_decode(x_all, ex: Experts, top_k) -> DecodeConfig:
+    """The gate/up and the down tiles with the least time summed over DECODE_TOKENS."""
+    totals_up = dict.fromkeys(DECODE_GATE_UP_TILES, 0.0)
+    totals_down = dict.fromkeys(DECODE_DOWN_TILES, 0.0)
+    up_scale = {"scale": ex.w13_scale, "scale_block": ex.scale_block}
+    down_scale = {"scale": ex.w2_scale, "scale_block": ex.scale_block}
+    for tokens in DECODE_TOKENS:
+        weights, ids = routing(tokens, ex.w13.shape[0], top_k)
+        ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+        x = x_all[:tokens]
+        for tiles in DECODE_GATE_UP_TILES:
+            totals_up[tiles] += bench(functools.partial(decode_gate_up, x, ex.w13, ids, top_k, tiles, **up_scale))
+        h = decode_gate_up(x, ex.w13, ids, top_k, DECODE_GATE_UP_TILES[0], **up_scale)
+        for tiles in DECODE_DOWN_TILES:
+            totals_down[tiles] += bench(functools.partial(decode_down, h, ex.w2, ids, weights, top_k, tiles,
+                                                          **down_scale))
+    for name, totals in (("gate/up", totals_up), ("down", totals_down)):
+        ranked = sorted(totals.items(), key=lambda item: item[1])
+        print(f"  {name} tiles, us summed over T={DECODE_TOKENS}: "
+              + ", ".join(f"{tiles}: {us:.1f}" for tiles, us in ranked), flush=True)
+    return DecodeConfig(min(totals_up, key=totals_up.get), min(totals_down, key=totals_down.get))
+
+
+def time_decode(name: str, x, ex: Experts, reference: tuple, config: DecodeConfig, bandwidth: float) -> bool:
+    """One row of the --decode table: the decode path against the grouped GEMMs and the floor; whether it is
+    right (against the float32 torch path on the same, dequantized, weights)."""
+    top_k = SHAPES[name][1]
+    weights, ids = routing(x.shape[0], ex.w13.shape[0], top_k)
+    out = fused_experts_decode(x, ex.w13, ex.w2, weights, ids, config=config, **ex.scales())
+    ref = fused_experts_torch(x.float(), *reference, weights, ids)
+    error = ((out.float() - ref).norm() / ref.norm()).item()
+    t_decode = bench_graph(functools.partial(fused_experts_decode, x, ex.w13, ex.w2, weights, ids, config=config,
+                                             **ex.scales()))
+    # the grouped GEMMs, with their tuned tiles (16-bit tiles for fp8: it has no entries of its own)
+    t_gemms = bench_graph(functools.partial(fused_experts, x, ex.w13, ex.w2, weights, ids, **ex.scales()))
+    floor = floor_us(x, ids, ex.w2, bandwidth)
+    print(f"{name:18s} {x.shape[0]:6d} {str(config.gate_up):>18s} {str(config.down):>16s} {t_decode:9.1f} "
+          f"{t_gemms:9.1f} {floor:9.1f} {100 * floor / t_decode:6.0f}% {100 * floor / t_gemms:6.0f}% {error:8.1e}"
+          f"{'' if error < 2e-2 else '  WRONG'}", flush=True)
+    return error < 2e-2
+
+
+def decode_main(args, device_name: str, bandwidth: float) -> int:
+    """--decode: tune, check and time the decode path against the grouped GEMMs and the floor."""
+    path = decode_config_path(device_name, args.out)
+    saved = json.loads(path.read_text()) if path.exists() else {"configs": {}}
+    saved.update(device=device_name, triton=triton.__version__)
+    failures = 0
+    print(f"{'e4m3 experts, 128x128 block scales' if args.fp8 else 'bf16 experts'}\n"
+          f"{'shape':18s} {'tokens':>6s} {'gate_up tiles':>18s} {'down tiles':>16s} {'decode us':>9s} "
+          f"{'GEMMs us':>9s} {'floor us':>9s} {'decode':>7s} {'GEMMs':>7s} {'rel err':>8s}  (% of floor)")
+    for name in args.shapes.split(","):
+        experts, top_k, hidden, inter = SHAPES[name]
+        torch.manual_seed(0)
+        x_all = torch.randn(max(DECODE_TOKENS), hidden, device=DEVICE, dtype=DTYPE)
+        ex = make_experts(experts, hidden, inter, args.fp8)
+        reference = ex.dequantized()
+        config = tune_decode(x_all, ex, top_k)
+        saved["configs"][decode_shape_key(experts, hidden, inter, DTYPE, ex.scale_block if args.fp8 else None)] = (
+            config.to_json())
+        failures += sum(not time_decode(name, x_all[:tokens], ex, reference, config, bandwidth)
+                        for tokens in DECODE_TOKENS)
+        del ex, reference
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = [f'  "{key}": {json.dumps(config)}' for key, config in sorted(saved["configs"].items())]
+    head = json.dumps({k: v for k, v in saved.items() if k != "configs"})
+    path.write_text(head[:-1] + ', "configs": {\n' + ",\n".join(rows) + "\n }}\n")
+    print(f"wrote {path}; {failures} wrong results (copy it into {CONFIG_DIR} for the kernel to read)")
+    return 1 if failures else 0
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a device-to-device copy of 2 GiB (read + write)."""
     src = torch.empty(1 << 30, dtype=torch.float16, device="cuda")
@@ -185,12 +331,18 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=CONFIG_DIR, help="where fused_moe_<device>.json goes")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)))
+    parser.add_argument("--decode", action="store_true", help="tune and time the decode path (1..4 tokens)")
+    parser.add_argument("--fp8", action="store_true", help="with --decode: e4m3 experts, 128x128 block scales")
     args = parser.parse_args()
+    if args.decode and args.shapes == ",".join(SHAPES):
+        args.shapes = "qwen3-30b-a3b,qwen3-30b-a3b-tp2"
     begin = time.perf_counter()
     device_name = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
     print(f"{device_name}, triton {triton.__version__}, torch {torch.__version__}: "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    if args.decode:
+        return decode_main(args, device_name, bandwidth)
     path = config_path(device_name, args.out)
     saved = json.loads(path.read_text()) if path.exists() else {"configs": {}}
     saved.update(device=device_name, triton=triton.__version__)

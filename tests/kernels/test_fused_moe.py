@@ -3,8 +3,9 @@
 Cases cover decode (1 token), batches whose runs span several alignment chunks, experts that receive no
 token, top-1 routing, intermediate and hidden sizes that are not multiples of the tiles, and each tile class
 (16-, 64- and 128-row blocks). The alignment is also checked on its own: every assignment placed once, in
-order, padding marked, each block's expert. The cases marked `interpret` run on the CPU under
-TRITON_INTERPRET=1 (small shapes); the rest need the GPU.
+order, padding marked, each block's expert. The decode path (kernels.fused_moe_decode, 1..4 tokens) against
+the same reference and the grouped GEMMs, with experts shared across tokens and -1 ids. The cases marked
+`interpret` run on the CPU under TRITON_INTERPRET=1 (small shapes); the rest need the GPU.
 """
 
 from __future__ import annotations
@@ -226,3 +227,97 @@ def test_tuned_configs_round_trip_and_bucket_choice(tmp_path):
     chosen = {t: nearest_bucket(buckets, t).block_m for t in (1, 7, 9, 100, 600, 5000)}
     assert chosen == {1: 16, 7: 16, 9: 32, 100: 32, 600: 128, 5000: 128}
     assert load_configs(tmp_path / "missing.json") == {}
+
+
+@interpret
+def test_decode_configs_round_trip(tmp_path):
+    """The decode path's file (benchmarks/fused_moe.py --decode) beside the GEMMs', e4m3 experts keyed apart."""
+    import json
+
+    from tokenmill.kernels.fused_moe_decode import (
+        DecodeConfig,
+        decode_config_path,
+        decode_shape_key,
+        load_decode_configs,
+    )
+
+    path = decode_config_path("NVIDIA H200", tmp_path)
+    assert path == tmp_path / "fused_moe_decode_NVIDIA_H200.json"
+    tuned = {decode_shape_key(128, 2048, 768, torch.bfloat16, None): DecodeConfig((8, 1024, 8, 3), (4, 256, 8, 3)),
+             decode_shape_key(128, 2048, 768, torch.bfloat16, 128): DecodeConfig((16, 512, 8, 3), (4, 512, 8, 3))}
+    assert len(tuned) == 2
+    path.write_text(json.dumps({"configs": {key: c.to_json() for key, c in tuned.items()}}))
+    assert load_decode_configs(path) == tuned
+    assert load_decode_configs(tmp_path / "missing.json") == {}
+
+
+# The decode path (kernels.fused_moe_decode): 1..4 tokens, each assignment a GEMV. Every token of DECODE_IDS
+# shares expert 2 with the others, and tokens 0 and 1 pick the same expert at different k.
+DECODE_IDS = torch.tensor([[2, 5, 0], [5, 2, 3], [1, 2, 5], [0, 4, 2]], dtype=torch.int32)
+
+
+def decode_case(num_tokens: int, dtype, device, hidden: int = 48, inter: int = 40, num_experts: int = 6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5
+    ids = DECODE_IDS[:num_tokens]
+    weights = torch.softmax(torch.randn(ids.shape, generator=g), dim=-1)
+    args = tuple(t.to(device) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids))
+    return args, fused_experts_torch(*(t.double().cpu() for t in args[:4]), ids)
+
+
+@interpret
+@pytest.mark.parametrize("num_tokens,dtype", [(1, torch.float32), (1, torch.bfloat16), (2, torch.float16),
+                                              (3, torch.float32), (4, torch.float16), (4, torch.bfloat16)], ids=str)
+def test_decode_path_interpreted(device, num_tokens, dtype):
+    """Against float64 and the grouped GEMMs; a token's bits do not depend on the tokens beside it; ids of -1
+    (another rank's experts) contribute nothing."""
+    from tokenmill.kernels.fused_moe import MoeConfig, fused_experts
+    from tokenmill.kernels.fused_moe_decode import DecodeConfig, fused_experts_decode
+
+    config = DecodeConfig((16, 32, 4, 2), (16, 16, 4, 2))  # tails in both K loops and the gate/up columns
+    args, ref = decode_case(num_tokens, dtype, device)
+    out = fused_experts_decode(*args, config=config)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert cases.rel_error(out.cpu(), ref) < cases.TOLERANCE[dtype]
+    if dtype != torch.bfloat16:  # the grouped GEMMs' tl.dot: see skip_bf16_interpreted
+        grouped = fused_experts(*args, config=MoeConfig(*SMALL))
+        assert cases.rel_error(out.cpu(), grouped.cpu().double()) < cases.TOLERANCE[dtype]
+    alone = fused_experts_decode(*(t[-1:] if i in (0, 3, 4) else t for i, t in enumerate(args)), config=config)
+    assert torch.equal(alone, out[-1:])
+    x, w13, w2, weights, ids = args
+    mine = ids < 4  # expert parallelism: this rank holds experts 0..3
+    partial = fused_experts_decode(x, w13, w2, weights.masked_fill(~mine, 0.0), ids.masked_fill(~mine, -1),
+                                   config=config)
+    ref_partial = fused_experts_torch(*(t.double().cpu() for t in (x, w13, w2)), weights.masked_fill(~mine, 0.0)
+                                      .double().cpu(), ids.masked_fill(~mine, 0).cpu())
+    assert cases.rel_error(partial.cpu(), ref_partial) < cases.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (128, 8, 2048, 384), (8, 2, 4096, 1000)],
+                         ids=["qwen3-30b-a3b", "tp2", "mixtral-I1000"])
+def test_decode_path(device, dtype, shape):
+    """The engine's entry (layers.moe.fused_experts_kernel) at 1..4 tokens: against float64, the same bits for
+    a token at every T, and captured in a CUDA graph, replayed on new routing."""
+    from tokenmill.layers.moe import fused_experts_kernel
+
+    if device == "cpu":
+        pytest.skip("GPU shapes")
+    kernel = fused_experts_kernel()
+    args, ref = make_case(4, *shape, dtype, device, seed=5)
+    outs = {}
+    for num_tokens in (1, 2, 3, 4):  # the first tokens of the case (x, weights and ids sliced)
+        outs[num_tokens] = kernel(*(t[:num_tokens] if i in (0, 3, 4) else t for i, t in enumerate(args)))
+        assert cases.rel_error(outs[num_tokens].cpu(), ref[:num_tokens]) < cases.TOLERANCE[dtype]
+    assert all(torch.equal(outs[t][:1], outs[1]) for t in (2, 3, 4))
+    args, _ = make_case(4, *shape, dtype, device, seed=6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(*args)
+    new_args, ref = make_case(4, *shape, dtype, device, seed=7)
+    for static, new in zip(args, new_args):
+        static.copy_(new)
+    graph.replay()
+    assert cases.rel_error(out.cpu(), ref) < cases.TOLERANCE[dtype]

@@ -47,8 +47,10 @@ def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, block: int) -> torc
 
 
 def run_case(num_tokens, num_experts, top_k, hidden, inter, dtype, device, block, unused=0, config=None,
-             expert_parallel=False) -> float:
+             expert_parallel=False, decode=False) -> float:
+    """decode: through kernels.fused_moe_decode (config then a DecodeConfig)."""
     from tokenmill.kernels.fused_moe import fused_experts
+    from tokenmill.kernels.fused_moe_decode import fused_experts_decode
 
     g = torch.Generator().manual_seed(num_tokens + hidden)
     x = torch.randn(num_tokens, hidden, generator=g)
@@ -65,9 +67,12 @@ def run_case(num_tokens, num_experts, top_k, hidden, inter, dtype, device, block
     x = x.to(dtype)
     ref = fused_experts_torch(x.double(), dequantize_experts(q13, s13, block), dequantize_experts(q2, s2, block),
                               weights.double(), ids)
-    out = fused_experts(x.to(device), q13.to(device), q2.to(device), weights.to(device), ids.to(device),
-                        config=config, skip_negative_ids=expert_parallel, w13_scale=s13.to(device),
-                        w2_scale=s2.to(device), scale_block=block)
+    inputs = (x.to(device), q13.to(device), q2.to(device), weights.to(device), ids.to(device))
+    scales = dict(w13_scale=s13.to(device), w2_scale=s2.to(device), scale_block=block)
+    if decode:
+        out = fused_experts_decode(*inputs, config=config, **scales)
+    else:
+        out = fused_experts(*inputs, config=config, skip_negative_ids=expert_parallel, **scales)
     assert out.shape == ref.shape and out.dtype == dtype
     return cases.rel_error(out.cpu(), ref)
 
@@ -164,3 +169,25 @@ def test_bad_fp8_scales_are_refused():
     with pytest.raises(ValueError, match="scale blocks of 24"):
         fused_experts(x, q13, q2, weights, ids, w13_scale=torch.ones(2, 2, 2), w2_scale=torch.ones(2, 2, 1),
                       scale_block=24)
+
+
+@interpret
+@pytest.mark.parametrize("block,block_k", [(32, 64), (32, 16), (0, 64)], ids=["block32-wide", "block32", "per-row"])
+def test_fused_experts_fp8_decode_path_interpreted(device, block, block_k):
+    """The GEMVs of kernels.fused_moe_decode on e4m3 experts: 3 tokens, expert-parallel -1 ids; K-tiles that
+    span two 32-wide scale blocks, or lie inside one."""
+    from tokenmill.kernels.fused_moe_decode import DecodeConfig
+
+    config = DecodeConfig((16, block_k, 4, 2), (16, block_k, 4, 2))
+    error = run_case(3, 8, 3, 64, 96, torch.float16, device, block, config=config, expert_parallel=True, decode=True)
+    assert error < cases.TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("block", [128, 0], ids=["block128", "per-row"])
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_fused_experts_fp8_decode_path(device, block, num_tokens):
+    """Qwen3-30B-A3B-FP8's experts through the decode path with its default tiles."""
+    if device == "cpu":
+        pytest.skip("GPU shapes")
+    error = run_case(num_tokens, 128, 8, 2048, 768, torch.bfloat16, device, block, expert_parallel=True, decode=True)
+    assert error < cases.TOLERANCE[torch.bfloat16]

@@ -1,5 +1,6 @@
 """Mixture-of-experts layer: every expert's weights stacked in two tensors, routed by select_experts, run by
-the fused Triton kernel on CUDA (kernels.fused_moe) or fused_experts_torch elsewhere.
+the fused Triton kernels on CUDA (kernels.fused_moe; kernels.fused_moe_decode at up to 4 tokens) or
+fused_experts_torch elsewhere.
 
 Tensor parallel: each rank holds a slice of every expert's intermediate features (gate/up rows, down
 columns), as the dense MLP's column/row-parallel pair does, and the partial outputs are all-reduced.
@@ -212,12 +213,13 @@ class FusedMoE(nn.Module):
 
 @functools.cache
 def fused_experts_kernel() -> Callable | None:
-    """kernels.fused_moe.fused_experts where that module exists (it imports triton)."""
-    if importlib.util.find_spec("tokenmill.kernels.fused_moe") is None:
+    """The fused Triton experts where their module exists (it imports triton): kernels.fused_moe_decode's GEMVs
+    for up to 4 tokens of 16-bit activations, kernels.fused_moe's grouped GEMMs otherwise."""
+    if importlib.util.find_spec("tokenmill.kernels.fused_moe_decode") is None:
         return None
-    from tokenmill.kernels.fused_moe import fused_experts
+    from tokenmill.kernels.fused_moe_decode import fused_experts_any_size
 
-    return fused_experts
+    return fused_experts_any_size
 
 
 def expert_weight_target(moe_layers: dict[str, FusedMoE], name: str) -> tuple[str, tuple] | None:
