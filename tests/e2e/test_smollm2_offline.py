@@ -65,6 +65,12 @@ def test_chat_answers_the_capital_of_france(smollm2_llm):
                                 greedy(max_tokens=32), use_tqdm=False)
     assert "Paris" in output.outputs[0].text
     assert "<|im_start|>" in output.prompt and output.prompt.rstrip().endswith("assistant")
+    # `tokenmill chat --local` streams the same reply piece by piece as the steps decode it.
+    from tokenmill.cli.chat import stream_local_reply
+
+    pieces = list(stream_local_reply(smollm2_llm, [{"role": "user", "content": "What is the capital of France?"}],
+                                     greedy(max_tokens=32)))
+    assert len(pieces) > 1 and "".join(pieces) == output.outputs[0].text
 
 
 # ---- (c) how requests stop -----------------------------------------------------------------------

@@ -4,7 +4,7 @@ client) or, with --local, a model loaded in this process."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tokenmill.cli.args import API_KEY_ENV, add_engine_args, api_key_or_env, engine_kwargs_from_args
 
@@ -50,6 +50,27 @@ def _server_reply(args: argparse.Namespace) -> Reply:
     return reply
 
 
+def stream_local_reply(llm, conversation: list[dict], params) -> Iterator[str]:
+    """The assistant's reply to `conversation` from an in-process LLM, piece by piece as each step decodes it
+    (what a server streams), so the first words show after one prefill rather than the whole reply."""
+    from tokenmill.engine.chat_template import render_chat
+    from tokenmill.sampling_params import RequestOutputKind
+
+    engine = llm.engine
+    text, token_ids = render_chat(llm.get_tokenizer(), conversation, None, True, False)
+    request_id = engine.next_request_id()
+    engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params,
+                       output_kind=RequestOutputKind.DELTA)
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == request_id and output.outputs[0].text:
+                    yield output.outputs[0].text
+    finally:
+        if engine.has_unfinished_requests():  # the caller stopped early (Ctrl-C)
+            engine.abort_request([request_id])
+
+
 def _local_reply(args: argparse.Namespace) -> Reply:
     from tokenmill import LLM, SamplingParams
 
@@ -58,9 +79,12 @@ def _local_reply(args: argparse.Namespace) -> Reply:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
 
     def reply(conversation: list[dict]) -> str:
-        text = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
-        print(text, flush=True)
-        return text
+        parts = []
+        for piece in stream_local_reply(llm, conversation, params):
+            parts.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        return "".join(parts)
 
     return reply
 
