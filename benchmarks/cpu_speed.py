@@ -38,8 +38,9 @@ def make_engine(args: argparse.Namespace, gguf_dequantize: bool = False):
         from tokenmill import LLM, SamplingParams
         from tokenmill.default_model import default_model_path
 
+        budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
         llm = LLM(args.model or default_model_path(), dtype=args.dtype, max_model_len=1024, skip_tokenizer_init=True,
-                  gguf_dequantize=gguf_dequantize)
+                  gguf_dequantize=gguf_dequantize, **budget)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=49152)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokenmill: the step's token budget "
+                        "(default: the engine's)")
     parser.add_argument("--dump-tokens", default=None, help="write the first run's output ids here (.npy)")
     parser.add_argument("--gguf", choices=("kept", "dequantized", "both"), default="kept",
                         help="tokenmill on a .gguf: linear weights kept quantized, dequantized at load, or both")
