@@ -26,10 +26,15 @@ generate: setup
 
 test: setup
 	$(PY) -m ruff check tokenmill tests
-	$(PY) -m pytest -q -m "not gpu"
 # The kernel tests' small cases on the CPU, under Triton's interpreter: a process of its own, since the
-# variable must be set before triton is imported and must not reach the run above.
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpret tests/kernels
+# variable must be set before triton is imported and must not reach the main run. It runs beside the main run,
+# on the core the engines under test leave free (one torch thread each); its output is printed after.
+	@TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m interpret tests/kernels > .interpret-tests.log 2>&1 & \
+	interpret=$$!; \
+	$(PY) -m pytest -q -m "not gpu"; main=$$?; \
+	wait $$interpret; kernels=$$?; \
+	echo "== kernel tests under Triton's interpreter"; cat .interpret-tests.log; rm -f .interpret-tests.log; \
+	test $$main -eq 0 && test $$kernels -eq 0
 
 lint: setup
 	$(PY) -m ruff check tokenmill tests
