@@ -352,8 +352,9 @@ def shape_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> 
     return f"E={num_experts},H={hidden},I={inter},{dtype.itemsize * 8}bit"
 
 
-def config_path(device_name: str, directory: Path = CONFIG_DIR) -> Path:
-    return directory / f"fused_moe_{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_')}.json"
+def config_path(device_name: str, directory: Path = CONFIG_DIR, kind: str = "fused_moe") -> Path:
+    """<kind>_<device>.json: the grouped GEMMs' tiles (fused_moe), or the decode path's (fused_moe_decode)."""
+    return directory / f"{kind}_{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_')}.json"
 
 
 def load_configs(path: Path) -> dict[str, dict[int, MoeConfig]]:

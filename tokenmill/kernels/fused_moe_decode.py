@@ -185,7 +185,7 @@ class DecodeConfig:
 
 def decode_config_path(device_name: str, directory: Path = CONFIG_DIR) -> Path:
     """fused_moe_decode_<device>.json, next to the grouped GEMM's fused_moe_<device>.json."""
-    return directory / config_path(device_name, directory).name.replace("fused_moe_", "fused_moe_decode_", 1)
+    return config_path(device_name, directory, kind="fused_moe_decode")
 
 
 def load_decode_configs(path: Path) -> dict[str, DecodeConfig]:
