@@ -38,6 +38,16 @@ def test_omitted_flags_keep_the_dataclass_defaults():
     assert config == EngineConfig(ModelConfig(model="model.gguf"))
 
 
+@pytest.mark.parametrize("device,chunked,budget", [("cpu", True, 512), ("cpu", False, 8192), ("cuda", True, 8192)])
+def test_the_token_budget_defaults_by_device(device, chunked, budget):
+    """The CPU steps in 512-token chunks (its activations stay in the caches); a GPU, or a CPU without chunked
+    prefill (a prompt must fit one step), in 8,192; a given budget is kept."""
+    config = EngineConfig.from_kwargs("m", device=device, enable_chunked_prefill=chunked)
+    assert config.scheduler_config.max_num_batched_tokens == budget
+    given = EngineConfig.from_kwargs("m", device=device, enable_chunked_prefill=chunked, max_num_batched_tokens=96)
+    assert given.scheduler_config.max_num_batched_tokens == 96
+
+
 def test_flags_reach_their_sub_config():
     args = serve_args("m", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "8",
                       "--max-num-batched-tokens", "512", "--no-enable-prefix-caching", "--dtype", "float16",
