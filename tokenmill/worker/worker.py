@@ -26,7 +26,7 @@ from tokenmill.spec.mtp import load_mtp_head
 from tokenmill.spec.proposers import make_proposer
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.matchers import GrammarRows
-from tokenmill.worker.cpu_threads import leave_a_core_free
+from tokenmill.worker.cpu_threads import choose_cpu_threads
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.draft_model import (
     attention_layers,
@@ -79,9 +79,10 @@ class Worker:
             # Before the model: its layers take their shard's sizes from the group.
             init_distributed(rank, world_size, distributed_init_method, self.device,
                              tp_size=config.parallel_config.tensor_parallel_size)
+        # The server's core process(es) and the offline LLM alike; data-parallel replicas share the cores too.
+        self.cpu_threads = None
         if self.device.type == "cpu":
-            # The server's core process(es) and the offline LLM alike; data-parallel replicas share the cores too.
-            leave_a_core_free(world_size * config.parallel_config.data_parallel_size)
+            self.cpu_threads = choose_cpu_threads(world_size * config.parallel_config.data_parallel_size)
         self.dtype = resolve_dtype(config.model_config, hf_config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(config.model_config.seed)
@@ -281,6 +282,8 @@ class Worker:
         assert self.model_runner is not None, "initialize_cache() must run first"
         if scheduler_output.block_copies:
             self._copy_blocks(scheduler_output.block_copies)
+        if self.cpu_threads is not None:
+            self.cpu_threads.before_step(scheduler_output.total_num_scheduled_tokens)
         return self.model_runner.execute_model(scheduler_output)
 
     @torch.inference_mode()
