@@ -159,17 +159,38 @@ def test_the_integer_layout_predicts_as_the_dequantized_model(smollm2_path, smol
     assert quality.top1_agreement >= 0.99 and quality.mean_kl <= 1e-5 and quality.max_kl <= 1e-3
 
 
+def tiny_llama_gguf(path, quant_type) -> None:
+    """A random Llama with its linear layers in `quant_type`, written as llama.cpp lays GGUF out (the device
+    cannot fetch the default model). Weights 15x transformers' default scale: peaked next-token distributions,
+    so that rounding does not decide the top token."""
+    import transformers
+
+    from tests.models.gguf_checkpoints import write_gguf
+
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    write_gguf(transformers.LlamaForCausalLM(config), str(path), quant_type)
+
+
 @pytest.mark.gpu
-def test_the_gpu_serves_the_blocks_through_the_integer_kernels(smollm2_path, smollm2_tokenizer):
-    """quantization='gguf' on CUDA: the Q4_1 linear layers in the integer layout (layers.quant.gguf_int), the
-    same weight values as the file dequantized at load, so in float16 the predictions stay within rounding."""
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_gpu_serves_the_blocks_through_the_integer_kernels(tmp_path, quant_type):
+    """quantization='gguf' on CUDA: the linear layers in the integer layout (layers.quant.gguf_int), the same
+    weight values as the file dequantized at load, so in float16 the predictions stay within rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    from gguf import GGMLQuantizationType
+
+    path = tmp_path / f"tiny-{quant_type}.gguf"
+    tiny_llama_gguf(path, GGMLQuantizationType[quant_type])
     common = dict(device="cuda", dtype="float16", max_model_len=512, kv_cache_space=0.05, skip_tokenizer_init=True)
-    kept = LLM(smollm2_path, quantization="gguf", **common)
-    dense = LLM(smollm2_path, gguf_dequantize=True, **common)
+    kept = LLM(str(path), quantization="gguf", **common)
+    dense = LLM(str(path), gguf_dequantize=True, **common)
     layer = model_of(kept).model.layers[0].mlp.down_proj
-    assert [bits for _, _, bits, _ in layer.gguf_int_runs] == [4]
-    quality = quant_quality(dense, kept, smollm2_tokenizer(TEXT).input_ids)
-    print(f"GGUF on the GPU, integer kernels vs dequantized at load (float16): {quality}")
+    assert [bits for _, _, bits, _ in layer.gguf_int_runs] == [8 if quant_type == "Q8_0" else 4]
+    token_ids = torch.randint(3, 1024, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    quality = quant_quality(dense, kept, token_ids)
+    print(f"GGUF {quant_type} on the GPU, integer kernels vs dequantized at load (float16): {quality}")
     assert quality.top1_agreement >= 0.97 and quality.mean_kl <= 1e-3

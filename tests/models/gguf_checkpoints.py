@@ -1,4 +1,4 @@
-"""GGUF files of transformers mixture-of-experts models, laid out as llama.cpp's converter lays them out
+"""GGUF files of transformers Llama and mixture-of-experts models, laid out as llama.cpp's converter lays them out
 (tests only): metadata under `<arch>.*`, experts stacked into `blk.N.ffn_{gate,up,down}_exps` [E, rows, cols],
 the router `ffn_gate_inp` (never quantized, as llama.cpp's quantizer leaves it), Qwen2-MoE's shared expert
 `ffn_*_shexp` with its gate `ffn_gate_inp_shexp` a vector [H], and, for Mixtral (llama.cpp's arch "llama"
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType
 
-ARCH_OF = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+ARCH_OF = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "llama": "llama"}
 
 # HF module (after "model.layers.N.") -> GGUF tensor of block N
 _LAYER_TENSORS = {
@@ -28,6 +28,9 @@ _LAYER_TENSORS = {
     "self_attn.q_norm": MODEL_TENSOR.ATTN_Q_NORM,
     "self_attn.k_norm": MODEL_TENSOR.ATTN_K_NORM,
     "mlp.gate": MODEL_TENSOR.FFN_GATE_INP,
+    "mlp.gate_proj": MODEL_TENSOR.FFN_GATE,
+    "mlp.up_proj": MODEL_TENSOR.FFN_UP,
+    "mlp.down_proj": MODEL_TENSOR.FFN_DOWN,
     "mlp.shared_expert.gate_proj": MODEL_TENSOR.FFN_GATE_SHEXP,
     "mlp.shared_expert.up_proj": MODEL_TENSOR.FFN_UP_SHEXP,
     "mlp.shared_expert.down_proj": MODEL_TENSOR.FFN_DOWN_SHEXP,
@@ -54,9 +57,9 @@ def _gguf_name(hf_name: str) -> tuple[MODEL_TENSOR, int | None, str]:
     return _LAYER_TENSORS[rest], int(block), suffix
 
 
-def write_moe_gguf(model: torch.nn.Module, path: str, quant_type: GGMLQuantizationType | None = None
+def write_gguf(model: torch.nn.Module, path: str, quant_type: GGMLQuantizationType | None = None
                    ) -> dict[str, torch.Tensor]:
-    """Write `model` (a transformers Qwen3-MoE, Qwen2-MoE or Mixtral) to `path`: float32, or its matrices in
+    """Write `model` (a transformers Llama, Qwen3-MoE, Qwen2-MoE or Mixtral) to `path`: float32, or its matrices in
     `quant_type` (routers stay float32). Returns the state dict the file means: each quantized tensor
     replaced by its dequantized values (the reference model loads it)."""
     config = model.config
@@ -74,13 +77,15 @@ def write_moe_gguf(model: torch.nn.Module, path: str, quant_type: GGMLQuantizati
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-        writer.add_expert_count(config.num_local_experts)
+        if config.model_type == "mixtral":
+            writer.add_expert_count(config.num_local_experts)
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_expert_count(config.num_experts)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_used_count(config.num_experts_per_tok)
+    if config.model_type != "llama":
+        writer.add_expert_used_count(config.num_experts_per_tok)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 

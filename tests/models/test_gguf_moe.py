@@ -21,7 +21,7 @@ import transformers
 from gguf import GGMLQuantizationType, dequantize
 
 from tests.models.conftest import TinyModel, build_tiny_model, greedy_hf
-from tests.models.gguf_checkpoints import write_moe_gguf
+from tests.models.gguf_checkpoints import write_gguf
 from tests.unit.test_gguf_cpu_kernel import random_blocks
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -58,7 +58,7 @@ class Case:
         for quant in (None, Q8_0):
             key = quant.name if quant is not None else "F32"
             self.paths[key] = str(folder / f"{name}-{key}.gguf")
-            self.meant[key] = write_moe_gguf(self.hf_model, self.paths[key], quant)
+            self.meant[key] = write_gguf(self.hf_model, self.paths[key], quant)
 
     def expected(self, key: str) -> list[list[int]]:
         if key not in self._expected:
