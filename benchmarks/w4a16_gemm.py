@@ -1,10 +1,17 @@
 """W4A16 GEMMs (kernels.w4a16_gemm) against bf16 (skinny GEMM / cuBLAS) on Llama-3.1-8B's projections, group 128.
 
 python benchmarks/w4a16_gemm.py [--sweep]  (on a CUDA device)
+python benchmarks/w4a16_gemm.py --large-rows [--bits 8] [--group 32] [--zero] [--act-order] [--dequant-sweep]
 
 Per row count, each projection's time for the kernel int_weight_gemm picks and for bf16; at 1-4 rows also the
 skinny kernel, and with --sweep the GEMV's (BLOCK_N, BLOCK_K, warps, stages) configs (each one compiles once per
 row count: 18 at one row, 13 at four).
+
+--large-rows: from 5 rows on, the fused kernels (skinny up to 16 rows, tiled above), the dequantization into the
+shared scratch then cuBLAS (dequant_int_gemm), the same in L2-sized pieces of the output, the dequantization
+alone, and bf16 cuBLAS on the same (dequantized) weight; each output's largest error against the float32 product,
+relative to its largest value. The totals over the four projections say where int_weight_gemm's
+DEQUANT_MIN_ROWS should sit. --dequant-sweep: dequantize_int_weight's (BLOCK_N, BLOCK_K, warps) on gate_up.
 """
 
 from __future__ import annotations
@@ -16,9 +23,19 @@ import itertools
 import torch
 import triton
 
+from tokenmill.kernels.dequant_scratch import dequant_scratch, reserve_dequant_scratch
 from tokenmill.kernels.skinny_gemm import skinny_gemm, skinny_gemm_applies
-from tokenmill.kernels.w4a16_gemm import GEMV_MAX_ROWS, gemv_int, int_weight_gemm, skinny_int_gemm
-from tokenmill.layers.quant.w4a16 import pack_int32
+from tokenmill.kernels.w4a16_gemm import (
+    GEMV_MAX_ROWS,
+    SKINNY_MAX_ROWS,
+    dequant_int_gemm,
+    dequantize_int_weight,
+    gemv_int,
+    int_weight_gemm,
+    skinny_int_gemm,
+    tiled_int_gemm,
+)
+from tokenmill.layers.quant.w4a16 import dequantize_int, pack_int32
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # BLOCK_N 2-16, 64-256 words per column per step over at most BLOCK_K / 8 / 32 warps (more would send the words
@@ -40,10 +57,119 @@ def sweep_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20) * 1e3  # shorter: many configs
 
 
+LARGE_ROWS = (5, 8, 16, 32, 64, 128, 256, 1024, 4096)
+CHUNK_WEIGHTS = 8 << 20  # 16 MiB of bf16 per piece: the piece's GEMM reads it from L2 (50 MiB on the H200)
+# (BLOCK_N, BLOCK_K as words per row, warps) for --dequant-sweep: 4-16 words per thread (registers)
+DEQUANT_CONFIGS = [(bn, words, w) for bn, words, w in itertools.product((8, 16, 32, 64), (16, 32, 64, 128), (4, 8))
+                   if 4 <= bn * words // (32 * w) <= 16]
+
+
+def make_weight(n: int, k: int, bits: int, group: int, zero: bool, act_order: bool):
+    """Random packed integers, fp16 scales (and zeros), a permutation: int_weight_gemm's arguments after x."""
+    groups = 1 if group == 0 else k // group
+    q = pack_int32(torch.randint(0, 1 << bits, (n, k), device="cuda"), bits, dim=1)
+    scale = torch.rand(n, groups, device="cuda").half() * 0.01 + 0.001
+    zeros = torch.randint(0, 1 << bits, (n, groups), device="cuda").half() if zero else None
+    perm = torch.randperm(k, device="cuda").to(torch.int32) if act_order else None
+    return q, scale, zeros, perm, bits
+
+
+def fused_int_gemm(x, q, scale, zero, perm, bits):
+    """The fused kernels alone, as int_weight_gemm chose before the dequantization path."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv_int(x, q, scale, zero, perm, bits)
+    if x.shape[0] <= SKINNY_MAX_ROWS:
+        return skinny_int_gemm(x, q, scale, zero, perm, bits)
+    return tiled_int_gemm(x, q, scale, zero, perm, bits)
+
+
+def chunked_dequant_gemm(x, q, scale, zero, perm, bits, out):
+    """dequant_int_gemm in pieces of CHUNK_WEIGHTS weights (output columns), each GEMM reading its piece while
+    still in L2; the pieces' products written straight into their columns of `out`."""
+    n, k = q.shape[0], x.shape[1]
+    rows_per = max(128, CHUNK_WEIGHTS // k // 128 * 128)  # pieces' columns 256-byte aligned for cuBLAS
+    xs = x if perm is None else x.index_select(1, perm)
+    buf = dequant_scratch(x.device, x.dtype, min(n, rows_per), k)
+    for start in range(0, n, rows_per):
+        end = min(n, start + rows_per)
+        w = dequantize_int_weight(q[start:end], scale[start:end], None if zero is None else zero[start:end], bits,
+                                  buf[: end - start])
+        torch.mm(xs, w.t(), out=out[:, start:end])
+    return out
+
+
+def max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def large_rows(args) -> None:
+    print(f"int{args.bits} group {args.group or 'per-channel'}{' zeros' if args.zero else ''}"
+          f"{' act-order' if args.act_order else ''}: times in us; errors: largest |out - ref| / largest |ref| "
+          "against the float32 product", flush=True)
+    weights = {name: make_weight(n, k, args.bits, args.group, args.zero, args.act_order)
+               for name, (n, k) in SHAPES.items()}
+    dense = {name: dequantize_int(w[0], w[1], w[2], args.bits, torch.bfloat16) for name, w in weights.items()}
+    # As the layers do at load: the scratch sized once for the largest projection.
+    reserve_dequant_scratch(torch.device("cuda", torch.cuda.current_device()), max(n * k for n, k in SHAPES.values()))
+    header = (f"{'rows':>5} {'proj':8} {'fused':>9} {'dq+mm':>9} {'dq+mm/L2':>9} {'dq only':>9} {'bf16':>9}   "
+              f"{'err fused':>9} {'err dq':>9} {'err bf16':>9}")
+    print(header, flush=True)
+    for rows in LARGE_ROWS:
+        totals = dict(fused=0.0, dq=0.0, chunked=0.0, dq_only=0.0, bf16=0.0)
+        for name, (n, k) in SHAPES.items():
+            w, wd = weights[name], dense[name]
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            xs = x if w[3] is None else x.index_select(1, w[3])
+            ref = xs.float() @ wd.float().T
+            out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+            kind = "skinny" if rows <= SKINNY_MAX_ROWS else "tiled"
+            times = dict(
+                fused=us(functools.partial(fused_int_gemm, x, *w)),
+                dq=us(functools.partial(dequant_int_gemm, x, *w)),
+                chunked=us(functools.partial(chunked_dequant_gemm, x, *w, out)),
+                dq_only=us(functools.partial(dequantize_int_weight, w[0], w[1], w[2], args.bits,
+                                             dequant_scratch(x.device, x.dtype, n, k))),
+                bf16=us(functools.partial(torch.mm, xs, wd.T)),
+            )
+            for key, t in times.items():
+                totals[key] += t
+            err_chunked = max_error(chunked_dequant_gemm(x, *w, out), ref)
+            errors = (max_error(fused_int_gemm(x, *w), ref), max(max_error(dequant_int_gemm(x, *w), ref), err_chunked),
+                      max_error(xs @ wd.T, ref))
+            print(f"{rows:5d} {name:8s} {times['fused']:9.1f} {times['dq']:9.1f} {times['chunked']:9.1f} "
+                  f"{times['dq_only']:9.1f} {times['bf16']:9.1f}   " + " ".join(f"{e:9.2e}" for e in errors)
+                  + f"   ({kind})", flush=True)
+        best = min(("fused", "dq", "chunked"), key=totals.get)
+        print(f"{rows:5d} {'all four':8s} {totals['fused']:9.1f} {totals['dq']:9.1f} {totals['chunked']:9.1f} "
+              f"{totals['dq_only']:9.1f} {totals['bf16']:9.1f}   best int: {best}, "
+              f"{totals[best] / totals['bf16']:.2f}x bf16", flush=True)
+    if args.dequant_sweep:
+        n, k = SHAPES["gate_up"]
+        q, scale, zero, _, bits = weights["gate_up"]
+        out = dequant_scratch(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, n, k)
+        results = []
+        for block_n, words, warps in DEQUANT_CONFIGS:
+            config = (block_n, words * (32 // bits), warps)
+            t = sweep_us(functools.partial(dequantize_int_weight, q, scale, zero, bits, out, config))
+            results.append((t, config))
+        bytes_moved = n * k * (2 + bits / 8)
+        for t, config in sorted(results)[:8]:
+            print(f"dequantize gate_up {config}: {t:.1f} us, {bytes_moved / t / 1e6:.2f} TB/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--large-rows", action="store_true")
+    parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--group", type=int, default=128, help="0: per-channel")
+    parser.add_argument("--zero", action="store_true", help="asymmetric: zero points")
+    parser.add_argument("--act-order", action="store_true")
+    parser.add_argument("--dequant-sweep", action="store_true")
     args = parser.parse_args()
+    if args.large_rows:
+        large_rows(args)
+        return
     for rows in (1, 4, 16, 256, 2048):
         total_int, total_dense = 0.0, 0.0
         for name, (n, k) in SHAPES.items():

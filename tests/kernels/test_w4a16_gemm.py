@@ -1,6 +1,7 @@
 """The integer-weight GEMMs (kernels.w4a16_gemm) against a float64 dequantize-then-matmul reference.
 
-Shapes cover decode (1 row: the GEMV; 7, 16 rows: the skinny kernel) and prefill (100 rows: the tiled one), group sizes
+Shapes cover decode (1 row: the GEMV; 7, 16 rows: the skinny kernel) and prefill (100 rows: the dequantization into
+the shared scratch and a dense GEMM; the tiled kernel called directly), group sizes
 32, 64, 128 and per-channel, symmetric and asymmetric, act-order, 4 and 8 bits, and both ways a step meets
 its scales (one per column, or gathered per feature). The cases marked `interpret` run on the CPU under
 TRITON_INTERPRET=1 (small shapes); the rest need the GPU.
@@ -23,24 +24,30 @@ pytestmark = pytest.mark.gpu
 interpret = pytest.mark.interpret
 
 
-def make_case(rows: int, n: int, k: int, group: int, bits: int, sym: bool, act_order: bool, dtype, device,
-              seed: int = 0):
-    """Random integers, fp16 scales and zeros in the kernels' layout, and the float64 reference output."""
-    g = torch.Generator().manual_seed(seed)
+def make_weight(n: int, k: int, group: int, bits: int, sym: bool, g: torch.Generator):
+    """Random integers packed in the kernels' layout, fp16 scales and zeros (None: symmetric), and the float64
+    weight they mean [n, k]."""
     levels = 1 << bits
     q = torch.randint(0, levels, (n, k), generator=g, dtype=torch.int32)
     groups = 1 if group == 0 else k // group
     scale = (torch.rand(n, groups, generator=g) * 0.02 + 0.005).half()
     zero = None if sym else torch.randint(0, levels, (n, groups), generator=g).half()
-    perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
-    x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, :k]  # a strided view, as real activations can be
     size = k // groups
     w = (q.double() - (levels // 2 if zero is None else zero.double().repeat_interleave(size, 1)))
-    w = w * scale.double().repeat_interleave(size, 1)
+    return pack_int32(q, bits, dim=1), scale, zero, w * scale.double().repeat_interleave(size, 1)
+
+
+def make_case(rows: int, n: int, k: int, group: int, bits: int, sym: bool, act_order: bool, dtype, device,
+              seed: int = 0):
+    """Random integers, fp16 scales and zeros in the kernels' layout, and the float64 reference output."""
+    g = torch.Generator().manual_seed(seed)
+    packed, scale, zero, w = make_weight(n, k, group, bits, sym, g)
+    perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
+    x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, :k]  # a strided view, as real activations can be
     xs = x.double() if perm is None else x.double()[:, perm.long()]
     ref = xs @ w.T
     on = (lambda t: None if t is None else t.to(device))
-    return (x.to(device), pack_int32(q, bits, dim=1).to(device), scale.to(device), on(zero), on(perm)), ref
+    return (x.to(device), packed.to(device), scale.to(device), on(zero), on(perm)), ref
 
 
 def run(fn, rows, n, k, group, bits, sym, act_order, dtype, device, **kw) -> float:
@@ -149,3 +156,100 @@ def test_layer_apply_on_the_device_matches_the_cpu_path(fmt):
         ref = layer_cpu(x.double().float()).double()
         out = layer_gpu(x.to("cuda", torch.bfloat16))
         assert cases.rel_error(out.cpu(), ref) < cases.TOLERANCE[torch.bfloat16]
+
+
+# The dequantization alone is exact: (q - zero) * scale is exact in float32 (an 8-bit integer times an fp16 scale),
+# so the 16-bit result is the float64 weight rounded once. The interpreter rounds float32 to bfloat16 by
+# truncation: bfloat16 runs on the GPU only.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits,group,sym", [
+    pytest.param(4, 32, False, marks=interpret),
+    pytest.param(4, 128, True, marks=interpret),
+    pytest.param(8, 0, False, marks=interpret),
+    pytest.param(8, 64, True),
+    pytest.param(4, 0, True),
+])
+def test_dequantize_int_weight(device, dtype, bits, group, sym):
+    from tokenmill.kernels.w4a16_gemm import dequantize_int_weight
+
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter truncates float32 to bfloat16")
+    n, k = shape(device)
+    packed, scale, zero, w = make_weight(n, k, group, bits, sym, torch.Generator().manual_seed(1))
+    out = torch.full((n, k), float("nan"), dtype=dtype, device=device)
+    dequantize_int_weight(packed.to(device), scale.to(device), None if zero is None else zero.to(device), bits, out)
+    assert torch.equal(out.cpu(), w.to(dtype))
+
+
+# The dequantize-then-GEMM path at any row count (int_weight_gemm takes it from DEQUANT_MIN_ROWS on), act-order
+# included; on the GPU also Llama-3.1-8B's qkv, down and o projections at prefill sizes.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,n,k,group,sym,act_order,bits", [
+    pytest.param(20, None, None, 128, False, True, 4, marks=interpret),
+    pytest.param(33, None, None, 0, True, False, 8, marks=interpret),
+    pytest.param(5, None, None, 32, True, True, 4),
+    pytest.param(256, 6144, 4096, 128, True, False, 4),
+    pytest.param(1000, 4096, 14336, 128, False, True, 4),
+    pytest.param(64, 4096, 4096, 64, False, False, 8),
+])
+def test_dequant_int_gemm(device, dtype, rows, n, k, group, sym, act_order, bits):
+    from tokenmill.kernels.w4a16_gemm import dequant_int_gemm
+
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter truncates float32 to bfloat16")
+    n, k = (n, k) if n is not None else shape(device)
+    assert run(dequant_int_gemm, rows, n, k, group, bits, sym, act_order, dtype, device) < cases.TOLERANCE[dtype]
+
+
+@interpret
+def test_dequant_scratch_is_reserved_once_and_kept(monkeypatch):
+    """The first use allocates the largest reservation; smaller asks reuse its memory, a larger one grows it and
+    keeps the old buffer (a captured graph may still use it)."""
+    from tokenmill.kernels import dequant_scratch as scratch
+
+    monkeypatch.setattr(scratch, "_reserved", {})
+    monkeypatch.setattr(scratch, "_buffers", {})
+    device = torch.device("cpu")
+    scratch.reserve_dequant_scratch(device, 64 * 32)
+    scratch.reserve_dequant_scratch(device, 16 * 32)
+    first = scratch.dequant_scratch(device, torch.bfloat16, 16, 32)
+    assert first.shape == (16, 32) and first.dtype == torch.bfloat16 and first.is_contiguous()
+    again = scratch.dequant_scratch(device, torch.float16, 64, 32)
+    assert again.shape == (64, 32) and again.data_ptr() == first.data_ptr()
+    grown = scratch.dequant_scratch(device, torch.float16, 65, 32)
+    assert grown.data_ptr() != first.data_ptr()
+    assert [b.numel() for b in scratch._buffers[device]] == [64 * 32, 65 * 32]
+
+
+def test_dequant_int_gemm_under_a_cuda_graph():
+    """Two layers captured in one graph share the scratch; replayed with new inputs they give the eager results."""
+    from tokenmill.kernels.dequant_scratch import reserve_dequant_scratch
+    from tokenmill.kernels.w4a16_gemm import DEQUANT_MIN_ROWS, int_weight_gemm
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator().manual_seed(2)
+    layers = []
+    for n, k in ((3072, 1024), (1024, 3072)):
+        packed, scale, zero, _ = make_weight(n, k, 128, 4, False, g)
+        layers.append((packed.cuda(), scale.cuda(), zero.cuda(), torch.randperm(k, generator=g).int().cuda(), 4))
+        reserve_dequant_scratch(torch.device("cuda", torch.cuda.current_device()), n * k)
+    rows = max(DEQUANT_MIN_ROWS[4], 64)
+
+    def forward(x):
+        return int_weight_gemm(int_weight_gemm(x, *layers[0]), *layers[1])
+
+    static_x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward(static_x)  # compiles, and allocates the scratch, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = forward(static_x)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    static_x.copy_(x)
+    graph.replay()
+    # A stale or shared-too-early scratch would give the other layer's weight: errors of order 1.
+    assert cases.rel_error(static_y, forward(x)) < 1e-3

@@ -5,9 +5,9 @@ compressed-tensors pack-quantized) is repacked into at load: `weight_packed` int
 along k (lowest bits first), `weight_scale` [n, groups], `weight_zero` [n, groups] or none (the midpoint
 2^(bits-1)), and an optional input permutation (act-order) applied to x as it is loaded. A program reads
 its weight tile as int32 words, shifts each feature's bits out, and scales by its group: the weight crosses
-memory at 4 (or 8) bits, and no 16-bit copy is ever written.
+memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's is transient, shared by all layers).
 
-Three kernels:
+Three fused kernels, and a dequantization for large row counts:
 - `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns, every word
   unpacked once for all the rows (about 2 integer ops and an fma per weight, no int-to-float conversion) and
   kept in its packed shape ([words, groups, slots, columns], x loaded to match: no change of layout, no shared
@@ -20,6 +20,10 @@ Three kernels:
   of the bytes.
 - `tiled_int_gemm`, prefill: BLOCK_M x BLOCK_N tiles in grouped order (programs running together share
   weight tiles in L2).
+- `dequant_int_gemm`, prefill and large batches (int_weight_gemm's DEQUANT_MIN_ROWS on): `dequantize_int_weight`
+  writes the 16-bit weight into one scratch buffer per device (kernels.dequant_scratch), and cuBLAS multiplies.
+  A pass over the weight whatever the rows, then bf16's speed: the fused kernels unpack each weight once per
+  tile of rows, and that unpacking, not the bytes, sets their pace.
 When a group spans a whole number of BLOCK_K steps (group sizes 64, 128, per-channel) each step meets one
 scale per column; otherwise (group 32 under wider steps) the scales are gathered per feature.
 The references are layers.quant.w4a16.dequantize_int / int_linear_torch (the CPU path).
@@ -32,6 +36,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.dequant_scratch import dequant_scratch
 
 SKINNY_MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cost the same weight read
 
@@ -129,6 +134,45 @@ def _tiled_int_kernel(
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _dequant_int_kernel(
+    w_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_wn, stride_sn, stride_on,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # The weight tile unpacked in the words' shape, [BLOCK_N, words, PACK slots], then read as [BLOCK_N, BLOCK_K]
+    # (feature w * PACK + p is slot p of word w: a free reshape) for the stores: each thread's slots of a word are
+    # consecutive features (one 16-byte store of 8 bf16 for int4), a warp's 32 words of a row contiguous. Columns
+    # stay in the packed order: with act-order, x[:, perm]'s.
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    TWO_23: tl.constexpr = 0x4B000000  # 2^23's float32 bits
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+    n_mask = (offs_n < n)[:, None]
+    mask = n_mask & (offs_w < k // PACK)[None, :]
+    row = offs_n[:, None].to(tl.int64)
+    words = tl.load(w_ptr + row * stride_wn + offs_w[None, :], mask=mask, other=0)
+    slots = tl.arange(0, PACK)
+    bits = (words.to(tl.uint32, bitcast=True)[:, :, None] >> (slots * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    # q's bits in the mantissa of 2^23: the float 2^23 + q, exactly, without an int-to-float conversion.
+    q = (bits | TWO_23).to(tl.float32, bitcast=True)
+    if GROUP == 0 or GROUP % BLOCK_K == 0:  # one group per row in this tile
+        group = 0 if GROUP == 0 else tl.program_id(1) * BLOCK_K // GROUP
+        s_offs = row * stride_sn + group
+        s_mask = n_mask
+    else:  # several: each word's (a group spans whole words)
+        s_offs = row * stride_sn + (offs_w * PACK // GROUP)[None, :]
+        s_mask = mask
+    s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
+    if HAS_ZERO:  # 2^23 + zero, exact (a small integer): q - zero exactly, times the scale
+        w = (q - (tl.load(z_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None] + 8388608.0)) * s
+    else:
+        w = (q - (8388608.0 + (1 << (BITS - 1)))) * s  # symmetric: the midpoint
+    w = tl.reshape(w.to(out_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K))
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + row * stride_on + offs_k[None, :], w, mask=n_mask & (offs_k < k)[None, :])
 
 
 @triton.jit
@@ -400,15 +444,69 @@ def tiled_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Te
     return out
 
 
+def _dequant_config(bits: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): 1,024 words per program (8 per thread at 4 warps), 64 per row, or fewer where
+    a step inside one group (down to 16 words: group 128 of int4) loads one scale per row rather than one per word
+    (gathered, and sent through shared memory to the stores' layout: the AOT compile for sm_90). A first choice,
+    pending a sweep on the H200."""
+    widest = 64 * (32 // bits)
+    block_k = _block_k(group, widest, widest // 4)
+    return 16 * widest // block_k, block_k, 4
+
+
+def dequantize_int_weight(weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                          out: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """dequant(weight) [n, k] into `out` (contiguous, 16-bit), in one pass over the packed words: columns in the
+    packed order (act-order: multiply x[:, perm] by it). config = (BLOCK_N, BLOCK_K, num_warps), powers of 2."""
+    n, words = weight_packed.shape
+    k = words * (32 // bits)
+    assert bits in (4, 8) and weight_packed.is_contiguous() and scale.is_contiguous() and scale.shape[0] == n
+    assert out.shape == (n, k) and out.is_contiguous() and out.dtype in (torch.bfloat16, torch.float16)
+    group = _group_of(k, scale)
+    block_n, block_k, num_warps = config or _dequant_config(bits, group)
+    assert block_k >= 32 // bits and group % (32 // bits) == 0, (group, block_k)  # a word in one group
+    _dequant_int_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        weight_packed, scale, zero if zero is not None else scale, out, n, k,
+        weight_packed.stride(0), scale.stride(0), out.stride(0),
+        BITS=bits, GROUP=group, HAS_ZERO=zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out
+
+
+def dequant_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     perm: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """x [m, k] (bf16/fp16) @ dequant(weight).T: the weight dequantized into the device's shared scratch
+    (kernels.dequant_scratch), then a dense GEMM (cuBLAS) at the 16-bit weight's speed. Act-order gathers x's
+    columns into the weight's order (x[:, perm], m * k elements: small beside the GEMM)."""
+    m, n, k = _check(x, weight_packed, scale, zero, perm, bits)
+    w = dequantize_int_weight(weight_packed, scale, zero, bits, dequant_scratch(x.device, x.dtype, n, k))
+    if perm is not None:
+        x = x.index_select(1, perm)
+    return torch.mm(x, w.t())
+
+
+# Which kernel takes how many rows (bits -> the smallest row count dequantized first; below it the fused
+# kernels). The dequantization costs one pass over the weight (its packed bits in, 16 bits out) whatever the
+# rows, after which cuBLAS runs at bf16's speed; the fused kernels unpack the weight in registers every time a
+# tile of rows meets it (Llama-3.1-8B's four projections on the H200, BENCHMARKS.md: the tiled kernel 1,179 us
+# at 256 rows against bf16's 206, the skinny one 289 at 16 rows against 153), so they win only where one weight
+# read serves all the rows. Estimated (a pass of ~155 us plus bf16's time), pending
+# `benchmarks/w4a16_gemm.py --large-rows` on the H200.
+DEQUANT_MIN_ROWS = {4: SKINNY_MAX_ROWS + 1, 8: SKINNY_MAX_ROWS + 1}
+
+
 def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     perm: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """The layer's entry: the GEMV up to 4 rows, the skinny kernel up to 16, the tiled one above (a choice by
-    shape only, so CUDA graphs capture it)."""
+    """The layer's entry: the GEMV up to 4 rows, then the skinny kernel (up to 16) or the tiled one, and from
+    DEQUANT_MIN_ROWS[bits] on the dequantization and cuBLAS (a choice by shape only, so CUDA graphs capture it)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    rows = x.shape[0]
+    if rows <= GEMV_MAX_ROWS:
         return gemv_int(x, weight_packed, scale, zero, perm, bits)
-    if x.shape[0] <= SKINNY_MAX_ROWS:
+    if rows >= DEQUANT_MIN_ROWS[bits]:
+        return dequant_int_gemm(x, weight_packed, scale, zero, perm, bits)
+    if rows <= SKINNY_MAX_ROWS:
         return skinny_int_gemm(x, weight_packed, scale, zero, perm, bits)
     return tiled_int_gemm(x, weight_packed, scale, zero, perm, bits)
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import use_triton
+from tokenmill.kernels.dequant_scratch import reserve_dequant_scratch
 from tokenmill.layers.quant.w4a16 import IntWeights, int_linear_torch, pack_int32
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ def hold_int_runs(layer: LinearBase, runs: list[tuple[int, list[torch.Tensor]]],
                 setattr(layer, f"gguf_{name}{i}", nn.Parameter(t.to(device).contiguous(), requires_grad=False))
         held.append((offset, raw.shape[0], bits, tuple(None if t is None else getattr(layer, f"gguf_{name}{i}")
                                                          for name, t in zip(("weight", "scale", "zero"), tensors))))
+        if bits and getattr(layer, f"gguf_weight{i}").is_cuda:  # see layers.quant.w4a16: large row counts
+            reserve_dequant_scratch(getattr(layer, f"gguf_weight{i}").device, raw.shape[0] * layer.input_size)
         offset += raw.shape[0]
     layer.gguf_int_runs = tuple(held)
 

@@ -17,8 +17,10 @@ path and one pair of kernels (kernels.w4a16_gemm) serve every format:
 
 The CPU path dequantizes the weight to the activations' dtype on every call and multiplies densely: it is
 the correctness path (and the kernels' reference), not a fast one, and it keeps the weight at 4 bits in
-memory rather than caching a 16-bit copy. apply() has no host syncs and no data-dependent shapes, so it
-runs under CUDA graphs and with speculative decoding's variable row counts.
+memory rather than caching a 16-bit copy. On the GPU, past decode's row counts, the kernels do the same into
+one scratch buffer per device (kernels.dequant_scratch), whose size each layer reserves at load, and cuBLAS
+multiplies. apply() has no host syncs and no data-dependent shapes, so it runs under CUDA graphs and with
+speculative decoding's variable row counts.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import use_triton
+from tokenmill.kernels.dequant_scratch import reserve_dequant_scratch
 from tokenmill.layers.quant.base import QuantMethod
 
 if TYPE_CHECKING:
@@ -125,6 +128,8 @@ class IntWeightMethod(QuantMethod):
         layer.weight_zero = None if zero is None else _frozen(zero.to(scale.dtype).contiguous())
         layer.input_perm = None if perm is None else _frozen(perm.to(torch.int32))
         layer.weight_bits = self.bits
+        if layer.weight_packed.is_cuda:  # large row counts dequantize the whole weight into a shared scratch
+            reserve_dequant_scratch(layer.weight_packed.device, n * k)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
