@@ -166,6 +166,38 @@ def test_triton_backend_mla_forms(device, dtype, qk_nope_head_dim):
     assert run_mixed_mla_step(TritonAttentionBackend(), dtype, device, qk_nope_head_dim) < tolerance
 
 
+@interpret
+def test_decode_configs_and_split_counts(tmp_path):
+    """The table benchmarks/mla_decode.py --out writes: read back, keyed by heads, 16-bit and an fp8 cache apart;
+    the split count fills whole waves of the tuned programs per SM (132 SMs), capped, never 0."""
+    import json
+
+    from tokenmill.kernels.fused_moe import nearest_bucket
+    from tokenmill.kernels.kv_fp8 import FP8_DTYPE
+    from tokenmill.kernels.mla_decode import (
+        MAX_SPLITS,
+        DecodeConfig,
+        decode_config_path,
+        decode_shape_key,
+        load_decode_configs,
+        splits_for,
+    )
+
+    path = decode_config_path("NVIDIA H200", tmp_path)
+    assert path == tmp_path / "mla_decode_NVIDIA_H200.json"
+    keys = {decode_shape_key(16, dtype, cache) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+            for cache in (dtype, FP8_DTYPE)}
+    assert len(keys) == 4  # bf16 and fp16 share
+    tuned = {decode_shape_key(16, torch.bfloat16, torch.bfloat16): {1: DecodeConfig((16, 32, 8, 4), 1.0),
+                                                                     64: DecodeConfig((16, 32, 4, 3), 1.9394)}}
+    path.write_text(json.dumps({"configs": {k: {str(b): c.to_json() for b, c in v.items()} for k, v in tuned.items()}}))
+    loaded = load_decode_configs(path)
+    assert loaded == tuned and load_decode_configs(tmp_path / "missing.json") == {}
+    buckets = loaded[decode_shape_key(16, torch.float16, torch.float16)]
+    assert nearest_bucket(buckets, 48).tiles == (16, 32, 4, 3) and nearest_bucket(buckets, 4).programs_per_sm == 1.0
+    assert [splits_for(n, 1.9394 * 132) for n in (1, 32, 64, 65, 128, 256, 300)] == [MAX_SPLITS, 8, 4, 3, 2, 1, 1]
+
+
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_deepseek_shapes_long_contexts(device, dtype, num_heads):
@@ -188,10 +220,10 @@ def test_decode_batch_of_64_at_4k(device, dtype):
     assert run_case(case) < cases.TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("config", [(16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (16, 32, 4, 3)],
+@pytest.mark.parametrize("config", [(16, 64, 8, 3), (32, 32, 8, 3), (64, 32, 8, 3), (16, 16, 4, 6), (16, 32, 4, 4)],
                          ids=lambda c: "H{}-N{}-w{}-s{}".format(*c))
 def test_decode_tile_configs(device, config):
-    """The tiles benchmarks/mla_decode.py sweeps (bfloat16), so a faster one can become the default safely."""
+    """Tiles benchmarks/mla_decode.py sweeps (bfloat16; 64 heads a tile: wgmma), so its table is safe to use."""
     if device == "cpu":
         pytest.skip("GPU shapes")
     case = make_case([1] * 8, [3000 + 7 * i for i in range(8)], 128, REAL, 16, torch.bfloat16, device,

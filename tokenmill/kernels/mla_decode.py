@@ -11,6 +11,8 @@ One program takes BLOCK_T query tokens of one request and BLOCK_H of its heads: 
 (token, head) pairs, the M dimension of both dots, so every latent page is read once for all of them. The
 row's c_kv part and k_pe part are separate tiles (512 and 64 wide, instead of one 576 padded to 1024), and
 the c_kv tile is both K (scores = q_nope . c_kv^T + q_pe . k_pe^T) and V (acc += p . c_kv).
+The latent loads are software-pipelined (num_stages - 1 tiles in flight per program), which is what makes
+the kernel bandwidth-bound: the block table's entries are loaded a tile ahead by hand for that (see the loop).
 - decode (one query token per request): BLOCK_T = 1, and the context may be split over programs
   (flash-decoding): each split writes its partial output and log-sum-exp and counts itself in on an arrival
   counter (kernels.arrivals) of its (token, head tile); the last to arrive combines them, in the same launch
@@ -25,7 +27,10 @@ same stored values, so V's scale is k_scale too).
 from __future__ import annotations
 
 import functools
+import json
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -33,6 +38,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.arrivals import arrival_counters
+from tokenmill.kernels.fused_moe import CONFIG_DIR, config_path, nearest_bucket
 from tokenmill.kernels.kv_fp8 import is_fp8
 from tokenmill.kernels.prefill_attention import dot_precision
 
@@ -68,12 +74,18 @@ def _mla_attention_kernel(
     heads = head_block * BLOCK_H + offs_r % BLOCK_H
     r_mask = (offs_t < q_len) & (heads < num_heads)
     tokens = (q_start + offs_t).to(tl.int64)
-    offs_c = tl.arange(0, LATENT_PAD)
+    # c_kv in two halves of columns: with k_pe, three independent chains of MMAs for the scores (an MMA waits for
+    # the one before on its accumulator: one 576-deep chain, 36 MMAs, was the loop's critical path; now 16), and
+    # two accumulators of the output.
+    HALF: tl.constexpr = LATENT_PAD // 2
+    offs_c = tl.arange(0, HALF)
     offs_p = tl.arange(0, ROPE_PAD)
-    c_mask = offs_c < latent_dim
+    lo_mask = offs_c < latent_dim
+    hi_mask = HALF + offs_c < latent_dim
     p_mask = offs_p < rope_dim
     q_rows = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
-    q_nope = tl.load(q_rows + offs_c[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+    q_lo = tl.load(q_rows + offs_c[None, :], mask=r_mask[:, None] & lo_mask[None, :], other=0.0)
+    q_hi = tl.load(q_rows + HALF + offs_c[None, :], mask=r_mask[:, None] & hi_mask[None, :], other=0.0)
     q_pe = tl.load(q_rows + latent_dim + offs_p[None, :], mask=r_mask[:, None] & p_mask[None, :], other=0.0)
     if IS_FP8:  # q . (k * k_scale) = (q . k) * k_scale
         sm_scale = sm_scale * tl.load(k_scale_ptr)
@@ -89,19 +101,29 @@ def _mla_attention_kernel(
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, LATENT_PAD], tl.float32)
+    acc_lo = tl.zeros([ROWS, HALF], tl.float32)
+    acc_hi = tl.zeros([ROWS, HALF], tl.float32)
+    # The block table's entries for a tile are loaded one tile ahead, by hand: loaded in the tile's own step,
+    # they make the latent loads indirect, which Triton's pipeliner spreads its stages over (triton 3.6, sm_90:
+    # num_stages 4 kept a single c_kv buffer, each step waiting for its own load; now num_stages - 1 buffers).
+    offs_b = tl.arange(0, BLOCK_N)
+    page = tl.load(block_row + (start + offs_b) // BLOCK_SIZE, mask=start + offs_b < end, other=0)
     for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = start_n + offs_b
         n_mask = offs_n < end
-        page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        rows = cache_ptr + page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
+        rows = cache_ptr + page.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
+        page = tl.load(block_row + (offs_n + BLOCK_N) // BLOCK_SIZE, mask=offs_n + BLOCK_N < end, other=0)
         # Masked rows read as 0: a never-written slot may hold NaN, and 0 * NaN would poison the output.
-        c_kv = tl.load(rows[:, None] + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :],
-                       other=0.0).to(q_nope.dtype)
+        c_lo = tl.load(rows[:, None] + offs_c[None, :], mask=n_mask[:, None] & lo_mask[None, :],
+                       other=0.0).to(q_lo.dtype)
+        c_hi = tl.load(rows[:, None] + HALF + offs_c[None, :], mask=n_mask[:, None] & hi_mask[None, :],
+                       other=0.0).to(q_lo.dtype)
         k_pe = tl.load(rows[:, None] + latent_dim + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :],
                        other=0.0).to(q_pe.dtype)
-        s = tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        s = tl.dot(q_nope, tl.trans(c_kv), s, input_precision=DOT_PRECISION) * qk_scale
+        # Three independent chains, each scaled before the sum: Triton folds dot(a, b) + s into dot(a, b, s).
+        s = (tl.dot(q_lo, tl.trans(c_lo), input_precision=DOT_PRECISION) * qk_scale
+             + tl.dot(q_hi, tl.trans(c_hi), input_precision=DOT_PRECISION) * qk_scale
+             + tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION) * qk_scale)
         visible = n_mask[None, :]
         if BLOCK_T > 1:
             visible = visible & (offs_n[None, :] <= last_key[:, None])
@@ -111,19 +133,26 @@ def _mla_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision=DOT_PRECISION)
+        p = p.to(c_lo.dtype)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, c_lo, input_precision=DOT_PRECISION)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, c_hi, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
     if IS_FP8:  # sum p (v * k_scale) = k_scale * sum p v: V is the stored K
-        out = out * tl.load(k_scale_ptr)
-    mask = r_mask[:, None] & c_mask[None, :]
+        norm = norm * tl.load(k_scale_ptr)
+    out_lo = acc_lo * norm[:, None]
+    out_hi = acc_hi * norm[:, None]
+    mask_lo = r_mask[:, None] & lo_mask[None, :]
+    mask_hi = r_mask[:, None] & hi_mask[None, :]
     if IS_SPLIT:  # BLOCK_T = 1: the rows are one token's heads
         # part_out [num_decodes, num_heads, num_splits, LATENT_PAD], part_lse [num_decodes, num_heads, num_splits]
         part = (idx * num_heads + heads) * num_splits + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=r_mask)
-        tl.store(part_out_ptr + part[:, None] * LATENT_PAD + offs_c[None, :], out, mask=mask)
+        part_row = part_out_ptr + part[:, None] * LATENT_PAD + offs_c[None, :]
+        tl.store(part_row, out_lo, mask=mask_lo)
+        tl.store(part_row + HALF, out_hi, mask=mask_hi)
         # Every split arrives, an empty one too. The barrier puts every warp's stores before the atomic, whose
         # release (acq_rel, gpu scope) publishes them; the last arrival's acquire makes them all visible to it.
         tl.debug_barrier()
@@ -134,8 +163,9 @@ def _mla_attention_kernel(
                             BLOCK_H, LATENT_PAD)
             tl.store(arrival, 0)  # every split has arrived: the counter is ready for the next launch
     else:
-        tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_c[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        out_row = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_c[None, :]
+        tl.store(out_row, out_lo.to(out_ptr.dtype.element_ty), mask=mask_lo)
+        tl.store(out_row + HALF, out_hi.to(out_ptr.dtype.element_ty), mask=mask_hi)
 
 
 @triton.jit
@@ -167,24 +197,81 @@ def _num_sms(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["multiprocessor_count"]
 
 
-def choose_num_splits(num_decodes: int, head_blocks: int, device: torch.device) -> int:
-    """Enough splits for about two programs per SM; a function of the batch shape only (CUDA graphs)."""
+DecodeTiles = tuple[int, int, int, int]  # BLOCK_H, BLOCK_N, num_warps, num_stages
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles, and how many programs per SM the split count aims at (so the grid fills whole waves: the
+    resident programs per SM follow from the tiles' registers and shared memory)."""
+
+    tiles: DecodeTiles
+    programs_per_sm: float
+
+    def to_json(self) -> dict:
+        return {"tiles": list(self.tiles), "programs_per_sm": self.programs_per_sm}
+
+    @classmethod
+    def from_json(cls, data: dict) -> DecodeConfig:
+        return cls(tuple(map(int, data["tiles"])), float(data["programs_per_sm"]))
+
+
+def decode_shape_key(num_heads: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """bfloat16 and float16 share their tiles; an fp8 cache apart (half the bytes per tile)."""
+    return f"H={num_heads},{dtype.itemsize * 8}bit" + (",e4m3" if is_fp8(cache_dtype) else "")
+
+
+def decode_config_path(device_name: str, directory: Path = CONFIG_DIR) -> Path:
+    return config_path(device_name, directory, kind="mla_decode")
+
+
+def load_decode_configs(path: Path) -> dict[str, dict[int, DecodeConfig]]:
+    """shape_key -> {batch: config}, as benchmarks/mla_decode.py --out writes them; {} without the file."""
+    if not path.exists():
+        return {}
+    return {key: {int(batch): DecodeConfig.from_json(c) for batch, c in buckets.items()}
+            for key, buckets in json.loads(path.read_text())["configs"].items()}
+
+
+@functools.cache
+def _tuned_decode_configs(device_name: str) -> dict[str, dict[int, DecodeConfig]]:
+    return load_decode_configs(decode_config_path(device_name))
+
+
+def default_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfig:
+    """Compiled for sm_90 at the real sizes (an AOT triton.compile, ptxas): 16 heads with (16, 32, 8, 3) take 128
+    registers a thread and 91 KB of shared memory (two c_kv tiles: one in flight while one is used), so two
+    programs per SM; V3's 128 heads take 4 programs of 32 heads, which read the same pages (mostly from L2), 168
+    registers and 110 KB: one per SM. float32 (ieee dots, no tensor cores) keeps its tiles small (195 registers,
+    72 KB). benchmarks/mla_decode.py sweeps the alternatives and writes the H200's table."""
+    if dtype == torch.float32:
+        return DecodeConfig((16, 16, 4, 1), 2.0)
+    return DecodeConfig((32, 32, 8, 3), 1.0) if num_heads > 16 else DecodeConfig((16, 32, 8, 3), 2.0)
+
+
+@functools.cache  # every MLA layer of every eager step asks: the same few questions
+def decode_config(num_heads: int, dtype: torch.dtype, cache_dtype: torch.dtype, num_decodes: int,
+                  device: torch.device) -> DecodeConfig:
+    """The tuned config of the batch nearest num_decodes (log scale), else default_decode_config."""
+    if device.type != "cuda":  # the interpreter
+        return default_decode_config(num_heads, dtype)
+    buckets = _tuned_decode_configs(torch.cuda.get_device_name(device)).get(
+        decode_shape_key(num_heads, dtype, cache_dtype))
+    return nearest_bucket(buckets, num_decodes) if buckets else default_decode_config(num_heads, dtype)
+
+
+def splits_for(programs: int, slots: float) -> int:
+    """As many splits of each of `programs` as fit in `slots` resident programs (rounded down: a partial
+    extra wave would leave most SMs idle while it runs), 1 to MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, math.floor(slots / max(1, programs) + 1e-6)))
+
+
+def choose_num_splits(num_decodes: int, head_blocks: int, device: torch.device, programs_per_sm: float) -> int:
+    """A function of the batch shape only, so a CUDA graph captured for a batch size stays valid for any length."""
     if device.type != "cuda":
         return 1
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(MAX_SPLITS, triton.cdiv(target, max(1, num_decodes * head_blocks))))
-
-
-def decode_config(num_heads: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages) for one-token queries. 16 heads: one program per token for
-    DeepSeek-V2-Lite; V3's 128 heads take 4 programs of 32, which read the same pages (mostly from L2). Compiled
-    for sm_90 at the real sizes (ptxas): 16 heads 120 registers a thread and 55 KB of shared memory, 32 heads 192
-    and 74 KB, no spills (4 warps with 64-row c_kv tiles spill). float32 (ieee dots, no tensor cores) keeps its
-    tiles small (214 registers, 72 KB). Not yet timed on the GPU: benchmarks/mla_decode.py sweeps the
-    alternatives."""
-    if dtype == torch.float32:
-        return 16, 16, 4, 1
-    return (32 if num_heads >= 32 else 16), 32, 8, 2
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return splits_for(num_decodes * head_blocks, programs_per_sm * sms)
 
 
 def prefill_config(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
@@ -192,6 +279,11 @@ def prefill_config(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     if dtype == torch.float32:
         return 1, 16, 16, 4, 1
     return 2, 16, 32, 8, 2
+
+
+def latent_pad(latent_dim: int) -> int:
+    """c_kv's columns padded: a power of 2, two halves of at least 16 (tl.dot's least K and N)."""
+    return max(32, triton.next_power_of_2(latent_dim))
 
 
 def _launch(query, cache, out, query_start_loc, seq_lens, block_table, req_ids, scale, k_scale, grid_t,
@@ -206,7 +298,7 @@ def _launch(query, cache, out, query_start_loc, seq_lens, block_table, req_ids, 
         scale, num_splits, num_heads, head_blocks, latent_dim, width - latent_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
         block_table.stride(0),
-        LATENT_PAD=max(16, triton.next_power_of_2(latent_dim)),
+        LATENT_PAD=latent_pad(latent_dim),
         ROPE_PAD=max(16, triton.next_power_of_2(width - latent_dim)), BLOCK_SIZE=cache.shape[1],
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_N=block_n,
         IS_SPLIT=num_splits > 1, DOT_PRECISION=dot_precision(query.dtype), IS_FP8=is_fp8(cache.dtype),
@@ -241,15 +333,15 @@ def mla_decode_attention(
         return
     query = _check(query, cache, out, k_scale)
     num_heads, latent_dim = query.shape[1], out.shape[2]
-    block_h, block_n, num_warps, num_stages = config or decode_config(num_heads, query.dtype)
+    tuned = decode_config(num_heads, query.dtype, cache.dtype, num_decodes, query.device)
+    block_h, block_n, num_warps, num_stages = config or tuned.tiles
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
-        num_splits = choose_num_splits(num_decodes, head_blocks, query.device)
+        num_splits = choose_num_splits(num_decodes, head_blocks, query.device, tuned.programs_per_sm)
     assert 1 <= num_splits <= MAX_SPLITS and block_h >= 16
     splits = None
     if num_splits > 1:
-        latent_pad = max(16, triton.next_power_of_2(latent_dim))
-        splits = (torch.empty((num_decodes, num_heads, num_splits, latent_pad), dtype=torch.float32,
+        splits = (torch.empty((num_decodes, num_heads, num_splits, latent_pad(latent_dim)), dtype=torch.float32,
                               device=query.device),
                   torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32, device=query.device),
                   arrival_counters(query.device, num_decodes * head_blocks))
