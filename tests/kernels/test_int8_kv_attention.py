@@ -74,6 +74,19 @@ def test_int8_attention_reads_each_rows_own_scale(device):
     assert cases.rel_error(out, wrong) > 0.2
 
 
+@interpret
+def test_int8_values_of_small_scale_keep_float16_precision(device):
+    """Under a 16-bit query the softmax weights times each value row's scale are float16 (kernels.kv_widen): V
+    rows of magnitude 1e-4 (scales ~3e-6, weights in float16's subnormals but for V_WEIGHT_GAIN: 5% off) stay
+    within the float16 tolerance."""
+    dtype = torch.float16
+    case = cases.make_paged_case([1, 37, 1], [63, 100, 17], 8, 2, 32, 16, torch.float32, device, seed=0)
+    (k, k_scale), (v, v_scale) = quantize_rows(case.kv_cache[0]), quantize_rows(case.kv_cache[1] * 1e-4)
+    case.kv_cache = torch.stack([k, v])
+    case.query = case.query.to(dtype)
+    assert cases.run_paged_attention(case, k_scale=k_scale, v_scale=v_scale) < cases.TOLERANCE[dtype]
+
+
 def written_int8_pools(writer: str, num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        device: str, norm_offset: float | None = None):
     """((kernel's pool, K scales, V scales), the torch reference's, stored slots): one writer on K/V rows of

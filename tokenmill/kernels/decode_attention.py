@@ -10,7 +10,8 @@ sizes and long contexts. The split count depends only on the batch shape (not on
 graph captured for a batch size stays valid for any context length.
 
 The arrival counters are kernels.arrivals' persistent, zeroed buffer (each launch resets what it used).
-An fp8 or int8 pool is dequantized in registers as in kernels.prefill_attention.
+An fp8 or int8 pool is dequantized in registers as in kernels.prefill_attention, read as pairs of bytes
+(kernels.kv_widen) under a 16-bit query.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton.language as tl
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.arrivals import arrival_counters
 from tokenmill.kernels.kv_fp8 import kv_scales
+from tokenmill.kernels.kv_widen import V_WEIGHT_GAIN, as_float16, as_pairs, head_dim_pad, reads_pairs, widen_pairs
 from tokenmill.kernels.prefill_attention import _tanh, dot_precision
 
 MAX_SPLITS = 16
@@ -43,7 +45,7 @@ def _decode_kernel(
     QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_INT8: tl.constexpr,
+    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,8 +69,18 @@ def _decode_kernel(
     g_mask = offs_g < QUERIES_PER_KV
     d_mask = offs_d < head_dim
     heads = kv_head * QUERIES_PER_KV + offs_g
-    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
+    if PAIRS:  # a one-byte pool's float16 pairs view (kernels.kv_widen), the strides in pairs; float16 dots
+        offs_h = tl.arange(0, HEAD_DIM_PAD // 2)
+        h_mask = offs_h < head_dim // 2
+        gh_mask = g_mask[:, None] & h_mask[None, :]
+        q_e = as_float16(tl.load(q_rows + 2 * offs_h[None, :], mask=gh_mask, other=0.0))
+        q_o = as_float16(tl.load(q_rows + 2 * offs_h[None, :] + 1, mask=gh_mask, other=0.0))
+        acc_e = tl.zeros([GROUP_PAD, HEAD_DIM_PAD // 2], tl.float32)
+        acc_o = tl.zeros([GROUP_PAD, HEAD_DIM_PAD // 2], tl.float32)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     block_row = block_table_ptr + req * stride_bt
     kv_offset = kv_head * stride_ch
     if IS_FP8:  # q . (k * k_scale) = (q . k) * k_scale: the scale goes on the scores
@@ -77,17 +89,23 @@ def _decode_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
-        k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if PAIRS:  # q . k = q_even . k_even + q_odd . k_odd
+            nh_mask = n_mask[:, None] & h_mask[None, :]
+            k_e, k_o = widen_pairs(tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_h[None, :], mask=nh_mask, other=0.0),
+                                   IS_FP8, USE_ASM)
+            s = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e)))
+        else:
+            k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if IS_INT8:  # q . (k * scale) = (q . k) * scale: each key's own scale goes on its scores
-            scale_ptrs = page * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
+            # int32 offsets (a layer's scales are far fewer than 2^31): cheaper than the pool's int64 ones
+            scale_ptrs = page.to(tl.int32) * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
             s = s * tl.load(k_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
         if USE_SOFTCAP:
             s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
@@ -99,14 +117,30 @@ def _decode_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         if IS_INT8:  # sum p (v * scale) = sum (p * scale) v: each value row's scale goes on its weights
-            p = p * tl.load(v_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v_scales = tl.load(v_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)
+            if PAIRS:
+                # float16 weights, times V_WEIGHT_GAIN (kernels.kv_widen) and saturated
+                p = tl.minimum(p * (v_scales * V_WEIGHT_GAIN)[None, :], 65504.0)
+            else:
+                p = p * v_scales[None, :]
+        if PAIRS:  # p @ v: its even and its odd columns
+            v_e, v_o = widen_pairs(tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_h[None, :], mask=nh_mask, other=0.0),
+                                   IS_FP8, USE_ASM)
+            p = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p, v_e)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p, v_o)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if PAIRS:  # the columns back in order: 2j even, 2j + 1 odd
+        acc = tl.reshape(tl.join(acc_e, acc_o), (GROUP_PAD, HEAD_DIM_PAD))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if IS_INT8 and PAIRS:
+        out = out * (1.0 / V_WEIGHT_GAIN)
     if IS_FP8:  # sum p (v * v_scale) = v_scale * sum p v; the splits' combine is linear in them too
         out = out * tl.load(v_scale_ptr)
     mask = g_mask[:, None] & d_mask[None, :]
@@ -218,17 +252,18 @@ def decode_attention(
     assert 1 <= num_splits <= MAX_SPLITS
     group = num_heads // num_kv_heads
     group_pow2 = triton.next_power_of_2(group)  # the combine's rows; padded to 16 for the attention's dots
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    scales = kv_scales(kv_cache, k_scale, v_scale)
+    pairs = reads_pairs(scales, query.dtype)  # a one-byte pool under a 16-bit query (kernels.kv_widen)
+    dim_pad = head_dim_pad(head_dim, pairs)
     block_n, num_warps, num_stages = config or _config(head_dim, query.dtype)
     if num_splits > 1:
-        part_out = torch.empty((num_decodes, num_heads, num_splits, head_dim_pad), dtype=torch.float32,
+        part_out = torch.empty((num_decodes, num_heads, num_splits, dim_pad), dtype=torch.float32,
                                device=query.device)
         part_lse = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32, device=query.device)
         arrivals = arrival_counters(query.device, num_decodes * num_kv_heads)
     else:
         part_out = part_lse = arrivals = out  # unused
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    scales = kv_scales(kv_cache, k_scale, v_scale)
+    k_cache, v_cache = (as_pairs(kv_cache[0]), as_pairs(kv_cache[1])) if pairs else (kv_cache[0], kv_cache[1])
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, arrivals,
         query_start_loc, seq_lens, block_table, req_ids, scales.k, scales.v,
@@ -239,9 +274,10 @@ def decode_attention(
         head_dim,
         IS_SPLIT=num_splits > 1, SPLITS_PAD=MAX_SPLITS,
         QUERIES_PER_KV=group, GROUP_PAD=max(16, group_pow2), GROUP_POW2=group_pow2,
-        BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM_PAD=dim_pad, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(query.dtype), IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
+        PAIRS=pairs, USE_ASM=query.device.type == "cuda",
         num_warps=num_warps, num_stages=num_stages,
     )
 

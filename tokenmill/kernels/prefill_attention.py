@@ -10,10 +10,11 @@ tiles for any split of its tokens into requests) and each program finds its (req
 requests' tile counts, read from the device; the programs past the last tile return at once.
 
 An fp8 (float8_e4m3fn) pool is dequantized in registers, here and in the decode kernel: each K/V tile is
-widened to the query's dtype (exactly: every e4m3 value is a float16, bfloat16 and float32 value), and the
-layer's scales, read through pointers so that a CUDA graph sees their current values, multiply the scores
-(k_scale, folded into the softmax scale) and the output (v_scale): the products of scaling every element,
-with one multiply per score or output element instead of one per K/V element. An int8 pool is widened the same
+widened exactly (every e4m3 value is a float16, bfloat16 and float32 value), to float16 under a 16-bit query
+(read as pairs of bytes, kernels.kv_widen) and to float32 under a float32 one, and the layer's scales, read
+through pointers so that a CUDA graph sees their current values, multiply the scores (k_scale, folded into the
+softmax scale) and the output (v_scale): the products of scaling every element, with one multiply per score or
+output element instead of one per K/V element. An int8 pool is widened the same
 way (exactly), each key's and value row's own scale (kernels.kv_int8, read beside the pool at the key's slot and
 KV head) multiplying that key's scores and that row's softmax weights: one multiply per score, twice.
 """
@@ -29,6 +30,7 @@ import triton.language as tl
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.kv_fp8 import is_fp8, kv_scales
 from tokenmill.kernels.kv_int8 import dequantize_rows, is_int8
+from tokenmill.kernels.kv_widen import V_WEIGHT_GAIN, as_float16, as_pairs, head_dim_pad, reads_pairs, widen_pairs
 
 FIXED_GRID_EXTRA_TILES = 8
 """Programs per head beyond one per BLOCK_M tokens on a fixed grid. H200, Llama-3.1-8B heads, one 496-token
@@ -53,7 +55,7 @@ def _attend_tile(
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_INT8: tl.constexpr,
+    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """Query rows [tile * BLOCK_M, (tile + 1) * BLOCK_M) of request `req` for one query head."""
     seq_len = tl.load(seq_lens_ptr + req)
@@ -65,8 +67,18 @@ def _attend_tile(
     d_mask = offs_d < head_dim
     q_pos = context_len + offs_m  # absolute position of each query token
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_rows = q_ptr + rows[:, None] * stride_qt + head * stride_qh
+    if PAIRS:  # a one-byte pool's float16 pairs view (kernels.kv_widen), the strides in pairs; float16 dots
+        offs_h = tl.arange(0, HEAD_DIM_PAD // 2)
+        h_mask = offs_h < head_dim // 2
+        mh_mask = m_mask[:, None] & h_mask[None, :]
+        q_e = as_float16(tl.load(q_rows + 2 * offs_h[None, :], mask=mh_mask, other=0.0))
+        q_o = as_float16(tl.load(q_rows + 2 * offs_h[None, :] + 1, mask=mh_mask, other=0.0))
+        acc_e = tl.zeros([BLOCK_M, HEAD_DIM_PAD // 2], tl.float32)
+        acc_o = tl.zeros([BLOCK_M, HEAD_DIM_PAD // 2], tl.float32)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
     kv_head = head // QUERIES_PER_KV
     hi = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
@@ -82,17 +94,23 @@ def _attend_tile(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
-        k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if PAIRS:  # q . k = q_even . k_even + q_odd . k_odd
+            nh_mask = n_mask[:, None] & h_mask[None, :]
+            k_e, k_o = widen_pairs(tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_h[None, :], mask=nh_mask, other=0.0),
+                                   IS_FP8, USE_ASM)
+            s = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e)))
+        else:
+            k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if IS_INT8:  # q . (k * scale) = (q . k) * scale: each key's own scale goes on its scores
-            scale_ptrs = page * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
+            # int32 offsets (a layer's scales are far fewer than 2^31): cheaper than the pool's int64 ones
+            scale_ptrs = page.to(tl.int32) * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
             s = s * tl.load(k_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
         if USE_SOFTCAP:
             s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
@@ -107,13 +125,28 @@ def _attend_tile(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         if IS_INT8:  # sum p (v * scale) = sum (p * scale) v: each value row's scale goes on its weights
-            p = p * tl.load(v_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v_scales = tl.load(v_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)
+            if PAIRS:  # float16 weights: see V_WEIGHT_GAIN
+                p = tl.minimum(p * (v_scales * V_WEIGHT_GAIN)[None, :], 65504.0)
+            else:
+                p = p * v_scales[None, :]
+        if PAIRS:  # p @ v: its even and its odd columns
+            v_e, v_o = widen_pairs(tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_h[None, :], mask=nh_mask, other=0.0),
+                                   IS_FP8, USE_ASM)
+            p = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p, v_e)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p, v_o)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if PAIRS:  # the columns back in order: 2j even, 2j + 1 odd
+        acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_M, HEAD_DIM_PAD))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if IS_INT8 and PAIRS:
+        out = out * (1.0 / V_WEIGHT_GAIN)
     if IS_FP8:  # sum p (v * v_scale) = v_scale * sum p v
         out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -150,7 +183,7 @@ def _prefill_kernel(
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_INT8: tl.constexpr,
+    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
     FIXED_GRID: tl.constexpr,
 ):
     head = tl.program_id(2)
@@ -183,7 +216,7 @@ def _prefill_kernel(
                 stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, stride_sb,
                 stride_st, head_dim,
                 QUERIES_PER_KV, BLOCK_SIZE, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
-                IS_FP8, IS_INT8,
+                IS_FP8, IS_INT8, PAIRS, USE_ASM,
             )
 
 
@@ -230,8 +263,9 @@ def prefill_attention(
     if query.stride(-1) != 1:
         query = query.contiguous()
     block_m, block_n, num_warps, num_stages = config or _config(head_dim, query.dtype)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
     scales = kv_scales(kv_cache, k_scale, v_scale)
+    pairs = reads_pairs(scales, query.dtype)
+    k_cache, v_cache = (as_pairs(kv_cache[0]), as_pairs(kv_cache[1])) if pairs else (kv_cache[0], kv_cache[1])
     if fixed_grid:
         # A tile per BLOCK_M tokens and a few for the requests' partial tiles; more tiles take turns.
         grid = (triton.cdiv(query.shape[0], block_m) + FIXED_GRID_EXTRA_TILES, 1, num_heads)
@@ -247,10 +281,11 @@ def prefill_attention(
         scales.stride_t,
         head_dim,
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=head_dim_pad(head_dim, pairs),
         BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(query.dtype), IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
+        PAIRS=pairs, USE_ASM=query.device.type == "cuda",
         FIXED_GRID=fixed_grid,
         num_warps=num_warps, num_stages=num_stages,
     )
