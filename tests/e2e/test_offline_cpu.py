@@ -22,10 +22,12 @@ def run_child(model: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_offline_cpu_leaves_a_core_free_unless_the_user_chose(tiny_llama):
+def test_offline_cpu_chooses_its_threads_unless_the_user_chose(tiny_llama):
     num_cpus = len(os.sched_getaffinity(0))
     chosen = run_child(tiny_llama.path)
-    assert f"threads {num_cpus - 1}\n" in chosen.stdout, chosen.stderr[-2000:]
+    # All cores or one fewer, step by step, by what else runs (worker.cpu_threads; tests/unit/test_cpu_threads.py).
+    assert f"threads {num_cpus - 1}\n" in chosen.stdout or f"threads {num_cpus}\n" in chosen.stdout, \
+        chosen.stderr[-2000:]
     # The progress bar reports throughput as vLLM's does.
     assert "est. speed input:" in chosen.stderr and "toks/s, output:" in chosen.stderr
-    assert f"threads {num_cpus}\n" in run_child(tiny_llama.path, OMP_NUM_THREADS=str(num_cpus)).stdout
+    assert "threads 1\n" in run_child(tiny_llama.path, OMP_NUM_THREADS="1").stdout

@@ -1,4 +1,4 @@
-"""The CPU's per-step thread choice: small steps and a busy machine leave a core free."""
+"""The CPU's per-step thread choice: a busy machine leaves a core free, an idle one gets every core."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill.worker import cpu_threads
-from tokenmill.worker.cpu_threads import MIN_TOKENS_FOR_ALL_CORES, CpuThreads, OthersLoad
+from tokenmill.worker.cpu_threads import CpuThreads, OthersLoad
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not OthersLoad.readable(),
                                 reason="needs two cores and /proc/stat")
@@ -27,16 +27,14 @@ def test_another_busy_process_keeps_a_core_free(threads):
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(cpu_threads.WINDOW_S + 0.2)
-        threads.before_step(MIN_TOKENS_FOR_ALL_CORES * 8)
+        threads.before_step()
     finally:
         spinner.kill()
     assert not threads._others_idle
     assert threads.current == torch.get_num_threads() == threads.fewer
 
 
-def test_big_steps_take_every_core_while_the_others_are_idle(threads):
+def test_steps_take_every_core_while_the_others_are_idle(threads):
     threads._others_idle, threads._window_end = True, time.monotonic() + 60
-    threads.before_step(MIN_TOKENS_FOR_ALL_CORES)
+    threads.before_step()
     assert torch.get_num_threads() == threads.all_cores
-    threads.before_step(MIN_TOKENS_FOR_ALL_CORES - 1)
-    assert torch.get_num_threads() == threads.fewer

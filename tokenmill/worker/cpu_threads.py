@@ -7,11 +7,12 @@ else running, a step on all cores takes several times longer than on one fewer. 
 both cores at batch 64 while one is busy. But on an idle machine both cores give ~1.5x at batch 64
 (the GEMMs split over the cores), and vLLM-CPU, which reserves a core, leaves that on the table.
 
-So a single-rank engine chooses per step (`CpuThreads`): all cores for a step of at least
-`MIN_TOKENS_FOR_ALL_CORES` tokens while the other processes on this machine used less than
-`OTHERS_BUSY_CORES` of a core over the last window (from /proc/stat, our own CPU time taken out);
-one core fewer otherwise, and always for small steps (at batch 1 a second thread costs more in
-synchronisation than it gains). Tensor-parallel ranks share the cores left over and keep a fixed count.
+So a single-rank engine chooses per step (`CpuThreads`): all cores while the other processes on this
+machine used less than `OTHERS_BUSY_CORES` of a core over the last window (from /proc/stat, our own CPU
+time taken out), one core fewer otherwise. With the CPU kernels of issue 23 (C attention, norms and GGUF
+GEMMs that split their rows or columns over the threads) both cores pay at every batch size on 2 cores,
+batch 1 included (1.3-1.5x; BENCHMARKS.md, "All cores while the machine is idle"). Tensor-parallel ranks
+share the cores left over and keep a fixed count.
 OMP_NUM_THREADS, or a torch.set_num_threads() below the core count, is left alone.
 """
 
@@ -25,9 +26,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Steps of fewer tokens run on one core fewer even on an idle machine: measured on the 2-core AMD EPYC,
-# the default model in float32 (BENCHMARKS.md, "All cores for big steps").
-MIN_TOKENS_FOR_ALL_CORES = 8
 # Other processes using at least this much of a core make a step on all cores wait for the busy one.
 OTHERS_BUSY_CORES = 0.3
 # How often /proc/stat is read: long enough that its 10 ms ticks are a small error, short enough to follow.
@@ -58,8 +56,8 @@ def choose_cpu_threads(num_ranks: int = 1) -> CpuThreads | None:
         logger.info("CPU: torch computes with %d threads of %d cores, one left for the rest (OMP_NUM_THREADS "
                     "overrides)", fewer, num_cpus)
         return None
-    logger.info("CPU: torch computes with %d threads of %d cores, all %d for steps of %d+ tokens while no other "
-                "process is busy (OMP_NUM_THREADS overrides)", fewer, num_cpus, num_cpus, MIN_TOKENS_FOR_ALL_CORES)
+    logger.info("CPU: torch computes with all %d cores while no other process is busy, else %d (OMP_NUM_THREADS "
+                "overrides)", num_cpus, fewer)
     return CpuThreads(num_cpus, fewer)
 
 
@@ -93,7 +91,7 @@ class OthersLoad:
 
 
 class CpuThreads:
-    """Per step: all cores for big steps while the rest of the machine is idle, one fewer otherwise."""
+    """Per step: all cores while the rest of the machine is idle, one fewer otherwise."""
 
     def __init__(self, num_cpus: int, fewer: int) -> None:
         self.all_cores, self.fewer = num_cpus, fewer
@@ -103,12 +101,12 @@ class CpuThreads:
         self._others_idle = False  # until the first window has been measured
         self._window_end = time.monotonic() + WINDOW_S
 
-    def before_step(self, num_tokens: int) -> None:
+    def before_step(self) -> None:
         now = time.monotonic()
         if now >= self._window_end:
             self._others_idle = self.others.since_last() < OTHERS_BUSY_CORES
             self._window_end = now + WINDOW_S
-        wanted = self.all_cores if self._others_idle and num_tokens >= MIN_TOKENS_FOR_ALL_CORES else self.fewer
+        wanted = self.all_cores if self._others_idle else self.fewer
         if wanted != self.current:
             _set_threads(wanted)
             self.current = wanted

@@ -283,7 +283,7 @@ class Worker:
         if scheduler_output.block_copies:
             self._copy_blocks(scheduler_output.block_copies)
         if self.cpu_threads is not None:
-            self.cpu_threads.before_step(scheduler_output.total_num_scheduled_tokens)
+            self.cpu_threads.before_step()
         return self.model_runner.execute_model(scheduler_output)
 
     @torch.inference_mode()
