@@ -39,14 +39,16 @@ from tokenmill.layers.quant.w4a16 import dequantize_int, pack_int32
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # BLOCK_N 2-16, 64-256 words per column per step over at most BLOCK_K / 8 / 32 warps (more would send the words
-# through shared memory, kernels.w4a16_gemm._gemv_int_kernel), at most 16 words per thread, 8 from 3 rows
-# (registers); the GEMV has no shared-memory pipeline, so num_stages stays 1. 18 configs at 1 row, 13 at 4.
+# through shared memory, kernels.w4a16_gemm._gemv_int_kernel; with 32 per thread and column or more they load 4
+# at a time: _gemv_unit), at most 32 words per thread, from 3 rows 16 and 8 columns (registers: 16 columns spill); the
+# GEMV has no shared-memory pipeline, so num_stages stays 1. 26 configs at 1 row, 19 at 4.
 GEMV_CONFIGS = [(bn, bk, w, 1) for bn, (bk, w) in itertools.product(
-    (2, 4, 8, 16), ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8))) if bn * bk // 8 // (32 * w) <= 16]
+    (2, 4, 8, 16), ((512, 2), (1024, 1), (1024, 2), (1024, 4), (2048, 2), (2048, 4), (2048, 8)))
+    if bn * bk // 8 // (32 * w) <= 32]
 
 
 def gemv_configs(rows: int) -> list[tuple[int, int, int, int]]:
-    return [c for c in GEMV_CONFIGS if rows <= 2 or c[0] * c[1] // 8 // (32 * c[2]) <= 8]
+    return [c for c in GEMV_CONFIGS if rows <= 2 or (c[0] <= 8 and c[0] * c[1] // 8 // (32 * c[2]) <= 16)]
 
 
 def us(fn) -> float:

@@ -119,8 +119,9 @@ def test_scale_step_layouts(device, dtype, kernel, rows, group, config):
 
 
 # The GEMV (up to 4 rows) with steps over several groups (group 32 in 128-wide steps), inside one group, and
-# per-channel; each row count is its own compiled variant. The 512-wide steps over the interpreter's k = 256 take
-# the masked path along k (steps that do not divide k).
+# per-channel; each row count is its own compiled variant, and each step width and warp count its units of 1, 2
+# or 4 words (_gemv_unit: 4 in int4's 1,024-wide steps of one warp and int8's 512-wide, 2 in int4's 512-wide). The
+# 512-wide and wider steps over the interpreter's k = 256 take the masked path along k (steps that do not divide k).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,group,sym,act_order,bits,config", [
     pytest.param(2, 32, False, True, 4, (16, 128, 4, 2), marks=interpret),
@@ -128,6 +129,11 @@ def test_scale_step_layouts(device, dtype, kernel, rows, group, config):
     pytest.param(4, 0, False, False, 8, (16, 128, 4, 2), marks=interpret),
     pytest.param(1, 128, False, True, 4, (8, 512, 4, 1), marks=interpret),
     pytest.param(2, 0, True, False, 4, (1, 512, 1, 1), marks=interpret),
+    pytest.param(1, 64, False, False, 4, (4, 1024, 1, 1), marks=interpret),
+    pytest.param(4, 128, True, True, 4, (4, 1024, 1, 1), marks=interpret),
+    pytest.param(2, 64, False, False, 8, (4, 512, 1, 1), marks=interpret),
+    pytest.param(1, 128, False, False, 4, (8, 2048, 2, 1)),
+    pytest.param(4, 128, True, False, 4, (8, 1024, 2, 1)),
     pytest.param(4, 64, True, True, 4, None),
     pytest.param(3, 32, False, False, 8, None),
 ])

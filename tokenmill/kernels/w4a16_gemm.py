@@ -9,12 +9,12 @@ memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's is tra
 
 Three fused kernels, and a dequantization for large row counts:
 - `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns, every word
-  unpacked once for all the rows (about 2 integer ops and an fma per weight, no int-to-float conversion) and
-  kept in its packed shape ([words, groups, slots, columns], x loaded to match: no change of layout, no shared
-  memory in the loop), the zero point and the scale applied per word to the sums rather than per weight
-  (scale * (sum q * x - zero * sum x); symmetric weights lose the midpoint in the float conversion). The skinny
-  kernel's 16-row tensor-core tile at one row ran at a tenth of the weights' read rate on the H200
-  (BENCHMARKS.md): the unpacking, not the memory, set the pace.
+  unpacked once for all the rows (one and per weight into a float's bits, no int-to-float conversion, no fma)
+  and kept in its packed shape ([units of 1-4 words, groups, words, slots, columns], x loaded to match: no
+  change of layout, no shared memory in the loop), the zero point and the scale applied per unit to the sums
+  rather than per weight (scale * (sum q * x - zero * sum x)). The skinny kernel's 16-row tensor-core tile at
+  one row ran at a tenth of the weights' read rate on the H200 (BENCHMARKS.md): the unpacking, not the memory,
+  set the pace.
 - `skinny_int_gemm`, decode (<= 16 rows): each program owns BLOCK_N output columns and walks all of K, as
   kernels.skinny_gemm does for 16-bit weights; a decode step only streams weights, and these are a quarter
   of the bytes.
@@ -176,20 +176,20 @@ def _dequant_int_kernel(
 
 
 @triton.jit
-def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start, k, valid, PACK: tl.constexpr,
+def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start, k, valid, WORD_SLOTS: tl.constexpr,
                      SUB: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr):
-    """A step's weight words [W, G, 1, BLOCK_N] and its scales and zeros [W, G, BLOCK_N] (GROUP 0: none, loaded
-    once), each thread loading those of its own words (the same for the W words of a group: cached loads), so
-    they need no change of layout either.
+    """A step's weight words [W, G, H, 1, BLOCK_N] and its scales and zeros [W, G, BLOCK_N] (GROUP 0: none,
+    loaded once), each thread loading those of its own words (the same for the W units of a group: cached
+    loads), so they need no change of layout either.
     `valid` (scalar) turns the prefetch past the last step off; without EVEN_K the words and groups past k are
     masked off too."""
     if EVEN_K:
         w_mask = valid
         g_mask = valid
     else:
-        w_mask = valid & (start // PACK + word < k // PACK)[:, :, None, None]
+        w_mask = valid & (start // WORD_SLOTS + word < k // WORD_SLOTS)
         g_mask = valid & (start + offs_g * SUB < k)[None, :, None]
-    words = tl.load(w_ptrs + start // PACK, mask=w_mask, other=0)
+    words = tl.load(w_ptrs + start // WORD_SLOTS, mask=w_mask, other=0)
     s = 0.0
     z = 0.0
     if GROUP != 0:
@@ -202,14 +202,18 @@ def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start, k, valid
 
 
 @triton.jit
-def _gemv_row(acc, qz, z, x_ptr, cols, x_mask, s, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
-    """One row's part of a step: acc [W, G, BLOCK_N] += scale * (sum over each word's slots of q * x, less
-    zero * sum of x), with x [W, G, PACK, 1] in the words' shape; the sums over the words and the groups wait
-    for the end. Symmetric weights come with the midpoint already taken off q."""
+def _gemv_row(acc, f, z, x_ptr, cols, x_mask, s, x_offset, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+              F_OFFSET: tl.constexpr):
+    """One row's part of a step: acc [W, G, BLOCK_N] += scale * (sum over each unit's slots of q * x, less
+    zero * sum of x), with x [W, G, H, P, 1] in the words' shape; the sums over the units and the groups wait
+    for the end. With F_OFFSET, f is c + q per slot: the c * x terms (with the midpoint's for symmetric
+    weights: x_offset) come off once per unit, for all the columns; without, f holds q (less the midpoint)."""
     x = tl.load(x_ptr + cols, mask=x_mask, other=0.0).to(tl.float32)
-    dots = tl.sum(qz * x, axis=2)
-    if HAS_ZERO:  # the zero point once per word and column, not per weight
-        dots -= z * tl.sum(x, axis=2)
+    dots = tl.sum(tl.sum(f * x, axis=3), axis=2)
+    if F_OFFSET:
+        dots -= tl.sum(tl.sum(x * x_offset, axis=3), axis=2)
+    if HAS_ZERO:  # the zero point once per unit and column, not per weight
+        dots -= z * tl.sum(tl.sum(x, axis=3), axis=2)
     if GROUP == 0:
         return acc + dots  # per-channel: scaled once at the end
     return acc + dots * s
@@ -223,53 +227,65 @@ def _gemv_store(out_ptr, acc, s_end, offs_n, n_mask, GROUP: tl.constexpr):
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["no_bits"])  # its value (0) would let the compiler fold it
 def _gemv_int_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_sn, stride_om,
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_sn, stride_om, no_bits,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, H: tl.constexpr,
 ):
     # A row or a few on the CUDA cores, each program owning BLOCK_N output columns and walking all of K.
-    # The words stay in their packed shape from load to sum, [W words, G groups, PACK slots, BLOCK_N columns]:
-    # feature (g * W + w) * PACK + p of the step is slot p of word g * W + w, and x is loaded in that shape,
-    # [W, G, PACK, 1]. Both loads then give each thread the same words (consecutive threads on consecutive
-    # words: coalesced), the words of all BLOCK_N columns and x's PACK features of each (one 16-byte load, used
+    # The words stay in their packed shape from load to sum, [W units, G groups, H words, P slots, BLOCK_N
+    # columns] (a unit: H consecutive words, 1, 2 or 4: _gemv_unit): feature ((g * W + w) * H + h) * P + p of
+    # the step is slot p of word (g * W + w) * H + h, and x is loaded in that shape, [W, G, H, P, 1]. Both loads
+    # then give each thread the same units (consecutive threads on consecutive units: coalesced), the units of
+    # all BLOCK_N columns (4- to 16-byte loads) and x's H * P features of each (H 16-byte loads for int4, used
     # for every column), so nothing changes layout in the loop. The old kernel's reshape of the unpacked tile
-    # into [BLOCK_N, BLOCK_K] sent 8x the weight's bytes through shared memory every step.
-    PACK: tl.constexpr = 32 // BITS
+    # into [BLOCK_N, BLOCK_K] sent 8x the weight's bytes through shared memory every step. Wider units cut the
+    # loads, their addresses and the per-unit work (scales, the sums' corrections) per weight.
+    P: tl.constexpr = 32 // BITS
     SUB: tl.constexpr = GROUP if GROUP > 0 and GROUP < BLOCK_K else BLOCK_K  # the features one scale covers
     G: tl.constexpr = BLOCK_K // SUB
-    W: tl.constexpr = SUB // PACK
+    W: tl.constexpr = SUB // (P * H)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
     rows_n = tl.minimum(offs_n, n - 1)  # the last block's extra columns read the last row: no load masks on n
     offs_g = tl.arange(0, G)
-    offs_p = tl.arange(0, PACK)
-    word = tl.arange(0, W)[:, None] + offs_g[None, :] * W  # [W, G]
-    feature = word[:, :, None, None] * PACK + offs_p[None, None, :, None]  # [W, G, PACK, 1]
-    # One word per thread and column (the layout x's 16-byte loads get), not 16-byte vectors of 4 words, which
-    # would reach x's layout only through shared memory: the hint keeps the words' load in x's layout (threads
-    # in the same dimension order), 128 contiguous bytes per warp and column.
-    w_offs = tl.max_contiguous(word[:, :, None, None] + rows_n[None, None, None, :].to(tl.int64) * stride_wn,
-                               [1, 1, 1, 1])
+    offs_h = tl.arange(0, H)[None, None, :, None, None]
+    offs_p = tl.arange(0, P)
+    unit = tl.arange(0, W)[:, None] + offs_g[None, :] * W  # [W, G]
+    word = unit[:, :, None, None, None] * H + offs_h  # [W, G, H, 1, 1]
+    feature = word * P + offs_p[None, None, None, :, None]  # [W, G, H, P, 1]
+    # A unit's H words per thread and column (the layout x's 16-byte loads get, one per word), not 16-byte
+    # vectors of 4 words, which would reach x's layout only through shared memory: the hint keeps the words'
+    # load in x's layout (threads in the same dimension order).
+    w_offs = tl.max_contiguous(word + rows_n[None, None, None, None, :].to(tl.int64) * stride_wn, [1, 1, H, 1, 1])
     w_ptrs = w_ptr + w_offs
     s_offs = tl.zeros([W, 1, 1], tl.int32) + (rows_n * stride_sn)[None, None, :]  # [W, 1, BLOCK_N]
-    # Unpacking in about 2 instructions per weight, no int-to-float conversion (a quarter-rate instruction):
-    # slot p's bits in the mantissa of 2^23 make the float 2^23 + q * 2^pos, exactly, when they sit at bit
-    # `pos` below 23. The word or'ed with 2^23's bits once, each slot is one and with (its mask | 2^23's bits);
-    # the low slots where they are (pos = p * BITS), the high ones (bits 20-31 of int4, 16-31 of int8) after
-    # one shift of the word. One fma then scales by 2^-pos and takes 2^(23 - pos) off (and the midpoint for
-    # symmetric weights), exactly: q, or q - midpoint, as a float32.
-    HIGH: tl.constexpr = 12 if BITS == 4 else 16
-    TWO_23: tl.constexpr = 0x4B000000  # 2^23's float32 bits
-    low = (offs_p + 1) * BITS <= 23
-    pos = offs_p * BITS - tl.where(low, 0, HIGH)
-    slot_mask = ((((1 << BITS) - 1) << pos) | TWO_23).to(tl.uint32)[None, None, :, None]
-    slot_scale = ((127 - pos) << 23).to(tl.float32, bitcast=True)[None, None, :, None]  # 2^-pos
-    slot_offset = -((150 - pos) << 23).to(tl.float32, bitcast=True)[None, None, :, None]  # -2^(23 - pos)
+    # Unpacking in one instruction per weight (and 2 shifts per int4 word), no int-to-float conversion (a
+    # quarter-rate instruction) and, up to 2 rows, no fma: slot p's bits at bit `pos` of the mantissa under the
+    # exponent of 2^(23 - pos) make the float f = 2^(23 - pos) + q, exactly. The dots take f as it is; the
+    # c = 2^(23 - pos) terms, x's alone (c * x summed over a unit's slots), come off once per unit for all the
+    # columns. Three copies of an int4 word cover its slots, shifted left by 11 bits, not at all, or right by 9
+    # (slots 0-2, 3-4, 5-7) to pos 11-19: c <= 2^12, at most 2^9 times q's mean, so each q * x keeps 15 of
+    # float32's 24 bits (the weight's bf16 dequantization keeps 8); int8's bytes get a copy each, at pos 12.
+    # Each slot is then one and-or (LOP3: the copy, its mask, its exponent): `no_bits`, a zero the compiler
+    # cannot see, keeps the exponents in registers (as constants they are or'ed in separately: an instruction
+    # per weight more).
+    if BITS == 4:
+        shift = tl.where(offs_p < 3, 11, tl.where(offs_p < 5, 0, -9))
+    else:
+        shift = 12 - offs_p * BITS
+    pos = offs_p * BITS + shift
+    shift_left = tl.maximum(shift, 0).to(tl.uint32)[None, None, None, :, None]
+    shift_right = tl.maximum(-shift, 0).to(tl.uint32)[None, None, None, :, None]
+    exponent = (150 - pos) << 23
+    slot_mask = (((1 << BITS) - 1) << pos).to(tl.uint32)[None, None, None, :, None]
+    slot_exponent = (exponent + no_bits).to(tl.uint32)[None, None, None, :, None]
+    x_offset = exponent.to(tl.float32, bitcast=True)[None, None, None, :, None]  # c = 2^(23 - pos)
     if not HAS_ZERO:
-        slot_offset -= 1 << (BITS - 1)  # symmetric: the midpoint
-    low = low[None, None, :, None]
+        x_offset += 1 << (BITS - 1)  # symmetric: the midpoint too
+    # c * x per row and unit (shared by the columns) where it costs less than f - c per weight (AOT counts)
+    F_OFFSET: tl.constexpr = ROWS <= 2 or BLOCK_N >= 8
     if GROUP == 0:  # one scale (and zero) per column for all of K
         s_end = tl.load(s_ptr + rows_n * stride_sn).to(tl.float32)
         if HAS_ZERO:
@@ -284,33 +300,35 @@ def _gemv_int_kernel(
     acc3 = tl.zeros([W, G, BLOCK_N], tl.float32)
     # The next step's words are loaded before this step's math (registers, not a shared-memory pipeline):
     # two steps of weight bytes in flight per program.
-    words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, 0, k, k > 0, PACK, SUB, GROUP,
+    words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, 0, k, k > 0, P, SUB, GROUP,
                                    HAS_ZERO, EVEN_K)
     for start in range(0, k, BLOCK_K):
         next_words, next_s, next_z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start + BLOCK_K,
-                                                      k, start + BLOCK_K < k, PACK, SUB, GROUP, HAS_ZERO, EVEN_K)
+                                                      k, start + BLOCK_K < k, P, SUB, GROUP, HAS_ZERO, EVEN_K)
         if GROUP != 0 and HAS_ZERO:
             zw = z
         elif GROUP != 0:
             zw = 0.0
         bits = words.to(tl.uint32, bitcast=True)
-        bits = tl.where(low, bits | TWO_23, (bits >> HIGH) | TWO_23)
-        q = (bits & slot_mask).to(tl.float32, bitcast=True)
-        qz = q * slot_scale + slot_offset
+        f = ((((bits << shift_left) >> shift_right) & slot_mask) | slot_exponent).to(tl.float32, bitcast=True)
+        if not F_OFFSET:  # q itself (exactly), once for all the rows: fewer instructions than c * x per row
+            f -= x_offset
         x_mask = start + feature < k
         if HAS_PERM:  # act-order: the weight's feature j is the input's feature perm[j]
             # Loaded in the words' layout (one element per thread and slot, as the hint makes it): the gathered
             # x then is too. As 16-byte vectors both would cross threads through shared memory every step.
-            cols = tl.load(perm_ptr + tl.max_contiguous(start + feature, [1, 1, 1, 1]), mask=x_mask, other=0)
+            cols = tl.load(perm_ptr + tl.max_contiguous(start + feature, [1, 1, 1, 1, 1]), mask=x_mask, other=0)
         else:
             cols = start + feature
-        acc0 = _gemv_row(acc0, qz, zw, x_ptr, cols, x_mask, s, GROUP, HAS_ZERO)
+        acc0 = _gemv_row(acc0, f, zw, x_ptr, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
         if ROWS > 1:
-            acc1 = _gemv_row(acc1, qz, zw, x_ptr + stride_xm, cols, x_mask, s, GROUP, HAS_ZERO)
+            acc1 = _gemv_row(acc1, f, zw, x_ptr + stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
         if ROWS > 2:
-            acc2 = _gemv_row(acc2, qz, zw, x_ptr + 2 * stride_xm, cols, x_mask, s, GROUP, HAS_ZERO)
+            acc2 = _gemv_row(acc2, f, zw, x_ptr + 2 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO,
+                             F_OFFSET)
         if ROWS > 3:
-            acc3 = _gemv_row(acc3, qz, zw, x_ptr + 3 * stride_xm, cols, x_mask, s, GROUP, HAS_ZERO)
+            acc3 = _gemv_row(acc3, f, zw, x_ptr + 3 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO,
+                             F_OFFSET)
         words, s, z = next_words, next_s, next_z
     _gemv_store(out_ptr, acc0, s_end, offs_n, n_mask, GROUP)
     if ROWS > 1:
@@ -383,22 +401,33 @@ _TUNED_GEMV = {
 
 
 def _gemv_config(n: int, bits: int, group: int, rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 128 words per column per step (512 bytes, as the fp8 GEMV's
-    512-1,024) over 4 warps, which keeps the words' and x's layouts one (at most BLOCK_K / PACK / 32 warps).
-    8 columns per program (8 words per thread, ~96 registers) only where that still makes 8 programs per SM of
-    an H100/H200 (132 SMs; ~5 fit at once), else 4 (also from 3 rows, for the registers), 2 for small n: whole
-    waves, and bytes in flight on every SM. From the AOT compile for sm_90; the shapes in _TUNED_GEMV were
-    swept on the H200 (benchmarks/w4a16_gemm.py --sweep)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 2 warps, each thread loading a unit of 4 words per column and
+    step (16 bytes; 2 from 3 rows, for the registers), which keeps the words' and x's layouts one
+    (_gemv_unit). 8 columns per program (~126 registers at 1-2 rows, ~170 at 3-4) only where that still
+    makes 8 programs per SM of an H100/H200 (132 SMs), else 4, 2 for small n: whole waves, and bytes in flight
+    on every SM. From the AOT compile for sm_90 (main-loop instructions per weight); the shapes in _TUNED_GEMV
+    were swept on the H200 (benchmarks/w4a16_gemm.py --sweep)."""
     tuned = _TUNED_GEMV.get((n, rows <= 2, bits, group))
     if tuned is not None:
         return tuned
-    block_k = 4096 // bits
+    block_k = (8192 if rows <= 2 else 4096) // bits
     while group and block_k % group and group % block_k:
         block_k //= 2  # whole groups per step, or steps inside one group
-    block_n = 8 if rows <= 2 and triton.cdiv(n, 8) >= 8 * 132 else 4
+    block_n = 8 if triton.cdiv(n, 8) >= 8 * 132 else 4
     if triton.cdiv(n, block_n) < 2 * 132:
         block_n = 2
-    return block_n, block_k, 4, 1
+    return block_n, block_k, 2, 1
+
+
+def _gemv_unit(bits: int, group: int, block_k: int, num_warps: int) -> int:
+    """The GEMV's words per unit (a thread's load per column): 4, 2 or 1, the most that a scale's features span
+    whole and that still give every thread a unit per column and step (with fewer, the spare threads would
+    split x's loads from the words' layout: a shared-memory round trip each step)."""
+    sub = min(group or block_k, block_k)
+    words = 4
+    while words > 1 and (sub % (words * 32 // bits) or block_k // (words * 32 // bits) < 32 * num_warps):
+        words //= 2
+    return words
 
 
 def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -414,11 +443,13 @@ def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, 
     group = _group_of(k, scale)
     block_n, block_k, num_warps, num_stages = config or _gemv_config(n, bits, group, rows)
     assert group == 0 or block_k % group == 0 or group % block_k == 0, (group, block_k)
+    words_per_unit = _gemv_unit(bits, group, block_k, num_warps)
     _gemv_int_kernel[(triton.cdiv(n, block_n),)](
         x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
-        out, n, k, x.stride(0), weight_packed.stride(0), scale.stride(0), out.stride(0),
+        out, n, k, x.stride(0), weight_packed.stride(0), scale.stride(0), out.stride(0), 0,
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None, ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, H=words_per_unit, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
