@@ -168,11 +168,12 @@ def main() -> None:
     parser.add_argument("--zero", action="store_true", help="asymmetric: zero points")
     parser.add_argument("--act-order", action="store_true")
     parser.add_argument("--dequant-sweep", action="store_true")
+    parser.add_argument("--rows", default="1,4,16,256,2048", help="row counts, comma-separated (without --large-rows)")
     args = parser.parse_args()
     if args.large_rows:
         large_rows(args)
         return
-    for rows in (1, 4, 16, 256, 2048):
+    for rows in map(int, args.rows.split(",")):
         total_int, total_dense = 0.0, 0.0
         for name, (n, k) in SHAPES.items():
             q = pack_int32(torch.randint(0, 16, (n, k), device="cuda"), 4, dim=1)
