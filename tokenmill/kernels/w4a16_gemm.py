@@ -391,23 +391,21 @@ GEMV_MAX_ROWS = 4
 
 
 _TUNED_GEMV = {
-    # (n, rows <= 2, bits, group): the best of `benchmarks/w4a16_gemm.py --sweep` on the H200 (2026-12-02) for
-    # Llama-3.1-8B's projections, keyed by their widths (qkv, o / down, gate_up); 1 row stands for 1-2, 4 for 3-4.
-    (6144, True, 4, 128): (8, 1024, 2, 1), (4096, True, 4, 128): (4, 1024, 4, 1),
-    (28672, True, 4, 128): (4, 512, 2, 1),
-    (6144, False, 4, 128): (8, 512, 2, 1), (4096, False, 4, 128): (4, 512, 2, 1),
-    (28672, False, 4, 128): (8, 512, 2, 1),
+    # (n, k, rows <= 2, bits, group): the best of `benchmarks/w4a16_gemm.py --rows 1 --sweep` on the H200
+    # (2026-12-02, this kernel) for Llama-3.1-8B's projections (qkv, o, gate_up, down); 1 row stands for 1-2.
+    (6144, 4096, True, 4, 128): (8, 1024, 2, 1), (4096, 4096, True, 4, 128): (4, 1024, 2, 1),
+    (28672, 4096, True, 4, 128): (8, 1024, 1, 1), (4096, 14336, True, 4, 128): (8, 2048, 4, 1),
 }
 
 
-def _gemv_config(n: int, bits: int, group: int, rows: int) -> tuple[int, int, int, int]:
+def _gemv_config(n: int, k: int, bits: int, group: int, rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): 2 warps, each thread loading a unit of 4 words per column and
     step (16 bytes; 2 from 3 rows, for the registers), which keeps the words' and x's layouts one
     (_gemv_unit). 8 columns per program (~126 registers at 1-2 rows, ~170 at 3-4) only where that still
     makes 8 programs per SM of an H100/H200 (132 SMs), else 4, 2 for small n: whole waves, and bytes in flight
     on every SM. From the AOT compile for sm_90 (main-loop instructions per weight); the shapes in _TUNED_GEMV
     were swept on the H200 (benchmarks/w4a16_gemm.py --sweep)."""
-    tuned = _TUNED_GEMV.get((n, rows <= 2, bits, group))
+    tuned = _TUNED_GEMV.get((n, k, rows <= 2, bits, group))
     if tuned is not None:
         return tuned
     block_k = (8192 if rows <= 2 else 4096) // bits
@@ -441,7 +439,7 @@ def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, 
     if rows == 0:
         return out
     group = _group_of(k, scale)
-    block_n, block_k, num_warps, num_stages = config or _gemv_config(n, bits, group, rows)
+    block_n, block_k, num_warps, num_stages = config or _gemv_config(n, k, bits, group, rows)
     assert group == 0 or block_k % group == 0 or group % block_k == 0, (group, block_k)
     words_per_unit = _gemv_unit(bits, group, block_k, num_warps)
     _gemv_int_kernel[(triton.cdiv(n, block_n),)](
