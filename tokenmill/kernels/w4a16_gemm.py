@@ -519,9 +519,10 @@ def dequant_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.
 # rows, after which cuBLAS runs at bf16's speed; the fused kernels unpack the weight in registers every time a
 # tile of rows meets it (Llama-3.1-8B's four projections on the H200, BENCHMARKS.md: the tiled kernel 1,179 us
 # at 256 rows against bf16's 206, the skinny one 289 at 16 rows against 153), so they win only where one weight
-# read serves all the rows. Estimated (a pass of ~155 us plus bf16's time), pending
-# `benchmarks/w4a16_gemm.py --large-rows` on the H200.
-DEQUANT_MIN_ROWS = {4: SKINNY_MAX_ROWS + 1, 8: SKINNY_MAX_ROWS + 1}
+# read serves all the rows. From 5 rows on (past the GEMV): the skinny kernel is not faster at 5-16 rows
+# (Llama-8B at 4 rows: 123 us for gate_up against bf16's 68), and with zero points at small k its tiles need
+# more shared memory than Hopper has (seen on the H200 with a Q4_1 GGUF). Pending `--large-rows` timings.
+DEQUANT_MIN_ROWS = {4: GEMV_MAX_ROWS + 1, 8: GEMV_MAX_ROWS + 1}
 
 
 def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
