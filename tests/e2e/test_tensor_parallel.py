@@ -68,10 +68,9 @@ def case(request, tmp_path_factory):
     llm.engine.core.shutdown()
 
 
-def test_two_ranks_give_the_one_rank_greedy_tokens(case, monkeypatch):
-    _, reference, llm = case
-    core = llm.engine.core
-    assert core.executor.world_size == 2 and core.async_scheduling
+def record_stats_and_always_draft(core, monkeypatch) -> list:
+    """The engine's scheduler stats, step by step, in the returned list; and drafts whenever the proposer finds
+    some (the CPU's measured step cost would rather not draft)."""
     stats, step = [], core.step
 
     def recording_step():
@@ -81,9 +80,16 @@ def test_two_ranks_give_the_one_rank_greedy_tokens(case, monkeypatch):
         return outputs
 
     monkeypatch.setattr(core, "step", recording_step)
-    # Draft whenever the proposer finds a match (the CPU's measured step cost would rather not).
     monkeypatch.setattr(core.scheduler.draft_budget, "cost", None)
     monkeypatch.setattr(core.scheduler.draft_budget, "min_gain", 0.0)
+    return stats
+
+
+def test_two_ranks_give_the_one_rank_greedy_tokens(case, monkeypatch):
+    _, reference, llm = case
+    core = llm.engine.core
+    assert core.executor.world_size == 2 and core.async_scheduling
+    stats = record_stats_and_always_draft(core, monkeypatch)
     actual = llm.generate(prompts(), GREEDY, use_tqdm=False)
     # The features composed with TP did run: prefix-cache hits, drafts verified.
     assert sum(s.prefix_cache_hits for s in stats) > 0
@@ -117,12 +123,35 @@ def test_sampled_tokens_agree_across_ranks(case):
     assert again[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
 
+def test_a_draft_model_shards_over_the_ranks_and_keeps_the_greedy_tokens(tmp_path, monkeypatch):
+    """speculative_config draft_model under TP = 2: the draft (1 layer, its own weights) is sharded as the target
+    is, its KV in the same pool; drafts are verified (mostly rejected: an unrelated random model) and the tokens
+    are the one-rank engine's without speculation."""
+    build_model(tmp_path / "target", MODELS["kv-split"])
+    torch.manual_seed(1)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=301, max_position_embeddings=256,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "draft")
+    reference = LLM(str(tmp_path / "target"), **ENGINE).generate(prompts(), GREEDY, use_tqdm=False)
+    spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    llm = LLM(str(tmp_path / "target"), **dict(TP_ENGINE, speculative_config=spec))
+    try:
+        stats = record_stats_and_always_draft(llm.engine.core, monkeypatch)
+        actual = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert stats[-1].spec_decoding.num_draft_tokens > 0
+    finally:
+        llm.engine.core.shutdown()
+    assert [o.outputs[0].token_ids for o in actual] == [o.outputs[0].token_ids for o in reference]
+
+
 def test_parallel_config_is_checked():
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM("unused", tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="draft model does not run tensor-parallel"):
+    with pytest.raises(ValueError, match="EAGLE head does not run tensor-parallel"):
         LLM("unused", tensor_parallel_size=2,
-            speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+            speculative_config={"method": "eagle", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         LLM("unused", tensor_parallel_size=2, distributed_executor_backend="uni")
 

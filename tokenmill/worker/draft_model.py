@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.parallel_state import get_tp_size
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_hf_config, load_model
 
@@ -25,6 +26,12 @@ def load_draft_model(config: EngineConfig, target: PretrainedConfig, device: tor
                                        quantization=None)  # the draft's own checkpoint says if it is quantized
     draft = load_hf_config(model_config)
     check_fits("the draft model", draft, target, max_model_len)
+    from tokenmill.executor.base import check_tensor_parallel  # (the executor module imports this one's users)
+
+    try:  # the draft shards over the target's ranks as the target does
+        check_tensor_parallel(draft, get_tp_size())
+    except ValueError as e:
+        raise ValueError(f"the draft model: {e}") from None
     start = time.perf_counter()
     model = load_model(model_config, draft, device, dtype)
     logger.info("loaded draft model %s (%s) in %.1f s", type(model).__name__, dtype, time.perf_counter() - start)
