@@ -218,14 +218,13 @@ class _Model:
         self.path = path
 
 
-@pytest.fixture(scope="module")
-def eagle_target_and_head(tmp_path_factory):
+def write_eagle_target_and_head(target, head) -> None:
     """A seeded random 1-layer Llama whose embedding rows have RMS 1 (so its layer's input norm, weight 1, is
-    the identity), and an EAGLE-1 head in the published layout (config.json, pytorch_model.bin, `fc.weight`,
-    `layers.0.*` without an input norm, no embedding or LM head) built from that very layer, with `fc`
-    passing the token embedding and ignoring the hidden state. At position p the head then computes what
-    the target computes at p + 1, one position earlier (RoPE sees only the offset), except that it never
-    sees token 0; and the target's final norm (weight 1) only scales what the shared LM head reads. So its
+    the identity) into folder `target`, and into `head` an EAGLE-1 head in the published layout (config.json,
+    pytorch_model.bin, `fc.weight`, `layers.0.*` without an input norm, no embedding or LM head) built from that
+    very layer, with `fc` passing the token embedding and ignoring the hidden state. At position p the head then
+    computes what the target computes at p + 1, one position earlier (RoPE sees only the offset), except that it
+    never sees token 0; and the target's final norm (weight 1) only scales what the shared LM head reads. So its
     drafts are often, not always, the target's tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -237,15 +236,20 @@ def eagle_target_and_head(tmp_path_factory):
     with torch.no_grad():
         embed = model.model.embed_tokens.weight
         embed /= embed.pow(2).mean(dim=-1, keepdim=True).sqrt()
-    target = tmp_path_factory.mktemp("eagle-target")
     model.save_pretrained(target)
-    head = tmp_path_factory.mktemp("eagle-head")
     config.save_pretrained(head)
     tensors = {"fc.weight": torch.cat([torch.eye(64), torch.zeros(64, 64)], dim=1)}
     for name, tensor in model.model.layers[0].state_dict().items():
         if not name.startswith("input_layernorm."):
             tensors[f"layers.0.{name}"] = tensor.clone()
     torch.save(tensors, head / "pytorch_model.bin")
+
+
+@pytest.fixture(scope="module")
+def eagle_target_and_head(tmp_path_factory):
+    """(target, head): see write_eagle_target_and_head."""
+    target, head = tmp_path_factory.mktemp("eagle-target"), tmp_path_factory.mktemp("eagle-head")
+    write_eagle_target_and_head(target, head)
     return _Model(str(target)), str(head)
 
 

@@ -123,6 +123,28 @@ def test_sampled_tokens_agree_across_ranks(case):
     assert again[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
 
+def test_an_eagle_head_drafts_under_tensor_parallelism_and_keeps_the_greedy_tokens(tmp_path, monkeypatch):
+    """speculative_config eagle under TP = 2: the head's layer shards as the target's do, `fc` reads the
+    target's (all-reduced, whole) hidden states, the LM head is the target's vocab-parallel one; the head is
+    built from the target's own layer, so its drafts are mostly accepted."""
+    from tests.e2e.test_spec_decode import write_eagle_target_and_head
+
+    target, head = tmp_path / "target", tmp_path / "head"
+    head.mkdir()
+    write_eagle_target_and_head(target, head)
+    batch = [{"prompt_token_ids": [t % 250 + 3 for t in p["prompt_token_ids"]]} for p in prompts()]  # vocab 256
+    reference = LLM(str(target), **ENGINE).generate(batch, GREEDY, use_tqdm=False)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    llm = LLM(str(target), **dict(TP_ENGINE, speculative_config=spec))
+    try:
+        stats = record_stats_and_always_draft(llm.engine.core, monkeypatch)
+        actual = llm.generate(batch, GREEDY, use_tqdm=False)
+        assert stats[-1].spec_decoding.num_accepted_tokens > 0
+    finally:
+        llm.engine.core.shutdown()
+    assert [o.outputs[0].token_ids for o in actual] == [o.outputs[0].token_ids for o in reference]
+
+
 def test_a_draft_model_shards_over_the_ranks_and_keeps_the_greedy_tokens(tmp_path, monkeypatch):
     """speculative_config draft_model under TP = 2: the draft (1 layer, its own weights) is sharded as the target
     is, its KV in the same pool; drafts are verified (mostly rejected: an unrelated random model) and the tokens
@@ -149,9 +171,9 @@ def test_a_draft_model_shards_over_the_ranks_and_keeps_the_greedy_tokens(tmp_pat
 def test_parallel_config_is_checked():
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM("unused", tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="EAGLE head does not run tensor-parallel"):
+    with pytest.raises(ValueError, match="EAGLE-3 head does not run tensor-parallel"):
         LLM("unused", tensor_parallel_size=2,
-            speculative_config={"method": "eagle", "model": "x", "num_speculative_tokens": 2})
+            speculative_config={"method": "eagle3", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         LLM("unused", tensor_parallel_size=2, distributed_executor_backend="uni")
 
