@@ -2,7 +2,8 @@
 
 Float32 on CPU, so the tokens must be identical, under these schedules: one prefill per prompt,
 prefill chunked into 16-token steps, a KV pool so small that requests get preempted and recomputed,
-and speculative decoding (n-gram drafts verified in one pass) alone and with the last two. The tiny
+and speculative decoding (n-gram drafts verified in one pass) alone and with the last two, and two tensor-parallel
+ranks (gloo). The tiny
 models and their reference outputs come from conftest.py.
 """
 
@@ -31,6 +32,8 @@ ENGINE_SETTINGS = {
     "ngram": {"speculative_config": NGRAM},
     "ngram-chunked-preemption": {"num_gpu_blocks_override": 6, "max_model_len": 64, "max_num_batched_tokens": 16,
                                  "speculative_config": NGRAM, "async_scheduling": True},
+    # Two ranks in processes of their own (gloo), their layers sliced: every architecture shards.
+    "tensor-parallel": {"tensor_parallel_size": 2, "max_num_batched_tokens": 16, "async_scheduling": True},
 }
 
 
@@ -46,7 +49,11 @@ def test_greedy_tokens_match_hf(references, model_name: str, setting: str):
     if "ngram" in setting:
         always_draft(llm)  # a random model's drafts gain little: draft every step anyway
     params = SamplingParams(temperature=0, max_tokens=len(ref.expected[0]), ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
+    finally:
+        if "tensor" in setting:
+            llm.engine.core.shutdown()  # one multi-process engine per process at a time
     assert [out.outputs[0].token_ids for out in outputs] == ref.expected
     stats = llm.engine.last_stats
     if "preemption" in setting:
