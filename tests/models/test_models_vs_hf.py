@@ -2,9 +2,8 @@
 
 Float32 on CPU, so the tokens must be identical, under these schedules: one prefill per prompt,
 prefill chunked into 16-token steps, a KV pool so small that requests get preempted and recomputed,
-and speculative decoding (n-gram drafts verified in one pass) alone and with the last two, and two tensor-parallel
-ranks (gloo). The tiny
-models and their reference outputs come from conftest.py.
+and speculative decoding (n-gram drafts verified in one pass) alone and with the last two; and on two
+tensor-parallel ranks (gloo). The tiny models and their reference outputs come from conftest.py.
 """
 
 from __future__ import annotations
