@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.e2e.test_spec_decode import ENGINES, _Model, always_draft, run, workload
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 
 HIDDEN, VOCAB = 64, 256
 
@@ -296,6 +296,24 @@ def test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token
     assert len(proposals) == stats.num_drafts > 20 and stats.acceptance_rate < 0.3, stats
 
 
+def test_an_eagle3_head_drafts_alike_on_two_tensor_parallel_ranks(exact_target_and_head):
+    """TP = 2 (gloo): the target's auxiliary states are whole on every rank (after the layers' all-reduce), the
+    head's layer and its draft LM head shard as the target's: the same tokens, drafts and acceptances as one rank."""
+    target, head, _ = exact_target_and_head
+    prompts = [{"prompt_token_ids": [5, 9, 13, 17, 21, 30][: 3 + i]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = []
+    for engine in ({"async_scheduling": True}, {"async_scheduling": True, "tensor_parallel_size": 2}):
+        llm = eagle3_llm(target, head, engine, 2)
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            spec = llm.engine.last_stats.spec_decoding
+            runs.append(([o.outputs[0].token_ids for o in outputs], spec.num_draft_tokens, spec.num_accepted_tokens))
+        finally:
+            llm.engine.core.shutdown()
+    assert runs[1] == runs[0] and runs[0][2] > 0
+
+
 def test_eagle3_refuses_what_it_cannot_run(tiny_llama, exact_target_and_head, random_target_and_head, tmp_path):
     from tokenmill.config import EngineConfig
 
@@ -316,8 +334,5 @@ def test_eagle3_refuses_what_it_cannot_run(tiny_llama, exact_target_and_head, ra
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="one decoder layer"):
         start(target.path, "eagle3", str(tmp_path))
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        EngineConfig.from_kwargs(target.path, tensor_parallel_size=2, speculative_config={
-            "method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="needs a 'model'"):
         EngineConfig.from_kwargs(target.path, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
