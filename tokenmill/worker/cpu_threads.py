@@ -62,10 +62,12 @@ def choose_cpu_threads(num_ranks: int = 1) -> CpuThreads | None:
 
 
 class OthersLoad:
-    """Cores' worth of CPU time the rest of the machine used since the last look (steal included)."""
+    """Cores' worth of CPU time the rest of the machine used on this process's cores since the last look
+    (steal included)."""
 
     def __init__(self) -> None:
         self._ticks_per_s = os.sysconf("SC_CLK_TCK")
+        self._cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
         self._last = self._sample()
 
     @staticmethod
@@ -77,10 +79,14 @@ class OthersLoad:
             return False
 
     def _sample(self) -> tuple[float, float, float]:
+        busy = 0
         with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        # user nice system idle iowait irq softirq steal (guest time is inside user already)
-        busy = sum(fields[:3]) + sum(fields[5:8])
+            for line in f:
+                name, *fields = line.split()
+                if name in self._cpus:
+                    # user nice system idle iowait irq softirq steal (guest time is inside user already)
+                    values = [int(v) for v in fields]
+                    busy += sum(values[:3]) + sum(values[5:8])
         return time.monotonic(), busy / self._ticks_per_s, time.process_time()
 
     def since_last(self) -> float:
