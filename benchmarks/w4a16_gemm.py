@@ -10,8 +10,9 @@ row count: 18 at one row, 13 at four).
 --large-rows: from 5 rows on, the fused kernels (skinny up to 16 rows, tiled above), the dequantization into the
 shared scratch then cuBLAS (dequant_int_gemm), the same in L2-sized pieces of the output, the dequantization
 alone, and bf16 cuBLAS on the same (dequantized) weight; each output's largest error against the float32 product,
-relative to its largest value. The totals over the four projections say where int_weight_gemm's
-DEQUANT_MIN_ROWS should sit. --dequant-sweep: dequantize_int_weight's (BLOCK_N, BLOCK_K, warps) on gate_up.
+relative to its largest value. The totals over the four projections say whether int_weight_gemm's switch from
+the GEMV to the dequantization (past GEMV_MAX_ROWS) is where it should be. --dequant-sweep:
+dequantize_int_weight's (BLOCK_N, BLOCK_K, warps) on gate_up.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def test_dequantize_int_weight(device, dtype, bits, group, sym):
     assert torch.equal(out.cpu(), w.to(dtype))
 
 
-# The dequantize-then-GEMM path at any row count (int_weight_gemm takes it from DEQUANT_MIN_ROWS on), act-order
+# The dequantize-then-GEMM path at any row count (int_weight_gemm takes it past GEMV_MAX_ROWS), act-order
 # included; on the GPU also Llama-3.1-8B's qkv, down and o projections at prefill sizes.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,n,k,group,sym,act_order,bits", [
@@ -230,7 +230,7 @@ def test_dequant_scratch_is_reserved_once_and_kept(monkeypatch):
 def test_dequant_int_gemm_under_a_cuda_graph():
     """Two layers captured in one graph share the scratch; replayed with new inputs they give the eager results."""
     from tokenmill.kernels.dequant_scratch import reserve_dequant_scratch
-    from tokenmill.kernels.w4a16_gemm import DEQUANT_MIN_ROWS, int_weight_gemm
+    from tokenmill.kernels.w4a16_gemm import GEMV_MAX_ROWS, int_weight_gemm
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -240,7 +240,8 @@ def test_dequant_int_gemm_under_a_cuda_graph():
         packed, scale, zero, _ = make_weight(n, k, 128, 4, False, g)
         layers.append((packed.cuda(), scale.cuda(), zero.cuda(), torch.randperm(k, generator=g).int().cuda(), 4))
         reserve_dequant_scratch(torch.device("cuda", torch.cuda.current_device()), n * k)
-    rows = max(DEQUANT_MIN_ROWS[4], 64)
+    rows = 64
+    assert rows > GEMV_MAX_ROWS  # the dequantization's path
 
     def forward(x):
         return int_weight_gemm(int_weight_gemm(x, *layers[0]), *layers[1])

@@ -7,7 +7,8 @@ along k (lowest bits first), `weight_scale` [n, groups], `weight_zero` [n, group
 its weight tile as int32 words, shifts each feature's bits out, and scales by its group: the weight crosses
 memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's is transient, shared by all layers).
 
-Three fused kernels, and a dequantization for large row counts:
+Three fused kernels, and a dequantization for larger row counts (int_weight_gemm uses the GEMV and the
+dequantization; the skinny and tiled kernels are the benchmark's baselines):
 - `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns, every word
   unpacked once for all the rows (one and per weight into a float's bits, no int-to-float conversion, no fma)
   and kept in its packed shape ([units of 1-4 words, groups, words, slots, columns], x loaded to match: no
@@ -20,7 +21,7 @@ Three fused kernels, and a dequantization for large row counts:
   of the bytes.
 - `tiled_int_gemm`, prefill: BLOCK_M x BLOCK_N tiles in grouped order (programs running together share
   weight tiles in L2).
-- `dequant_int_gemm`, prefill and large batches (int_weight_gemm's DEQUANT_MIN_ROWS on): `dequantize_int_weight`
+- `dequant_int_gemm`, past the GEMV's rows (prefill, larger batches): `dequantize_int_weight`
   writes the 16-bit weight into one scratch buffer per device (kernels.dequant_scratch), and cuBLAS multiplies.
   A pass over the weight whatever the rows, then bf16's speed: the fused kernels unpack each weight once per
   tile of rows, and that unpacking, not the bytes, sets their pace.
@@ -517,31 +518,20 @@ def dequant_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.
     return torch.mm(x, w.t())
 
 
-# Which kernel takes how many rows (bits -> the smallest row count dequantized first; below it the fused
-# kernels). The dequantization costs one pass over the weight (its packed bits in, 16 bits out) whatever the
-# rows, after which cuBLAS runs at bf16's speed; the fused kernels unpack the weight in registers every time a
-# tile of rows meets it (Llama-3.1-8B's four projections on the H200, BENCHMARKS.md: the tiled kernel 1,179 us
-# at 256 rows against bf16's 206, the skinny one 289 at 16 rows against 153), so they win only where one weight
-# read serves all the rows. From 5 rows on (past the GEMV): the skinny kernel is not faster at 5-16 rows
-# (Llama-8B at 4 rows: 123 us for gate_up against bf16's 68), and with zero points at small k its tiles need
-# more shared memory than Hopper has (seen on the H200 with a Q4_1 GGUF). Pending `--large-rows` timings.
-DEQUANT_MIN_ROWS = {4: GEMV_MAX_ROWS + 1, 8: GEMV_MAX_ROWS + 1}
-
-
 def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     perm: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """The layer's entry: the GEMV up to 4 rows, then the skinny kernel (up to 16) or the tiled one, and from
-    DEQUANT_MIN_ROWS[bits] on the dequantization and cuBLAS (a choice by shape only, so CUDA graphs capture it)."""
+    """The layer's entry: the GEMV up to GEMV_MAX_ROWS rows, the dequantization and cuBLAS beyond (a choice by
+    shape only, so CUDA graphs capture it). The dequantization costs one pass over the weight whatever the rows,
+    then cuBLAS runs at bf16's speed; the fused skinny and tiled kernels unpack the weight per tile of rows and
+    were slower at every count past the GEMV's (Llama-3.1-8B's projections on the H200, BENCHMARKS.md: tiled
+    1,179 us at 256 rows against bf16's 206; skinny 123 us for gate_up at 4 rows against bf16's 68), and with
+    zero points at small k the skinny tiles need more shared memory than Hopper has (a Q4_1 GGUF on the H200).
+    They stay as the benchmark's baselines (benchmarks/w4a16_gemm.py)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rows = x.shape[0]
-    if rows <= GEMV_MAX_ROWS:
+    if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv_int(x, weight_packed, scale, zero, perm, bits)
-    if rows >= DEQUANT_MIN_ROWS[bits]:
-        return dequant_int_gemm(x, weight_packed, scale, zero, perm, bits)
-    if rows <= SKINNY_MAX_ROWS:
-        return skinny_int_gemm(x, weight_packed, scale, zero, perm, bits)
-    return tiled_int_gemm(x, weight_packed, scale, zero, perm, bits)
+    return dequant_int_gemm(x, weight_packed, scale, zero, perm, bits)
 
 
 fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process
