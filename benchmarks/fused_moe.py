@@ -3,7 +3,7 @@ token bucket, and the tuned configs written to DIR/fused_moe_<device>.json (the 
 tokenmill/kernels/configs/).
 
     python benchmarks/fused_moe.py --out DIR [--shapes qwen3-30b-a3b,mixtral] [--buckets 1,16,256]
-    python benchmarks/fused_moe.py --decode [--fp8] --out DIR [--shapes qwen3-30b-a3b,qwen3-30b-a3b-tp2]
+    python benchmarks/fused_moe.py --decode [--fp8 | --both] --out DIR [--shapes qwen3-30b-a3b,qwen3-30b-a3b-tp2]
 
 Shapes: Qwen3-30B-A3B's experts (E=128, K=8, H=2048, I=768), its TP=2 slice (I=384), Mixtral-8x7B's (E=8,
 K=2, H=4096, I=14336), in bfloat16 (float16 shares the tiles). For each bucket of tokens, the gate/up and
@@ -14,9 +14,14 @@ bf16 torch path (a loop over experts), and the floor: the bytes of the experts a
 activations in and out) at the copy bandwidth measured here.
 
 --decode tunes kernels.fused_moe_decode (the GEMV path of 1..4 tokens) instead: one config per shape, the
-gate/up and down tiles each the fastest summed over T = 1, 2, 4 (a token's bits then do not depend on T),
-written to DIR/fused_moe_decode_<device>.json; then each T is checked and timed against the grouped GEMMs
-(with their tuned tiles) and the floor. --fp8: the same for e4m3 experts with 128 x 128 block scales.
+gate/up and down tiles (with their prefetch and split_k) each the fastest summed over T = 1, 2, 4 (a token's
+bits then do not depend on T) of the candidates whose result was right (gate/up against float32, down against
+the grouped GEMMs, and the same bits twice), written to DIR/fused_moe_decode_<device>.json; then each T is
+checked and timed per layer (CUDA graph, L2 flushed) against the grouped GEMMs (with their tuned tiles), the
+config the repository held (`before`: its tiles, this kernel) and the floor. --fp8: the same for e4m3 experts
+with 128 x 128 block scales; --both: bf16 then e4m3, one file. The sweep of Qwen3-30B-A3B alone:
+
+    PYTHONUNBUFFERED=1 python benchmarks/fused_moe.py --decode --both --shapes qwen3-30b-a3b --out DIR
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ from tokenmill.kernels.fused_moe import (  # noqa: E402
 )
 from tokenmill.kernels.fused_moe_decode import (  # noqa: E402
     DecodeConfig,
+    GemvTiles,
     decode_config_path,
     decode_down,
     decode_gate_up,
     decode_shape_key,
     fused_experts_decode,
+    load_decode_configs,
 )
 from tokenmill.layers.moe_routing import fused_experts_torch, select_experts  # noqa: E402
 
@@ -83,14 +90,19 @@ DOWN_TILES = {
     128: [(64, 64, 8, 4, 4), (128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3)],
 }
 
-# The decode path's candidates: (BLOCK_N, BLOCK_K, num_warps, num_stages); the down kernel's BLOCK_K is per
-# expert (its tile is BLOCK_N x top-k x BLOCK_K).
-# Their loops are not software-pipelined (no tl.dot): a program has one step's loads in flight, so the
-# wide-K tiles (few steps, all programs resident) are there for the bandwidth, the narrow ones for the grid.
-DECODE_GATE_UP_TILES = [(4, 1024, 4, 3), (4, 2048, 8, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3),
-                        (16, 512, 8, 3), (16, 1024, 8, 3), (32, 256, 8, 3), (32, 128, 4, 3)]
-DECODE_DOWN_TILES = [(2, 512, 4, 3), (2, 1024, 8, 3), (4, 128, 4, 3), (4, 256, 8, 3), (4, 512, 8, 3), (8, 64, 4, 3),
-                     (8, 128, 8, 3), (8, 256, 8, 3), (16, 64, 8, 3), (16, 128, 8, 3), (32, 32, 4, 3)]
+# The decode path's candidates: GemvTiles (BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch, split_k); the down
+# kernel's BLOCK_K is per expert (its tile is BLOCK_N x top-k x BLOCK_K). Each tile without and with the next
+# K-tile prefetched (two steps of weights in flight per program: half as wide a tile holds as many bytes in
+# flight); the down kernel's narrow tiles also with the intermediate features split over 2 or 4 programs (more
+# programs, fewer steps each, at a small T).
+_GATE_UP_BASE = [(4, 512, 4, 3), (4, 1024, 4, 3), (4, 2048, 8, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3),
+                 (16, 512, 8, 3), (32, 128, 4, 3)]
+_DOWN_BASE = [(2, 512, 4, 3), (4, 128, 4, 3), (4, 256, 8, 3), (8, 64, 4, 3), (8, 128, 8, 3), (16, 64, 8, 3),
+              (32, 32, 4, 3)]
+_DOWN_SPLIT = [(2, 128, 4, 3), (4, 64, 4, 3), (4, 128, 4, 3), (8, 64, 4, 3), (8, 128, 8, 3)]
+DECODE_GATE_UP_TILES = [GemvTiles(*t, prefetch) for t in _GATE_UP_BASE for prefetch in (0, 1)]
+DECODE_DOWN_TILES = ([GemvTiles(*t, prefetch) for t in _DOWN_BASE for prefetch in (0, 1)]
+                     + [GemvTiles(*t, 1, split) for t in _DOWN_SPLIT for split in (2, 4)])
 DECODE_TOKENS = (1, 2, 4)
 FP8_BLOCK = 128  # --fp8: the block scales of the Qwen3 / DeepSeek-V3 FP8 releases
 
@@ -236,27 +248,53 @@ def floor_us(x, ids, w2, bandwidth) -> float:
     return (touched * expert_bytes + 2 * tokens * hidden * x.element_size()) / bandwidth * 1e6
 
 
-def tune_decode(x_all, ex: Experts, top_k) -> DecodeConfig:
-    """The gate/up and the down tiles with the least time summed over DECODE_TOKENS."""
-    totals_up = dict.fromkeys(DECODE_GATE_UP_TILES, 0.0)
-    totals_down = dict.fromkeys(DECODE_DOWN_TILES, 0.0)
+def gate_up_reference(x, ex: Experts, ids, reference: tuple) -> torch.Tensor:
+    """float32 silu(x W_gate^T) * (x W_up^T) of each assignment (ids flat, (token, k) order), the dequantized
+    weights."""
+    w13 = reference[0][ids]  # [T*K, 2I, H]
+    gate, up = (w13 @ x.float().repeat_interleave(ids.numel() // x.shape[0], 0)[:, :, None])[..., 0].chunk(2, dim=1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rel_error(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def tune_decode(x_all, ex: Experts, top_k, reference: tuple) -> tuple[DecodeConfig, int]:
+    """The gate/up and the down tiles with the least time summed over DECODE_TOKENS, and how many candidates
+    gave a wrong result: gate/up against float32, down against the grouped GEMMs (kernels.fused_moe) on the
+    same routing. Prints each candidate's us per T."""
+    times_up = {tiles: [] for tiles in DECODE_GATE_UP_TILES}
+    times_down = {tiles: [] for tiles in DECODE_DOWN_TILES}
+    wrong = set()
     up_scale = {"scale": ex.w13_scale, "scale_block": ex.scale_block}
     down_scale = {"scale": ex.w2_scale, "scale_block": ex.scale_block}
     for tokens in DECODE_TOKENS:
         weights, ids = routing(tokens, ex.w13.shape[0], top_k)
-        ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
         x = x_all[:tokens]
+        grouped = fused_experts(x, ex.w13, ex.w2, weights, ids, **ex.scales())
+        ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+        h_ref = gate_up_reference(x, ex, ids, reference)
         for tiles in DECODE_GATE_UP_TILES:
-            totals_up[tiles] += bench(functools.partial(decode_gate_up, x, ex.w13, ids, top_k, tiles, **up_scale))
+            run = functools.partial(decode_gate_up, x, ex.w13, ids, top_k, tiles, **up_scale)
+            if rel_error(run(), h_ref) > 2e-2:
+                wrong.add(("gate/up", tiles))
+            times_up[tiles].append(bench(run))
         h = decode_gate_up(x, ex.w13, ids, top_k, DECODE_GATE_UP_TILES[0], **up_scale)
         for tiles in DECODE_DOWN_TILES:
-            totals_down[tiles] += bench(functools.partial(decode_down, h, ex.w2, ids, weights, top_k, tiles,
-                                                          **down_scale))
-    for name, totals in (("gate/up", totals_up), ("down", totals_down)):
-        ranked = sorted(totals.items(), key=lambda item: item[1])
-        print(f"  {name} tiles, us summed over T={DECODE_TOKENS}: "
-              + ", ".join(f"{tiles}: {us:.1f}" for tiles, us in ranked), flush=True)
-    return DecodeConfig(min(totals_up, key=totals_up.get), min(totals_down, key=totals_down.get))
+            run = functools.partial(decode_down, h, ex.w2, ids, weights, top_k, tiles, **down_scale)
+            if rel_error(run(), grouped) > 2e-2 or not torch.equal(run(), run()):
+                wrong.add(("down", tiles))
+            times_down[tiles].append(bench(run))
+    for name, times in (("gate/up", times_up), ("down", times_down)):
+        print(f"  {name} tiles (block_n, block_k, warps, stages, prefetch, split_k): us at T={DECODE_TOKENS}, sum",
+              flush=True)
+        for tiles, us in sorted(times.items(), key=lambda item: sum(item[1])):
+            flag = "  WRONG" if (name, tiles) in wrong else ""
+            print(f"    {str(tuple(tiles)):28s} " + " ".join(f"{t:6.1f}" for t in us) + f"  {sum(us):7.1f}{flag}")
+    best = [min((t for t in times if (name, t) not in wrong), key=lambda t: sum(times[t]))
+            for name, times in (("gate/up", times_up), ("down", times_down))]
+    return DecodeConfig(*best), len(wrong)
 
 
 def time_decode(name: str, x, ex: Experts, reference: tuple, config: DecodeConfig, bandwidth: float) -> bool:
@@ -272,39 +310,48 @@ def time_decode(name: str, x, ex: Experts, reference: tuple, config: DecodeConfi
     # the grouped GEMMs, with their tuned tiles (16-bit tiles for fp8: it has no entries of its own)
     t_gemms = bench_graph(functools.partial(fused_experts, x, ex.w13, ex.w2, weights, ids, **ex.scales()))
     floor = floor_us(x, ids, ex.w2, bandwidth)
-    print(f"{name:18s} {x.shape[0]:6d} {str(config.gate_up):>18s} {str(config.down):>16s} {t_decode:9.1f} "
-          f"{t_gemms:9.1f} {floor:9.1f} {100 * floor / t_decode:6.0f}% {100 * floor / t_gemms:6.0f}% {error:8.1e}"
-          f"{'' if error < 2e-2 else '  WRONG'}", flush=True)
+    print(f"{name:18s} {x.shape[0]:6d} {str(tuple(config.gate_up)):>22s} {str(tuple(config.down)):>22s} "
+          f"{t_decode:9.1f} {t_gemms:9.1f} {floor:9.1f} {100 * floor / t_decode:6.0f}% {100 * floor / t_gemms:6.0f}% "
+          f"{error:8.1e}{'' if error < 2e-2 else '  WRONG'}", flush=True)
     return error < 2e-2
 
 
 def decode_main(args, device_name: str, bandwidth: float) -> int:
-    """--decode: tune, check and time the decode path against the grouped GEMMs and the floor."""
+    """--decode: tune, check and time the decode path against the grouped GEMMs and the floor (per layer: one
+    layer's experts, us of a CUDA-graph replay with L2 flushed); the config in CONFIG_DIR before, as `before`."""
     path = decode_config_path(device_name, args.out)
     saved = json.loads(path.read_text()) if path.exists() else {"configs": {}}
     saved.update(device=device_name, triton=triton.__version__)
+    before = load_decode_configs(decode_config_path(device_name))
     failures = 0
-    print(f"{'e4m3 experts, 128x128 block scales' if args.fp8 else 'bf16 experts'}\n"
-          f"{'shape':18s} {'tokens':>6s} {'gate_up tiles':>18s} {'down tiles':>16s} {'decode us':>9s} "
-          f"{'GEMMs us':>9s} {'floor us':>9s} {'decode':>7s} {'GEMMs':>7s} {'rel err':>8s}  (% of floor)")
-    for name in args.shapes.split(","):
-        experts, top_k, hidden, inter = SHAPES[name]
-        torch.manual_seed(0)
-        x_all = torch.randn(max(DECODE_TOKENS), hidden, device=DEVICE, dtype=DTYPE)
-        ex = make_experts(experts, hidden, inter, args.fp8)
-        reference = ex.dequantized()
-        config = tune_decode(x_all, ex, top_k)
-        saved["configs"][decode_shape_key(experts, hidden, inter, DTYPE, ex.scale_block if args.fp8 else None)] = (
-            config.to_json())
-        failures += sum(not time_decode(name, x_all[:tokens], ex, reference, config, bandwidth)
-                        for tokens in DECODE_TOKENS)
-        del ex, reference
-        torch.cuda.empty_cache()
+    for fp8 in ((False, True) if args.both else (args.fp8,)):
+        print(f"{'e4m3 experts, 128x128 block scales' if fp8 else 'bf16 experts'}\n"
+              f"{'shape':18s} {'tokens':>6s} {'gate_up tiles':>22s} {'down tiles':>22s} {'decode us':>9s} "
+              f"{'GEMMs us':>9s} {'floor us':>9s} {'decode':>7s} {'GEMMs':>7s} {'rel err':>8s}  (% of floor)")
+        for name in args.shapes.split(","):
+            experts, top_k, hidden, inter = SHAPES[name]
+            torch.manual_seed(0)
+            x_all = torch.randn(max(DECODE_TOKENS), hidden, device=DEVICE, dtype=DTYPE)
+            ex = make_experts(experts, hidden, inter, fp8)
+            reference = ex.dequantized()
+            key = decode_shape_key(experts, hidden, inter, DTYPE, ex.scale_block if fp8 else None)
+            config, wrong = tune_decode(x_all, ex, top_k, reference)
+            failures += wrong
+            saved["configs"][key] = config.to_json()
+            failures += sum(not time_decode(name, x_all[:tokens], ex, reference, config, bandwidth)
+                            for tokens in DECODE_TOKENS)
+            if key in before and before[key] != config:
+                print(f"{'  before':18s}")
+                failures += sum(not time_decode(name, x_all[:tokens], ex, reference, before[key], bandwidth)
+                                for tokens in DECODE_TOKENS)
+            del ex, reference
+            torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [f'  "{key}": {json.dumps(config)}' for key, config in sorted(saved["configs"].items())]
     head = json.dumps({k: v for k, v in saved.items() if k != "configs"})
     path.write_text(head[:-1] + ', "configs": {\n' + ",\n".join(rows) + "\n }}\n")
-    print(f"wrote {path}; {failures} wrong results (copy it into {CONFIG_DIR} for the kernel to read)")
+    print(f"wrote {path} in {time.perf_counter() - args.begin:.0f} s; {failures} wrong results (copy it into "
+          f"{CONFIG_DIR} for the kernel to read)")
     return 1 if failures else 0
 
 
@@ -333,10 +380,11 @@ def main() -> int:
     parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)))
     parser.add_argument("--decode", action="store_true", help="tune and time the decode path (1..4 tokens)")
     parser.add_argument("--fp8", action="store_true", help="with --decode: e4m3 experts, 128x128 block scales")
+    parser.add_argument("--both", action="store_true", help="with --decode: bf16 then e4m3 experts, one file")
     args = parser.parse_args()
     if args.decode and args.shapes == ",".join(SHAPES):
         args.shapes = "qwen3-30b-a3b,qwen3-30b-a3b-tp2"
-    begin = time.perf_counter()
+    begin = args.begin = time.perf_counter()
     device_name = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
     print(f"{device_name}, triton {triton.__version__}, torch {torch.__version__}: "

@@ -244,10 +244,13 @@ def test_decode_configs_round_trip(tmp_path):
     path = decode_config_path("NVIDIA H200", tmp_path)
     assert path == tmp_path / "fused_moe_decode_NVIDIA_H200.json"
     tuned = {decode_shape_key(128, 2048, 768, torch.bfloat16, None): DecodeConfig((8, 1024, 8, 3), (4, 256, 8, 3)),
-             decode_shape_key(128, 2048, 768, torch.bfloat16, 128): DecodeConfig((16, 512, 8, 3), (4, 512, 8, 3))}
+             decode_shape_key(128, 2048, 768, torch.bfloat16, 128): DecodeConfig((16, 512, 8, 3, 1),
+                                                                                 (4, 512, 8, 3, 1, 2))}
     assert len(tuned) == 2
     path.write_text(json.dumps({"configs": {key: c.to_json() for key, c in tuned.items()}}))
     assert load_decode_configs(path) == tuned
+    old_file = {"gate_up": [8, 1024, 8, 3], "down": [4, 256, 8, 3]}  # before prefetch and split_k: neither
+    assert DecodeConfig.from_json(old_file).down == (4, 256, 8, 3, 0, 1)
     assert load_decode_configs(tmp_path / "missing.json") == {}
 
 
@@ -268,15 +271,18 @@ def decode_case(num_tokens: int, dtype, device, hidden: int = 48, inter: int = 4
 
 
 @interpret
-@pytest.mark.parametrize("num_tokens,dtype", [(1, torch.float32), (1, torch.bfloat16), (2, torch.float16),
-                                              (3, torch.float32), (4, torch.float16), (4, torch.bfloat16)], ids=str)
-def test_decode_path_interpreted(device, num_tokens, dtype):
+@pytest.mark.parametrize("num_tokens,dtype,prefetch_split", [
+    (1, torch.float32, (0, 1)), (1, torch.bfloat16, (1, 4)), (2, torch.float16, (0, 1)), (3, torch.float32, (1, 4)),
+    (4, torch.float16, (0, 1)), (4, torch.bfloat16, (1, 4))], ids=str)
+def test_decode_path_interpreted(device, num_tokens, dtype, prefetch_split):
     """Against float64 and the grouped GEMMs; a token's bits do not depend on the tokens beside it; ids of -1
-    (another rank's experts) contribute nothing."""
+    (another rank's experts) contribute nothing. (1, 4): the next K-tile loaded ahead, the down kernel's 40
+    intermediate features cut into 16 + 16 + 8 + an empty range, the partials added by the last to arrive."""
     from tokenmill.kernels.fused_moe import MoeConfig, fused_experts
     from tokenmill.kernels.fused_moe_decode import DecodeConfig, fused_experts_decode
 
-    config = DecodeConfig((16, 32, 4, 2), (16, 16, 4, 2))  # tails in both K loops and the gate/up columns
+    prefetch, split_k = prefetch_split  # tails in both K loops and the gate/up columns:
+    config = DecodeConfig((16, 32, 4, 2, prefetch), (16, 16, 4, 2, prefetch, split_k))
     args, ref = decode_case(num_tokens, dtype, device)
     out = fused_experts_decode(*args, config=config)
     assert out.shape == ref.shape and out.dtype == dtype

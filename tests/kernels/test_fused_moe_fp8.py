@@ -172,13 +172,14 @@ def test_bad_fp8_scales_are_refused():
 
 
 @interpret
-@pytest.mark.parametrize("block,block_k", [(32, 64), (32, 16), (0, 64)], ids=["block32-wide", "block32", "per-row"])
-def test_fused_experts_fp8_decode_path_interpreted(device, block, block_k):
+@pytest.mark.parametrize("block,block_k,prefetch,split_k", [(32, 64, 0, 1), (32, 16, 1, 3), (0, 64, 0, 1)],
+                         ids=["block32-wide", "block32-prefetch-split3", "per-row"])
+def test_fused_experts_fp8_decode_path_interpreted(device, block, block_k, prefetch, split_k):
     """The GEMVs of kernels.fused_moe_decode on e4m3 experts: 3 tokens, expert-parallel -1 ids; K-tiles that
-    span two 32-wide scale blocks, or lie inside one."""
+    span two 32-wide scale blocks, or lie inside one; the next K-tile prefetched, the down kernel's K split."""
     from tokenmill.kernels.fused_moe_decode import DecodeConfig
 
-    config = DecodeConfig((16, block_k, 4, 2), (16, block_k, 4, 2))
+    config = DecodeConfig((16, block_k, 4, 2, prefetch), (16, block_k, 4, 2, prefetch, split_k))
     error = run_case(3, 8, 3, 64, 96, torch.float16, device, block, config=config, expert_parallel=True, decode=True)
     assert error < cases.TOLERANCE[torch.float16]
 

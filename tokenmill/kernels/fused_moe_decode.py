@@ -10,7 +10,12 @@ and spends launches on sorting them; here every program takes its assignments st
 2. Down: a program owns one token and BLOCK_N output features, and reads the tiles of all its K experts at
    once ([BLOCK_N, K, BLOCK_K]: contiguous along I within each expert). Each assignment's sum takes its
    routing weight, and the K weighted sums are added in registers: the top-k sum needs no atomics and no
-   third launch, and a run gives the same bits every time.
+   third launch, and a run gives the same bits every time. With SPLIT_K > 1 the intermediate features are
+   split over as many programs, whose partials the last of them to finish adds in a fixed order.
+
+Both loops keep their sums per thread (each thread's 16 bytes of weights a step, no shuffle or barrier in the
+loop; the sums across threads once at the end), and with PREFETCH load the next K-tile before the math of
+this one, by hand (Triton pipelines only the loads that feed tl.dot): two steps of weights in flight.
 
 A token's arithmetic does not depend on the other tokens or on T (one config per shape for every T <= 4), so
 the result of a token is the same at T = 1..4; it differs in rounding from the grouped GEMM's (the float32
@@ -26,6 +31,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,33 +52,43 @@ DECODE_MAX_TOP_K = 16  # the down kernel holds all K experts' tiles of a token a
 
 
 @triton.jit
-def _row_dots(w, x, s_ptrs, start, n_mask, hidden, stride_sk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SCALE_BLOCK: tl.constexpr):
-    """[BLOCK_N]: the rows of w [BLOCK_N, BLOCK_K] (float32) dotted with x [BLOCK_K], the K-tile at `start`.
-    With scale blocks (SCALE_BLOCK > 0; s_ptrs: each row's scale row) each block's part of a sum takes that
-    block's scale: once per tile if the tile lies in one block, else per block of the tile, summed apart (wide
-    K-tiles keep fewer steps in each program's loop, which is what keeps the weights streaming)."""
-    prod = w * x[None, :]
+def _group_dots(w, x, s_ptrs, start, row_mask, k_end, stride_sk, offs_g, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                SCALE_BLOCK: tl.constexpr):
+    """[R, G]: w [R, G, VEC] (R rows) times x (broadcast to it) summed within each group of VEC features of the K-tile
+    at `start` (G = BLOCK_K // VEC). A group is one thread's 16 bytes of weights, so the sum stays in the thread:
+    the sums across threads wait for the end of the loop instead of costing shuffles (and, where warps share a
+    row, a barrier) every step. With scale blocks (SCALE_BLOCK > 0; s_ptrs [R]: each row's scale row) each
+    group takes its block's scale: once per tile if the tile lies in one block, else gathered per group."""
+    dots = tl.sum(w.to(tl.float32) * x, axis=2)
     if SCALE_BLOCK == 0:
-        return tl.sum(prod, axis=1)
+        return dots
     elif BLOCK_K <= SCALE_BLOCK:
-        return tl.sum(prod, axis=1) * tl.load(s_ptrs + (start // SCALE_BLOCK) * stride_sk, mask=n_mask, other=0.0)
+        return dots * tl.load(s_ptrs + (start // SCALE_BLOCK) * stride_sk, mask=row_mask, other=0.0)[:, None]
     else:
-        parts = tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK]), axis=2)
-        blocks = start // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
-        mask = n_mask[:, None] & (blocks * SCALE_BLOCK < hidden)[None, :]
-        scale = tl.load(s_ptrs[:, None] + blocks[None, :] * stride_sk, mask=mask, other=0.0)
-        return tl.sum(parts * scale, axis=1)
+        blocks = (start + offs_g * VEC) // SCALE_BLOCK
+        mask = row_mask[:, None] & (blocks * SCALE_BLOCK < k_end)[None, :]
+        return dots * tl.load(s_ptrs[:, None] + blocks[None, :] * stride_sk, mask=mask, other=0.0)
+
+
+@triton.jit
+def _gate_up_loads(gate_ptrs, up_ptrs, start, n_mask, offs_k, hidden):
+    """The gate and the up tiles [BLOCK_N, G, VEC] of the K-tile at `start` (past `hidden`: all masked off, no
+    memory traffic)."""
+    w_mask = n_mask[:, None, None] & (offs_k < hidden - start)[None, :, :]
+    return tl.load(gate_ptrs + start, mask=w_mask, other=0.0), tl.load(up_ptrs + start, mask=w_mask, other=0.0)
 
 
 @triton.jit(do_not_specialize=["num_assignments", "top_k"])
 def _decode_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, num_assignments, top_k, num_experts, inter, hidden,
     stride_xm, stride_we, stride_wn, stride_hm, s_ptr, stride_se, stride_sn, stride_sk,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, FP8_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """h[a, n] = silu(x[token] . gate[expert, n]) * (x[token] . up[expert, n]) for assignment a = token*K + k.
-    FP8_W: w is e4m3 with scales s as kernels.fused_moe's (SCALE_BLOCK 0: per row, applied to the sums)."""
+    FP8_W: w is e4m3 with scales s as kernels.fused_moe's (SCALE_BLOCK 0: per row, applied to the sums).
+    VEC: weights per 16 bytes. PREFETCH: the next K-tile's weights are loaded before this one's math (by hand:
+    Triton pipelines only the loads that feed tl.dot), two steps of weight bytes in flight instead of one."""
     pid = tl.program_id(0)
     a = pid % num_assignments
     pid_n = pid // num_assignments
@@ -82,60 +98,80 @@ def _decode_gate_up_kernel(
     token = (a // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + token * stride_xm + offs_k
-    gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    offs_g = tl.arange(0, BLOCK_K // VEC)
+    offs_k = offs_g[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [G, VEC]
+    # x as the weights' shape (the same address for each row): loaded straight into their layout, not moved
+    # there through shared memory (two barriers) every step; the repeats hit L1
+    x_ptrs = x_ptr + token * stride_xm + offs_k[None, :, :] + 0 * offs_n[:, None, None]
+    gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
     up_ptrs = gate_ptrs + inter * stride_wn  # w13's rows are [gate | up]
     gate_s_ptrs = s_ptr + expert * stride_se + _scale_rows(offs_n, SCALE_BLOCK).to(tl.int64) * stride_sn
     up_s_ptrs = s_ptr + expert * stride_se + _scale_rows(inter + offs_n, SCALE_BLOCK).to(tl.int64) * stride_sn
-    acc_gate = tl.zeros([BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_N], tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    if PREFETCH:
+        next_gate, next_up = _gate_up_loads(gate_ptrs, up_ptrs, 0, n_mask, offs_k, hidden)
     for start in range(0, hidden, BLOCK_K):
-        k_mask = offs_k < hidden - start
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        acc_gate += _row_dots(gate, x, gate_s_ptrs, start, n_mask, hidden, stride_sk, BLOCK_N, BLOCK_K, SCALE_BLOCK)
-        acc_up += _row_dots(up, x, up_s_ptrs, start, n_mask, hidden, stride_sk, BLOCK_N, BLOCK_K, SCALE_BLOCK)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+        if PREFETCH:
+            gate, up = next_gate, next_up
+            next_gate, next_up = _gate_up_loads(gate_ptrs, up_ptrs, start + BLOCK_K, n_mask, offs_k, hidden)
+        else:
+            gate, up = _gate_up_loads(gate_ptrs, up_ptrs, start, n_mask, offs_k, hidden)
+        x = tl.load(x_ptrs + start, mask=(offs_k < hidden - start)[None, :, :], other=0.0).to(tl.float32)
+        acc_gate += _group_dots(gate, x, gate_s_ptrs, start, n_mask, hidden, stride_sk, offs_g, BLOCK_K, VEC,
+                                SCALE_BLOCK)
+        acc_up += _group_dots(up, x, up_s_ptrs, start, n_mask, hidden, stride_sk, offs_g, BLOCK_K, VEC, SCALE_BLOCK)
+    gate_sum = tl.sum(acc_gate, axis=1)
+    up_sum = tl.sum(acc_up, axis=1)
     if FP8_W and SCALE_BLOCK == 0:  # one scale per row: applied once, to the sums
-        acc_gate *= tl.load(gate_s_ptrs, mask=n_mask, other=0.0)
-        acc_up *= tl.load(up_s_ptrs, mask=n_mask, other=0.0)
-    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+        gate_sum *= tl.load(gate_s_ptrs, mask=n_mask, other=0.0)
+        up_sum *= tl.load(up_s_ptrs, mask=n_mask, other=0.0)
+    h = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
     tl.store(h_ptr + a.to(tl.int64) * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
-def _expert_dots(prod, s_ptrs, start, wn_mask, inter, stride_sk, BLOCK_N: tl.constexpr, TOPK_POW2: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """[BLOCK_N, TOPK_POW2]: prod [BLOCK_N, TOPK_POW2, BLOCK_K] summed over its K-tile at `start`, scaled as
-    _row_dots scales (s_ptrs [BLOCK_N, TOPK_POW2]: each row's scale row in each expert)."""
-    if SCALE_BLOCK == 0:
-        return tl.sum(prod, axis=2)
-    elif BLOCK_K <= SCALE_BLOCK:
-        return tl.sum(prod, axis=2) * tl.load(s_ptrs + (start // SCALE_BLOCK) * stride_sk, mask=wn_mask, other=0.0)
-    else:
-        parts = tl.sum(tl.reshape(prod, [BLOCK_N, TOPK_POW2, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK]), axis=3)
-        blocks = start // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
-        mask = wn_mask[:, :, None] & (blocks * SCALE_BLOCK < inter)[None, None, :]
-        scale = tl.load(s_ptrs[:, :, None] + blocks[None, None, :] * stride_sk, mask=mask, other=0.0)
-        return tl.sum(parts * scale, axis=2)
+def _down_loads(h_ptrs, w_ptrs, start, wn_mask, offs_k, k_end):
+    """The K experts' h rows (repeated for each of the BLOCK_N rows) and weight tiles, [BLOCK_N, TOPK_POW2, G, VEC],
+    of the K-tile at `start` (past `k_end`: masked off, no memory traffic)."""
+    mask = wn_mask[:, :, None, None] & (offs_k < k_end - start)[None, None, :, :]
+    return tl.load(h_ptrs + start, mask=mask, other=0.0), tl.load(w_ptrs + start, mask=mask, other=0.0)
+
+
+@triton.jit
+def _split_sum(out_ptrs, part_ptr, count_ptr, out, n_mask, offs_n, token, num_tokens, hidden, split,
+               SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store this split's partial [BLOCK_N] (float32); the split that arrives last at the tile's counter adds
+    all SPLIT_K partials in split order (the same bits whichever arrives last), stores the sum and resets the
+    counter for the next launch."""
+    tl.store(part_ptr + (split * num_tokens + token).to(tl.int64) * hidden + offs_n, out, mask=n_mask)
+    tl.debug_barrier()  # every warp's partial stored before the counter releases them
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for s in tl.static_range(SPLIT_K):  # .cg: from L2, where the other SMs' partials are
+            total += tl.load(part_ptr + (s * num_tokens + token).to(tl.int64) * hidden + offs_n, mask=n_mask,
+                             other=0.0, cache_modifier=".cg")
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=n_mask)
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_tokens", "top_k"])
 def _decode_down_kernel(
     h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, num_tokens, top_k, num_experts, hidden, inter,
-    stride_hm, stride_we, stride_wn, stride_om, s_ptr, stride_se, stride_sn, stride_sk,
-    TOPK_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_W: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
+    stride_hm, stride_we, stride_wn, stride_om, s_ptr, stride_se, stride_sn, stride_sk, part_ptr, count_ptr,
+    TOPK_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, FP8_W: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """out[t, n] = sum_k weights[t, k] * (h[t*K + k] . w2[expert_k, n]), the K experts' tiles side by side."""
+    """out[t, n] = sum_k weights[t, k] * (h[t*K + k] . w2[expert_k, n]), the K experts' tiles side by side.
+    PREFETCH: as the gate/up kernel's. SPLIT_K > 1: the intermediate features cut into SPLIT_K ranges of whole
+    K-tiles, each summed by its own program into part [SPLIT_K, T, H] float32 and added in a fixed order by
+    _split_sum (count: an int32 per (BLOCK_N, token) tile, zero between launches): more programs with fewer
+    steps each for a small T, and a token's bits still independent of T."""
     pid = tl.program_id(0)
     token = pid % num_tokens
-    pid_n = pid // num_tokens
+    split = (pid // num_tokens) % SPLIT_K
+    pid_n = pid // (num_tokens * SPLIT_K)
     slots = tl.arange(0, TOPK_POW2)
     rows = token * top_k + slots  # the token's assignments
     experts = tl.load(ids_ptr + rows, mask=slots < top_k, other=-1).to(tl.int64)
@@ -143,44 +179,78 @@ def _decode_down_kernel(
     experts = tl.where(valid, experts, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]  # [TOPK_POW2, BLOCK_K]
-    w_ptrs = (w_ptr + experts[None, :, None] * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn
-              + offs_k[None, None, :])  # [BLOCK_N, TOPK_POW2, BLOCK_K]
+    offs_g = tl.arange(0, BLOCK_K // VEC)
+    offs_k = offs_g[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [G, VEC]
+    # h as the weights' shape, as the gate/up kernel loads x: [BLOCK_N, TOPK_POW2, G, VEC]
+    h_ptrs = (h_ptr + rows[None, :, None, None].to(tl.int64) * stride_hm + offs_k[None, None, :, :]
+              + 0 * offs_n[:, None, None, None])
+    w_ptrs = (w_ptr + experts[None, :, None, None] * stride_we + offs_n[:, None, None, None].to(tl.int64) * stride_wn
+              + offs_k[None, None, :, :])  # [BLOCK_N, TOPK_POW2, G, VEC]
     wn_mask = n_mask[:, None] & valid[None, :]
     s_ptrs = s_ptr + experts[None, :] * stride_se + _scale_rows(offs_n, SCALE_BLOCK)[:, None].to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N, TOPK_POW2], tl.float32)
-    for start in range(0, inter, BLOCK_K):
-        k_mask = offs_k < inter - start
-        h = tl.load(h_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=wn_mask[:, :, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
-        acc += _expert_dots(w * h[None, :, :], s_ptrs, start, wn_mask, inter, stride_sk, BLOCK_N, TOPK_POW2, BLOCK_K,
-                            SCALE_BLOCK)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if SPLIT_K == 1:
+        k_begin = 0
+        k_end = inter
+    else:
+        k_split = tl.cdiv(tl.cdiv(inter, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_begin = split * k_split
+        k_end = tl.minimum(inter, k_begin + k_split)
+    acc = tl.zeros([BLOCK_N * TOPK_POW2, BLOCK_K // VEC], tl.float32)  # (row, expert) pairs as the rows
+    if PREFETCH:
+        next_h, next_w = _down_loads(h_ptrs, w_ptrs, k_begin, wn_mask, offs_k, k_end)
+    for start in range(k_begin, k_end, BLOCK_K):
+        if PREFETCH:
+            h, w = next_h, next_w
+            next_h, next_w = _down_loads(h_ptrs, w_ptrs, start + BLOCK_K, wn_mask, offs_k, k_end)
+        else:
+            h, w = _down_loads(h_ptrs, w_ptrs, start, wn_mask, offs_k, k_end)
+        prod_w = tl.reshape(w.to(tl.float32) * h.to(tl.float32),
+                            [BLOCK_N * TOPK_POW2, BLOCK_K // VEC, VEC])
+        acc += _group_dots(prod_w, 1.0, tl.reshape(s_ptrs, [BLOCK_N * TOPK_POW2]), start,
+                           tl.reshape(wn_mask, [BLOCK_N * TOPK_POW2]), inter, stride_sk, offs_g, BLOCK_K, VEC,
+                           SCALE_BLOCK)
+    acc = tl.reshape(tl.sum(acc, axis=1), [BLOCK_N, TOPK_POW2])
     if FP8_W and SCALE_BLOCK == 0:
         acc *= tl.load(s_ptrs, mask=wn_mask, other=0.0)
     routing = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     out = tl.sum(acc * routing[None, :], axis=1)
-    tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    out_ptrs = out_ptr + token.to(tl.int64) * stride_om + offs_n
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        _split_sum(out_ptrs, part_ptr, count_ptr + pid_n * num_tokens + token, out, n_mask, offs_n, token,
+                   num_tokens, hidden, split, SPLIT_K, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------- configs
 
-GemvTiles = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
+class GemvTiles(NamedTuple):
+    """One GEMV launch's tiles; a JSON list, the last two fields optional (files written before they existed)."""
+    block_n: int
+    block_k: int  # the down kernel's is per expert: the tile read per step is BLOCK_N x K x BLOCK_K
+    num_warps: int
+    num_stages: int  # passed on; Triton pipelines only the loads that feed tl.dot, so little effect here
+    prefetch: int = 0  # 1: the next K-tile's weights loaded before this one's math (PREFETCH)
+    split_k: int = 1  # the down kernel's SPLIT_K (gate/up: 1)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     gate_up: GemvTiles
-    down: GemvTiles  # its BLOCK_K is per expert: the tile read per step is BLOCK_N x K x BLOCK_K
+    down: GemvTiles
+
+    def __post_init__(self):  # plain tuples / lists accepted
+        object.__setattr__(self, "gate_up", GemvTiles(*map(int, self.gate_up)))
+        object.__setattr__(self, "down", GemvTiles(*map(int, self.down)))
+        if self.gate_up.split_k != 1:
+            raise ValueError(f"the gate/up GEMV does not split K: {self.gate_up}")
 
     def to_json(self) -> dict:
         return {"gate_up": list(self.gate_up), "down": list(self.down)}
 
     @classmethod
     def from_json(cls, data: dict) -> DecodeConfig:
-        return cls(tuple(map(int, data["gate_up"])), tuple(map(int, data["down"])))
+        return cls(data["gate_up"], data["down"])
 
 
 def decode_config_path(device_name: str, directory: Path = CONFIG_DIR) -> Path:
@@ -201,10 +271,9 @@ def _tuned_decode_configs(device_name: str) -> dict[str, DecodeConfig]:
 
 
 def default_decode_config(top_k: int) -> DecodeConfig:
-    """Wide K-tiles: the loops are not software-pipelined (no tl.dot), so a program has one step's loads in
-    flight and the fewer its steps, the more of the weights are in flight at once (gate/up: 32 KB of 16-bit
-    weights a step; down: 16 KB, its tile spanning the K experts)."""
-    return DecodeConfig((8, 1024, 8, 3), (4, max(32, 2048 // triton.next_power_of_2(top_k)), 8, 3))
+    """Wide K-tiles, the next one prefetched: a program keeps two steps of weights in flight (gate/up: 2 x 16
+    KB of 16-bit weights; down: 2 x 8 KB, its tile spanning the K experts)."""
+    return DecodeConfig((4, 1024, 4, 3, 1), (4, max(32, 1024 // triton.next_power_of_2(top_k)), 8, 3, 1))
 
 
 def decode_shape_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, scale_block: int | None) -> str:
@@ -228,10 +297,32 @@ def get_decode_config(num_experts: int, hidden: int, inter: int, top_k: int, dty
 
 def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, scale_block: int):
     """The kernels' scale pointer and strides (the weight as an unused pointer when 16-bit), FP8_W and
-    SCALE_BLOCK. Unlike the grouped GEMMs, any BLOCK_K goes with any scale block (see _row_dots)."""
+    SCALE_BLOCK. Unlike the grouped GEMMs, any BLOCK_K goes with any scale block (see _group_dots)."""
     if scale is None:
         return (w, 0, 0, 0), False, 0
     return (scale, *scale.stride()), True, scale_block
+
+
+def _vec(w: torch.Tensor, block_k: int) -> int:
+    """The kernels' VEC: weights per 16-byte load (a K-tile narrower than that: the whole tile)."""
+    return min(block_k, 16 // w.element_size())
+
+
+_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device, size: int) -> torch.Tensor:
+    """The split-K down kernel's counters (int32, one per output tile), zero between launches: the kernel resets
+    each one it uses, so one buffer per device serves every launch, graph replays included (the launches of a
+    stream run one after another; the engine runs its layers on one stream)."""
+    counts = _SPLIT_COUNTS.get(device)
+    if counts is None or counts.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K MoE decode kernel's counters must be allocated before graph capture "
+                               "(run the shape once outside it)")
+        counts = torch.zeros(max(size, 1 << 14), dtype=torch.int32, device=device)
+        _SPLIT_COUNTS[device] = counts
+    return counts
 
 
 def decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, top_k: int, tiles: GemvTiles,
@@ -242,12 +333,13 @@ def decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, top_k:
     inter = two_inter // 2
     num_assignments = ids.numel()
     h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = tiles
+    tiles = GemvTiles(*tiles)
     scale_args, fp8, scale_block = _scale_args(w13, scale, scale_block)
-    _decode_gate_up_kernel[(num_assignments * triton.cdiv(inter, block_n),)](
+    _decode_gate_up_kernel[(num_assignments * triton.cdiv(inter, tiles.block_n),)](
         x, w13, ids, h, num_assignments, top_k, num_experts, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *scale_args,
-        BLOCK_N=block_n, BLOCK_K=block_k, FP8_W=fp8, SCALE_BLOCK=scale_block, num_warps=warps, num_stages=stages,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, VEC=_vec(w13, tiles.block_k), FP8_W=fp8,
+        SCALE_BLOCK=scale_block, PREFETCH=bool(tiles.prefetch), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return h
 
@@ -258,13 +350,21 @@ def decode_down(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: t
     num_experts, hidden, inter = w2.shape
     num_tokens = ids.numel() // top_k
     out = torch.empty((num_tokens, hidden), dtype=h.dtype, device=h.device)
-    block_n, block_k, warps, stages = tiles
+    tiles = GemvTiles(*tiles)
     scale_args, fp8, scale_block = _scale_args(w2, scale, scale_block)
-    _decode_down_kernel[(num_tokens * triton.cdiv(hidden, block_n),)](
+    n_tiles = num_tokens * triton.cdiv(hidden, tiles.block_n)
+    if tiles.split_k > 1:
+        part = torch.empty((tiles.split_k, num_tokens, hidden), dtype=torch.float32, device=h.device)
+        count = _split_counts(h.device, n_tiles)
+    else:  # unused
+        part, count = out, ids
+    _decode_down_kernel[(n_tiles * tiles.split_k,)](
         h, w2, ids, weights, out, num_tokens, top_k, num_experts, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *scale_args,
-        TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, FP8_W=fp8,
-        SCALE_BLOCK=scale_block, num_warps=warps, num_stages=stages,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *scale_args, part, count,
+        TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        VEC=_vec(w2, tiles.block_k), FP8_W=fp8,
+        SCALE_BLOCK=scale_block, PREFETCH=bool(tiles.prefetch), SPLIT_K=tiles.split_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out
 
