@@ -187,6 +187,25 @@ def test_dequantize_int_weight(device, dtype, bits, group, sym):
     assert torch.equal(out.cpu(), w.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, marks=interpret), torch.bfloat16], ids=str)
+def test_dequantize_fractional_zero_points(device, dtype):
+    """GGUF's Q4_1 / Q4_K zero points are float32 ratios (-m / d), not integers: (q - zero) * scale as float32
+    computes it, then rounded once (the GPU served a Q4_1 file wrong while the zero was rounded to an integer)."""
+    from tokenmill.kernels.w4a16_gemm import dequantize_int_weight
+
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter truncates float32 to bfloat16")
+    g = torch.Generator().manual_seed(2)
+    n, k = shape(device)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 0.005
+    zero = torch.randn(n, k // 32, generator=g) * 5  # fractional, either sign
+    ref = (q.float() - zero.repeat_interleave(32, 1)) * scale.repeat_interleave(32, 1)
+    out = torch.full((n, k), float("nan"), dtype=dtype, device=device)
+    dequantize_int_weight(pack_int32(q, 4, dim=1).to(device), scale.to(device), zero.to(device), 4, out)
+    assert torch.equal(out.cpu(), ref.to(dtype))
+
+
 # The dequantize-then-GEMM path at any row count (int_weight_gemm takes it past GEMV_MAX_ROWS), act-order
 # included; on the GPU also Llama-3.1-8B's qkv, down and o projections at prefill sizes.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -167,8 +167,8 @@ def _dequant_int_kernel(
         s_offs = row * stride_sn + (offs_w * PACK // GROUP)[None, :]
         s_mask = mask
     s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
-    if HAS_ZERO:  # 2^23 + zero, exact (a small integer): q - zero exactly, times the scale
-        w = (q - (tl.load(z_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None] + 8388608.0)) * s
+    if HAS_ZERO:  # q exactly, then less the zero point: GGUF's are ratios (-m / d), which 2^23 + zero would round
+        w = ((q - 8388608.0) - tl.load(z_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]) * s
     else:
         w = (q - (8388608.0 + (1 << (BITS - 1)))) * s  # symmetric: the midpoint
     w = tl.reshape(w.to(out_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K))
