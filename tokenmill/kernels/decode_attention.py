@@ -24,9 +24,10 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.arrivals import arrival_counters
+from tokenmill.kernels.attention_tile import accumulate_tile, attention_output, load_query, scale_scores, tile_scores
 from tokenmill.kernels.kv_fp8 import kv_scales
-from tokenmill.kernels.kv_widen import V_WEIGHT_GAIN, as_float16, as_pairs, head_dim_pad, reads_pairs, widen_pairs
-from tokenmill.kernels.prefill_attention import _tanh, dot_precision
+from tokenmill.kernels.kv_widen import as_pairs, head_dim_pad, reads_pairs
+from tokenmill.kernels.prefill_attention import dot_precision
 
 MAX_SPLITS = 16
 
@@ -70,17 +71,8 @@ def _decode_kernel(
     d_mask = offs_d < head_dim
     heads = kv_head * QUERIES_PER_KV + offs_g
     q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
-    if PAIRS:  # a one-byte pool's float16 pairs view (kernels.kv_widen), the strides in pairs; float16 dots
-        offs_h = tl.arange(0, HEAD_DIM_PAD // 2)
-        h_mask = offs_h < head_dim // 2
-        gh_mask = g_mask[:, None] & h_mask[None, :]
-        q_e = as_float16(tl.load(q_rows + 2 * offs_h[None, :], mask=gh_mask, other=0.0))
-        q_o = as_float16(tl.load(q_rows + 2 * offs_h[None, :] + 1, mask=gh_mask, other=0.0))
-        acc_e = tl.zeros([GROUP_PAD, HEAD_DIM_PAD // 2], tl.float32)
-        acc_o = tl.zeros([GROUP_PAD, HEAD_DIM_PAD // 2], tl.float32)
-    else:
-        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    # Under PAIRS q and acc are pairs of tiles, (even columns, odd columns): see kernels.attention_tile.
+    q, acc, cols, col_mask = load_query(q_rows, g_mask, offs_d, d_mask, head_dim, GROUP_PAD, HEAD_DIM_PAD, PAIRS)
     block_row = block_table_ptr + req * stride_bt
     kv_offset = kv_head * stride_ch
     if IS_FP8:  # q . (k * k_scale) = (q . k) * k_scale: the scale goes on the scores
@@ -94,55 +86,18 @@ def _decode_kernel(
         n_mask = offs_n < end
         page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
-        if PAIRS:  # q . k = q_even . k_even + q_odd . k_odd
-            nh_mask = n_mask[:, None] & h_mask[None, :]
-            k_e, k_o = widen_pairs(tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_h[None, :], mask=nh_mask, other=0.0),
-                                   IS_FP8, USE_ASM)
-            s = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e)))
-        else:
-            k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if IS_INT8:  # q . (k * scale) = (q . k) * scale: each key's own scale goes on its scores
-            # int32 offsets (a layer's scales are far fewer than 2^31): cheaper than the pool's int64 ones
-            scale_ptrs = page.to(tl.int32) * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
-            s = s * tl.load(k_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
-        else:
-            s = s * qk_scale
+        kv_mask = n_mask[:, None] & col_mask[None, :]
+        s = tile_scores(q, k_cache_ptr, kv_ptrs, cols, kv_mask, DOT_PRECISION, IS_FP8, PAIRS, USE_ASM)
+        # An int8 pool's scales (compiled away for others); int32 offsets (a layer's scales are far fewer than
+        # 2^31): cheaper than the pool's int64 ones.
+        scale_ptrs = page.to(tl.int32) * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
+        s = scale_scores(s, k_scale_ptr, scale_ptrs, n_mask, sm_scale, softcap, qk_scale, USE_SOFTCAP, IS_INT8)
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_INT8:  # sum p (v * scale) = sum (p * scale) v: each value row's scale goes on its weights
-            v_scales = tl.load(v_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)
-            if PAIRS:
-                # float16 weights, times V_WEIGHT_GAIN (kernels.kv_widen) and saturated
-                p = tl.minimum(p * (v_scales * V_WEIGHT_GAIN)[None, :], 65504.0)
-            else:
-                p = p * v_scales[None, :]
-        if PAIRS:  # p @ v: its even and its odd columns
-            v_e, v_o = widen_pairs(tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_h[None, :], mask=nh_mask, other=0.0),
-                                   IS_FP8, USE_ASM)
-            p = p.to(tl.float16)
-            acc_e = acc_e * alpha[:, None] + tl.dot(p, v_e)
-            acc_o = acc_o * alpha[:, None] + tl.dot(p, v_o)
-        else:
-            v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = accumulate_tile(s, m_i, l_i, acc, v_cache_ptr, kv_ptrs, cols, kv_mask, v_scale_ptr, scale_ptrs,
+                                        n_mask, q_ptr.dtype.element_ty, DOT_PRECISION, IS_FP8, IS_INT8, PAIRS, USE_ASM)
 
-    if PAIRS:  # the columns back in order: 2j even, 2j + 1 odd
-        acc = tl.reshape(tl.join(acc_e, acc_o), (GROUP_PAD, HEAD_DIM_PAD))
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if IS_INT8 and PAIRS:
-        out = out * (1.0 / V_WEIGHT_GAIN)
-    if IS_FP8:  # sum p (v * v_scale) = v_scale * sum p v; the splits' combine is linear in them too
-        out = out * tl.load(v_scale_ptr)
+    # An fp8 pool's v_scale is on the output: the splits' combine is linear in it too.
+    out = attention_output(acc, l_i, v_scale_ptr, IS_FP8, IS_INT8, PAIRS)
     mask = g_mask[:, None] & d_mask[None, :]
     if not IS_SPLIT:
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],

@@ -28,20 +28,15 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.attention_tile import accumulate_tile, attention_output, load_query, scale_scores, tile_scores
 from tokenmill.kernels.kv_fp8 import is_fp8, kv_scales
 from tokenmill.kernels.kv_int8 import dequantize_rows, is_int8
-from tokenmill.kernels.kv_widen import V_WEIGHT_GAIN, as_float16, as_pairs, head_dim_pad, reads_pairs, widen_pairs
+from tokenmill.kernels.kv_widen import as_pairs, head_dim_pad, reads_pairs
 
 FIXED_GRID_EXTRA_TILES = 8
 """Programs per head beyond one per BLOCK_M tokens on a fixed grid. H200, Llama-3.1-8B heads, one 496-token
 chunk after 528 cached tokens: a grid sized for 256 partial tiles took 70.5 us against 31.4 eagerly, one sized
 for 8 took 32.7 us."""
-
-
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at both ends (exp overflow gives 1, underflow -1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -68,17 +63,8 @@ def _attend_tile(
     q_pos = context_len + offs_m  # absolute position of each query token
     rows = (q_start + offs_m).to(tl.int64)
     q_rows = q_ptr + rows[:, None] * stride_qt + head * stride_qh
-    if PAIRS:  # a one-byte pool's float16 pairs view (kernels.kv_widen), the strides in pairs; float16 dots
-        offs_h = tl.arange(0, HEAD_DIM_PAD // 2)
-        h_mask = offs_h < head_dim // 2
-        mh_mask = m_mask[:, None] & h_mask[None, :]
-        q_e = as_float16(tl.load(q_rows + 2 * offs_h[None, :], mask=mh_mask, other=0.0))
-        q_o = as_float16(tl.load(q_rows + 2 * offs_h[None, :] + 1, mask=mh_mask, other=0.0))
-        acc_e = tl.zeros([BLOCK_M, HEAD_DIM_PAD // 2], tl.float32)
-        acc_o = tl.zeros([BLOCK_M, HEAD_DIM_PAD // 2], tl.float32)
-    else:
-        q = tl.load(q_rows + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # Under PAIRS q and acc are pairs of tiles, (even columns, odd columns): see kernels.attention_tile.
+    q, acc, cols, col_mask = load_query(q_rows, m_mask, offs_d, d_mask, head_dim, BLOCK_M, HEAD_DIM_PAD, PAIRS)
 
     kv_head = head // QUERIES_PER_KV
     hi = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
@@ -99,56 +85,19 @@ def _attend_tile(
         n_mask = offs_n < hi
         page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
-        if PAIRS:  # q . k = q_even . k_even + q_odd . k_odd
-            nh_mask = n_mask[:, None] & h_mask[None, :]
-            k_e, k_o = widen_pairs(tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_h[None, :], mask=nh_mask, other=0.0),
-                                   IS_FP8, USE_ASM)
-            s = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e)))
-        else:
-            k = tl.load(k_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if IS_INT8:  # q . (k * scale) = (q . k) * scale: each key's own scale goes on its scores
-            # int32 offsets (a layer's scales are far fewer than 2^31): cheaper than the pool's int64 ones
-            scale_ptrs = page.to(tl.int32) * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
-            s = s * tl.load(k_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)[None, :]
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s * (sm_scale / softcap)) * 1.4426950408889634
-        else:
-            s = s * qk_scale
+        kv_mask = n_mask[:, None] & col_mask[None, :]
+        s = tile_scores(q, k_cache_ptr, kv_ptrs, cols, kv_mask, DOT_PRECISION, IS_FP8, PAIRS, USE_ASM)
+        # An int8 pool's scales (compiled away for others); int32 offsets (a layer's scales are far fewer than
+        # 2^31): cheaper than the pool's int64 ones.
+        scale_ptrs = page.to(tl.int32) * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
+        s = scale_scores(s, k_scale_ptr, scale_ptrs, n_mask, sm_scale, softcap, qk_scale, USE_SOFTCAP, IS_INT8)
         mask = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if USE_WINDOW:
             mask = mask & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_INT8:  # sum p (v * scale) = sum (p * scale) v: each value row's scale goes on its weights
-            v_scales = tl.load(v_scale_ptr + scale_ptrs, mask=n_mask, other=0.0)
-            if PAIRS:  # float16 weights: see V_WEIGHT_GAIN
-                p = tl.minimum(p * (v_scales * V_WEIGHT_GAIN)[None, :], 65504.0)
-            else:
-                p = p * v_scales[None, :]
-        if PAIRS:  # p @ v: its even and its odd columns
-            v_e, v_o = widen_pairs(tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_h[None, :], mask=nh_mask, other=0.0),
-                                   IS_FP8, USE_ASM)
-            p = p.to(tl.float16)
-            acc_e = acc_e * alpha[:, None] + tl.dot(p, v_e)
-            acc_o = acc_o * alpha[:, None] + tl.dot(p, v_o)
-        else:
-            v = tl.load(v_cache_ptr + kv_ptrs[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    if PAIRS:  # the columns back in order: 2j even, 2j + 1 odd
-        acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_M, HEAD_DIM_PAD))
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if IS_INT8 and PAIRS:
-        out = out * (1.0 / V_WEIGHT_GAIN)
-    if IS_FP8:  # sum p (v * v_scale) = v_scale * sum p v
-        out = out * tl.load(v_scale_ptr)
+        acc, m_i, l_i = accumulate_tile(s, m_i, l_i, acc, v_cache_ptr, kv_ptrs, cols, kv_mask, v_scale_ptr, scale_ptrs,
+                                        n_mask, q_ptr.dtype.element_ty, DOT_PRECISION, IS_FP8, IS_INT8, PAIRS, USE_ASM)
+    out = attention_output(acc, l_i, v_scale_ptr, IS_FP8, IS_INT8, PAIRS)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
