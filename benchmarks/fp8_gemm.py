@@ -4,11 +4,14 @@ GEMV against cuBLASLt (per-token quantization + torch._scaled_mm) and the bf16 s
 row count, 32 layers' weights each in a CUDA graph (so nothing is served from L2). Prints the best config
 per (rows, shape) and the bytes-per-second each reaches.
 
-    PYTHONPATH=. python3 benchmarks/fp8_gemm.py
+    PYTHONPATH=. python3 benchmarks/fp8_gemm.py [--rows 1,4] [--gemv-only]
+
+The GEMV's best tiles per (n, k, rows <= 2) go into kernels/fp8_gemm.py's _TUNED_GEMV.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -24,17 +27,21 @@ from tokenmill.kernels.fp8_gemm import gemv_fp8, quantize_fp8, skinny_fp8_gemm  
 from tokenmill.kernels.skinny_gemm import skinny_gemm  # noqa: E402
 
 SKINNY = list(itertools.product((32, 64), (512, 1024), (4, 8), (3, 4)))
-GEMV = list(itertools.product((16, 32), (512, 1024), (4, 8), (2, 3)))
+GEMV = list(itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8), (2, 3)))
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,4,16")
+    parser.add_argument("--gemv-only", action="store_true", help="sweep the GEMV's tiles alone")
+    args = parser.parse_args()
     torch.manual_seed(0)
     weights = {name: [torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn) for _ in range(LAYERS)]
                for name, (n, k) in SHAPES.items()}
     scales = {name: torch.rand(n, device="cuda") * 1e-2 for name, (n, _) in SHAPES.items()}
     bf16 = {name: [w.to(torch.bfloat16) for w in ws] for name, ws in weights.items()}
     totals: dict[tuple[int, str], float] = {}
-    for rows, (name, (n, k)) in itertools.product((1, 4, 16), SHAPES.items()):
+    for rows, (name, (n, k)) in itertools.product(map(int, args.rows.split(",")), SHAPES.items()):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         ws, s = weights[name], scales[name]
         ref = (x.double() @ (ws[0].double() * s.double()[:, None]).T)
@@ -44,7 +51,7 @@ def main() -> None:
             return ((out.double() - ref).norm() / ref.norm()).item()
 
         found = {}
-        for label, configs, fn in (("skinny", SKINNY, lambda w, c: skinny_fp8_gemm(x, w, s, 0, c)),
+        for label, configs, fn in (("skinny", [] if args.gemv_only else SKINNY, lambda w, c: skinny_fp8_gemm(x, w, s, 0, c)),
                                    ("gemv", GEMV if rows <= 4 else [], lambda w, c: gemv_fp8(x, w, s, c))):
             best = None
             for config in configs:
