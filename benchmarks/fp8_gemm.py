@@ -51,7 +51,8 @@ def main() -> None:
             return ((out.double() - ref).norm() / ref.norm()).item()
 
         found = {}
-        for label, configs, fn in (("skinny", [] if args.gemv_only else SKINNY, lambda w, c: skinny_fp8_gemm(x, w, s, 0, c)),
+        skinny_configs = [] if args.gemv_only else SKINNY
+        for label, configs, fn in (("skinny", skinny_configs, lambda w, c: skinny_fp8_gemm(x, w, s, 0, c)),
                                    ("gemv", GEMV if rows <= 4 else [], lambda w, c: gemv_fp8(x, w, s, c))):
             best = None
             for config in configs:
