@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from skinny_gemm import LAYERS, SHAPES, time_graph  # noqa: E402
 
-from tokenmill.kernels.fp8_gemm import gemv_fp8, quantize_fp8, skinny_fp8_gemm  # noqa: E402
+from tokenmill.kernels.fp8_gemm import gemv_fp8, gemv_key, quantize_fp8, skinny_fp8_gemm  # noqa: E402
+from tokenmill.kernels.fused_moe import config_path  # noqa: E402
 from tokenmill.kernels.skinny_gemm import skinny_gemm  # noqa: E402
 
 SKINNY = list(itertools.product((32, 64), (512, 1024), (4, 8), (3, 4)))
@@ -34,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--gemv-only", action="store_true", help="sweep the GEMV's tiles alone")
+    parser.add_argument("--out", type=Path, help="write the GEMV's best tiles to DIR/fp8_gemv_<device>.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     weights = {name: [torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn) for _ in range(LAYERS)]
@@ -41,6 +45,7 @@ def main() -> None:
     scales = {name: torch.rand(n, device="cuda") * 1e-2 for name, (n, _) in SHAPES.items()}
     bf16 = {name: [w.to(torch.bfloat16) for w in ws] for name, ws in weights.items()}
     totals: dict[tuple[int, str], float] = {}
+    gemv_tiles: dict[str, tuple[float, tuple]] = {}  # per table key: the best time of its row counts' configs
     for rows, (name, (n, k)) in itertools.product(map(int, args.rows.split(",")), SHAPES.items()):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         ws, s = weights[name], scales[name]
@@ -66,6 +71,9 @@ def main() -> None:
                     best = (t, config)
             if best:
                 found[label] = best
+                key = gemv_key(n, k, rows)
+                if label == "gemv" and (key not in gemv_tiles or best[0] < gemv_tiles[key][0]):
+                    gemv_tiles[key] = best
         scaled = time_graph(lambda: [torch._scaled_mm(*[quantize_fp8(x)[0], w.t()], scale_a=quantize_fp8(x)[1],
                                                       scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
                                      for w in ws]) / LAYERS
@@ -80,6 +88,12 @@ def main() -> None:
         print(line, flush=True)
     for (rows, label), t in sorted(totals.items()):
         print(f"== rows {rows}: 32 layers x 4 projections, {label}: {t:.3f} ms", flush=True)
+    if args.out is not None:
+        path = config_path(torch.cuda.get_device_name(), args.out, kind="fp8_gemv")
+        tables = {key: list(config) for key, (_, config) in sorted(gemv_tiles.items())}
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+                                    "configs": tables}, indent=1) + "\n")
+        print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

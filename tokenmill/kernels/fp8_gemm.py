@@ -13,11 +13,15 @@ which also holds the pure-torch references (the CPU path).
 
 from __future__ import annotations
 
+import functools
+import json
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.fused_moe import CONFIG_DIR, config_path
 
 FP8 = torch.float8_e4m3fn
 SKINNY_MAX_ROWS = 16
@@ -156,9 +160,27 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k, stride_xm, stride_wn, s
 GEMV_MAX_ROWS = 4
 
 
-def _gemv_config(n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages), the fastest of benchmarks/fp8_gemm.py's sweep on the H200 for
-    Llama-3.1-8B's projections at one row (2026-12-02: 1.46x the skinny kernel over the four, 1.7x bf16)."""
+def gemv_key(n: int, k: int, rows: int) -> str:
+    """The tiles table's key: the shape, and 1-2 rows apart from 3-4 (more accumulators, fewer registers)."""
+    return f"{n}x{k},rows{'<=2' if rows <= 2 else '>2'}"
+
+
+@functools.cache
+def _tuned_gemv(device_index: int) -> dict[str, tuple[int, int, int, int]]:
+    """kernels/configs/fp8_gemv_<device>.json, as benchmarks/fp8_gemm.py --gemv-only --out writes it; {} without."""
+    path = config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR, kind="fp8_gemv")
+    if not path.exists():
+        return {}
+    return {key: tuple(map(int, tiles)) for key, tiles in json.loads(path.read_text())["configs"].items()}
+
+
+def _gemv_config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the device's swept tiles for the shape, else the first sweep's
+    choice by n alone (2026-12-02: 1.46x the skinny kernel over Llama-3.1-8B's four projections at one row)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    tuned = _tuned_gemv(index).get(gemv_key(n, k, rows)) if device.type == "cuda" else None
+    if tuned is not None:
+        return tuned
     return (32, 512, 8, 3) if n >= 16384 else (16, 1024, 8, 3)
 
 
@@ -169,7 +191,7 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n = weight.shape[0]
     assert rows <= GEMV_MAX_ROWS and weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or _gemv_config(n)
+    block_n, block_k, num_warps, num_stages = config or _gemv_config(n, k, rows, x.device)
     _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
         x, weight, scale, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
