@@ -216,7 +216,7 @@ def expanded_attention_ref(
     """MLA as the reference models compute it, per request in float64: every cached latent row decompressed by
     kv_b_proj's weight into per-head keys and values, causal softmax attention."""
     num_heads, nope, latent_dim = q_nope.shape[1], q_nope.shape[2], kv_cache.shape[2] - q_pe.shape[2]
-    weight = kv_b_weight.double().view(num_heads, -1, latent_dim)
+    weight = kv_b_weight.double().cpu().view(num_heads, -1, latent_dim)
     w_k, w_v = weight[:, :nope], weight[:, nope:]
     block_size = kv_cache.shape[1]
     out = torch.zeros((*q_nope.shape[:2], w_v.shape[1]), dtype=torch.float64)
