@@ -6,7 +6,8 @@ per (rows, shape) and the bytes-per-second each reaches.
 
     PYTHONPATH=. python3 benchmarks/fp8_gemm.py [--rows 1,4] [--gemv-only]
 
-The GEMV's best tiles per (n, k, rows <= 2) go into kernels/fp8_gemm.py's _TUNED_GEMV.
+With --out, the GEMV's best tiles per (n, k, rows) go to kernels/configs/fp8_gemv_<device>.json, which
+kernels/fp8_gemm.py reads.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main() -> None:
     scales = {name: torch.rand(n, device="cuda") * 1e-2 for name, (n, _) in SHAPES.items()}
     bf16 = {name: [w.to(torch.bfloat16) for w in ws] for name, ws in weights.items()}
     totals: dict[tuple[int, str], float] = {}
-    gemv_tiles: dict[str, tuple[float, tuple]] = {}  # per table key: the best time of its row counts' configs
+    gemv_tiles: dict[str, tuple] = {}  # table key -> the GEMV's best tiles
     for rows, (name, (n, k)) in itertools.product(map(int, args.rows.split(",")), SHAPES.items()):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         ws, s = weights[name], scales[name]
@@ -71,9 +72,8 @@ def main() -> None:
                     best = (t, config)
             if best:
                 found[label] = best
-                key = gemv_key(n, k, rows)
-                if label == "gemv" and (key not in gemv_tiles or best[0] < gemv_tiles[key][0]):
-                    gemv_tiles[key] = best
+                if label == "gemv":
+                    gemv_tiles[gemv_key(n, k, rows)] = best[1]
         scaled = time_graph(lambda: [torch._scaled_mm(*[quantize_fp8(x)[0], w.t()], scale_a=quantize_fp8(x)[1],
                                                       scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
                                      for w in ws]) / LAYERS
@@ -90,7 +90,7 @@ def main() -> None:
         print(f"== rows {rows}: 32 layers x 4 projections, {label}: {t:.3f} ms", flush=True)
     if args.out is not None:
         path = config_path(torch.cuda.get_device_name(), args.out, kind="fp8_gemv")
-        tables = {key: list(config) for key, (_, config) in sorted(gemv_tiles.items())}
+        tables = {key: list(config) for key, config in sorted(gemv_tiles.items())}
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
                                     "configs": tables}, indent=1) + "\n")
         print(f"wrote {path}", flush=True)
