@@ -433,13 +433,16 @@ def _gemv_unit(bits: int, group: int, block_k: int, num_warps: int) -> int:
 
 
 def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-             perm: torch.Tensor | None, bits: int, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [rows <= 4, k] (bf16/fp16) @ dequant(weight).T on the CUDA cores; config = (BLOCK_N, BLOCK_K, num_warps,
-    num_stages), powers of 2. BLOCK_K must be a multiple of the group size or divide it; steps that divide k keep
-    the weight loads unmasked along k."""
+             perm: torch.Tensor | None, bits: int, config: tuple[int, int, int, int] | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows <= 4, k] (bf16/fp16) @ dequant(weight).T on the CUDA cores, into `out` [rows, n] if given (rows of a
+    larger output); config = (BLOCK_N, BLOCK_K, num_warps, num_stages), powers of 2. BLOCK_K must be a multiple of
+    the group size or divide it; steps that divide k keep the weight loads unmasked along k."""
     rows, n, k = _check(x, weight_packed, scale, zero, perm, bits)
     assert rows <= GEMV_MAX_ROWS
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (rows, n) and out.stride(1) == 1
     if rows == 0:
         return out
     group = _group_of(k, scale)
@@ -518,19 +521,38 @@ def dequant_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.
     return torch.mm(x, w.t())
 
 
+_SKINNY_DOES_NOT_FIT: set[tuple] = set()
+"""(n, k, bits, group, zero points) whose skinny tiles need more shared memory than the device has (with zero
+points at a small k: a Q4_1 GGUF on the H200 asked 249,856 bytes of Hopper's 232,448)."""
+
+
 def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     perm: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """The layer's entry: the GEMV up to GEMV_MAX_ROWS rows, the dequantization and cuBLAS beyond (a choice by
-    shape only, so CUDA graphs capture it). The dequantization costs one pass over the weight whatever the rows,
-    then cuBLAS runs at bf16's speed; the fused skinny and tiled kernels unpack the weight per tile of rows and
-    were slower at every count past the GEMV's (Llama-3.1-8B's projections on the H200, BENCHMARKS.md: tiled
-    1,179 us at 256 rows against bf16's 206; skinny 123 us for gate_up at 4 rows against bf16's 68), and with
-    zero points at small k the skinny tiles need more shared memory than Hopper has (a Q4_1 GGUF on the H200).
-    They stay as the benchmark's baselines (benchmarks/w4a16_gemm.py)."""
+    """The layer's entry, chosen by the row count only (CUDA graphs capture it). On Llama-3.1-8B's four
+    projections at int4 g128 (H200, BENCHMARKS.md), against bf16's ~154 us:
+    - up to GEMV_MAX_ROWS rows, the GEMV (~70 us at one row, ~117 at four);
+    - 5-8 rows, the GEMV twice (each launch reads the weight again: ~190-235 us, where the skinny kernel takes
+      ~290-310 and the dequantization ~360-450);
+    - 9-16 rows, the skinny tensor-core kernel (~296 us) where its tiles fit the device;
+    - more rows, or skinny tiles that do not fit, the dequantization then cuBLAS: one pass over the weight whatever
+      the rows, then bf16's speed (the tiled kernel was 2-6x slower than bf16 at 32+ rows; it stays the
+      benchmark's baseline, benchmarks/w4a16_gemm.py)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    rows = x.shape[0]
+    if rows <= GEMV_MAX_ROWS:
         return gemv_int(x, weight_packed, scale, zero, perm, bits)
+    if rows <= 2 * GEMV_MAX_ROWS:
+        out = torch.empty((rows, weight_packed.shape[0]), dtype=x.dtype, device=x.device)
+        gemv_int(x[:GEMV_MAX_ROWS], weight_packed, scale, zero, perm, bits, out=out[:GEMV_MAX_ROWS])
+        gemv_int(x[GEMV_MAX_ROWS:], weight_packed, scale, zero, perm, bits, out=out[GEMV_MAX_ROWS:])
+        return out
+    shape_key = (*weight_packed.shape, bits, scale.shape[1], zero is not None)
+    if rows <= SKINNY_MAX_ROWS and shape_key not in _SKINNY_DOES_NOT_FIT:
+        try:
+            return skinny_int_gemm(x, weight_packed, scale, zero, perm, bits)
+        except triton.runtime.errors.OutOfResources:  # raised before the launch: nothing was queued
+            _SKINNY_DOES_NOT_FIT.add(shape_key)
     return dequant_int_gemm(x, weight_packed, scale, zero, perm, bits)
 
 
