@@ -100,6 +100,29 @@ def test_int_weight_gemm(device, dtype, rows, group, sym, act_order, bits):
     assert run(int_weight_gemm, rows, n, k, group, bits, sym, act_order, dtype, device) < cases.TOLERANCE[dtype]
 
 
+@interpret
+def test_skinny_tiles_too_large_fall_back_to_the_dequantization(device, monkeypatch):
+    """Where the skinny kernel's tiles exceed the device's shared memory (Triton raises before launching), 9-16 rows
+    take the dequantization instead, and the shape is remembered so the kernel is not tried again."""
+    import triton
+
+    from tokenmill.kernels import w4a16_gemm
+
+    attempts = []
+
+    def too_large(*args, **kwargs):
+        attempts.append(args[1].shape)
+        raise triton.runtime.errors.OutOfResources(249856, 232448, "shared memory")
+
+    monkeypatch.setattr(w4a16_gemm, "skinny_int_gemm", too_large)
+    monkeypatch.setattr(w4a16_gemm, "_SKINNY_DOES_NOT_FIT", set())
+    n, k = shape(device)
+    for _ in range(2):
+        assert run(w4a16_gemm.int_weight_gemm, 12, n, k, 32, 4, False, False, torch.float16, device) < \
+            cases.TOLERANCE[torch.float16]
+    assert len(attempts) == 1
+
+
 # The other way each kernel meets its scales: the skinny kernel's 64-wide steps inside group 128 (one scale per
 # column; its default is 128), the tiled kernel's 64-wide steps over group 32 (gathered; its default is 32).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
