@@ -7,12 +7,11 @@ Per row count, each projection's time for the kernel int_weight_gemm picks and f
 skinny kernel, and with --sweep the GEMV's (BLOCK_N, BLOCK_K, warps, stages) configs (each one compiles once per
 row count: 18 at one row, 13 at four).
 
---large-rows: from 5 rows on, the fused kernels (skinny up to 16 rows, tiled above), the dequantization into the
-shared scratch then cuBLAS (dequant_int_gemm), the same in L2-sized pieces of the output, the dequantization
-alone, and bf16 cuBLAS on the same (dequantized) weight; each output's largest error against the float32 product,
-relative to its largest value. The totals over the four projections say whether int_weight_gemm's switch from
-the GEMV to the dequantization (past GEMV_MAX_ROWS) is where it should be. --dequant-sweep:
-dequantize_int_weight's (BLOCK_N, BLOCK_K, warps) on gate_up.
+--large-rows: from 5 rows on, int_weight_gemm's choice ("engine"), the skinny kernel (up to 16 rows), the
+dequantization into the shared scratch then cuBLAS (dequant_int_gemm), the dequantization alone, and bf16 cuBLAS on
+the same (dequantized) weight; each output's largest error against the float32 product, relative to its largest
+value. The totals over the four projections say whether int_weight_gemm's choices by row count are right.
+--dequant-sweep: dequantize_int_weight's (BLOCK_N, BLOCK_K, warps) on gate_up.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from tokenmill.kernels.w4a16_gemm import (
     gemv_int,
     int_weight_gemm,
     skinny_int_gemm,
-    tiled_int_gemm,
 )
 from tokenmill.layers.quant.w4a16 import dequantize_int, pack_int32
 
@@ -61,7 +59,6 @@ def sweep_us(fn) -> float:
 
 
 LARGE_ROWS = (5, 8, 16, 32, 64, 128, 256, 1024, 4096)
-CHUNK_WEIGHTS = 8 << 20  # 16 MiB of bf16 per piece: the piece's GEMM reads it from L2 (50 MiB on the H200)
 # (BLOCK_N, BLOCK_K as words per row, warps) for --dequant-sweep: 4-16 words per thread (registers)
 DEQUANT_CONFIGS = [(bn, words, w) for bn, words, w in itertools.product((8, 16, 32, 64), (16, 32, 64, 128), (4, 8))
                    if 4 <= bn * words // (32 * w) <= 16]
@@ -77,30 +74,6 @@ def make_weight(n: int, k: int, bits: int, group: int, zero: bool, act_order: bo
     return q, scale, zeros, perm, bits
 
 
-def fused_int_gemm(x, q, scale, zero, perm, bits):
-    """The fused kernels alone, as int_weight_gemm chose before the dequantization path."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return gemv_int(x, q, scale, zero, perm, bits)
-    if x.shape[0] <= SKINNY_MAX_ROWS:
-        return skinny_int_gemm(x, q, scale, zero, perm, bits)
-    return tiled_int_gemm(x, q, scale, zero, perm, bits)
-
-
-def chunked_dequant_gemm(x, q, scale, zero, perm, bits, out):
-    """dequant_int_gemm in pieces of CHUNK_WEIGHTS weights (output columns), each GEMM reading its piece while
-    still in L2; the pieces' products written straight into their columns of `out`."""
-    n, k = q.shape[0], x.shape[1]
-    rows_per = max(128, CHUNK_WEIGHTS // k // 128 * 128)  # pieces' columns 256-byte aligned for cuBLAS
-    xs = x if perm is None else x.index_select(1, perm)
-    buf = dequant_scratch(x.device, x.dtype, min(n, rows_per), k)
-    for start in range(0, n, rows_per):
-        end = min(n, start + rows_per)
-        w = dequantize_int_weight(q[start:end], scale[start:end], None if zero is None else zero[start:end], bits,
-                                  buf[: end - start])
-        torch.mm(xs, w.t(), out=out[:, start:end])
-    return out
-
-
 def max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).abs().max() / ref.abs().max()).item()
 
@@ -114,38 +87,33 @@ def large_rows(args) -> None:
     dense = {name: dequantize_int(w[0], w[1], w[2], args.bits, torch.bfloat16) for name, w in weights.items()}
     # As the layers do at load: the scratch sized once for the largest projection.
     reserve_dequant_scratch(torch.device("cuda", torch.cuda.current_device()), max(n * k for n, k in SHAPES.values()))
-    header = (f"{'rows':>5} {'proj':8} {'fused':>9} {'dq+mm':>9} {'dq+mm/L2':>9} {'dq only':>9} {'bf16':>9}   "
-              f"{'err fused':>9} {'err dq':>9} {'err bf16':>9}")
+    header = (f"{'rows':>5} {'proj':8} {'engine':>9} {'skinny':>9} {'dq+mm':>9} {'dq only':>9} {'bf16':>9}   "
+              f"{'err engine':>10} {'err dq':>9} {'err bf16':>9}")
     print(header, flush=True)
+    nothing = float("nan")
     for rows in LARGE_ROWS:
-        totals = dict(fused=0.0, dq=0.0, chunked=0.0, dq_only=0.0, bf16=0.0)
+        totals = dict(engine=0.0, skinny=0.0, dq=0.0, dq_only=0.0, bf16=0.0)
         for name, (n, k) in SHAPES.items():
             w, wd = weights[name], dense[name]
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             xs = x if w[3] is None else x.index_select(1, w[3])
             ref = xs.float() @ wd.float().T
-            out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-            kind = "skinny" if rows <= SKINNY_MAX_ROWS else "tiled"
             times = dict(
-                fused=us(functools.partial(fused_int_gemm, x, *w)),
+                engine=us(functools.partial(int_weight_gemm, x, *w)),
+                skinny=us(functools.partial(skinny_int_gemm, x, *w)) if rows <= SKINNY_MAX_ROWS else nothing,
                 dq=us(functools.partial(dequant_int_gemm, x, *w)),
-                chunked=us(functools.partial(chunked_dequant_gemm, x, *w, out)),
                 dq_only=us(functools.partial(dequantize_int_weight, w[0], w[1], w[2], args.bits,
                                              dequant_scratch(x.device, x.dtype, n, k))),
                 bf16=us(functools.partial(torch.mm, xs, wd.T)),
             )
             for key, t in times.items():
                 totals[key] += t
-            err_chunked = max_error(chunked_dequant_gemm(x, *w, out), ref)
-            errors = (max_error(fused_int_gemm(x, *w), ref), max(max_error(dequant_int_gemm(x, *w), ref), err_chunked),
+            errors = (max_error(int_weight_gemm(x, *w), ref), max_error(dequant_int_gemm(x, *w), ref),
                       max_error(xs @ wd.T, ref))
-            print(f"{rows:5d} {name:8s} {times['fused']:9.1f} {times['dq']:9.1f} {times['chunked']:9.1f} "
-                  f"{times['dq_only']:9.1f} {times['bf16']:9.1f}   " + " ".join(f"{e:9.2e}" for e in errors)
-                  + f"   ({kind})", flush=True)
-        best = min(("fused", "dq", "chunked"), key=totals.get)
-        print(f"{rows:5d} {'all four':8s} {totals['fused']:9.1f} {totals['dq']:9.1f} {totals['chunked']:9.1f} "
-              f"{totals['dq_only']:9.1f} {totals['bf16']:9.1f}   best int: {best}, "
-              f"{totals[best] / totals['bf16']:.2f}x bf16", flush=True)
+            print(f"{rows:5d} {name:8s} " + " ".join(f"{t:9.1f}" for t in times.values())
+                  + f"   {errors[0]:10.2e} {errors[1]:9.2e} {errors[2]:9.2e}", flush=True)
+        print(f"{rows:5d} {'all four':8s} " + " ".join(f"{t:9.1f}" for t in totals.values())
+              + f"   engine {totals['engine'] / totals['bf16']:.2f}x bf16's time", flush=True)
     if args.dequant_sweep:
         n, k = SHAPES["gate_up"]
         q, scale, zero, _, bits = weights["gate_up"]

@@ -1,7 +1,7 @@
 """The integer-weight GEMMs (kernels.w4a16_gemm) against a float64 dequantize-then-matmul reference.
 
-Shapes cover decode (1 row: the GEMV; 7, 16 rows: the skinny kernel) and prefill (100 rows: the dequantization into
-the shared scratch and a dense GEMM; the tiled kernel called directly), group sizes
+Shapes cover decode (1 row: the GEMV; 7 rows: the GEMV twice; 16 rows: the skinny kernel) and prefill (100 rows: the
+dequantization into the shared scratch and a dense GEMM), group sizes
 32, 64, 128 and per-channel, symmetric and asymmetric, act-order, 4 and 8 bits, and both ways a step meets
 its scales (one per column, or gathered per feature). The cases marked `interpret` run on the CPU under
 TRITON_INTERPRET=1 (small shapes); the rest need the GPU.
@@ -123,22 +123,22 @@ def test_skinny_tiles_too_large_fall_back_to_the_dequantization(device, monkeypa
     assert len(attempts) == 1
 
 
-# The other way each kernel meets its scales: the skinny kernel's 64-wide steps inside group 128 (one scale per
-# column; its default is 128), the tiled kernel's 64-wide steps over group 32 (gathered; its default is 32).
+# The skinny kernel's two ways to meet its scales: 64-wide steps inside group 128 (one scale per column; its default
+# is 128), and steps wider than group 32 (the scales gathered per feature).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kernel,rows,group,config", [
-    pytest.param("skinny", 5, 128, (32, 64, 4, 2), marks=interpret),
-    pytest.param("skinny", 5, 64, (64, 256, 4, 2)),
-    pytest.param("tiled", 40, 32, (32, 64, 64, 4, 2), marks=interpret),
-    pytest.param("tiled", 300, 64, (128, 128, 128, 8, 3)),
+@pytest.mark.parametrize("rows,group,config", [
+    pytest.param(5, 128, (32, 64, 4, 2), marks=interpret),
+    pytest.param(5, 64, (64, 256, 4, 2)),
+    pytest.param(12, 32, (32, 64, 4, 2), marks=interpret),
+    pytest.param(16, 32, (64, 128, 4, 3)),
 ])
-def test_scale_step_layouts(device, dtype, kernel, rows, group, config):
-    from tokenmill.kernels.w4a16_gemm import skinny_int_gemm, tiled_int_gemm
+def test_scale_step_layouts(device, dtype, rows, group, config):
+    from tokenmill.kernels.w4a16_gemm import skinny_int_gemm
 
     skip_bf16_interpreted(device, dtype)
     n, k = shape(device)
-    fn = skinny_int_gemm if kernel == "skinny" else tiled_int_gemm
-    assert run(fn, rows, n, k, group, 4, False, True, dtype, device, config=config) < cases.TOLERANCE[dtype]
+    assert run(skinny_int_gemm, rows, n, k, group, 4, False, True, dtype, device, config=config) < \
+        cases.TOLERANCE[dtype]
 
 
 # The GEMV (up to 4 rows) with steps over several groups (group 32 in 128-wide steps), inside one group, and

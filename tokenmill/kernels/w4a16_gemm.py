@@ -7,8 +7,7 @@ along k (lowest bits first), `weight_scale` [n, groups], `weight_zero` [n, group
 its weight tile as int32 words, shifts each feature's bits out, and scales by its group: the weight crosses
 memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's is transient, shared by all layers).
 
-Three fused kernels, and a dequantization for larger row counts (int_weight_gemm uses the GEMV and the
-dequantization; the skinny and tiled kernels are the benchmark's baselines):
+Two fused kernels, and a dequantization for larger row counts (int_weight_gemm chooses by the row count):
 - `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns, every word
   unpacked once for all the rows (one and per weight into a float's bits, no int-to-float conversion, no fma)
   and kept in its packed shape ([units of 1-4 words, groups, words, slots, columns], x loaded to match: no
@@ -19,9 +18,7 @@ dequantization; the skinny and tiled kernels are the benchmark's baselines):
 - `skinny_int_gemm`, decode (<= 16 rows): each program owns BLOCK_N output columns and walks all of K, as
   kernels.skinny_gemm does for 16-bit weights; a decode step only streams weights, and these are a quarter
   of the bytes.
-- `tiled_int_gemm`, prefill: BLOCK_M x BLOCK_N tiles in grouped order (programs running together share
-  weight tiles in L2).
-- `dequant_int_gemm`, past the GEMV's rows (prefill, larger batches): `dequantize_int_weight`
+- `dequant_int_gemm`, past the skinny kernel's rows (prefill, larger batches): `dequantize_int_weight`
   writes the 16-bit weight into one scratch buffer per device (kernels.dequant_scratch), and cuBLAS multiplies.
   A pass over the weight whatever the rows, then bf16's speed: the fused kernels unpack each weight once per
   tile of rows, and that unpacking, not the bytes, sets their pace.
@@ -107,33 +104,6 @@ def _skinny_int_kernel(
                           BITS, GROUP, BLOCK_N, BLOCK_K, HAS_ZERO)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit(do_not_specialize=["m"])
-def _tiled_int_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, m, n, k, stride_xm, stride_wn, stride_sn, stride_om,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
-    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = offs_m < m, offs_n < n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, k, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k
-        x = _load_x(x_ptr, perm_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, HAS_PERM)
-        w = _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask, k_mask, start, k, stride_wn, stride_sn,
-                          BITS, GROUP, BLOCK_N, BLOCK_K, HAS_ZERO)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -459,27 +429,6 @@ def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, 
     return out
 
 
-def tiled_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                   perm: torch.Tensor | None, bits: int,
-                   config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [m, k] (bf16/fp16) @ dequant(weight).T; config = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
-    m, n, k = _check(x, weight_packed, scale, zero, perm, bits)
-    group = _group_of(k, scale)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    block_m = 64 if m <= 64 else 128
-    block_m, block_n, block_k, num_warps, num_stages = config or (block_m, 128, _block_k(group, 64, 32),
-                                                                   4 if block_m == 64 else 8, 3)
-    _tiled_int_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)](
-        x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
-        out, m, n, k, x.stride(0), weight_packed.stride(0), scale.stride(0), out.stride(0),
-        BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
-
-
 def _dequant_config(bits: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): 1,024 words per program (8 per thread at 4 warps), 64 per row, or fewer where
     a step inside one group (down to 16 words: group 128 of int4) loads one scale per row rather than one per word
@@ -535,8 +484,8 @@ def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.T
       ~290-310 and the dequantization ~360-450);
     - 9-16 rows, the skinny tensor-core kernel (~296 us) where its tiles fit the device;
     - more rows, or skinny tiles that do not fit, the dequantization then cuBLAS: one pass over the weight whatever
-      the rows, then bf16's speed (the tiled kernel was 2-6x slower than bf16 at 32+ rows; it stays the
-      benchmark's baseline, benchmarks/w4a16_gemm.py)."""
+      the rows, then bf16's speed (a tiled kernel unpacking the weight per tile of rows was 2-6x slower than bf16
+      at 32+ rows, and slower than this at every count measured: it was removed)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
