@@ -128,6 +128,19 @@ def test_many_requests_over_threads_equal_the_torch_path(num_threads):
     torch.testing.assert_close(out, paged_attention_torch(query, kv_cache, block_table, qsl, seq_lens, 0.125))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_prompts_tokens_in_blocks_equal_each_token_alone(dtype):
+    """The kernel takes a prompt's tokens in blocks that share each key tile; every token's arithmetic stays its
+    own: bitwise what it gives as a request of one token over the same cache (blocks of 8 and a remainder)."""
+    q_lens, contexts = [19, 1, 8], [5, 30, 0]
+    query, kv_cache, block_table, qsl, seq_lens = make_case(q_lens, contexts, 9, 3, 64, 16, dtype, seed=7)
+    out = paged_attention_cpu(query, kv_cache, block_table, torch.tensor(qsl), torch.tensor(seq_lens), 0.125)
+    owner = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    alone_lens = torch.tensor([seq_lens[i] - (qsl[i + 1] - 1 - t) for t, i in enumerate(owner.tolist())])
+    alone = paged_attention_cpu(query, kv_cache, block_table[owner], torch.arange(len(owner) + 1), alone_lens, 0.125)
+    assert torch.equal(out, alone)
+
+
 def make_layout(q_lens, context_lens, block_size, num_blocks):
     seq_lens = np.array([c + q for c, q in zip(context_lens, q_lens)], dtype=np.int32)
     max_blocks = -(-int(seq_lens.max()) // block_size)

@@ -39,6 +39,7 @@ static inline float exp_nonpositive(float x) {
 #define TILE 16  /* keys a tile: one 16-lane vector of scores */
 #define PREFETCH_BYTES 12288  /* measured best for rows of 3 heads of 64: 1 tile ahead in float32, 2 in bfloat16 */
 #define MAX_AHEAD 4  /* tiles */
+#define MAX_QUERY_BLOCK 8  /* a prompt's tokens that take each key tile together (from L1) */
 #define MAX_GROUP_VECS 16  /* axpy_group_16's accumulators: G * D / 16 of them, G <= 4 */
 
 /* Row `index` of a float32 or bfloat16 array as float32: in place for float32, else converted into tmp. */
@@ -190,17 +191,21 @@ static inline void f32_rows_16(float *dst, const uint16_t *const *src, int n, in
 #define f32_rows_16(dst, src, n, width) f32_rows_any(dst, src, n, width)
 #endif
 
-/* One query token over its keys: `slots` holds the pool slot of each of its L keys; query heads [h0, h1),
-   whole groups of `groups` heads per kv head. Keys and values go by tiles of TILE rows, each row read
-   once for every head of the item (a bfloat16 row converted once). Scores of all heads first, then their
-   softmax, then the values. `after`: the slots of the first keys of the item this thread takes next, to
-   prefetch. Always inlined, so that each case below gets constants. */
+/* A block of nq consecutive query tokens of one request over their keys: `slots` holds the pool slot of each key
+   of the block's last token, lens[u] how many of them token u sees (causal: lens rises by one a token); query
+   heads [h0, h1), whole groups of `groups` heads per kv head. Keys and values go by tiles of TILE rows, each
+   row read once for every head of every token of the block (a bfloat16 row converted once), so a prompt's
+   tokens take their keys from L1 rather than each from L2 or L3. A token's arithmetic is the same whatever
+   the block (its scores tile by tile, then their softmax, then the values). `after`: the slots of the first
+   keys of the item this thread takes next, to prefetch. Always inlined, so that each case below gets
+   constants. */
 static inline __attribute__((always_inline)) void attend(
-        void *out, const void *query, const void *kc, const void *vc, const int64_t *slots, int64_t L,
-        const int64_t *after, int64_t after_n, int64_t h0, int64_t h1, int64_t groups, int64_t num_kv_heads,
-        const int64_t D, float scale, float soft_cap, const int is_bf16, const int vec16, const int bf16_dot,
-        float *scratch) {
-    const int64_t kv_row = num_kv_heads * D, nh = h1 - h0, first = h0 / groups * D, width = nh / groups * D;
+        void *out, int64_t out_step, const void *query, int64_t query_step, const int64_t *lens, int64_t nq,
+        const void *kc, const void *vc, const int64_t *slots, const int64_t *after, int64_t after_n, int64_t h0,
+        int64_t h1, int64_t groups, int64_t num_kv_heads, const int64_t D, float scale, float soft_cap,
+        const int is_bf16, const int vec16, const int bf16_dot, float *scratch) {
+    const int64_t L = lens[nq - 1], kv_row = num_kv_heads * D, nh = h1 - h0, first = h0 / groups * D;
+    const int64_t width = nh / groups * D;
     const int64_t padded = (L + TILE - 1) / TILE * TILE, elem = is_bf16 ? 2 : 4, tiles = padded / TILE;
     /* the values of a kv head's query heads in one pass, where their accumulators fit the registers */
     const int fused = VEC16_BUILT && vec16 && groups <= 4 && groups * (D / 16) <= MAX_GROUP_VECS;
@@ -209,12 +214,17 @@ static inline __attribute__((always_inline)) void attend(
        CPU's outstanding misses. */
     const int64_t ahead_tiles = PREFETCH_BYTES / (TILE * width * elem);
     const int64_t ahead = ahead_tiles < 1 ? 1 : ahead_tiles > MAX_AHEAD ? MAX_AHEAD : ahead_tiles;
-    float *q = scratch, *acc = q + nh * D, *scores = acc + nh * D, *tile = scores + nh * padded, total[MAX_HEADS];
-    for (int64_t x = 0; x < nh; x++) {
-        for (int64_t d = 0; d < D; d++) {
-            const int64_t at = (h0 + x) * D + d;
-            q[x * D + d] = is_bf16 ? bf16_to_f32(((const uint16_t *)query)[at]) : ((const float *)query)[at];
-            acc[x * D + d] = 0.0f;
+    /* per token u: q and acc at u * nh * D, scores at u * nh * padded */
+    float *q = scratch, *acc = q + nq * nh * D, *scores = acc + nq * nh * D, *tile = scores + nq * nh * padded;
+    float total[MAX_QUERY_BLOCK][MAX_HEADS];
+    for (int64_t u = 0; u < nq; u++) {
+        const char *qu = (const char *)query + u * query_step;
+        for (int64_t x = 0; x < nh; x++) {
+            for (int64_t d = 0; d < D; d++) {
+                const int64_t at = (h0 + x) * D + d;
+                q[(u * nh + x) * D + d] = is_bf16 ? bf16_to_f32(((const uint16_t *)qu)[at]) : ((const float *)qu)[at];
+                acc[(u * nh + x) * D + d] = 0.0f;
+            }
         }
     }
     for (int pass = 0; pass < 2; pass++) {  /* 0: the scores over the keys; 1: the weighted sum of values */
@@ -222,10 +232,10 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t j0 = 0; j0 < L; j0 += TILE) {
             const int n = L - j0 < TILE ? (int)(L - j0) : TILE;
             /* The tile `ahead` tiles on, in the order: keys, values, the next item's first keys (`after`) */
-            const int64_t u = pass * tiles + j0 / TILE + ahead, in_item = u < 2 * tiles;
-            const char *next = u >= tiles && in_item ? vc : kc;
-            const int64_t *next_slots = in_item ? slots + u % tiles * TILE : after + (u - 2 * tiles) * TILE;
-            const int64_t left = in_item ? L - u % tiles * TILE : after_n - (u - 2 * tiles) * TILE;
+            const int64_t u_ahead = pass * tiles + j0 / TILE + ahead, in_item = u_ahead < 2 * tiles;
+            const char *next = u_ahead >= tiles && in_item ? vc : kc;
+            const int64_t *next_slots = in_item ? slots + u_ahead % tiles * TILE : after + (u_ahead - 2 * tiles) * TILE;
+            const int64_t left = in_item ? L - u_ahead % tiles * TILE : after_n - (u_ahead - 2 * tiles) * TILE;
             const int64_t next_n = left < 0 ? 0 : left < TILE ? left : TILE;
             /* The tile's rows at the item's first kv head: in the pool, or converted from bfloat16 into `tile`
                where what reads them takes float32. */
@@ -235,67 +245,80 @@ static inline __attribute__((always_inline)) void attend(
             const int convert = is_bf16 && !(pass ? fused : bf16_dot);
             if (convert && vec16) f32_rows_16(tile, (const uint16_t *const *)raw, n, width);
             else if (convert) f32_rows_any(tile, (const uint16_t *const *)raw, n, width);
-            for (int64_t x = 0; x < nh; x++) {
-                for (int64_t j = x * next_n / nh; j < (x + 1) * next_n / nh; j++)
-                    for (int64_t c = 0; c < width * elem; c += 64)
-                        __builtin_prefetch(next + (next_slots[j] * kv_row + first) * elem + c);
-                if (x % groups == 0)  /* the rows of this kv head */
-                    for (int j = 0; j < n; j++)
-                        rows[j] = convert ? (const void *)(tile + j * width + x / groups * D)
-                                          : (const void *)(raw[j] + x / groups * D * elem);
-                const float *const *f32_rows = (const float *const *)rows;
-                float *s = scores + x * padded + j0, *a = acc + x * D;
-                if (!pass && bf16_dot)
-                    dot_tile_bf16(s, (const uint16_t *)query + (h0 + x) * D, rows, n, D, scale);
-                else if (!pass && vec16) dot_tile_16(s, q + x * D, f32_rows, n, D, scale);
-                else if (!pass) dot_tile_any(s, q + x * D, f32_rows, n, D, scale);
-                else if (fused && x % groups == 0) {  /* the kv head's query heads together */
-                    if (groups == 1) axpy_group_16(a, s, padded, rows, n, D, 1, is_bf16);
-                    else if (groups == 2) axpy_group_16(a, s, padded, rows, n, D, 2, is_bf16);
-                    else if (groups == 3) axpy_group_16(a, s, padded, rows, n, D, 3, is_bf16);
-                    else axpy_group_16(a, s, padded, rows, n, D, 4, is_bf16);
-                } else if (fused) {}
-                else if (vec16) axpy_tile_16(a, s, f32_rows, n, D);
-                else axpy_tile_any(a, s, f32_rows, n, D);
+            for (int64_t u = 0; u < nq; u++) {
+                if (lens[u] <= j0) continue;  /* past this token's last key */
+                const int nu = lens[u] - j0 < n ? (int)(lens[u] - j0) : n;
+                const char *qu = (const char *)query + u * query_step;
+                for (int64_t x = 0; x < nh; x++) {
+                    if (u == nq - 1)  /* prefetches over the heads of the token seeing every key: see `ahead` */
+                        for (int64_t j = x * next_n / nh; j < (x + 1) * next_n / nh; j++)
+                            for (int64_t c = 0; c < width * elem; c += 64)
+                                __builtin_prefetch(next + (next_slots[j] * kv_row + first) * elem + c);
+                    if (x % groups == 0)  /* the rows of this kv head */
+                        for (int j = 0; j < nu; j++)
+                            rows[j] = convert ? (const void *)(tile + j * width + x / groups * D)
+                                              : (const void *)(raw[j] + x / groups * D * elem);
+                    const float *const *f32_rows = (const float *const *)rows;
+                    float *s = scores + (u * nh + x) * padded + j0, *a = acc + (u * nh + x) * D;
+                    if (!pass && bf16_dot)
+                        dot_tile_bf16(s, (const uint16_t *)qu + (h0 + x) * D, rows, nu, D, scale);
+                    else if (!pass && vec16) dot_tile_16(s, q + (u * nh + x) * D, f32_rows, nu, D, scale);
+                    else if (!pass) dot_tile_any(s, q + (u * nh + x) * D, f32_rows, nu, D, scale);
+                    else if (fused && x % groups == 0) {  /* the kv head's query heads together */
+                        if (groups == 1) axpy_group_16(a, s, padded, rows, nu, D, 1, is_bf16);
+                        else if (groups == 2) axpy_group_16(a, s, padded, rows, nu, D, 2, is_bf16);
+                        else if (groups == 3) axpy_group_16(a, s, padded, rows, nu, D, 3, is_bf16);
+                        else axpy_group_16(a, s, padded, rows, nu, D, 4, is_bf16);
+                    } else if (fused) {}
+                    else if (vec16) axpy_tile_16(a, s, f32_rows, nu, D);
+                    else axpy_tile_any(a, s, f32_rows, nu, D);
+                }
             }
         }
         if (pass) break;
-        for (int64_t x = 0; x < nh; x++) {  /* softmax numerators, in place, and their sum */
-            float *s = scores + x * padded, m = -INFINITY, sum = 0.0f;
-            if (soft_cap > 0.0f)
-                for (int64_t j = 0; j < L; j++) s[j] = soft_cap * tanhf(s[j] / soft_cap);
-            _Pragma("omp simd reduction(max:m)")
-            for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
-            _Pragma("omp simd reduction(+:sum)")
-            for (int64_t j = 0; j < L; j++) {
-                s[j] = exp_nonpositive(s[j] - m);
-                sum += s[j];
+        for (int64_t u = 0; u < nq; u++) {
+            const int64_t Lu = lens[u];
+            for (int64_t x = 0; x < nh; x++) {  /* softmax numerators, in place, and their sum */
+                float *s = scores + (u * nh + x) * padded, m = -INFINITY, sum = 0.0f;
+                if (soft_cap > 0.0f)
+                    for (int64_t j = 0; j < Lu; j++) s[j] = soft_cap * tanhf(s[j] / soft_cap);
+                _Pragma("omp simd reduction(max:m)")
+                for (int64_t j = 0; j < Lu; j++) m = s[j] > m ? s[j] : m;
+                _Pragma("omp simd reduction(+:sum)")
+                for (int64_t j = 0; j < Lu; j++) {
+                    s[j] = exp_nonpositive(s[j] - m);
+                    sum += s[j];
+                }
+                total[u][x] = sum;
             }
-            total[x] = sum;
         }
     }
-    for (int64_t x = 0; x < nh; x++) {
-        const float inv = 1.0f / total[x];
-        for (int64_t d = 0; d < D; d++) {
-            const float o = acc[x * D + d] * inv;
-            if (is_bf16) ((uint16_t *)out)[(h0 + x) * D + d] = f32_to_bf16(o);
-            else ((float *)out)[(h0 + x) * D + d] = o;
+    for (int64_t u = 0; u < nq; u++) {
+        char *ou = (char *)out + u * out_step;
+        for (int64_t x = 0; x < nh; x++) {
+            const float inv = 1.0f / total[u][x];
+            for (int64_t d = 0; d < D; d++) {
+                const float o = acc[(u * nh + x) * D + d] * inv;
+                if (is_bf16) ((uint16_t *)ou)[(h0 + x) * D + d] = f32_to_bf16(o);
+                else ((float *)ou)[(h0 + x) * D + d] = o;
+            }
         }
     }
 }
 
-/* Floats of scratch attend needs, for an item of nh heads over at most max_len keys. */
-static int64_t scratch_floats(int64_t nh, int64_t groups, int64_t D, int64_t max_len) {
-    return 2 * nh * D + nh * ((max_len + TILE - 1) / TILE * TILE) + TILE * (nh / groups) * D;
+/* Floats of scratch attend needs, for an item of nq tokens of nh heads over at most max_len keys. */
+static int64_t scratch_floats(int64_t nq, int64_t nh, int64_t groups, int64_t D, int64_t max_len) {
+    return nq * (2 * nh * D + nh * ((max_len + TILE - 1) / TILE * TILE)) + TILE * (nh / groups) * D;
 }
 
-#define ATTEND(D_, BF16_, VEC16_, BF16_DOT_) attend(out, query, kc, vc, slots, L, after, after_n, h0, h1, groups, \
-                                                    num_kv_heads, D_, scale, soft_cap, BF16_, VEC16_, BF16_DOT_, \
-                                                    scratch)
+#define ATTEND(D_, BF16_, VEC16_, BF16_DOT_) attend(out, out_step, query, query_step, lens, nq, kc, vc, slots, after, \
+                                                    after_n, h0, h1, groups, num_kv_heads, D_, scale, soft_cap, \
+                                                    BF16_, VEC16_, BF16_DOT_, scratch)
 
-static void attend_any(void *out, const void *query, const void *kc, const void *vc, const int64_t *slots,
-                       int64_t L, const int64_t *after, int64_t after_n, int64_t h0, int64_t h1, int64_t groups,
-                       int64_t num_kv_heads, int64_t D, float scale, float soft_cap, int is_bf16, float *scratch) {
+static void attend_any(void *out, int64_t out_step, const void *query, int64_t query_step, const int64_t *lens,
+                       int64_t nq, const void *kc, const void *vc, const int64_t *slots, const int64_t *after,
+                       int64_t after_n, int64_t h0, int64_t h1, int64_t groups, int64_t num_kv_heads, int64_t D,
+                       float scale, float soft_cap, int is_bf16, float *scratch) {
     const int bf16_dot = is_bf16 && BF16_DOT_BUILT && D % 32 == 0;
     if (VEC16_BUILT && D == 64) {  /* the common sizes, as constants */
         if (bf16_dot) ATTEND(64, 1, 1, 1);
@@ -350,31 +373,43 @@ int paged_attention(void *out, const void *query, const void *key_cache, const v
         for (int64_t t = query_start_loc[i]; t < query_start_loc[i + 1]; t++) token_req[t] = i;
         max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
     }
-    /* An item is a token with all its heads, so that each key's row (every kv head) is read once, whole;
-       with fewer tokens than threads, a token's kv heads are split over items instead. */
-    const int64_t splits = num_tokens < num_threads ? num_kv_heads : 1, heads_per_item = num_heads / splits;
+    /* An item is a block of up to MAX_QUERY_BLOCK consecutive tokens of one request with all their heads, so
+       that each key's row (every kv head) is read once, whole, for the block (a sliding window gives each
+       token keys of its own: blocks of one); with fewer items than threads, an item's kv heads are split over
+       items instead. */
+    const int64_t per_block = sliding_window > 0 ? 1 : MAX_QUERY_BLOCK;
+    int64_t *block_first = malloc(sizeof(int64_t) * (num_tokens + 1)), num_blocks = 0;
+    for (int64_t i = 0; i < num_reqs; i++)
+        for (int64_t t = query_start_loc[i]; t < query_start_loc[i + 1]; t += per_block) block_first[num_blocks++] = t;
+    block_first[num_blocks] = num_tokens;  /* blocks are consecutive: each ends where the next begins */
+    const int64_t splits = num_blocks < num_threads ? num_kv_heads : 1, heads_per_item = num_heads / splits;
+    const int64_t nq_max = num_tokens < per_block ? (num_tokens > 0 ? num_tokens : 1) : per_block;
     _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1)")
     {
-        float *scratch = malloc(sizeof(float) * scratch_floats(heads_per_item, groups, head_dim, max_len));
-        int64_t *slots = malloc(sizeof(int64_t) * max_len), after[MAX_AHEAD * TILE];
+        float *scratch = malloc(sizeof(float) * scratch_floats(nq_max, heads_per_item, groups, head_dim, max_len));
+        int64_t *slots = malloc(sizeof(int64_t) * max_len), after[MAX_AHEAD * TILE], lens[MAX_QUERY_BLOCK];
         _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t item = 0; item < num_tokens * splits; item++) {
-            const int64_t t = item / splits, h0 = item % splits * heads_per_item;
+        for (int64_t item = 0; item < num_blocks * splits; item++) {
+            const int64_t b = item / splits, h0 = item % splits * heads_per_item;
+            const int64_t t0 = block_first[b], nq = block_first[b + 1] - t0;
             int64_t lo, hi, after_n = 0, after_lo, after_hi;
-            key_slots(slots, &lo, &hi, t, token_req, query_start_loc, seq_lens, block_table, block_table_stride,
-                      block_size, sliding_window, max_len);
+            key_slots(slots, &lo, &hi, t0 + nq - 1, token_req, query_start_loc, seq_lens, block_table,
+                      block_table_stride, block_size, sliding_window, max_len);
+            for (int64_t u = 0; u < nq; u++) lens[u] = hi - lo - (nq - 1 - u);  /* causal: one key fewer a token */
             /* The item this thread likely takes next (exactly, on one thread): its first keys. */
-            if (item + num_threads < num_tokens * splits)
-                after_n = key_slots(after, &after_lo, &after_hi, (item + num_threads) / splits, token_req,
+            if (item + num_threads < num_blocks * splits)
+                after_n = key_slots(after, &after_lo, &after_hi, block_first[(item + num_threads) / splits], token_req,
                                     query_start_loc, seq_lens, block_table, block_table_stride, block_size,
                                     sliding_window, MAX_AHEAD * TILE);
-            attend_any((char *)out + t * out_stride * elem, (const char *)query + t * query_stride * elem,
-                       key_cache, value_cache, slots, hi - lo, after, after_n, h0, h0 + heads_per_item, groups,
-                       num_kv_heads, head_dim, scale, soft_cap, is_bf16, scratch);
+            attend_any((char *)out + t0 * out_stride * elem, out_stride * elem,
+                       (const char *)query + t0 * query_stride * elem, query_stride * elem, lens, nq, key_cache,
+                       value_cache, slots, after, after_n, h0, h0 + heads_per_item, groups, num_kv_heads, head_dim,
+                       scale, soft_cap, is_bf16, scratch);
         }
         free(scratch);
         free(slots);
     }
+    free(block_first);
     free(token_req);
     return 0;
 }
