@@ -13,6 +13,11 @@ Sections:
   eagle3_cost  the same model and lengths with a dummy-weight EAGLE-3 head in the published Llama-3.1-8B layout
                drafting k = 4 every step: time per engine step (drafting + verifying) against a plain decode
                step (the issue's bound: <= 1.3x); acceptance is meaningless with dummy weights
+  tree_cost    the same model and head: a chain of 4 drafts against draft trees (speculative_token_tree) at batch
+               1 and 16: time per engine step (drafting the tree level by level, eagerly; verifying it under
+               the tree mask, in the full-step graphs captured with tree masks) and tokens per verifying
+               request-step (meaningless with dummy weights: measure it with a trained head); the table says how
+               much more than the chain each tree costs, and so how much more it must accept to win
   load         the same model at batch 64 and 256 (128 / 256 tokens, random prompts), plain against n-gram
                speculation configured (k = 4): the draft budget must not make either slower
   W3, W4       BENCHMARKS.md's throughput workloads (benchmarks/gpu_check.py) with and without n-gram speculation
@@ -129,7 +134,8 @@ def fresh_budget(llm: LLM, k: int, measured_cost: bool = True) -> None:
     Without the measured cost and gain threshold it drafts k every step."""
     scheduler = llm.engine.core.scheduler
     cost = scheduler.draft_budget.cost if measured_cost else None
-    scheduler.draft_budget = DraftBudget(k, cost, None, llm.engine.core.executor.max_verify_tokens)
+    scheduler.draft_budget = DraftBudget(k, cost, None, llm.engine.core.executor.max_verify_tokens,
+                                         scheduler.draft_budget.tree_level_sizes)
     if not measured_cost:
         scheduler.draft_budget.min_gain = 0.0
 
@@ -150,7 +156,11 @@ class StepCounter:
 
 
 def section_correct(setup: Setup) -> None:
-    tests = ["tests/e2e/test_spec_decode.py", "tests/unit/test_rejection_sampler.py",
+    eagle3 = "tests/e2e/test_spec_decode_eagle3.py::"  # chains and draft trees (not its two-rank test)
+    tests = ["tests/e2e/test_spec_decode.py",
+             eagle3 + "test_an_eagle3_head_whose_first_draft_is_the_target_token_is_always_accepted",
+             eagle3 + "test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token",
+             "tests/unit/test_rejection_sampler.py",
              "tests/unit/test_ngram_proposer.py", "tests/unit/test_scheduler_properties.py",
              "tests/e2e/test_structured_outputs.py"]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
@@ -295,6 +305,52 @@ def section_eagle3_cost(setup: Setup, k: int = 4) -> None:
          f"{per_step['eagle3'] / per_step['plain']:.2f}x a plain step")
 
 
+TREES = {
+    "chain 4": None,
+    "chain 4 as a tree": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "tree 8 (3/2/2/1)": [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0), (0, 0, 0, 0)],
+    "tree 16 (4/5/4/3)": [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
+                          (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0)],
+}
+"""Drafts of depth 4: a chain (decode CUDA graphs for its verify steps and draft steps), the same chain as a
+one-branch tree (the tree path: full-step graphs with tree masks for verifying, eager level passes for
+drafting), and two trees."""
+
+
+def section_tree_cost(setup: Setup, batches: tuple[int, ...] = (1, 16)) -> None:
+    params = greedy(setup.output_len)
+    with tempfile.TemporaryDirectory() as folder:
+        head = write_eagle3_head(Path(folder), json.loads(Path(setup.model, "config.json").read_text()))
+        for batch in batches:
+            prompts = random_prompts(batch, setup.prompt_len, seed=5)
+            per_step = {}
+            for name, tree in (("plain", "plain"), *TREES.items()):
+                spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 4}
+                if tree is not None:
+                    spec["speculative_token_tree"] = tree
+                drafting = tree != "plain"
+                llm = make_llm(setup, **({"speculative_config": spec} if drafting else {}))
+                counter = StepCounter(llm)
+                if drafting:
+                    fresh_budget(llm, 4, measured_cost=False)
+                timed_generate(llm, prompts, params)  # warm-up
+                before = stats_of(llm)
+                times = []
+                for _ in range(setup.num_runs):
+                    if drafting:
+                        fresh_budget(llm, 4, measured_cost=False)
+                    start = counter.count
+                    _, seconds = timed_generate(llm, prompts, params)
+                    times.append(seconds / (counter.count - start))
+                per_step[name] = float(np.median(times))
+                stats = difference(before, stats_of(llm))
+                accepted = "" if stats is None else f", {stats.mean_acceptance_length:.2f} tokens per verifying step"
+                note(f"tree_cost: batch {batch} {name}", f"{per_step[name] * 1e3:.3f} ms/step "
+                     f"({per_step[name] / per_step['plain']:.2f}x plain{accepted})")
+                del llm
+                release()
+
+
 def section_load(setup: Setup) -> None:
     for batch, output_len in ((64, 256), (256, 256)):
         prompts = random_prompts(batch, 128, seed=batch)
@@ -345,8 +401,8 @@ def main() -> int:
                         "token 24, which it must learn its way past")
     args = parser.parse_args()
     sections = args.sections.split(",")
-    if args.smoke and set(sections) - {"oracle", "eagle3_cost"}:
-        raise SystemExit("--smoke runs the sections oracle and eagle3_cost only")
+    if args.smoke and set(sections) - {"oracle", "eagle3_cost", "tree_cost"}:
+        raise SystemExit("--smoke runs the sections oracle, eagle3_cost and tree_cost only")
     with tempfile.TemporaryDirectory() as folder:
         setup = smoke_setup(Path(folder)) if args.smoke else Setup()
         for name in sections:
@@ -354,8 +410,9 @@ def main() -> int:
                 section_workload(name)
             elif name == "oracle":
                 section_oracle(setup, tuple(int(k) for k in args.oracle_k.split(",")), args.oracle_rounds)
-            elif name in ("correct", "eagle3_cost", "load"):
-                {"correct": section_correct, "eagle3_cost": section_eagle3_cost, "load": section_load}[name](setup)
+            elif name in ("correct", "eagle3_cost", "tree_cost", "load"):
+                {"correct": section_correct, "eagle3_cost": section_eagle3_cost, "tree_cost": section_tree_cost,
+                 "load": section_load}[name](setup)
             else:
                 raise SystemExit(f"unknown section {name!r}")
     print("\n| measurement | result |\n|---|---|")

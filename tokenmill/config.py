@@ -242,6 +242,13 @@ class SpeculativeConfig:
     load_format); eagle, eagle3: the EAGLE head's folder (config.json, safetensors or pytorch_model.bin)."""
     disable_by_batch_size: int | None = None
     """Draft nothing in steps with more running requests than this (None: the step-cost policy decides)."""
+    speculative_token_tree: Any = None
+    """eagle, eagle3: draft a tree rather than a chain, verified in one pass under a tree attention mask. A list
+    of paths from the root (tuples or lists, or vLLM's string of them), each a node: index i at a level is the
+    head's i-th most likely token after the node above, e.g. [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]. Every
+    prefix of a path is a node too, and a node's children are 0..b-1. num_speculative_tokens is the tree's
+    depth (or its number of nodes). Stored breadth-first, as sorted tuples; None: a chain. The spec_decode
+    metrics count a verified tree's depth as its draft tokens, so that acceptance is per depth."""
 
     def __post_init__(self) -> None:
         # Values from JSON or Python alike: a string for a number is named here, not a TypeError further on.
@@ -256,8 +263,9 @@ class SpeculativeConfig:
                              f"{', '.join(SPECULATIVE_METHODS)}")
         if self.method == "deepseek_mtp":
             object.__setattr__(self, "method", "mtp")
-        if not 1 <= self.num_speculative_tokens <= 32:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got "
+        limit = 32 if self.speculative_token_tree is None else MAX_TREE_NODES  # a tree's node count may be given
+        if not 1 <= self.num_speculative_tokens <= limit:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {limit}], got "
                              f"{self.num_speculative_tokens!r}")
         if self.method == "mtp" and self.model is not None:
             raise ValueError("speculative method 'mtp' drafts with the target checkpoint's own MTP layers: "
@@ -274,6 +282,25 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", high)
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be positive, got {self.disable_by_batch_size}")
+        if self.speculative_token_tree is not None:
+            if self.method not in ("eagle", "eagle3"):
+                raise ValueError(f"speculative_token_tree needs the speculative method 'eagle' or 'eagle3', not "
+                                 f"{self.method!r}")
+            tree = parse_token_tree(self.speculative_token_tree)
+            depth = len(tree[-1])
+            if self.num_speculative_tokens not in (depth, len(tree)):
+                raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) must be the "
+                                 f"speculative_token_tree's depth ({depth}) or its number of nodes ({len(tree)})")
+            object.__setattr__(self, "speculative_token_tree", tree)
+            object.__setattr__(self, "num_speculative_tokens", depth)
+
+    @property
+    def tree_level_sizes(self) -> tuple[int, ...] | None:
+        """Nodes at each depth 1, 2, ... of the draft tree; None for a chain."""
+        tree = self.speculative_token_tree
+        if tree is None:
+            return None
+        return tuple(sum(len(path) == d for path in tree) for d in range(1, len(tree[-1]) + 1))
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -288,6 +315,43 @@ class SpeculativeConfig:
         if "method" not in value or "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
         return cls(**value)
+
+
+MAX_TREE_NODES = 63
+"""Nodes of a draft tree at most: each verified token's ancestors are one int64 bitmask in the attention kernels."""
+
+
+def parse_token_tree(value: Any) -> tuple[tuple[int, ...], ...]:
+    """speculative_token_tree as its breadth-first sorted paths, checked to form a tree of top-b children."""
+    if isinstance(value, str):
+        import ast  # only here: most configs have no tree
+
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"speculative_token_tree is not a list of paths: {value!r}") from None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"speculative_token_tree must be a non-empty list of paths, e.g. [(0,), (1,), (0, 0)]; "
+                         f"got {value!r}")
+    paths = []
+    for path in value:
+        if (not isinstance(path, (list, tuple)) or not path
+                or not all(type(i) is int and i >= 0 for i in path)):
+            raise ValueError(f"speculative_token_tree: each path is a non-empty tuple of child indices >= 0, "
+                             f"got {path!r}")
+        paths.append(tuple(path))
+    nodes = set(paths)
+    if len(nodes) != len(paths):
+        raise ValueError("speculative_token_tree: a path is listed twice")
+    if len(paths) > MAX_TREE_NODES:
+        raise ValueError(f"speculative_token_tree has {len(paths)} nodes; at most {MAX_TREE_NODES} are supported")
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in nodes:
+            raise ValueError(f"speculative_token_tree: path {path} has no parent {path[:-1]} in the tree")
+        if path[-1] > 0 and path[:-1] + (path[-1] - 1,) not in nodes:
+            raise ValueError(f"speculative_token_tree: path {path} without its sibling "
+                             f"{path[:-1] + (path[-1] - 1,)} (a node's children are its top 0..b-1 tokens)")
+    return tuple(sorted(paths, key=lambda p: (len(p), p)))
 
 
 GPU_TOKEN_BUDGET = 8192

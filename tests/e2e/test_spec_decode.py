@@ -211,6 +211,21 @@ def test_speculative_config_is_checked_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
                                                                          "num_speculative_tokens": 2, "k": 1})
+    tree = "[(0,), (1,), (0, 0)]"  # vLLM's spelling: a string
+    with pytest.raises(ValueError, match="speculative_token_tree needs the speculative method 'eagle' or 'eagle3'"):
+        LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": tree})
+    eagle = {"method": "eagle", "model": tiny_llama.path}
+    for bad, message in (("[(0,), (0, 0), (1, 0)]", r"path \(1, 0\) has no parent \(1,\)"),
+                         ([[1]], r"path \(1,\) without its sibling \(0,\)"),
+                         ([[0], [0]], "listed twice"), ("[(0,), (-1,)]", "child indices >= 0"),
+                         ([[0]] + [[0] * i + [1] for i in range(64)], "at most 63")):
+        with pytest.raises(ValueError, match=message):
+            LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={
+                **eagle, "num_speculative_tokens": 1, "speculative_token_tree": bad})
+    with pytest.raises(ValueError, match=r"must be the speculative_token_tree's depth \(2\) or its number of nodes"):
+        LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={
+            **eagle, "num_speculative_tokens": 4, "speculative_token_tree": tree})
 
 
 class _Model:
@@ -263,7 +278,8 @@ def record_target_hidden_states(llm: LLM) -> list:
     def recording_forward(layout, input_ids, positions, hidden=None):
         if first[0]:
             first[0] = False
-            records.append((np.array(positions), np.array(input_ids), hidden.cpu().clone()))
+            # A tree's level passes feed token ids from the device.
+            records.append((np.array(positions), torch.as_tensor(input_ids).cpu().numpy(), hidden.cpu().clone()))
         return forward(layout, input_ids, positions, hidden=hidden)
 
     def first_pass_of(method):
@@ -292,8 +308,15 @@ def check_target_hidden_states(target_path: str, sequences: list[list[int]], rec
     checked = 0
     for positions, next_tokens, states in records:
         for p, t, h in zip(positions.tolist(), next_tokens.tolist(), states):
-            assert any(p + 1 < len(s) and s[p + 1] == t and torch.allclose(hs[p], h, atol=1e-3)
-                       for s, hs in zip(sequences, hidden)), f"position {p}: not the target's hidden state"
+            if not any(p + 1 < len(s) and s[p + 1] == t and torch.allclose(hs[p], h, atol=1e-3)
+                       for s, hs in zip(sequences, hidden)):
+                # Name the nearest state the head could have been given: a neighbour's (an ordering fault) or
+                # this position's, off by rounding.
+                diff, where = min(((hs - h).abs().max(dim=-1).values.min().item(),
+                                   (i, (hs - h).abs().max(dim=-1).values.argmin().item()))
+                                  for i, hs in enumerate(hidden))
+                pytest.fail(f"position {p} (next token {t}): not the target's hidden state; nearest: sequence "
+                            f"{where[0]} position {where[1]}, max abs diff {diff:.2e}")
             checked += 1
     assert checked > 100, checked
 
@@ -304,11 +327,18 @@ def eagle_plain(eagle_target_and_head):
     return outputs
 
 
+# A draft tree (speculative_token_tree) of depth 3 whose second branches are often right where the first is not.
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_an_eagle_head_drafts_from_the_target_hidden_states_and_changes_no_token(eagle_target_and_head,
-                                                                                  eagle_plain, engine):
+                                                                                  eagle_plain, engine, tree):
     target, head = eagle_target_and_head
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    if tree is not None:
+        spec["speculative_token_tree"] = tree
     llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", **ENGINES[engine],
               speculative_config=spec)
     always_draft(llm)
@@ -364,3 +394,85 @@ def test_an_eagle_head_of_another_width_is_refused(eagle_target_and_head, tmp_pa
     with pytest.raises(ValueError, match="hidden size"):
         LLM(eagle_target_and_head[0].path, skip_tokenizer_init=True, speculative_config={
             "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+class ScriptedTreeProposer(ScriptedProposer):
+    """Drafts trees of TREE's shape (spec/tree.py) around the known continuation: under each node on the true
+    path, the child of a rank chosen per step and node holds the true next token, or (one time in four) no
+    child does; the other children hold other tokens. So every branch, and rejections at every depth, occur."""
+
+    def __init__(self, sequences: list[list[int]], tree) -> None:
+        super().__init__(sequences)
+        self.tree = tree
+        self.num_children = np.bincount(tree.parent + 1, minlength=tree.num_nodes + 1)
+
+    def propose(self, states, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
+        drafts = []
+        for row, k in zip(rows.tolist(), max_drafts.tolist()):
+            tokens = states.token_ids[row, : states.num_tokens[row]].tolist()
+            key = zlib.crc32(str(tokens).encode())
+            continuation = self.continuation(tokens) if key % 6 else []
+            nodes, on_path = [], []
+            for i in range(min(k, self.tree.num_nodes) if continuation else 0):
+                parent, depth, rank = (int(a[i]) for a in (self.tree.parent, self.tree.depth, self.tree.rank))
+                true = continuation[depth - 1] if depth <= len(continuation) else 7
+                right = zlib.crc32(f"{key}:{parent}".encode()) % (self.num_children[parent + 1] + 1)
+                on_path.append((parent < 0 or on_path[parent]) and rank == right and depth <= len(continuation))
+                nodes.append(true if on_path[-1] else (true + 1 + rank) % 200)
+            self.num_proposed += len(nodes)
+            drafts.append(np.array(nodes, dtype=np.int64))
+        return drafts
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_scripted_trees_accept_every_branch_and_change_no_token(eagle_target_and_head, eagle_plain, engine):
+    """The accepted path of a tree goes through any branch: its KV moves to the request's next slots and the
+    rejected nodes' slots are written again, in every engine mode (the tokens and logprobs show it)."""
+    from tokenmill.config import parse_token_tree
+    from tokenmill.spec.tree import TokenTree
+
+    target, head = eagle_target_and_head
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3, "speculative_token_tree": TREE}
+    llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", **ENGINES[engine],
+              speculative_config=spec)
+    use_scripted_proposer(llm, ScriptedTreeProposer(sequences_of(eagle_plain), TokenTree.from_paths(
+        parse_token_tree(TREE))))
+    accepted_nodes = record_accepted_paths(llm)
+    outputs = llm.generate(*workload(), use_tqdm=False)
+    check_same_tokens_and_logprobs(outputs, eagle_plain)
+    # Both of the root's children, and second-level nodes other than node 2, were accepted: their KV moved.
+    assert {0, 1}.issubset(path[0] for path in accepted_nodes)
+    assert {3, 4}.issubset(path[1] for path in accepted_nodes)
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.accepted_per_position[2] > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    kv = llm.engine.core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks, "blocks leaked"
+    if engine == "preempting":
+        assert llm.engine.last_stats.num_preemptions > 0
+
+
+def record_accepted_paths(llm: LLM) -> list[list[int]]:
+    """The accepted nodes of every verified tree from now on."""
+    import tokenmill.worker.tree_verify as module
+
+    paths, verify_tree = [], module.verify_tree
+
+    def recording(logits, batch, metadata):
+        tokens, counts, path = verify_tree(logits, batch, metadata)
+        paths.extend(p for p in path.tolist() if p[0] >= 0)
+        return tokens, counts, path
+
+    module.verify_tree = recording
+    return paths
+
+
+def check_same_tokens_and_logprobs(outputs, plain) -> None:
+    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
+    for got, want in zip(outputs, plain):
+        for g, w in zip(got.outputs, want.outputs):
+            assert (g.logprobs is None) == (w.logprobs is None)
+            for g_pos, w_pos in zip(g.logprobs or [], w.logprobs or []):
+                assert list(g_pos) == list(w_pos)
+                for token in g_pos:
+                    assert g_pos[token].logprob == pytest.approx(w_pos[token].logprob, abs=1e-4)
+                    assert g_pos[token].rank == w_pos[token].rank

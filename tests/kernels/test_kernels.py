@@ -149,3 +149,53 @@ def test_linear_takes_the_skinny_gemm_only_where_it_applies(device):
     assert not skinny_gemm_applies(torch.empty(1, 4096, device=device), w.float())  # float32: cuBLAS, exact
     small = torch.empty(1024, 4096, dtype=torch.bfloat16, device=device)  # too few tiles to fill the GPU
     assert not skinny_gemm_applies(torch.empty(1, 4096, dtype=torch.bfloat16, device=device), small)
+
+
+@interpret
+def test_tree_attention_sees_each_node_s_ancestors_only(device):
+    """Draft-tree masks (spec/tree.py) in the prefill kernel: a verify run (root and 6 nodes after a context), an
+    EAGLE head's level pass (the last 3 of 6 nodes), one node alone (a single query: still the prefill kernel)
+    and a plain prompt chunk. Each tree query's row equals causal attention over the context and its own path,
+    gathered into a request of their own (the reference knows nothing of trees)."""
+    from tokenmill.config import parse_token_tree
+    from tokenmill.kernels.prefill_attention import paged_attention_ref, prefill_attention
+    from tokenmill.spec.tree import TokenTree
+
+    tree = TokenTree.from_paths(parse_token_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]))
+    n = tree.num_nodes
+    dtype = torch.float32
+    # (queries, keys before the queries, tree nodes at the end of the keys)
+    requests = [(1 + n, 37, n), (3, 20 + n - 3, n), (1, 9 + 5, 5), (12, 5, 0)]
+    case = cases.make_paged_case([q for q, _, _ in requests], [c for _, c, _ in requests], 4, 2, 32, 16, dtype,
+                                 device, seed=3)
+    bits = []  # query j of a request is node tree_len - q_len + j (the queries before the nodes: any bits)
+    for q_len, _, tree_len in requests:
+        bits += [int(tree.ancestor_bits[tree_len - q_len + j]) if 0 <= tree_len - q_len + j else -1
+                 for j in range(q_len)]
+    qsl, seq_lens = case.tensors()
+    tree_lens = torch.tensor([t for _, _, t in requests], dtype=torch.int32, device=device)
+    tree_bits = torch.tensor(bits, dtype=torch.int64, device=device)
+    out = torch.full_like(case.query, float("nan"))
+    prefill_attention(case.query, case.kv_cache, out, qsl, seq_lens, case.block_table,
+                      torch.arange(len(requests), dtype=torch.int32, device=device), 1 + n, case.scale,
+                      tree_lens=tree_lens, tree_bits=tree_bits)
+    ref = paged_attention_ref(case.query, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_table,
+                              case.scale, tree_lens=tree_lens.tolist(), tree_bits=tree_bits)
+    assert cases.rel_error(out, ref) < cases.TOLERANCE[dtype]
+    # The independent reference: each tree query alone, over its context and path laid out as a plain sequence.
+    block_size = case.kv_cache.shape[2]
+    flat_kv = case.kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, kv_heads, head_dim]
+    for r, (q_len, context, tree_len) in enumerate(requests):
+        seq_len = context + q_len
+        slots = [int(case.block_table[r, p // block_size]) * block_size + p % block_size for p in range(seq_len)]
+        for j in range(q_len):
+            query_index = case.query_start_loc[r] + j
+            node = tree_len - q_len + j  # its index among the tree nodes
+            if tree_len == 0 or node < 0:
+                continue
+            seen = list(range(seq_len - tree_len)) + [seq_len - tree_len + a for a in range(node + 1)
+                                                      if tree.ancestor_bits[node] >> a & 1]
+            pool = flat_kv[:, [slots[p] for p in seen]].unsqueeze(2)  # one token per block
+            alone = paged_attention_ref(case.query[query_index : query_index + 1], pool, [0, 1], [len(seen)],
+                                        torch.arange(len(seen), device=device)[None], case.scale)
+            assert cases.rel_error(out[query_index : query_index + 1], alone) < cases.TOLERANCE[dtype], (r, j)

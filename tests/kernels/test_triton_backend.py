@@ -155,3 +155,76 @@ def test_fixed_grid_step_matches_unpadded(device, q_lens, context_lens, options)
     # Not bitwise: on a GPU the unpadded step splits its decodes' contexts (split-KV), the fixed grid does not.
     torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool, pool_expected, rtol=0, atol=0)  # the padding tokens store nothing
+
+
+@interpret
+def test_tree_step_matches_torch_backend(device):
+    """A step verifying a draft tree (root and 6 nodes), an EAGLE head's level pass of one node (a single query
+    with tree nodes: the prefill kernel, not the decode kernel) and a decode: both backends alike."""
+    from tokenmill.attention.triton_attn import TritonAttentionBackend
+    from tokenmill.config import parse_token_tree
+    from tokenmill.spec.tree import TokenTree
+
+    tree = TokenTree.from_paths(parse_token_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]))
+    rng = np.random.default_rng(1)
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 64, 4, 2, 32
+    layout = _make_step([1 + tree.num_nodes, 1, 1], [40, 30, 25], block_size, num_blocks, rng)
+    layout.tree_lens = np.array([tree.num_nodes, 3, 0], dtype=np.int32)
+    layout.tree_bits = np.concatenate([[-1], tree.ancestor_bits, [tree.ancestor_bits[2], -1]]).astype(np.int64)
+    # A node's position is the root's plus its depth (its slot is its buffer index, as _make_step laid out).
+    positions = np.concatenate([[40], 40 + tree.depth, [30 + int(tree.depth[2]) - 1 - 2], [25]])
+    num_tokens = int(layout.query_start_loc[-1])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn((num_tokens, n, head_dim), generator=g).to(device) for n in (heads, kv_heads, kv_heads))
+    pool = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(device)
+    layer = _layer(heads, kv_heads, head_dim, device, "rope")
+    positions, dev = torch.from_numpy(positions).to(device), torch.device(device)
+    torch_backend, triton_backend = TorchAttentionBackend(), TritonAttentionBackend()
+    pool_ref = pool.clone()
+    ref = torch_backend.forward(layer, positions, q, k, v, pool_ref, torch_backend.build_metadata(layout, dev))
+    metadata = triton_backend.build_metadata(layout, dev)
+    assert metadata.decode_req_ids.tolist() == [2]
+    out = triton_backend.forward(layer, positions, q, k, v, pool, metadata)
+    torch.testing.assert_close(pool, pool_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@interpret
+def test_graphs_with_tree_masks_replay_tree_steps_and_plain_steps(device):
+    """Full-step graphs captured with draft-tree masks (worker.mixed_cuda_graph, trees=True), emulated as
+    test_fixed_grid_step_matches_unpadded does: a tree verification beside a decode and a prompt chunk, and a step
+    without trees, each copied into the static metadata of an empty step, attend and store as they do eagerly."""
+    from tokenmill.attention.triton_attn import TritonAttentionBackend
+    from tokenmill.config import parse_token_tree
+    from tokenmill.spec.tree import TokenTree
+    from tokenmill.worker.mixed_cuda_graph import MixedCudaGraphRunner
+
+    tree = TokenTree.from_paths(parse_token_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]))
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 64, 4, 2, 32
+    backend, dev = TritonAttentionBackend(), torch.device(device)
+    runner = MixedCudaGraphRunner(None, backend, dev, block_size, max_blocks_per_req=20, max_num_reqs=8,
+                                  max_tokens=32, trees=True)
+    layer = _layer(heads, kv_heads, head_dim, device, "rope")
+    tree_step = _make_step([1 + tree.num_nodes, 1, 5], [40, 30, 20], block_size, num_blocks, np.random.default_rng(4))
+    tree_step.tree_lens = np.array([tree.num_nodes, 0, 0], dtype=np.int32)
+    tree_step.tree_bits = np.concatenate([[-1], tree.ancestor_bits, [-1] * 6]).astype(np.int64)
+    tree_positions = torch.from_numpy(np.concatenate([[40], 40 + tree.depth, [30], np.arange(20, 25)])).to(device)
+    plain_step = _make_step([1, 9, 1], [12, 7, 50], block_size, num_blocks, np.random.default_rng(5))
+    for layout, positions in ((tree_step, tree_positions), (plain_step, _positions(plain_step, device))):
+        n = int(layout.query_start_loc[-1])
+        size = runner._graph_size(layout)
+        assert size == 16
+        g = torch.Generator().manual_seed(n)
+        q, k, v = (torch.randn((size, h, head_dim), generator=g).to(device) for h in (heads, kv_heads, kv_heads))
+        pool = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(device)
+        pool_expected = pool.clone()
+        expected = backend.forward(layer, positions, q[:n], k[:n], v[:n], pool_expected,
+                                   backend.build_metadata(layout, dev))
+        empty = BatchLayout(np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 20), np.int32),
+                            np.zeros(0, np.int64), block_size)
+        static = runner._metadata(empty, size)
+        backend.copy_metadata(static, runner._metadata(layout, size))
+        positions_pad = torch.cat([positions, torch.zeros(size - n, dtype=positions.dtype, device=device)])
+        out = backend.forward(layer, positions_pad, q, k, v, pool, static)
+        torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool, pool_expected, rtol=0, atol=0)

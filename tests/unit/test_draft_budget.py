@@ -32,6 +32,17 @@ def test_the_verify_step_stays_within_its_token_limit_and_the_batch_size_switch(
     assert DraftBudget(3, cost=None).drafts_per_request(2) == 3
 
 
+def test_a_tree_is_given_its_nodes_down_to_the_chosen_depth_and_costs_them():
+    sizes = (3, 4, 2, 1)  # nodes per level: 3, 7, 9, 10 down to depths 1..4
+    assert [DraftBudget(4, None, tree_level_sizes=sizes).num_slots(d) for d in range(6)] == [0, 3, 7, 9, 10, 10]
+    assert DraftBudget(4, None).num_slots(3) == 3  # a chain: its depth
+    # 1 + nodes per request within the step's tokens: depth 2 (8 tokens) fits 8, depth 3 (10) does not.
+    assert DraftBudget(4, None, max_tokens_per_step=8, tree_level_sizes=sizes).drafts_per_request(1) == 2
+    # The measured cost counts every node: at a batch where a chain of 4 pays, the wide tree goes less deep.
+    chain, tree = budget_with_rate(0.8), budget_with_rate(0.8, tree_level_sizes=(8, 8, 8, 8))
+    assert tree.drafts_per_request(16) < chain.drafts_per_request(16)
+
+
 def test_steps_that_gain_nothing_pause_lookahead_longer_each_time():
     budget = DraftBudget(2, cost=None)
     pauses = []

@@ -99,3 +99,62 @@ def test_greedy_rows_accept_the_argmax_and_emit_it_where_the_draft_differs():
     tokens, counts = verify_drafts(logits, argmax[2].repeat(3), batch, metadata)
     assert counts.tolist() == [3, 2, 1]
     assert tokens.tolist() == [[0, 2, 3], [0, 2, -1], [0, -1, -1]]
+
+
+# A draft tree (spec/tree.py): the root's three children, two under the first, one under the second.
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]
+TREE_LOGITS = torch.cat([LOGITS, torch.tensor([
+    [1.0, 0.2, -0.3, 0.0, 2.0, 0.5, -1.0, 0.0],
+    [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 2.1],
+    [-0.5, 1.0, 0.0, 0.7, 0.0, 1.3, 0.0, -2.0],
+    [0.3, -0.3, 1.1, 0.0, 0.0, 0.9, 0.0, 0.2],
+])])  # the root's distribution, then node i's
+
+
+def verify_tree_rows(params: SamplingParams, node_tokens: list[int], num_rows: int = 40000):
+    from tokenmill.config import parse_token_tree
+    from tokenmill.spec.tree import TokenTree
+    from tokenmill.spec.tree_rejection import TreeVerifyBatch, verify_tree
+
+    torch.manual_seed(2025)
+    tree = TokenTree.from_paths(parse_token_tree(TREE))
+    metadata = build_sampling_metadata([params] * num_rows, {}, VOCAB, CPU)
+    batch = TreeVerifyBatch(
+        rows=torch.arange(num_rows),
+        node_token_ids=torch.tensor(node_tokens).repeat(num_rows, 1),
+        num_nodes=torch.full((num_rows,), tree.num_nodes),
+        logit_positions=torch.arange(1 + tree.num_nodes).repeat(num_rows, 1),
+        is_greedy=torch.full((num_rows,), params.temperature == 0),
+        all_greedy=params.temperature == 0,
+        children=torch.from_numpy(tree.children),
+        max_depth=tree.max_depth,
+    )
+    return verify_tree(TREE_LOGITS, batch, metadata), tree
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],
+                         ids=["plain", "top_p"])
+# Node tokens: the root's least likely tokens first (and one it may exclude), then unlikely grandchildren.
+@pytest.mark.parametrize("nodes", [[7, 6, 0, 6, 3, 0], [0, 1, 2, 4, 0, 5]], ids=["unlikely", "likely"])
+def test_a_walked_tree_emits_each_token_from_the_target_distribution(params, nodes):
+    (tokens, counts, path), tree = verify_tree_rows(params, nodes)
+    assert chi_square_ok(tokens[:, 0], processed(TREE_LOGITS[0], params))
+    for node in range(tree.num_nodes):  # where the walk reached a node, the next token follows its distribution
+        depth = int(tree.depth[node])
+        reached = path[:, depth - 1] == node
+        assert bool((tokens[reached, depth - 1] == nodes[node]).all())
+        if reached.sum() > 200:
+            assert chi_square_ok(tokens[reached, depth], processed(TREE_LOGITS[1 + node], params)), node
+    # A token that is not a child of the node it was emitted at ends the walk there.
+    assert bool((tokens[torch.arange(3)[None, :] >= counts[:, None]] == -1).all())
+    assert bool(((path >= 0).sum(dim=1) == counts - 1).all())
+
+
+def test_a_greedy_tree_walk_takes_the_child_equal_to_the_argmax():
+    params = SamplingParams(temperature=0.0)
+    # Root argmax 0: node 1 (token 0) is accepted; its argmax 3 is not its child (node 5, token 5): emitted.
+    (tokens, counts, path), _ = verify_tree_rows(params, [7, 0, 3, 6, 3, 5], num_rows=2)
+    assert tokens.tolist() == [[0, 3, -1]] * 2 and counts.tolist() == [2, 2] and path.tolist() == [[1, -1]] * 2
+    # Node 5 now holds node 1's argmax: accepted, and node 5's argmax (2) follows it.
+    (tokens, counts, path), _ = verify_tree_rows(params, [7, 0, 3, 6, 3, 3], num_rows=1)
+    assert tokens.tolist() == [[0, 3, 2]] and path.tolist() == [[1, 5]]

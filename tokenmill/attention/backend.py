@@ -33,6 +33,11 @@ class BatchLayout:
     slot_mapping: np.ndarray
     """[num_tokens] int64: pool slot (block * block_size + offset) each new token's K/V goes to."""
     block_size: int
+    tree_lens: np.ndarray | None = None
+    """[num_reqs] int32: speculative draft-tree nodes at the end of each request's keys (spec/tree.py), 0 for
+    none; a request with nodes goes to the prefill kernel whatever its query length. None: no tree this step."""
+    tree_bits: np.ndarray | None = None
+    """[num_tokens] int64: the tree nodes each query sees beside the keys before them (bit i: node i)."""
 
 
 class FixedShape(NamedTuple):

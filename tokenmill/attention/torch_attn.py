@@ -29,6 +29,7 @@ from tokenmill.attention.cpu_kernel import (
 )
 from tokenmill.kernels.kv_fp8 import as_bytes, dequantize_kv, quantize_kv
 from tokenmill.kernels.kv_int8 import dequantize_rows, is_int8, quantize_rows
+from tokenmill.spec.tree import tree_mask
 
 
 @dataclass
@@ -46,6 +47,8 @@ class TorchAttentionMetadata:
     decode_block_table: torch.Tensor  # [num_decodes, max_decode_blocks] int64
     layout: BatchLayout | None = None  # the host layout, for MLA's split (attention.mla_split)
     mla_splits: dict = field(default_factory=dict)
+    tree_lens: list[int] | None = None  # [num_reqs] draft-tree nodes ending each request's keys (None: no tree)
+    tree_bits: torch.Tensor | None = None  # [num_tokens] int64: the nodes each query sees
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -83,9 +86,11 @@ def paged_attention_torch(
     skip_decodes: bool = False,
     k_scale: torch.Tensor | None = None,  # an fp8 pool's scales ([] float32) or an int8 pool's (kernels.kv_int8)
     v_scale: torch.Tensor | None = None,
+    tree_lens: list[int] | None = None,  # draft-tree masks, as kernels.prefill_attention takes them
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for every request, one at a time; `skip_decodes` leaves single-token requests'
-    rows unwritten for the batched decode path to fill."""
+    rows unwritten for the batched decode path to fill (a request with tree nodes is never skipped)."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     num_heads = query.shape[1]
     groups = num_heads // num_kv_heads
@@ -94,14 +99,15 @@ def paged_attention_torch(
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         num_queries = end - start
-        if skip_decodes and num_queries == 1:
+        tree_len = 0 if tree_lens is None else tree_lens[i]
+        if skip_decodes and num_queries == 1 and not tree_len:
             continue
         blocks = block_table[i, : -(-seq_len // block_size)]
         k = gather_kv(key_cache, k_scale, blocks, query.dtype).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = gather_kv(value_cache, v_scale, blocks, query.dtype).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         q = query[start:end].transpose(0, 1)  # [num_heads, n, head_dim]
-        unmasked = num_queries == 1 and (sliding_window is None or seq_len <= sliding_window)
+        unmasked = num_queries == 1 and not tree_len and (sliding_window is None or seq_len <= sliding_window)
         if unmasked and logits_soft_cap is None:
             # One query sees every cached key: no mask, which keeps SDPA on its fast GQA path.
             o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scale,
@@ -113,6 +119,8 @@ def paged_attention_torch(
         mask = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        if tree_len:
+            mask &= tree_mask(tree_bits[start:end], seq_len, tree_len)
         # SDPA with both a mask and enable_gqa falls back to a very slow path: expand heads instead.
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
         if logits_soft_cap is None:
@@ -177,6 +185,8 @@ class TorchAttentionBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
         qsl = layout.query_start_loc
         is_decode = (qsl[1:] - qsl[:-1]) == 1
+        if layout.tree_lens is not None:
+            is_decode &= layout.tree_lens == 0
         decode_seq_lens = layout.seq_lens[is_decode]
         max_decode_blocks = -(-int(decode_seq_lens.max()) // layout.block_size) if len(decode_seq_lens) else 0
         decode_block_table = layout.block_table[is_decode, :max_decode_blocks]
@@ -194,12 +204,15 @@ class TorchAttentionBackend(AttentionBackend):
             decode_seq_lens=to_device(decode_seq_lens),
             decode_block_table=to_device(decode_block_table),
             layout=layout,
+            tree_lens=None if layout.tree_lens is None else layout.tree_lens.tolist(),
+            tree_bits=None if layout.tree_bits is None else torch.from_numpy(layout.tree_bits).to(device),
         )
 
     def forward(
         self, layer, positions, query, key, value, kv_cache, metadata: TorchAttentionMetadata
     ) -> torch.Tensor:
-        if kernel_applies(query, kv_cache):
+        # The C kernel has no draft-tree masks: a step verifying trees takes the torch path.
+        if metadata.tree_lens is None and kernel_applies(query, kv_cache):
             if rope_and_cache_applies(layer, positions, key, value, metadata.max_seq_len):
                 return rope_cache_attention(layer, positions, query, key, value, kv_cache, metadata.slot_mapping,
                                             metadata.block_table, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
@@ -216,6 +229,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = paged_attention_torch(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             layer.scale, layer.sliding_window, layer.logits_soft_cap, skip_decodes=num_decodes > 0, **scales,
+            tree_lens=metadata.tree_lens, tree_bits=metadata.tree_bits,
         )
         if num_decodes:
             batched_decode_attention(

@@ -49,6 +49,10 @@ class TritonAttentionMetadata:
     """Padded to a fixed shape: decode_req_ids and prefill_req_ids end in -1s, kernels launch on fixed grids."""
     layout: BatchLayout | None = None  # the host layout, for MLA's split (attention.mla_split)
     mla_splits: dict = field(default_factory=dict)
+    tree_lens: torch.Tensor | None = None  # [num_reqs] int32: draft-tree nodes ending each request's keys
+    tree_bits: torch.Tensor | None = None  # [num_tokens] int64: the nodes each query sees
+    tree_packed: torch.Tensor | None = None
+    """The bytes of the two above, contiguous (one copy for graphs)."""
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -60,6 +64,15 @@ class TritonAttentionBackend(AttentionBackend):
                        padded_to: FixedShape | None = None) -> TritonAttentionMetadata:
         q_lens = np.diff(layout.query_start_loc)
         is_decode = q_lens == 1
+        tree = None
+        if layout.tree_lens is not None:  # a request with tree nodes needs the prefill kernel's mask
+            is_decode &= layout.tree_lens == 0
+            tree_lens, tree_bits = layout.tree_lens.astype(np.int32), layout.tree_bits.astype(np.int64)
+            if padded_to is not None:  # padding requests have no nodes; padding tokens see nothing anyway
+                num_reqs = padded_to.num_decodes + padded_to.num_prefills
+                tree_lens = np.concatenate([tree_lens, np.zeros(num_reqs - len(tree_lens), dtype=np.int32)])
+                tree_bits = np.concatenate([tree_bits, np.full(padded_to.num_tokens - len(tree_bits), -1)])
+            tree_packed, _, tree = pack_to_device([tree_lens, tree_bits], device)
         decode_ids, prefill_ids = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
         max_prefill_len = int(q_lens[prefill_ids].max()) if len(prefill_ids) else 0
         parts = [layout.slot_mapping, layout.query_start_loc, layout.seq_lens, decode_ids, prefill_ids,
@@ -82,6 +95,9 @@ class TritonAttentionBackend(AttentionBackend):
             packed=packed[: starts[-1]],
             layout=layout,
             fixed_grid=padded_to is not None,
+            tree_lens=None if tree is None else tree[0],
+            tree_bits=None if tree is None else tree[1],
+            tree_packed=None if tree is None else tree_packed,
         )
 
     def forward(
@@ -103,14 +119,15 @@ class TritonAttentionBackend(AttentionBackend):
                              metadata.block_table, metadata.decode_req_ids, num_splits=FIXED_GRID_SPLITS, **args)
             prefill_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
                               metadata.block_table, metadata.prefill_req_ids, 0, num_reqs=metadata.num_prefills,
-                              **args)
+                              tree_lens=metadata.tree_lens, tree_bits=metadata.tree_bits, **args)
             return out
         if metadata.decode_req_ids.numel():
             decode_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
                              metadata.block_table, metadata.decode_req_ids, **args)
         if metadata.prefill_req_ids.numel():
             prefill_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
-                              metadata.block_table, metadata.prefill_req_ids, metadata.max_prefill_len, **args)
+                              metadata.block_table, metadata.prefill_req_ids, metadata.max_prefill_len,
+                              tree_lens=metadata.tree_lens, tree_bits=metadata.tree_bits, **args)
         return out
 
     def forward_mla(self, layer, q_nope, q_pe, c_kv, k_pe, projections, kv_cache,
@@ -118,6 +135,7 @@ class TritonAttentionBackend(AttentionBackend):
         """kernels.mla_cache writes the latent rows; the absorbed requests go to kernels.mla_decode (decode and
         multi-token queries), the expanded ones to the prefill kernel (attention.mla_split)."""
         assert not metadata.fixed_grid, "MLA's split reads the step's layout on the host: no fixed-grid graphs"
+        assert metadata.tree_lens is None, "latent attention has no draft-tree masks (refused at start-up)"
         write_latent_cache(c_kv, k_pe, kv_cache, metadata.slot_mapping, layer.k_scale)
         return mla_split.forward_mla(self, layer, q_nope, q_pe, projections, kv_cache, metadata)
 
@@ -144,5 +162,8 @@ class TritonAttentionBackend(AttentionBackend):
         """Copy a step's metadata into a captured graph's static metadata for the same batch shape."""
         assert dst.packed.shape == src.packed.shape and dst.fixed_grid == src.fixed_grid
         assert dst.fixed_grid or dst.max_prefill_len == src.max_prefill_len
+        assert (dst.tree_packed is None) == (src.tree_packed is None), "a graph captured with draft-tree masks or not"
         dst.packed.copy_(src.packed, non_blocking=True)
+        if dst.tree_packed is not None:
+            dst.tree_packed.copy_(src.tree_packed, non_blocking=True)
         dst.block_table[:, : src.block_table.shape[1]].copy_(src.block_table, non_blocking=True)

@@ -86,7 +86,7 @@ class EngineCore:
         if config.speculative_config is not None:
             spec = config.speculative_config
             draft_budget = DraftBudget(spec.num_speculative_tokens, executor.measure_step_cost(),
-                                       spec.disable_by_batch_size, executor.max_verify_tokens)
+                                       spec.disable_by_batch_size, executor.max_verify_tokens, spec.tree_level_sizes)
         num_batches = config.parallel_config.num_batches_in_flight
         scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len, draft_budget, num_batches)
         async_scheduling = config.scheduler_config.async_scheduling

@@ -42,6 +42,7 @@ for 8 took 32.7 us."""
 @triton.jit
 def _attend_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+    tree_lens_ptr, tree_bits_ptr,
     req, tile, head, q_start, q_len,
     sm_scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -50,9 +51,10 @@ def _attend_tile(
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
+    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr, USE_TREE: tl.constexpr,
 ):
-    """Query rows [tile * BLOCK_M, (tile + 1) * BLOCK_M) of request `req` for one query head."""
+    """Query rows [tile * BLOCK_M, (tile + 1) * BLOCK_M) of request `req` for one query head. Under USE_TREE the
+    request's last tree_lens[req] keys are draft-tree nodes: a query sees those of them its bitmask names."""
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
 
@@ -65,6 +67,9 @@ def _attend_tile(
     q_rows = q_ptr + rows[:, None] * stride_qt + head * stride_qh
     # Under PAIRS q and acc are pairs of tiles, (even columns, odd columns): see kernels.attention_tile.
     q, acc, cols, col_mask = load_query(q_rows, m_mask, offs_d, d_mask, head_dim, BLOCK_M, HEAD_DIM_PAD, PAIRS)
+    if USE_TREE:
+        tree_start = seq_len - tl.load(tree_lens_ptr + req)
+        tree_bits = tl.load(tree_bits_ptr + rows, mask=m_mask, other=0)  # [BLOCK_M] int64 ancestor bitmasks
 
     kv_head = head // QUERIES_PER_KV
     hi = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
@@ -94,6 +99,11 @@ def _attend_tile(
         mask = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if USE_WINDOW:
             mask = mask & (offs_n[None, :] > q_pos[:, None] - window)
+        if USE_TREE:
+            # Clamped to a shift within 64 bits (keys outside the nodes are decided by the other terms).
+            node = tl.minimum(tl.maximum(offs_n - tree_start, 0), 63).to(tl.int64)
+            is_ancestor = ((tree_bits[:, None] >> node[None, :]) & 1) != 0
+            mask = mask & ((offs_n[None, :] < tree_start) | is_ancestor)
         s = tl.where(mask, s, float("-inf"))
         acc, m_i, l_i = accumulate_tile(s, m_i, l_i, acc, v_cache_ptr, kv_ptrs, cols, kv_mask, v_scale_ptr, scale_ptrs,
                                         n_mask, q_ptr.dtype.element_ty, DOT_PRECISION, IS_FP8, IS_INT8, PAIRS, USE_ASM)
@@ -125,6 +135,7 @@ def _find_tile(slot, query_start_loc_ptr, req_ids_ptr, num_reqs, BLOCK_M: tl.con
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, req_ids_ptr, num_reqs_ptr, k_scale_ptr, v_scale_ptr,
+    tree_lens_ptr, tree_bits_ptr,
     sm_scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
@@ -132,7 +143,7 @@ def _prefill_kernel(
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
+    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr, USE_TREE: tl.constexpr,
     FIXED_GRID: tl.constexpr,
 ):
     head = tl.program_id(2)
@@ -161,11 +172,11 @@ def _prefill_kernel(
         if tile * BLOCK_M < q_len:  # a tile past its request's end (the eager grid's) does nothing
             _attend_tile(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
-                req, tile, head, q_start, q_len, sm_scale, softcap, window,
+                tree_lens_ptr, tree_bits_ptr, req, tile, head, q_start, q_len, sm_scale, softcap, window,
                 stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, stride_sb,
                 stride_st, head_dim,
                 QUERIES_PER_KV, BLOCK_SIZE, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
-                IS_FP8, IS_INT8, PAIRS, USE_ASM,
+                IS_FP8, IS_INT8, PAIRS, USE_ASM, USE_TREE,
             )
 
 
@@ -199,11 +210,17 @@ def prefill_attention(
     k_scale: torch.Tensor | None = None,  # an fp8 pool's scales ([] float32) or an int8 pool's (kernels.kv_int8)
     v_scale: torch.Tensor | None = None,
     num_reqs: torch.Tensor | None = None,  # [1] int32: how many of req_ids count, for a fixed grid
+    tree_lens: torch.Tensor | None = None,  # [num_reqs] int32: draft-tree nodes ending each request's keys
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64: the tree nodes each query sees, bit i: node i
 ) -> None:
     """config: (BLOCK_M, BLOCK_N, num_warps, num_stages), to override the tuned choice (benchmarks).
 
     With `num_reqs` the grid is fixed by the shapes alone (a CUDA graph's step): req_ids is padded, only its
-    first num_reqs entries are requests, and max_query_len is not read."""
+    first num_reqs entries are requests, and max_query_len is not read.
+
+    With `tree_lens` (speculative tree drafts, spec/tree.py) a request's last tree_lens[r] keys are tree nodes,
+    node i at key seq_len - tree_lens[r] + i, and a query sees node i only where bit i of its tree_bits is set
+    (its ancestors and itself); the keys before them causally, as always."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     fixed_grid = num_reqs is not None
@@ -224,6 +241,7 @@ def prefill_attention(
         query, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_table, req_ids, req_ids if num_reqs is None else num_reqs,
         scales.k, scales.v,
+        seq_lens if tree_lens is None else tree_lens, seq_lens if tree_bits is None else tree_bits,
         scale, logits_soft_cap or 1.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scales.stride_b,
@@ -234,7 +252,7 @@ def prefill_attention(
         BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(query.dtype), IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
-        PAIRS=pairs, USE_ASM=query.device.type == "cuda",
+        PAIRS=pairs, USE_ASM=query.device.type == "cuda", USE_TREE=tree_lens is not None,
         FIXED_GRID=fixed_grid,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -252,9 +270,12 @@ def paged_attention_ref(
     dtype: torch.dtype = torch.float64,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tree_lens: list[int] | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense per-request attention in `dtype` (float64 by default): the reference for both kernels. An fp8
-    pool's K and V are dequantized first (fp8 * scale, in `dtype`), an int8 pool's each row times its scale."""
+    pool's K and V are dequantized first (fp8 * scale, in `dtype`), an int8 pool's each row times its scale.
+    `tree_lens`, `tree_bits`: draft-tree masks, as prefill_attention takes them."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     groups = query.shape[1] // num_kv_heads
     out = torch.zeros(query.shape, dtype=dtype, device=query.device)
@@ -280,6 +301,10 @@ def paged_attention_ref(
         mask = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        if tree_lens is not None and tree_lens[i]:
+            from tokenmill.spec.tree import tree_mask
+
+            mask &= tree_mask(tree_bits[start:end], seq_len, tree_lens[i])
         scores = scores.masked_fill(~mask, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out

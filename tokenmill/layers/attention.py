@@ -92,6 +92,16 @@ class Attention(nn.Module):
                                           for _ in range(2))
         self.kv_cache = torch.empty(0)
 
+    def move_kv_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V at pool slots `src` to slots `dst` (int64, on the pool's device), with an int8 pool's row
+        scales: all read before any is written, so the two may overlap (a verified draft tree's accepted path)."""
+        flat = self.kv_cache.view(2, -1, *self.kv_cache.shape[3:])
+        flat[:, dst] = flat[:, src]
+        if is_int8(self.kv_cache.dtype):
+            for scales in (self.k_scale, self.v_scale):
+                rows = scales.view(-1, self.num_kv_heads)
+                rows[dst] = rows[src]
+
     def copy_kv_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the pool's blocks `src` onto `dst` (int64 block ids on the pool's device), with their scales."""
         self.kv_cache[:, dst] = self.kv_cache[:, src]

@@ -96,7 +96,8 @@ class CpuLayerStep:
         pointers = pool_pointers(kv_cache) if kv_cache.dtype == self.dtype else None
         # TorchAttentionBackend.forward's checks for the fused kernel, less what the step's build decided
         if (pointers is None or type(ctx.backend) is not TorchAttentionBackend or positions.dtype != torch.int64
-                or metadata.max_seq_len > rope_table_length(layer) or qkv.stride(1) != 1):
+                or metadata.max_seq_len > rope_table_length(layer) or qkv.stride(1) != 1
+                or metadata.tree_lens is not None):  # draft trees' masks: the backend's torch path
             q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
             return layer(positions, q, k, v)
         step = _step_arguments(metadata, positions)

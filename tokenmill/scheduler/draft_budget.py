@@ -17,6 +17,9 @@ proposer nothing to match), lookahead pauses for 1, 2, 4, ... up to MAX_PAUSE st
 `a` is the running acceptance rate of the drafts verified so far. A step verifies at most
 `max_tokens_per_step` tokens (on the GPU: the largest decode CUDA graph, which then runs it). Torch-free:
 the scheduler owns it.
+
+With a draft tree (speculative_token_tree) k is the tree's depth: a request's step computes the tree's nodes
+down to that depth, and `a` is the rate at which a verification reaches one level further.
 """
 
 from __future__ import annotations
@@ -61,8 +64,13 @@ def can_draft(params: SamplingParams) -> bool:
 
 class DraftBudget:
     def __init__(self, num_speculative_tokens: int, cost: StepCost | None,
-                 disable_by_batch_size: int | None = None, max_tokens_per_step: int = 1 << 30) -> None:
+                 disable_by_batch_size: int | None = None, max_tokens_per_step: int = 1 << 30,
+                 tree_level_sizes: tuple[int, ...] | None = None) -> None:
         self.max_drafts = num_speculative_tokens
+        self.tree_level_sizes = tree_level_sizes
+        sizes = tree_level_sizes or (1,) * num_speculative_tokens
+        self._slots_by_depth = [sum(sizes[:d]) for d in range(len(sizes) + 1)]
+        """Draft tokens a request computes for each depth of drafts (a chain: the depth itself)."""
         self.max_tokens_per_step = max_tokens_per_step
         self.cost = cost
         self.disable_by_batch_size = disable_by_batch_size
@@ -102,7 +110,8 @@ class DraftBudget:
             return 0
         if num_requests == 0 or (self.disable_by_batch_size is not None and num_requests > self.disable_by_batch_size):
             return 0
-        max_drafts = min(self.max_drafts, self.max_tokens_per_step // num_requests - 1)
+        max_slots = self.max_tokens_per_step // num_requests - 1
+        max_drafts = max((d for d in range(self.max_drafts + 1) if self._slots_by_depth[d] <= max_slots), default=0)
         if self.cost is None:
             return max_drafts
         a = min(self.acceptance_rate, 0.999)
@@ -110,7 +119,11 @@ class DraftBudget:
         # Drafting must promise MIN_GAIN more tokens per second than plain decoding: it also costs the overlap.
         best_k, best_rate = 0, (1 + self.min_gain) / plain
         for k in range(1, max_drafts + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / self.cost(num_requests * (1 + k))
+            rate = (1 - a ** (k + 1)) / (1 - a) / self.cost(num_requests * (1 + self._slots_by_depth[k]))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def num_slots(self, depth: int) -> int:
+        """Lookahead tokens for drafts of `depth` (a tree's nodes down to it; a chain's `depth`)."""
+        return self._slots_by_depth[min(max(depth, 0), self.max_drafts)]

@@ -228,9 +228,10 @@ class Scheduler:
         params = request.sampling_params
         max_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
         in_flight = request.num_output_placeholders
-        room = min(max_tokens - request.num_output_tokens - in_flight,
-                   self.max_model_len - request.num_tokens - in_flight) - 1
-        return max(0, min(drafts_per_request, budget_left, room))
+        room_slots = self.max_model_len - request.num_tokens - in_flight - 1
+        room = min(max_tokens - request.num_output_tokens - in_flight - 1, room_slots)
+        # A tree's nodes need slots beyond the tokens its deepest path can emit (any first nodes form a tree).
+        return max(0, min(self.draft_budget.num_slots(min(drafts_per_request, room)), budget_left, room_slots))
 
     def _describe_stall(self) -> str:
         head = self.waiting.peek() if len(self.waiting) else None

@@ -144,6 +144,10 @@ class DraftModelProposer:
     def _greedy(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states).argmax(dim=-1)
 
+    def _top_tokens(self, hidden_states: torch.Tensor, k: int) -> torch.Tensor:
+        """Each position's k most likely tokens [n, k], most likely first (a draft tree's children)."""
+        return self.model.compute_logits(hidden_states).topk(k, dim=-1).indices
+
     def _tensor(self, values: np.ndarray | torch.Tensor) -> torch.Tensor:
         return values if isinstance(values, torch.Tensor) else self._to_device(values)
 

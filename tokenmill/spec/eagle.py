@@ -11,6 +11,11 @@ every target forward pass: positions whose next token is surely on the host are 
 at once (a prompt's chunks), the others wait in a small per-row window until the next proposal (or
 observation) knows their next token. Only the acceptance rate depends on the head: a position whose
 hidden state was never seen (a prefix-cache hit, an overflowing window) leaves whatever KV its slot holds.
+
+With a draft tree (spec/tree.py) the head drafts level by level: the root's children are its top tokens at
+the last known position, and one pass per level runs the head over that level's nodes (node i's KV in the slot
+of buffer index L - 1 + i, each node attending to the context and its ancestors only: the tree mask), whose
+outputs give the next level's tokens, each node's children its top tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
 from tokenmill.model.llama import LlamaDecoderLayer
 from tokenmill.spec.draft_model import DraftModelProposer
+from tokenmill.spec.tree import TokenTree
 from tokenmill.worker.request_state import RequestStates
 
 
@@ -69,8 +75,11 @@ def eagle_tensor_name(name: str) -> str:
 
 class EagleProposer(DraftModelProposer):
     def __init__(self, head: EagleHead, attn_backend: AttentionBackend, device: torch.device, block_size: int,
-                 max_num_reqs: int, hidden_size: int, max_drafts: int, dtype: torch.dtype) -> None:
+                 max_num_reqs: int, hidden_size: int, max_drafts: int, dtype: torch.dtype,
+                 tree: TokenTree | None = None) -> None:
+        """`max_drafts`: draft tokens per request and step (a tree's nodes); `tree`: None for chains."""
         super().__init__(head, attn_backend, device, block_size, max_num_reqs)
+        self.tree = tree
         self.window = max_drafts + 4
         """Target hidden states kept per row: a verify step's 1 + k, and a few steps of lag."""
         self.pending = torch.zeros(max_num_reqs, self.window, hidden_size, dtype=dtype, device=device)
@@ -163,6 +172,11 @@ class EagleProposer(DraftModelProposer):
             hidden = self._forward(layout, input_ids, positions, hidden=hidden)[self._to_device(qsl[1:] - 1)]
             tokens = self._greedy(hidden)
         self.num_computed[rows] = lengths - 1
+        if self.tree is not None:
+            trees = self._draft_tree(states, rows, lengths, max_drafts, hidden.clone())
+            for i, k, d in zip(index.tolist(), max_drafts.tolist(), trees):
+                drafts[i] = d[:k]
+            return drafts
         steps = [tokens]
         # Draft j + 1 from draft j and the head's own output, at position length + j - 2, one token per row:
         # graph replays where captured (`hidden`, a graph's output, goes to its input buffer first).
@@ -173,3 +187,44 @@ class EagleProposer(DraftModelProposer):
         for i, k, d in zip(index.tolist(), max_drafts.tolist(), drafted):
             drafts[i] = d[:k]
         return drafts
+
+    def _draft_tree(self, states: RequestStates, rows: np.ndarray, lengths: np.ndarray, max_drafts: np.ndarray,
+                    root_hidden: torch.Tensor) -> np.ndarray:
+        """Each row's tree nodes [rows, num_nodes] (its first max_drafts are drafted; the rest are not read), from
+        the head's outputs at each row's last known position `root_hidden` [rows, hidden]."""
+        tree, starts = self.tree, self.tree.level_starts
+        num_rows = len(rows)
+        num_nodes = np.minimum(max_drafts, tree.num_nodes)
+        tokens = torch.zeros((num_rows, tree.num_nodes), dtype=torch.int64, device=self.device)
+        tokens[:, : starts[1]] = self._top_tokens(root_hidden, int(starts[1]))
+        node_out = root_hidden.new_zeros((num_rows, tree.num_nodes, root_hidden.shape[-1]))
+        for depth in range(1, tree.max_depth):
+            first, end, next_end = (int(x) for x in starts[depth - 1 : depth + 2])
+            selected = np.flatnonzero(num_nodes > end)  # the rows with nodes on the next level
+            if len(selected) == 0:
+                break
+            selected_t = self._to_device(selected)
+            nodes = np.arange(first, end)
+            width = len(nodes)
+            token_rows = np.repeat(rows[selected], width)
+            buffer_index = np.repeat(lengths[selected] - 1, width) + np.tile(nodes, len(selected))
+            query_start_loc = (np.arange(len(selected) + 1) * width).astype(np.int32)
+            layout = self._layout(states, rows[selected], token_rows, buffer_index, query_start_loc,
+                                  (lengths[selected] - 1 + end).astype(np.int32))
+            layout.tree_lens = np.full(len(selected), end, dtype=np.int32)
+            layout.tree_bits = np.tile(tree.ancestor_bits[nodes], len(selected))
+            if depth == 1:
+                hidden = root_hidden[selected_t].repeat_interleave(width, dim=0)
+            else:
+                hidden = node_out[selected_t][:, self._to_device(tree.parent[nodes])].flatten(0, 1)
+            # Positions as a chain's: a node at depth d is fed at L + d - 2.
+            positions = np.repeat(lengths[selected] + depth - 2, width)
+            out = self._forward(layout, tokens[selected_t, first:end].flatten(), positions, hidden=hidden)
+            out = out.view(len(selected), width, -1)
+            node_out[selected_t, first:end] = out
+            children = np.arange(end, next_end)
+            top = self._top_tokens(out.flatten(0, 1), int(tree.rank[children].max()) + 1)
+            top = top.view(len(selected), width, -1)
+            parents, ranks = self._to_device(np.stack([tree.parent[children] - first, tree.rank[children]]))
+            tokens[selected_t, end:next_end] = top[:, parents, ranks]
+        return tokens.cpu().numpy()

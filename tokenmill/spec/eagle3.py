@@ -105,6 +105,11 @@ class Eagle3Head(nn.Module):
         draft = self.lm_head.compute_logits(self.norm(hidden_states)).argmax(dim=-1)
         return draft if self.d2t is None else draft + self.d2t[draft]
 
+    def top_target_ids(self, hidden_states: torch.Tensor, k: int) -> torch.Tensor:
+        """The target-vocabulary ids of each position's k most likely draft tokens [n, k], most likely first."""
+        draft = self.lm_head.compute_logits(self.norm(hidden_states)).topk(k, dim=-1).indices
+        return draft if self.d2t is None else draft + self.d2t[draft]
+
     def load_weights(self, weights) -> None:
         """`weights`: (name, tensor) under eagle3_tensor_name's names; `t2d` is d2t's inverse, unused."""
         rest = []
@@ -139,3 +144,6 @@ class Eagle3Proposer(EagleProposer):
 
     def _greedy(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.greedy_target_ids(hidden_states)
+
+    def _top_tokens(self, hidden_states: torch.Tensor, k: int) -> torch.Tensor:
+        return self.model.top_target_ids(hidden_states, k)

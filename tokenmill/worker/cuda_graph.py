@@ -115,7 +115,7 @@ class CudaGraphRunner:
     def _graph_size(self, layout: BatchLayout) -> int | None:
         """The captured size that takes this step, None if none does: here one token per request."""
         num_reqs = len(layout.seq_lens)
-        if len(layout.slot_mapping) != num_reqs or num_reqs > self.sizes[-1]:
+        if len(layout.slot_mapping) != num_reqs or num_reqs > self.sizes[-1] or layout.tree_lens is not None:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
 

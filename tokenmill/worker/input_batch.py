@@ -5,6 +5,9 @@ decode with d drafts computes 1 + d tokens and needs logits at all of them (d to
 sample after them). A step of decodes and verifications only is laid out for attention one row per
 token: each token attends to the cache up to itself, as a decode does (the layer writes the whole
 step's KV before attending), so the decode kernels and the decode CUDA graphs run it.
+
+With a draft tree (spec/tree.py) a request's d drafts are the tree's first d nodes: in its buffer after its
+known tokens, node i at index L + i (its KV slot), at position L - 1 + depth(i), attending under the tree mask.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import numpy as np
 
 from tokenmill.attention.backend import BatchLayout
 from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.spec.tree import TokenTree
 from tokenmill.worker.request_state import RequestStates
 
 
@@ -32,6 +36,9 @@ class InputBatch:
     sampled_num_drafts: np.ndarray  # [num_sampled] drafts each of them verifies
     last_token_dst: np.ndarray  # flat indices of input tokens sampled by the last step...
     last_token_src: np.ndarray  # ...and their indices in that step's sampled tokens (on the device)
+    buffer_positions: np.ndarray | None = None
+    """[num_tokens] each token's index in its request's token buffer, where a draft tree makes it differ from
+    its position (None: no tree this step, the positions are those indices)."""
 
     @property
     def num_tokens(self) -> int:
@@ -47,9 +54,11 @@ def kv_slots(block_table: np.ndarray, token_rows: np.ndarray, positions: np.ndar
 
 
 def prepare_inputs(
-    scheduler_output: SchedulerOutput, states: RequestStates, block_size: int, num_drafts: np.ndarray | None = None
+    scheduler_output: SchedulerOutput, states: RequestStates, block_size: int, num_drafts: np.ndarray | None = None,
+    tree: TokenTree | None = None,
 ) -> InputBatch:
-    """`num_drafts` [num_reqs]: draft tokens written after each request's known tokens (None: none)."""
+    """`num_drafts` [num_reqs]: draft tokens written after each request's known tokens (None: none); `tree`: the
+    drafts are that tree's first nodes."""
     request_ids = list(scheduler_output.num_scheduled_tokens)
     rows = np.fromiter((states.row_of[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
     num_new = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(request_ids))
@@ -74,7 +83,19 @@ def prepare_inputs(
 
     seq_lens = (num_computed + num_new).astype(np.int32)
     max_blocks = int(-(-seq_lens.max() // block_size))
-    if num_drafts.any() and (num_new == 1 + num_drafts).all():
+    buffer_positions = tree_lens = tree_bits = None
+    if tree is not None and num_drafts.any():
+        node = positions - states.num_tokens[token_rows]  # >= 0: a draft node's index
+        is_node = (node >= 0) & (np.repeat(num_drafts, num_new) > 0)
+        buffer_positions, positions = positions, positions.copy()
+        positions[is_node] += tree.depth[node[is_node]] - 1 - node[is_node]
+        tree_bits = np.full(len(positions), -1, dtype=np.int64)
+        tree_bits[is_node] = tree.ancestor_bits[node[is_node]]
+        tree_lens = num_drafts.astype(np.int32)
+    if tree_lens is not None:
+        layout = BatchLayout(query_start_loc, seq_lens, states.block_table[rows, :max_blocks], slot_mapping,
+                             block_size, tree_lens, tree_bits)
+    elif num_drafts.any() and (num_new == 1 + num_drafts).all():
         layout = BatchLayout(np.arange(len(positions) + 1, dtype=np.int32), (positions + 1).astype(np.int32),
                              states.block_table[token_rows, :max_blocks], slot_mapping, block_size)
     else:
@@ -103,4 +124,5 @@ def prepare_inputs(
         sampled_num_drafts=sampled_num_drafts,
         last_token_dst=last_token_dst,
         last_token_src=last_index[last_token_dst],
+        buffer_positions=buffer_positions,
     )

@@ -8,11 +8,15 @@ store nothing), the requests past its own are empty, and the attention kernels l
 captured shape (the backend's `padded_to` metadata), so one graph serves every mix of prefills and decodes
 that fits it. Larger steps run eagerly: there the GPU's work outlasts the launches. Decode-only steps keep
 their own graphs (worker.cuda_graph), whose split-KV decode suits long contexts.
+
+With draft trees (speculative_token_tree) the graphs are captured with the prefill kernel's tree masks, so
+that they replay tree verification too; every step they replay then carries tree fields (none: no nodes).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import numpy as np
 import torch
@@ -47,9 +51,12 @@ class MixedCudaGraphRunner(CudaGraphRunner):
         max_blocks_per_req: int,
         max_num_reqs: int,
         max_tokens: int,
+        trees: bool = False,
     ) -> None:
+        """`trees`: capture with draft-tree masks (speculative_token_tree)."""
         assert attn_backend.supports_mixed_cuda_graphs
         self.max_num_reqs = max_num_reqs
+        self.trees = trees
         super().__init__(model, attn_backend, device, block_size, max_blocks_per_req, max_batch_size=max_tokens)
 
     def _capture_sizes(self, max_size: int) -> list[int]:
@@ -62,15 +69,21 @@ class MixedCudaGraphRunner(CudaGraphRunner):
 
     def _graph_size(self, layout: BatchLayout) -> int | None:
         num_tokens = len(layout.slot_mapping)
-        if num_tokens > self.sizes[-1]:
+        if num_tokens > self.sizes[-1] or (layout.tree_lens is not None and not self.trees):
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
         slots = self._request_slots(size)
-        num_decodes = int(np.count_nonzero(np.diff(layout.query_start_loc) == 1))
+        is_decode = np.diff(layout.query_start_loc) == 1
+        if layout.tree_lens is not None:  # a request with tree nodes takes the prefill kernel (a prefill slot)
+            is_decode &= layout.tree_lens == 0
+        num_decodes = int(np.count_nonzero(is_decode))
         return size if num_decodes <= slots and len(layout.seq_lens) - num_decodes <= slots else None
 
     def _metadata(self, layout: BatchLayout, size: int) -> object:
         # The layout's own block table width: copy_metadata fills only those columns of the graph's.
         slots = self._request_slots(size)
         padded_to = FixedShape(size, slots, slots, layout.block_table.shape[1])
+        if self.trees and layout.tree_lens is None:  # the graph's kernels read tree fields: a step without nodes
+            layout = dataclasses.replace(layout, tree_lens=np.zeros(len(layout.seq_lens), dtype=np.int32),
+                                         tree_bits=np.full(len(layout.slot_mapping), -1, dtype=np.int64))
         return self.attn_backend.build_metadata(layout, self.device, padded_to=padded_to)

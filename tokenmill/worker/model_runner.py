@@ -23,6 +23,7 @@ from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec.proposers import Proposer
+from tokenmill.spec.tree import TokenTree
 from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import InputBatch, prepare_inputs
@@ -31,6 +32,7 @@ from tokenmill.worker.pending_output import DeferredSample, PendingOutput, Ready
 from tokenmill.worker.request_state import RequestStates
 from tokenmill.worker.speculative import SpeculativeDecoding
 from tokenmill.worker.stage_tokens import receive_sampled_tokens, share_sampled_tokens
+from tokenmill.worker.tree_verify import TreeVerification
 
 EMPTY_OUTPUT = ReadyOutput(ModelRunnerOutput(sampled_token_ids={}))
 
@@ -48,7 +50,9 @@ class ModelRunner:
         proposer: Proposer | None = None,
         max_drafts: int = 0,
         num_batches_in_flight: int = 1,
+        tree: TokenTree | None = None,
     ) -> None:
+        """`max_drafts`: draft positions per request (a tree's depth); `tree`: the draft tree, None for chains."""
         self.model = model
         self.attn_backend = attn_backend
         self.device = device
@@ -64,7 +68,9 @@ class ModelRunner:
         """Graphs for steps with prefills up to a size, set by the worker as well (None: those run eagerly)."""
         self.grammar_rows: GrammarRows | None = None
         """Structured outputs' per-row grammars; set by the worker when the engine enables them."""
-        self.speculative = None if proposer is None else SpeculativeDecoding(proposer, self.sampler, device)
+        self.tree = tree
+        trees = None if tree is None else TreeVerification(tree, self.sampler, model, device)
+        self.speculative = None if proposer is None else SpeculativeDecoding(proposer, self.sampler, device, trees)
         """Drafts and verification; None without speculative decoding."""
         self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
         self._last_pending: PendingOutput | None = None
@@ -115,7 +121,7 @@ class ModelRunner:
         num_drafts = None
         if scheduler_output.num_lookahead_tokens and self.speculative is not None:
             num_drafts = self.speculative.propose(scheduler_output, self.states)
-        batch = prepare_inputs(scheduler_output, self.states, self.block_size, num_drafts)
+        batch = prepare_inputs(scheduler_output, self.states, self.block_size, num_drafts, self.tree)
         self.states.num_computed_tokens[batch.rows] += batch.num_new
         constrained = None
         if grammars_early and self.grammar_rows.send_ready_tokens(last, self.states):

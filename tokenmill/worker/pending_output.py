@@ -37,6 +37,13 @@ class VerifiedTokens:
     """[n] drafts verified per row (0 for rows that only sampled)."""
     logprob_starts: np.ndarray
     """[n] each row's first entry in the step's logprobs, which has one entry per verified position."""
+    num_positions: np.ndarray | None = None
+    """[n] draft positions verified per row, where they differ from num_drafts: a draft tree's depth (its nodes
+    are num_drafts); the step's logprobs have 1 + this many entries per row, and its metrics count these."""
+
+    @property
+    def num_draft_positions(self) -> np.ndarray:
+        return self.num_drafts if self.num_positions is None else self.num_positions
 
 
 class PendingOutput:
@@ -118,7 +125,7 @@ class PendingOutput:
             self._write_verified_tokens(token_ids, counts)
             starts = self.verified.logprob_starts
             logprob_slices = [slice(s, s + c) for s, c in zip(starts.tolist(), counts.tolist())]
-            num_drafts = {rid: d for rid, d in zip(self._request_ids, self.verified.num_drafts.tolist()) if d}
+            num_drafts = {rid: d for rid, d in zip(self._request_ids, self.verified.num_draft_positions.tolist()) if d}
         logprobs = {}
         if self._logprobs is not None:
             entries = to_token_logprobs(self._logprobs, self._num_top_per_entry())
@@ -138,7 +145,7 @@ class PendingOutput:
         per_row = [k or 0 for k in self._num_logprobs]
         if self.verified is None:
             return per_row
-        return np.repeat(per_row, 1 + self.verified.num_drafts).tolist()
+        return np.repeat(per_row, 1 + self.verified.num_draft_positions).tolist()
 
     def _kept_rows(self) -> np.ndarray:
         # Rows whose request left since the launch may serve another request now: never write there.

@@ -2,7 +2,9 @@
 
 Before the forward pass, the proposer writes up to the scheduled lookahead of draft tokens after each
 request's known tokens (in its row of RequestStates). After it, the sampler draws at each request's
-last position as in plain decoding, and spec/rejection.py decides how many drafts before it stand.
+last position as in plain decoding, and spec/rejection.py decides how many drafts before it stand. With a
+draft tree (speculative_token_tree) the drafts are the tree's first nodes, and worker/tree_verify.py verifies
+them; the drafter then observes the step's hidden states after the verification, in the accepted order.
 """
 
 from __future__ import annotations
@@ -20,13 +22,19 @@ from tokenmill.spec.rejection import VerifyBatch, verify_drafts
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.pending_output import VerifiedTokens
 from tokenmill.worker.request_state import RequestStates
+from tokenmill.worker.tree_verify import TreeVerification
 
 
 class SpeculativeDecoding:
-    def __init__(self, proposer: Proposer, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, proposer: Proposer, sampler: Sampler, device: torch.device,
+                 tree: TreeVerification | None = None) -> None:
         self.proposer = proposer
         self.sampler = sampler
         self.device = device
+        self.tree = tree
+        """Draft trees' verification; None: chains."""
+        self._tree_step_states: tuple[InputBatch, torch.Tensor] | None = None
+        """A tree step's batch and hidden states, observed once its verification has ordered them."""
 
     def propose(self, scheduler_output: SchedulerOutput, states: RequestStates) -> np.ndarray:
         """Draft tokens for the requests given lookahead, written after their known tokens; returns the
@@ -37,8 +45,10 @@ class SpeculativeDecoding:
         candidates = [(index[rid], states.row_of[rid], k) for rid, k in scheduler_output.num_lookahead_tokens.items()]
         # Before min_tokens the EOS ban depends on the position: those requests decode one token per step.
         num_output = states.num_tokens - states.num_prompt_tokens
-        candidates = [(i, row, k) for i, row, k in candidates
-                      if num_output[row] >= states.sampling_params[row].min_tokens]
+        params = states.sampling_params
+        # A grammar would have to follow every branch of a tree: under trees those requests decode undrafted.
+        candidates = [(i, row, k) for i, row, k in candidates if num_output[row] >= params[row].min_tokens
+                      and (self.tree is None or params[row].structured_outputs is None)]
         if not candidates:
             return num_drafts
         positions, rows, max_drafts = (np.array(column, dtype=np.int64) for column in zip(*candidates))
@@ -54,9 +64,13 @@ class SpeculativeDecoding:
         """The target's hidden states of the step, for proposers that draft from them: its auxiliary
         layers' where the model returns them (EAGLE-3), else its last (EAGLE)."""
         observe = getattr(self.proposer, "observe", None)
-        if observe is not None:
-            observe(states, batch.rows, batch.query_start_loc, batch.positions,
-                    hidden_states if aux_hidden_states is None else aux_hidden_states)
+        if observe is None:
+            return
+        hidden_states = hidden_states if aux_hidden_states is None else aux_hidden_states
+        if batch.buffer_positions is not None:  # a tree step: which nodes stand is known after sampling
+            self._tree_step_states = (batch, hidden_states[: batch.num_tokens])
+            return
+        observe(states, batch.rows, batch.query_start_loc, batch.positions, hidden_states)
 
     def sample_and_verify(
         self, logits: torch.Tensor, batch: InputBatch, metadata: SamplingMetadata, states: RequestStates,
@@ -64,6 +78,14 @@ class SpeculativeDecoding:
     ) -> tuple[VerifiedTokens, SamplerOutput]:
         """The sampler draws at each request's last position, as in plain decoding; the draft positions
         before it are verified against the target (spec/rejection.py), which decides what is emitted."""
+        if self.tree is not None:
+            verified, output, order = self.tree.sample_and_verify(logits, batch, metadata, states, sampling_state)
+            if self._tree_step_states is not None:
+                step, hidden_states = self._tree_step_states
+                self._tree_step_states = None
+                self.proposer.observe(states, step.rows, step.query_start_loc, step.buffer_positions,
+                                      hidden_states[order])
+            return verified, output
         counts = 1 + batch.sampled_num_drafts
         starts = np.cumsum(counts) - counts
         verifying = np.flatnonzero(batch.sampled_num_drafts)

@@ -24,6 +24,7 @@ from tokenmill.spec.eagle import EagleProposer
 from tokenmill.spec.eagle3 import Eagle3Proposer
 from tokenmill.spec.mtp import load_mtp_head
 from tokenmill.spec.proposers import make_proposer
+from tokenmill.spec.tree import TokenTree
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.matchers import GrammarRows
 from tokenmill.worker.cpu_threads import choose_cpu_threads
@@ -56,6 +57,17 @@ def resolve_device(name: str) -> torch.device:
 def num_local_devices(device: torch.device) -> int | None:
     """Devices of this kind on this node, one per rank (None: the CPU, where any number of ranks fit)."""
     return torch.cuda.device_count() if device.type == "cuda" else None
+
+
+def check_tree_support(layers: list[Attention]) -> None:
+    """Draft trees attend under a mask of buffer indices, which latent attention's kernels lack and which would
+    misplace sliding windows (a node's position is not its index): refused at start-up."""
+    if any(isinstance(layer, LatentAttention) for layer in layers):
+        raise ValueError("speculative_token_tree does not run with latent attention (MLA) yet: draft a chain "
+                         "(leave out speculative_token_tree)")
+    if any(layer.sliding_window is not None for layer in layers):
+        raise ValueError("speculative_token_tree does not run with sliding-window attention yet: draft a chain "
+                         "(leave out speculative_token_tree)")
 
 
 class Worker:
@@ -108,6 +120,10 @@ class Worker:
             load = {"eagle": load_eagle_head, "eagle3": load_eagle3_head, "mtp": load_mtp_head}[speculative.method]
             self.eagle_head = load(config, hf_config, self.model, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.eagle_head)
+        self.token_tree = None
+        if speculative is not None and speculative.speculative_token_tree is not None:
+            self.token_tree = TokenTree.from_paths(speculative.speculative_token_tree)
+            check_tree_support(self.attn_layers + self.draft_attn_layers)
         check_kv_cache_dtype(self.kv_cache_dtype, self.device, self.attn_backend.name,
                              has_latent_attention=any(isinstance(layer, LatentAttention)
                                                       for layer in self.attn_layers + self.draft_attn_layers))
@@ -189,6 +205,7 @@ class Worker:
             proposer=self._make_proposer(shape.block_size),
             max_drafts=0 if speculative is None else speculative.num_speculative_tokens,
             num_batches_in_flight=self.config.parallel_config.num_batches_in_flight,
+            tree=self.token_tree,
         )
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
             if self.config.parallel_config.pipeline_parallel_size > 1:
@@ -213,9 +230,10 @@ class Worker:
             eagle1 = speculative.method in ("eagle", "mtp")  # MTP drafts from the last states as EAGLE-1 does
             proposer = EagleProposer if eagle1 else Eagle3Proposer
             width = self.hf_config.hidden_size if eagle1 else self.eagle_head.fc.out_features
+            tree = self.token_tree
+            max_drafts = speculative.num_speculative_tokens if tree is None else tree.num_nodes
             return proposer(self.eagle_head, self.attn_backend, self.device, block_size,
-                            self.config.scheduler_config.max_num_seqs, width, speculative.num_speculative_tokens,
-                            self.dtype)
+                            self.config.scheduler_config.max_num_seqs, width, max_drafts, self.dtype, tree)
         return make_proposer(speculative)
 
     def _capture_cuda_graphs(self, block_size: int, pool=None) -> None:
@@ -258,7 +276,8 @@ class Worker:
             return None
         runner = MixedCudaGraphRunner(self.model, self.attn_backend, self.device, block_size,
                                       max_blocks_per_req=-(-self.max_model_len // block_size),
-                                      max_num_reqs=sched.max_num_seqs, max_tokens=max_tokens)
+                                      max_num_reqs=sched.max_num_seqs, max_tokens=max_tokens,
+                                      trees=self.token_tree is not None)
         runner.capture()
         self.model_runner.mixed_cuda_graphs = runner
         return runner.pool
