@@ -36,6 +36,7 @@ from tokenmill.worker.draft_model import (
     load_eagle3_head,
     load_eagle_head,
 )
+from tokenmill.worker.kv_pool_warmer import KVPoolWarmer, block_axis, highest_new_block
 from tokenmill.worker.mixed_cuda_graph import DEFAULT_MAX_TOKENS, MixedCudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
@@ -131,6 +132,7 @@ class Worker:
             log_kv_scales(self.attn_layers)
         self.model_runner: ModelRunner | None = None
         self.num_kv_blocks = 0
+        self.kv_pool_warmer: KVPoolWarmer | None = None
 
     def kv_cache_shape(self) -> KVCacheShape:
         return KVCacheShape(
@@ -193,6 +195,8 @@ class Worker:
             # A draft's KV in a prefix-cache hit may never have been written: zeros, never stale NaNs.
             layer.allocate_kv_cache(spec.num_blocks, shape.block_size, self.kv_cache_dtype, self.device,
                                     zeroed=layer in self.draft_attn_layers)
+        if self.device.type == "cpu":
+            self._warm_kv_pool(spec.num_blocks, shape.block_size)
         speculative = self.config.speculative_config
         self.model_runner = ModelRunner(
             self.model,
@@ -217,6 +221,15 @@ class Worker:
             warm_up_sampler(self.model_runner.sampler, self.hf_config.vocab_size, self.dtype, self.device,
                             background=self._sampler_compile)
             self._sampler_compile = None
+
+    def _warm_kv_pool(self, num_blocks: int, block_size: int) -> None:
+        """Map the CPU pool's pages ahead of the allocator (worker.kv_pool_warmer) instead of in the steps."""
+        if self.kv_pool_warmer is not None:
+            self.kv_pool_warmer.stop()
+        layers = [layer for layer in self.attn_layers + self.draft_attn_layers if layer.kv_cache.numel()]
+        self.kv_pool_warmer = KVPoolWarmer(
+            [(layer.kv_cache, block_axis(layer.kv_cache_shape(1, block_size), layer.kv_cache_shape(2, block_size)))
+             for layer in layers], num_blocks)
 
     def _make_proposer(self, block_size: int):
         speculative = self.config.speculative_config
@@ -303,6 +316,8 @@ class Worker:
             self._copy_blocks(scheduler_output.block_copies)
         if self.cpu_threads is not None:
             self.cpu_threads.before_step()
+        if self.kv_pool_warmer is not None:
+            self.kv_pool_warmer.note_blocks(highest_new_block(scheduler_output))
         return self.model_runner.execute_model(scheduler_output)
 
     @torch.inference_mode()
