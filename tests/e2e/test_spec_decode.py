@@ -270,17 +270,20 @@ def eagle_target_and_head(tmp_path_factory):
 
 def record_target_hidden_states(llm: LLM) -> list:
     """(positions, next tokens, hidden states) of every head pass that reads the target's hidden states: the
-    first forward pass of each observe() and propose() (the later ones of propose() read the head's own)."""
+    first forward pass of each observe() and propose() (the later ones of propose() read the head's own). With
+    CUDA graphs propose()'s first pass may be a graph replay (`_step`), which never reaches `_forward`: both
+    are watched, so that a later pass is never taken for the first."""
     proposer = llm.engine.core.executor.driver_worker.model_runner.speculative.proposer
     records, first = [], [False]
-    forward = proposer._forward
 
-    def recording_forward(layout, input_ids, positions, hidden=None):
-        if first[0]:
-            first[0] = False
-            # A tree's level passes feed token ids from the device.
-            records.append((np.array(positions), torch.as_tensor(input_ids).cpu().numpy(), hidden.cpu().clone()))
-        return forward(layout, input_ids, positions, hidden=hidden)
+    def recording(method):
+        def recorded(layout, input_ids, positions, hidden=None):
+            if first[0]:
+                first[0] = False
+                # A tree's level passes feed token ids from the device.
+                records.append((np.array(positions), torch.as_tensor(input_ids).cpu().numpy(), hidden.cpu().clone()))
+            return method(layout, input_ids, positions, hidden=hidden)
+        return recorded
 
     def first_pass_of(method):
         def wrapped(*args, **kwargs):
@@ -291,7 +294,8 @@ def record_target_hidden_states(llm: LLM) -> list:
                 first[0] = False
         return wrapped
 
-    proposer._forward = recording_forward
+    proposer._forward = recording(proposer._forward)
+    proposer._step = recording(proposer._step)
     proposer.observe = first_pass_of(proposer.observe)
     proposer.propose = first_pass_of(proposer.propose)
     return records
