@@ -72,6 +72,8 @@ def precompile(work: Callable[[], object], device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
 
     def compile_one(item: tuple[tuple[int, str], object]) -> tuple[float, float]:
+        from triton.runtime.errors import OutOfResources  # there are variants: triton is installed
+
         (_, specialization), kernel = item
         torch.cuda.set_device(index)
         start = time.perf_counter()
@@ -83,6 +85,9 @@ def precompile(work: Callable[[], object], device: torch.device) -> int:
             # the first launch would otherwise do one kernel after another.
             if hasattr(compiled, "_init_handles"):
                 compiled._init_handles()
+        except OutOfResources:
+            # A variant this GPU cannot hold (too much shared memory): its caller falls back at the launch.
+            logger.debug("precompiling %s: out of resources on this GPU", kernel)
         except Exception:  # noqa: BLE001 - the real run compiles it again and raises there if it must
             logger.warning("precompiling %s failed; it compiles at its first launch", kernel, exc_info=True)
         return loaded - start, time.perf_counter() - loaded
