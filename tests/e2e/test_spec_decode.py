@@ -105,15 +105,7 @@ def sequences_of(outputs) -> list[list[int]]:
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_drafted_runs_give_exactly_the_plain_tokens_and_logprobs(tiny_llama, plain, engine):
     outputs, llm, proposer = run(tiny_llama, ENGINES[engine], SPEC, sequences_of(plain))
-    for got, want in zip(outputs, plain):
-        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
-        for g, w in zip(got.outputs, want.outputs):
-            assert (g.logprobs is None) == (w.logprobs is None)
-            for g_pos, w_pos in zip(g.logprobs or [], w.logprobs or []):
-                assert list(g_pos) == list(w_pos)
-                for token in g_pos:
-                    assert g_pos[token].logprob == pytest.approx(w_pos[token].logprob, abs=1e-4)
-                    assert g_pos[token].rank == w_pos[token].rank
+    check_same_tokens_and_logprobs(outputs, plain)
     stats = llm.engine.last_stats.spec_decoding
     assert proposer.num_proposed > 0 and stats.num_draft_tokens == proposer.num_proposed
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -14,7 +14,14 @@ import json
 import pytest
 import torch
 
-from tests.e2e.test_spec_decode import ENGINES, _Model, always_draft, run, workload
+from tests.e2e.test_spec_decode import (
+    ENGINES,
+    _Model,
+    always_draft,
+    check_same_tokens_and_logprobs,
+    run,
+    workload,
+)
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import parse_token_tree
 
@@ -175,17 +182,6 @@ def record_proposals(proposer) -> list[tuple[list[int], list[int]]]:
     return proposals
 
 
-def check_same_outputs(outputs, plain) -> None:
-    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
-    for got, want in zip(outputs, plain):
-        for g, w in zip(got.outputs, want.outputs):
-            assert (g.logprobs is None) == (w.logprobs is None)
-            for g_pos, w_pos in zip(g.logprobs or [], w.logprobs or []):
-                assert list(g_pos) == list(w_pos)
-                for token in g_pos:
-                    assert g_pos[token].logprob == pytest.approx(w_pos[token].logprob, abs=1e-4)
-
-
 @pytest.fixture(scope="module")
 def exact_plain(exact_target_and_head):
     return run(exact_target_and_head[0], ENGINES["default"])[0]
@@ -215,7 +211,7 @@ def test_an_eagle3_head_whose_first_draft_is_the_target_token_is_always_accepted
 
     proposer.propose = checking_propose
     outputs = llm.generate(*workload(), use_tqdm=False)
-    check_same_outputs(outputs, exact_plain)
+    check_same_tokens_and_logprobs(outputs, exact_plain)
     check_aux_states(model, [0, 1, 2], records)
     stats = llm.engine.last_stats.spec_decoding
     assert stats.num_drafts == counts["after_output"] + counts["at_prompt_end"], (stats, counts)
@@ -307,7 +303,7 @@ def test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token
     records = record_aux_states(llm)
     proposals = record_proposals(proposer_of(llm))
     outputs = llm.generate(*workload(), use_tqdm=False)
-    check_same_outputs(outputs, plain)
+    check_same_tokens_and_logprobs(outputs, plain)
     check_aux_states(model, [2, 1, 0], records)
     reference = ReferenceHead(head, model)
     # NOTE: the forked samples of the n = 2 request draft from head KV that is not always the reference's (their

@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from tests.e2e.test_spec_decode import ENGINES, _Model, always_draft, run, workload
-from tests.e2e.test_spec_decode_eagle3 import check_same_outputs, proposer_of, record_proposals, rms_norm
+from tests.e2e.test_spec_decode import ENGINES, _Model, always_draft, check_same_tokens_and_logprobs, run, workload
+from tests.e2e.test_spec_decode_eagle3 import proposer_of, record_proposals, rms_norm
 from tests.models.conftest import TINY_MODELS, build_tiny_model
 from tokenmill import LLM
 
@@ -146,7 +146,7 @@ def test_an_mtp_layer_that_recomputes_the_target_has_every_draft_accepted(exact_
 
     proposer.propose = checking_propose
     outputs = llm.generate(*workload(), use_tqdm=False)
-    check_same_outputs(outputs, exact_plain)
+    check_same_tokens_and_logprobs(outputs, exact_plain)
     stats = llm.engine.last_stats.spec_decoding
     assert stats.num_draft_tokens == num_checked[0] > 50, (stats, num_checked)
     assert stats.num_accepted_tokens == stats.num_draft_tokens, stats
@@ -201,7 +201,7 @@ def test_a_random_mtp_layer_drafts_what_the_module_computes_and_changes_no_token
                                                                   proposer.model.named_parameters()}
     proposals = record_proposals(proposer)
     outputs = llm.generate(*workload(), use_tqdm=False)
-    check_same_outputs(outputs, plain)
+    check_same_tokens_and_logprobs(outputs, plain)
     reference = ReferenceMtp(model, source, tensors)
     # A forked sample (n=2) starts without the layer's KV at its prompt's last two positions (spec/eagle.py:
     # never observed in its own row), which changes its drafts, not its tokens: those are left out here.
