@@ -39,6 +39,13 @@ class BatchLayout:
     tree_bits: np.ndarray | None = None
     """[num_tokens] int64: the tree nodes each query sees beside the keys before them (bit i: node i)."""
 
+    def decode_requests(self) -> np.ndarray:
+        """[num_reqs] bool: the requests the decode kernels take: one query token and no draft-tree nodes."""
+        is_decode = np.diff(self.query_start_loc) == 1
+        if self.tree_lens is not None:
+            is_decode &= self.tree_lens == 0
+        return is_decode
+
 
 class FixedShape(NamedTuple):
     """The shape a full-step CUDA graph is captured for. Metadata padded to it (build_metadata's `padded_to`)

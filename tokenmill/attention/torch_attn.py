@@ -184,9 +184,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
         qsl = layout.query_start_loc
-        is_decode = (qsl[1:] - qsl[:-1]) == 1
-        if layout.tree_lens is not None:
-            is_decode &= layout.tree_lens == 0
+        is_decode = layout.decode_requests()
         decode_seq_lens = layout.seq_lens[is_decode]
         max_decode_blocks = -(-int(decode_seq_lens.max()) // layout.block_size) if len(decode_seq_lens) else 0
         decode_block_table = layout.block_table[is_decode, :max_decode_blocks]

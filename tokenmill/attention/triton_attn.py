@@ -63,10 +63,9 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout, device: torch.device,
                        padded_to: FixedShape | None = None) -> TritonAttentionMetadata:
         q_lens = np.diff(layout.query_start_loc)
-        is_decode = q_lens == 1
+        is_decode = layout.decode_requests()
         tree = None
         if layout.tree_lens is not None:  # a request with tree nodes needs the prefill kernel's mask
-            is_decode &= layout.tree_lens == 0
             tree_lens, tree_bits = layout.tree_lens.astype(np.int32), layout.tree_bits.astype(np.int64)
             if padded_to is not None:  # padding requests have no nodes; padding tokens see nothing anyway
                 num_reqs = padded_to.num_decodes + padded_to.num_prefills

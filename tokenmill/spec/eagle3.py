@@ -102,13 +102,17 @@ class Eagle3Head(nn.Module):
 
     def greedy_target_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The target-vocabulary id of each position's most likely draft token."""
-        draft = self.lm_head.compute_logits(self.norm(hidden_states)).argmax(dim=-1)
-        return draft if self.d2t is None else draft + self.d2t[draft]
+        return self._to_target(self._draft_logits(hidden_states).argmax(dim=-1))
 
     def top_target_ids(self, hidden_states: torch.Tensor, k: int) -> torch.Tensor:
         """The target-vocabulary ids of each position's k most likely draft tokens [n, k], most likely first."""
-        draft = self.lm_head.compute_logits(self.norm(hidden_states)).topk(k, dim=-1).indices
-        return draft if self.d2t is None else draft + self.d2t[draft]
+        return self._to_target(self._draft_logits(hidden_states).topk(k, dim=-1).indices)
+
+    def _draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(self.norm(hidden_states))
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def load_weights(self, weights) -> None:
         """`weights`: (name, tensor) under eagle3_tensor_name's names; `t2d` is d2t's inverse, unused."""

@@ -73,10 +73,7 @@ class MixedCudaGraphRunner(CudaGraphRunner):
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
         slots = self._request_slots(size)
-        is_decode = np.diff(layout.query_start_loc) == 1
-        if layout.tree_lens is not None:  # a request with tree nodes takes the prefill kernel (a prefill slot)
-            is_decode &= layout.tree_lens == 0
-        num_decodes = int(np.count_nonzero(is_decode))
+        num_decodes = int(np.count_nonzero(layout.decode_requests()))  # a tree's request takes a prefill slot
         return size if num_decodes <= slots and len(layout.seq_lens) - num_decodes <= slots else None
 
     def _metadata(self, layout: BatchLayout, size: int) -> object:

@@ -224,9 +224,7 @@ class Worker:
 
     def _warm_kv_pool(self, num_blocks: int, block_size: int) -> None:
         """Map the CPU pool's pages ahead of the allocator (worker.kv_pool_warmer) instead of in the steps."""
-        if self.kv_pool_warmer is not None:
-            self.kv_pool_warmer.stop()
-        layers = [layer for layer in self.attn_layers + self.draft_attn_layers if layer.kv_cache.numel()]
+        layers = self.attn_layers + self.draft_attn_layers
         self.kv_pool_warmer = KVPoolWarmer(
             [(layer.kv_cache, block_axis(layer.kv_cache_shape(1, block_size), layer.kv_cache_shape(2, block_size)))
              for layer in layers], num_blocks)
