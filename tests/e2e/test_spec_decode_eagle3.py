@@ -324,15 +324,17 @@ def test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token
     assert len(proposals) == stats.num_drafts > 20 and stats.acceptance_rate < 0.3, stats
 
 
-def test_an_eagle3_head_drafts_alike_on_two_tensor_parallel_ranks(exact_target_and_head):
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_an_eagle3_head_drafts_alike_on_two_tensor_parallel_ranks(exact_target_and_head, tree):
     """TP = 2 (gloo): the target's auxiliary states are whole on every rank (after the layers' all-reduce), the
-    head's layer and its draft LM head shard as the target's: the same tokens, drafts and acceptances as one rank."""
+    head's layer and its draft LM head shard as the target's: the same tokens, drafts and acceptances as one rank
+    (with a draft tree, each rank moves its shard of the accepted path's KV)."""
     target, head, _ = exact_target_and_head
     prompts = [{"prompt_token_ids": [5, 9, 13, 17, 21, 30][: 3 + i]} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = []
     for engine in ({"async_scheduling": True}, {"async_scheduling": True, "tensor_parallel_size": 2}):
-        llm = eagle3_llm(target, head, engine, 2)
+        llm = eagle3_llm(target, head, engine, 2 if tree is None else len(parse_token_tree(tree)[-1]), tree)
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             spec = llm.engine.last_stats.spec_decoding
