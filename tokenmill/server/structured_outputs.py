@@ -9,8 +9,6 @@ it came in; compiling it needs no tokenizer and runs off the event loop, as a la
 from __future__ import annotations
 
 import asyncio
-import hashlib
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +20,6 @@ from tokenmill.structured.grammar import validate
 
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
-MAX_REMEMBERED = 1024
-"""Specs that compiled, remembered by digest: clients send the same schema with every request."""
 
 
 @dataclass(frozen=True)
@@ -81,28 +77,16 @@ def constraint_of(req: SamplingRequest) -> Constraint | None:
 
 class GrammarChecker:
     """Compiles specs on a thread of its own (not the tokenizer's: a large schema would hold up every
-    prompt's tokenization). That one thread alone touches the memory of the specs that passed."""
+    prompt's tokenization)."""
 
     def __init__(self) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._passed: OrderedDict[bytes, None] = OrderedDict()
 
     async def check(self, constraint: Constraint) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, self._check, constraint.params)
+            await asyncio.get_running_loop().run_in_executor(self.executor, validate, constraint.params)
         except ValueError as e:
             raise bad_request(f"{e}{constraint.note}", param=constraint.param) from e
-
-    def _check(self, params: StructuredOutputsParams) -> None:
-        kind, text = params.key  # the JSON text of a schema: not free for a large one either
-        digest = hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).digest()
-        if digest in self._passed:
-            self._passed.move_to_end(digest)
-            return
-        validate(params)
-        self._passed[digest] = None
-        if len(self._passed) > MAX_REMEMBERED:
-            self._passed.popitem(last=False)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.structural_tag import STRUCTURAL_TAG, structural_tag_grammar
@@ -93,8 +96,26 @@ def _json_string_characters_fixed(grammar):
         return grammar
 
 
+MAX_REMEMBERED = 1024
+"""Specs that built, remembered by digest: clients send the same schema with every request, and building its
+grammar again (~1 ms for a JSON schema) would be most of the cost of adding such a request."""
+_passed: OrderedDict[bytes, None] = OrderedDict()
+_passed_lock = threading.Lock()
+
+
 def validate(params: StructuredOutputsParams) -> None:
+    """ValueError naming what is wrong with the spec (its grammar is built, once per distinct spec)."""
+    kind, text = params.key  # the JSON text of a schema: not free for a large one either
+    digest = hashlib.sha256(f"{kind}\0{text}\0{params.reasoning_end}".encode("utf-8", "surrogatepass")).digest()
+    with _passed_lock:
+        if digest in _passed:
+            _passed.move_to_end(digest)
+            return
     build_grammar(params)
+    with _passed_lock:
+        _passed[digest] = None
+        if len(_passed) > MAX_REMEMBERED:
+            _passed.popitem(last=False)
 
 
 # xgrammar's C++ messages start with "[time] /path/file.cc:line: ": not for the user.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -106,12 +107,17 @@ class GrammarProcess:
             self._send("compile", params)
 
     def accept(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray) -> None:
-        self._send("accept", rows, counts, tokens)
+        self._send_step(pack_step(ACCEPT, (), (rows, counts, tokens)))
 
     def fill(self, turn: int, offset: int, bitmask: np.ndarray, rows: np.ndarray, num_drafts: np.ndarray,
-             drafts: np.ndarray) -> None:
-        """Start filling the masks into buffer `turn`'s [offset, offset + bitmask.size) (`bitmask`: its view)."""
-        self._send("fill", turn, offset, bitmask.shape, rows, num_drafts, drafts)
+             drafts: np.ndarray, accept: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """Start filling the masks into buffer `turn`'s [offset, offset + bitmask.size) (`bitmask`: its view),
+        after accepting `accept` (rows, counts, tokens) if given: one message for both."""
+        header = (turn, offset, *bitmask.shape)
+        if accept is None:
+            self._send_step(pack_step(FILL, header, (rows, num_drafts, drafts)))
+        else:
+            self._send_step(pack_step(ACCEPT_FILL, header, (*accept, rows, num_drafts, drafts)))
 
     def take(self) -> None:
         """Wait until the last fill is written."""
@@ -135,6 +141,13 @@ class GrammarProcess:
         except OSError:
             raise self._died() from None
 
+    def _send_step(self, message: bytes) -> None:
+        try:
+            with self._lock:
+                self._conn.send_bytes(message)
+        except OSError:
+            raise self._died() from None
+
     def _died(self) -> GrammarProcessError:
         try:  # its last words, if it could send them
             while self._conn.poll(0):
@@ -150,6 +163,30 @@ class GrammarProcess:
             code = self._proc.wait()
         return GrammarProcessError(f"the grammar process exited (code {code}): structured outputs cannot go on")
 
+
+# A step's messages (accept, fill) are raw bytes, not pickles: pickling the arrays cost more than the rest of the
+# engine's side of a step. Layout: kind, number of ints, number of arrays (int64 each), the ints, each array's
+# length, then the arrays' int64 data one after the other. Pickled messages (rare ones) start with pickle's own
+# protocol byte, never one of these kinds.
+ACCEPT, FILL, ACCEPT_FILL = 1, 2, 3
+
+
+def pack_step(kind: int, ints: tuple[int, ...], arrays: tuple[np.ndarray, ...]) -> bytes:
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in arrays]
+    head = np.array([kind, len(ints), len(arrays), *ints, *(a.size for a in arrays)], dtype=np.int64)
+    return b"".join([head.tobytes(), *(a.tobytes() for a in arrays)])
+
+
+def unpack_step(message: bytes) -> tuple[int, list[int], list[np.ndarray]]:
+    words = np.frombuffer(message, dtype=np.int64)
+    kind, num_ints, num_arrays = (int(x) for x in words[:3])
+    ints = words[3 : 3 + num_ints].tolist()
+    lengths = words[3 + num_ints : 3 + num_ints + num_arrays].tolist()
+    arrays, at = [], 3 + num_ints + num_arrays
+    for length in lengths:
+        arrays.append(words[at : at + length])
+        at += length
+    return kind, ints, arrays
 
 
 def _release(memory: list[mmap.mmap], pinned: list[int]) -> None:
@@ -195,17 +232,21 @@ def serve(conn: Connection) -> None:
     buffers: list[np.ndarray] = []
     while True:
         try:
-            kind, *args = conn.recv()
+            message = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the engine is gone
-        if kind == "accept":
-            matchers.accept(*args)
-        elif kind == "fill":
-            turn, offset, shape, rows, num_drafts, drafts = args
-            bitmask = buffers[turn][offset : offset + shape[0] * shape[1]].reshape(shape)
-            matchers.fill(rows, num_drafts, drafts, bitmask)
-            conn.send(("filled",))
-        elif kind == "add":
+        if message[0] in (ACCEPT, FILL, ACCEPT_FILL):
+            kind, ints, arrays = unpack_step(message)
+            if kind != FILL:
+                matchers.accept(*arrays[:3])
+            if kind != ACCEPT:
+                turn, offset, num_masks, words = ints
+                bitmask = buffers[turn][offset : offset + num_masks * words].reshape(num_masks, words)
+                matchers.fill(*arrays[-3:], bitmask)
+                conn.send(("filled",))
+            continue
+        kind, *args = pickle.loads(message)
+        if kind == "add":
             row, params, stop_tokens = args
             matchers.add(row, compiler.get(params), stop_tokens)
         elif kind == "compile":

@@ -72,7 +72,9 @@ class LocalMatchers:
         self._set.accept(rows, counts, tokens)
 
     def fill(self, turn: int, offset: int, bitmask: np.ndarray, rows: np.ndarray, num_drafts: np.ndarray,
-             drafts: np.ndarray) -> None:
+             drafts: np.ndarray, accept: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        if accept is not None:
+            self._set.accept(*accept)
         self._set.fill(rows, num_drafts, drafts, bitmask)
 
     def take(self) -> None:
@@ -108,6 +110,8 @@ class GrammarRows:
         self._accepted: np.ndarray | None = None  # [rows] output tokens sent to its matcher
         self._capacity = 0  # masks a buffer holds
         self._host: list[torch.Tensor] = []  # two int32 [capacity + capacity * words]: logits rows, then masks
+        self._host_numpy: list[np.ndarray] = []  # their numpy views (made once: a view costs microseconds a step)
+        self._copy_events: list[torch.cuda.Event] | None = None  # one per host buffer, recorded at each copy
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each host buffer's last copy
         self._turn = 0
         self._on_device: torch.Tensor | None = None
@@ -180,7 +184,10 @@ class GrammarRows:
         since: as soon as they are on the host, so that a grammar process accepts them meanwhile."""
         if self._active is None:
             return
-        self._advance(rows[self._active[rows] & (self._generation[rows] == states.row_generation[rows])], states)
+        moved = self._advance(rows[self._active[rows] & (self._generation[rows] == states.row_generation[rows])],
+                              states)
+        if moved is not None:
+            self._matchers.accept(*moved)
 
     def send_ready_tokens(self, last: PendingOutput | None, states: RequestStates) -> bool:
         """`send_tokens` for the rows of the last step (`last`) if its tokens are on the host: never waits for
@@ -204,7 +211,8 @@ class GrammarRows:
         drafts = np.asarray(num_drafts)[chosen]
         starts = np.asarray(first_logit_rows)[chosen]
         num_masks = len(chosen) + int(drafts.sum())
-        self._advance(grammar_rows, states)  # a resumed request's replay, a verifying step's tokens, or any not sent
+        # A resumed request's replay, a verifying step's tokens, or any not sent: accepted before the fill.
+        moved = self._advance(grammar_rows, states)
         buffer, index, bitmask = self._host_buffer(num_masks)
         if not drafts.any():
             index[:] = starts
@@ -215,7 +223,7 @@ class GrammarRows:
             lengths = states.num_tokens[grammar_rows]  # the drafts sit after the row's tokens
             draft_tokens = np.concatenate([states.token_ids[row, length : length + count] for row, length, count
                                            in zip(grammar_rows.tolist(), lengths.tolist(), drafts.tolist())])
-        self._matchers.fill(self._turn, self._capacity, bitmask, grammar_rows, drafts, draft_tokens)
+        self._matchers.fill(self._turn, self._capacity, bitmask, grammar_rows, drafts, draft_tokens, accept=moved)
         self._started = buffer, num_masks, index
 
     def apply(self, logits: torch.Tensor) -> None:
@@ -228,12 +236,14 @@ class GrammarRows:
     def close(self) -> None:
         self._matchers.close()
 
-    def _advance(self, grammar_rows: np.ndarray, states: RequestStates) -> None:
+    def _advance(self, grammar_rows: np.ndarray, states: RequestStates) -> tuple[np.ndarray, ...] | None:
+        """The rows' tokens their matchers have not had (rows, counts, tokens: for `accept`), counted as had;
+        None if there are none."""
         start = states.num_prompt_tokens[grammar_rows] + self._accepted[grammar_rows]
         count = states.num_tokens[grammar_rows] - start
         moving = count > 0
         if not moving.any():
-            return
+            return None
         if not moving.all():
             grammar_rows, start, count = grammar_rows[moving], start[moving], count[moving]
         if (count == 1).all():  # the usual step: one new token per row
@@ -241,8 +251,8 @@ class GrammarRows:
         else:
             tokens = np.concatenate([states.token_ids[row, first : first + n] for row, first, n
                                      in zip(grammar_rows.tolist(), start.tolist(), count.tolist())])
-        self._matchers.accept(grammar_rows, count, tokens)
         self._accepted[grammar_rows] += count
+        return grammar_rows, count, tokens
 
     def _host_buffer(self, num_masks: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         """This step's host buffer, once the copy from its last use has run, with its numpy views: the masks'
@@ -261,22 +271,24 @@ class GrammarRows:
             # In this process the old buffers may still be in flight: the caching host allocator keeps them until
             # their copies ran.
             self._host = self._matchers.new_buffers(size, pinned)
+            self._host_numpy = [buffer.numpy() for buffer in self._host]
             self._copied = [None, None]
             self._on_device = torch.empty(size, dtype=torch.int32, device=self.device) if pinned else None
+            if pinned and self._copy_events is None:
+                self._copy_events = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn ^= 1
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # done in practice: it was queued a step before the last
-        buffer = self._host[self._turn]
-        index = buffer[:num_masks].numpy()
-        bitmask = buffer[self._capacity : self._capacity + num_masks * self._words].numpy()
-        return buffer, index, bitmask.reshape(num_masks, self._words)
+        host = self._host_numpy[self._turn]
+        bitmask = host[self._capacity : self._capacity + num_masks * self._words]
+        return self._host[self._turn], host[:num_masks], bitmask.reshape(num_masks, self._words)
 
     def _apply(self, logits: torch.Tensor, buffer: torch.Tensor, num_masks: int, host_index: np.ndarray) -> None:
         end = self._capacity + num_masks * self._words
         if self._on_device is not None:
             # One copy (rows and masks), queued behind the forward pass without blocking the host.
             self._on_device[:end].copy_(buffer[:end], non_blocking=True)
-            event = self._copied[self._turn] = torch.cuda.Event()
+            event = self._copied[self._turn] = self._copy_events[self._turn]
             event.record()
             buffer = self._on_device
         index = buffer[:num_masks]
