@@ -1,6 +1,6 @@
 """The CPU attention C kernel against the float64 reference and the torch path: decodes, prefills,
-chunks and multi-token queries after a cached context (speculative verification), sliding windows,
-soft-capping, grouped heads, both storage dtypes; NaN in every pool slot no request owns."""
+chunks and multi-token queries after a cached context (speculative verification), draft trees' masks, sliding
+windows, soft-capping, grouped heads, both storage dtypes; NaN in every pool slot no request owns."""
 
 import math
 import platform
@@ -13,9 +13,11 @@ from tokenmill.attention import cpu_kernel
 from tokenmill.attention.backend import BatchLayout
 from tokenmill.attention.cpu_kernel import kernel_applies, load_kernel, paged_attention_cpu
 from tokenmill.attention.torch_attn import TorchAttentionBackend, paged_attention_torch, write_kv
+from tokenmill.config import parse_token_tree
 from tokenmill.cpu_compile import FLAGS, cpu_signature
 from tokenmill.kernels.prefill_attention import paged_attention_ref
 from tokenmill.layers.attention import Attention
+from tokenmill.spec.tree import TokenTree
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the backend uses the torch path")
 
@@ -55,7 +57,32 @@ SHAPES = {
     "prefills": ([7, 16, 33], [0, 0, 0]),
     "chunks_after_cache": ([9, 20], [40, 17]),
     "verify_1_plus_k": ([5, 3, 1, 4], [30, 64, 12, 0]),  # 1 + k tokens after a cached context
+    # TREE's root and 6 nodes after a context, an EAGLE head's level pass (the last 3 nodes), node 4 alone (tree
+    # nodes 0-4 end its keys), a plain chunk beside them
+    "verify_trees": ([7, 3, 1, 12], [30, 17, 14, 5]),
 }
+TREE = TokenTree.from_paths(parse_token_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]))
+TREE_LENS = {"verify_trees": [6, 6, 5, 0]}  # the tree nodes ending each request's keys
+
+
+def tree_bits_of(q_lens: list[int], tree_lens: list[int]) -> list[int]:
+    """Each query's ancestor bits: a request's query j is node tree_len - q_len + j of TREE; the queries before
+    the nodes see every node (causality hides them)."""
+    return [int(TREE.ancestor_bits[tree_len - q_len + j]) if tree_len - q_len + j >= 0 else -1
+            for q_len, tree_len in zip(q_lens, tree_lens) for j in range(q_len)]
+
+
+def tree_args(shape: str) -> dict:
+    """The shape's draft-tree masks as paged_attention_cpu takes them (none for shapes without trees)."""
+    if shape not in TREE_LENS:
+        return {}
+    bits = tree_bits_of(SHAPES[shape][0], TREE_LENS[shape])
+    return dict(tree_lens=torch.tensor(TREE_LENS[shape]), tree_bits=torch.tensor(bits))
+
+
+def ref_tree(tree: dict) -> dict:
+    """tree_args' masks as paged_attention_ref takes them."""
+    return dict(tree_lens=tree["tree_lens"].tolist(), tree_bits=tree["tree_bits"]) if tree else {}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -67,9 +94,10 @@ def test_kernel_equals_the_float64_reference(dtype, shape, heads, head_dim, wind
     query, kv_cache, block_table, qsl, seq_lens = make_case(q_lens, context_lens, *heads, head_dim, 16, dtype)
     scale = head_dim**-0.5
     assert kernel_applies(query, kv_cache)
+    tree = tree_args(shape)
     out = paged_attention_cpu(query, kv_cache, block_table, torch.tensor(qsl), torch.tensor(seq_lens), scale,
-                              window, soft_cap)
-    ref = paged_attention_ref(query, kv_cache, qsl, seq_lens, block_table, scale, window, soft_cap)
+                              window, soft_cap, **tree)
+    ref = paged_attention_ref(query, kv_cache, qsl, seq_lens, block_table, scale, window, soft_cap, **ref_tree(tree))
     assert rel_error(out, ref) < TOLERANCE[dtype]
 
 
@@ -93,12 +121,15 @@ def test_builds_for_other_cpus_equal_the_float64_reference(monkeypatch, build, d
     monkeypatch.setattr(cpu_kernel, "load_kernel", lambda: lib)
     # head sizes: whole 32-lane bfloat16 vectors, whole 16-lane float32 vectors only, neither
     for heads, head_dim in [((9, 3), 64), ((4, 2), 96), ((6, 1), 40)]:
-        for shape, (window, soft_cap) in zip(SHAPES, [(None, None), (13, None), (None, 20.0), (8, 5.0)]):
+        # (a window of 5 starts within the trees' 6 nodes)
+        for shape, (window, soft_cap) in zip(SHAPES, [(None, None), (13, None), (None, 20.0), (8, 5.0), (5, None)]):
             q_lens, context_lens = SHAPES[shape]
             query, kv_cache, block_table, qsl, seq_lens = make_case(q_lens, context_lens, *heads, head_dim, 16, dtype)
+            tree = tree_args(shape)
             out = paged_attention_cpu(query, kv_cache, block_table, torch.tensor(qsl), torch.tensor(seq_lens), 0.1,
-                                      window, soft_cap)
-            ref = paged_attention_ref(query, kv_cache, qsl, seq_lens, block_table, 0.1, window, soft_cap)
+                                      window, soft_cap, **tree)
+            ref = paged_attention_ref(query, kv_cache, qsl, seq_lens, block_table, 0.1, window, soft_cap,
+                                      **ref_tree(tree))
             assert rel_error(out, ref) < TOLERANCE[dtype], (heads, head_dim, shape)
 
 
@@ -141,7 +172,7 @@ def test_a_prompts_tokens_in_blocks_equal_each_token_alone(dtype):
     assert torch.equal(out, alone)
 
 
-def make_layout(q_lens, context_lens, block_size, num_blocks):
+def make_layout(q_lens, context_lens, block_size, num_blocks, tree_lens=None):
     seq_lens = np.array([c + q for c, q in zip(context_lens, q_lens)], dtype=np.int32)
     max_blocks = -(-int(seq_lens.max()) // block_size)
     block_table = np.random.default_rng(0).permutation(num_blocks)[: len(q_lens) * max_blocks]
@@ -149,14 +180,18 @@ def make_layout(q_lens, context_lens, block_size, num_blocks):
     slots = [block_table[i, p // block_size] * block_size + p % block_size
              for i, (c, n) in enumerate(zip(context_lens, seq_lens.tolist())) for p in range(c, n)]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return BatchLayout(qsl, seq_lens, block_table, np.array(slots, dtype=np.int64), block_size)
+    tree = {} if tree_lens is None else dict(tree_lens=np.array(tree_lens, dtype=np.int32),
+                                             tree_bits=np.array(tree_bits_of(q_lens, tree_lens), dtype=np.int64))
+    return BatchLayout(qsl, seq_lens, block_table, np.array(slots, dtype=np.int64), block_size, **tree)
 
 
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (10, 30.0)], ids=str)
-def test_backend_forward_takes_the_kernel_and_equals_the_torch_path(monkeypatch, window, soft_cap):
+# tree_lens: the root and nodes 0-2 of TREE after a context, node 1 alone (node 0, a sibling, hidden)
+@pytest.mark.parametrize("window,soft_cap,tree_lens", [(None, None, None), (10, 30.0, None), (None, None, [0, 3, 2, 0]),
+                                                       (10, 30.0, [0, 3, 2, 0])], ids=str)
+def test_backend_forward_takes_the_kernel_and_equals_the_torch_path(monkeypatch, window, soft_cap, tree_lens):
     torch.manual_seed(1)
     q_lens, context_lens = [1, 4, 1, 9], [20, 11, 3, 0]
-    layout = make_layout(q_lens, context_lens, 16, 32)
+    layout = make_layout(q_lens, context_lens, 16, 32, tree_lens)
     kv_cache = torch.randn(2, 32, 16, 2, 64)
     num_tokens = sum(q_lens)
     query, key, value = torch.randn(num_tokens, 6, 64), torch.randn(num_tokens, 2, 64), torch.randn(num_tokens, 2, 64)
@@ -180,7 +215,8 @@ def test_backend_forward_takes_the_kernel_and_equals_the_torch_path(monkeypatch,
     written = kv_cache.clone()
     write_kv(written, key, value, metadata.slot_mapping)
     ref = paged_attention_ref(query, written, layout.query_start_loc.tolist(), layout.seq_lens.tolist(),
-                              metadata.block_table, 0.125, window, soft_cap)
+                              metadata.block_table, 0.125, window, soft_cap, tree_lens=metadata.tree_lens,
+                              tree_bits=metadata.tree_bits)
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
 
 

@@ -1,5 +1,5 @@
 """The CPU decoder-layer step (model.cpu_layer_step) against the layer's module path: the same outputs, residual
-and KV cache, bit for bit, in float32 and bfloat16, for decodes and a prefill chunk beside them."""
+and KV cache, bit for bit, in float32 and bfloat16, for decodes, a prefill chunk beside them, and draft trees."""
 
 import pytest
 import torch
@@ -34,11 +34,14 @@ def make_layer(dtype: torch.dtype, qkv_bias: bool = False) -> LlamaDecoderLayer:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("q_lens,context_lens", [([1], [9]), ([1, 1, 5], [20, 3, 0])], ids=["decode", "mixed"])
+# tree_lens: draft-tree nodes ending each request's keys (test_cpu_attention_kernel.TREE's first ones)
+@pytest.mark.parametrize("q_lens,context_lens,tree_lens", [([1], [9], None), ([1, 1, 5], [20, 3, 0], None),
+                                                           ([1, 4, 1], [20, 11, 3], [0, 3, 2])],
+                         ids=["decode", "mixed", "tree"])
 @pytest.mark.parametrize("first_layer", [True, False], ids=["no_residual", "residual"])
-def test_step_equals_the_module_path(dtype, q_lens, context_lens, first_layer):
+def test_step_equals_the_module_path(dtype, q_lens, context_lens, tree_lens, first_layer):
     layer = make_layer(dtype, qkv_bias=len(q_lens) > 1)
-    layout = make_layout(q_lens, context_lens, 16, 16)
+    layout = make_layout(q_lens, context_lens, 16, 16, tree_lens)
     metadata = TorchAttentionBackend().build_metadata(layout, torch.device("cpu"))
     positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, q_lens)])
     g = torch.Generator().manual_seed(1)

@@ -3,7 +3,8 @@ block table, so a step never gathers or copies the context (the torch path copie
 
 One kernel covers every request shape the backend sees: a decode (one query), a prefill chunk, or
 several new tokens after a cached context (speculative verification), each query causal at its own
-position; plus sliding windows and logit soft-capping. A token's keys go by tiles of 16, each key row
+position; plus sliding windows, logit soft-capping and draft trees' masks (a query sees a tree node only where
+its ancestor bits name it). A token's keys go by tiles of 16, each key row
 read once for all the query heads of its kv head (GQA), into a per-thread scratch row of scores, then a
 max-subtracted softmax, then the values by tiles: float32 arithmetic, bfloat16 only as storage (with
 AVX512_BF16, bfloat16 queries and keys are multiplied as they are, the exact products added in float32).
@@ -52,10 +53,12 @@ def load_kernel(flags: tuple[str, ...] = tuple(_FLAGS)) -> ctypes.CDLL | None:
     lib.rope_and_cache.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8
-                                    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+                                    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                                    + [ctypes.c_void_p] * 2)
     lib.rope_cache_attention.restype = ctypes.c_int
     lib.rope_cache_attention.argtypes = ([ctypes.c_void_p] * 12 + [ctypes.c_int64] * 12
-                                         + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+                                         + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                                         + [ctypes.c_void_p] * 2)
     lib.kernel_paths.restype = ctypes.c_int
     lib.kernel_paths.argtypes = []
     return lib
@@ -81,6 +84,15 @@ def pool_pointers(kv_cache: torch.Tensor) -> tuple[int, int] | None:
         return pointers
 
 
+def tree_pointers(tree_lens: torch.Tensor | None, tree_bits: torch.Tensor | None) -> tuple[int | None, int | None]:
+    """The kernel's draft-tree arguments: the data pointers of contiguous int64 tree_lens and tree_bits, or NULLs
+    for a step without trees."""
+    if tree_lens is None:
+        return None, None
+    assert tree_lens.dtype == tree_bits.dtype == torch.int64 and tree_lens.is_contiguous() and tree_bits.is_contiguous()
+    return tree_lens.data_ptr(), tree_bits.data_ptr()
+
+
 def heads_fit(num_heads: int, head_dim: int) -> bool:
     """Whether the kernel's stack rows hold a token's heads."""
     return num_heads <= _MAX_HEADS and head_dim <= _MAX_HEAD_DIM
@@ -103,6 +115,8 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    tree_lens: torch.Tensor | None = None,  # [num_reqs] int64: draft-tree nodes ending each request's keys
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64: the nodes each query sees (spec.tree)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of every request's new tokens over its cached context; call kernel_applies() first."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -115,7 +129,7 @@ def paged_attention_cpu(
         seq_lens.data_ptr(),
         len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, block_table.stride(0),
         query.stride(0), out.stride(0), scale, sliding_window or 0, logits_soft_cap or 0.0,
-        query.dtype == torch.bfloat16, torch.get_num_threads(),
+        query.dtype == torch.bfloat16, torch.get_num_threads(), *tree_pointers(tree_lens, tree_bits),
     )
     assert status == 0, "kernel_applies() admits only shapes within the kernel's limits"
     return out
@@ -181,6 +195,8 @@ def rope_cache_attention(
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int64
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int64
     seq_lens: torch.Tensor,  # [num_reqs] int64
+    tree_lens: torch.Tensor | None = None,  # as paged_attention_cpu takes them
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """rope_and_cache() then paged_attention_cpu() in one C call (the same arithmetic, so the same output); call
     kernel_applies() and rope_and_cache_applies() first."""
@@ -198,6 +214,7 @@ def rope_cache_attention(
         seq_lens.shape[0], num_tokens, num_heads, num_kv_heads, head_dim, rotary.rotary_dim, block_size,
         block_table.stride(0), query.stride(0), key.stride(0), value.stride(0), num_heads * head_dim, layer.scale,
         sliding_window or 0, soft_cap or 0.0, query.dtype == torch.bfloat16, torch.get_num_threads(),
+        *tree_pointers(tree_lens, tree_bits),
     )
     assert status == 0, "kernel_applies() admits only shapes within the kernel's limits"
     return out

@@ -191,19 +191,29 @@ static inline void f32_rows_16(float *dst, const uint16_t *const *src, int n, in
 #define f32_rows_16(dst, src, n, width) f32_rows_any(dst, src, n, width)
 #endif
 
+/* A token's scores s over keys [0, len) whose draft-tree node i is key tree_start + i (tree_start < 0 where a
+   sliding window begins among the nodes): `value` for each node whose bit in the token's `bits` is clear. Nodes
+   past 63 take bit 63, as spec.tree's tree_mask does. */
+static void hide_nodes(float *s, int64_t len, int64_t tree_start, int64_t bits, float value) {
+    for (int64_t j = tree_start > 0 ? tree_start : 0; j < len; j++)
+        if (!((bits >> (j - tree_start < 63 ? j - tree_start : 63)) & 1)) s[j] = value;
+}
+
 /* A block of nq consecutive query tokens of one request over their keys: `slots` holds the pool slot of each key
    of the block's last token, lens[u] how many of them token u sees (causal: lens rises by one a token); query
    heads [h0, h1), whole groups of `groups` heads per kv head. Keys and values go by tiles of TILE rows, each
    row read once for every head of every token of the block (a bfloat16 row converted once), so a prompt's
    tokens take their keys from L1 rather than each from L2 or L3. A token's arithmetic is the same whatever
    the block (its scores tile by tile, then their softmax, then the values). `after`: the slots of the first
-   keys of the item this thread takes next, to prefetch. Always inlined, so that each case below gets
-   constants. */
+   keys of the item this thread takes next, to prefetch. `tree_bits` (NULL: none) where the request verifies a
+   draft tree whose nodes are its keys from index tree_start on: token u sees node i only where bit i of
+   tree_bits[u] is set (besides causality). Always inlined, so that each case below gets constants. */
 static inline __attribute__((always_inline)) void attend(
         void *out, int64_t out_step, const void *query, int64_t query_step, const int64_t *lens, int64_t nq,
         const void *kc, const void *vc, const int64_t *slots, const int64_t *after, int64_t after_n, int64_t h0,
         int64_t h1, int64_t groups, int64_t num_kv_heads, const int64_t D, float scale, float soft_cap,
-        const int is_bf16, const int vec16, const int bf16_dot, float *scratch) {
+        const int64_t *tree_bits, int64_t tree_start, const int is_bf16, const int vec16, const int bf16_dot,
+        float *scratch) {
     const int64_t L = lens[nq - 1], kv_row = num_kv_heads * D, nh = h1 - h0, first = h0 / groups * D;
     const int64_t width = nh / groups * D;
     const int64_t padded = (L + TILE - 1) / TILE * TILE, elem = is_bf16 ? 2 : 4, tiles = padded / TILE;
@@ -282,6 +292,7 @@ static inline __attribute__((always_inline)) void attend(
                 float *s = scores + (u * nh + x) * padded, m = -INFINITY, sum = 0.0f;
                 if (soft_cap > 0.0f)
                     for (int64_t j = 0; j < Lu; j++) s[j] = soft_cap * tanhf(s[j] / soft_cap);
+                if (tree_bits) hide_nodes(s, Lu, tree_start, tree_bits[u], -INFINITY);
                 _Pragma("omp simd reduction(max:m)")
                 for (int64_t j = 0; j < Lu; j++) m = s[j] > m ? s[j] : m;
                 _Pragma("omp simd reduction(+:sum)")
@@ -289,6 +300,9 @@ static inline __attribute__((always_inline)) void attend(
                     s[j] = exp_nonpositive(s[j] - m);
                     sum += s[j];
                 }
+                /* exp_nonpositive clamps -inf to a weight of ~1e-38: too small for the sum (>= 1, the max's
+                   own), not for a value row */
+                if (tree_bits) hide_nodes(s, Lu, tree_start, tree_bits[u], 0.0f);
                 total[u][x] = sum;
             }
         }
@@ -313,12 +327,13 @@ static int64_t scratch_floats(int64_t nq, int64_t nh, int64_t groups, int64_t D,
 
 #define ATTEND(D_, BF16_, VEC16_, BF16_DOT_) attend(out, out_step, query, query_step, lens, nq, kc, vc, slots, after, \
                                                     after_n, h0, h1, groups, num_kv_heads, D_, scale, soft_cap, \
-                                                    BF16_, VEC16_, BF16_DOT_, scratch)
+                                                    tree_bits, tree_start, BF16_, VEC16_, BF16_DOT_, scratch)
 
 static void attend_any(void *out, int64_t out_step, const void *query, int64_t query_step, const int64_t *lens,
                        int64_t nq, const void *kc, const void *vc, const int64_t *slots, const int64_t *after,
                        int64_t after_n, int64_t h0, int64_t h1, int64_t groups, int64_t num_kv_heads, int64_t D,
-                       float scale, float soft_cap, int is_bf16, float *scratch) {
+                       float scale, float soft_cap, const int64_t *tree_bits, int64_t tree_start, int is_bf16,
+                       float *scratch) {
     const int bf16_dot = is_bf16 && BF16_DOT_BUILT && D % 32 == 0;
     if (VEC16_BUILT && D == 64) {  /* the common sizes, as constants */
         if (bf16_dot) ATTEND(64, 1, 1, 1);
@@ -358,13 +373,15 @@ static int64_t key_slots(int64_t *slots, int64_t *lo, int64_t *hi, int64_t t, co
 }
 
 /* Every request's new tokens over its context: request i owns query rows [query_start_loc[i],
-   query_start_loc[i + 1]), the last of them at position seq_lens[i] - 1. Returns nonzero, touching
-   nothing, on shapes past the stack rows' limits. */
+   query_start_loc[i + 1]), the last of them at position seq_lens[i] - 1. With tree_lens (NULL: no draft trees)
+   request i's last tree_lens[i] keys are draft-tree nodes, and query token t sees node j of them only where bit j
+   of tree_bits[t] is set (spec.tree). Returns nonzero, touching nothing, on shapes past the stack rows' limits. */
 int paged_attention(void *out, const void *query, const void *key_cache, const void *value_cache,
                     const int64_t *block_table, const int64_t *query_start_loc, const int64_t *seq_lens,
                     int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, int64_t block_table_stride, int64_t query_stride, int64_t out_stride,
-                    float scale, int64_t sliding_window, float soft_cap, int is_bf16, int num_threads) {
+                    float scale, int64_t sliding_window, float soft_cap, int is_bf16, int num_threads,
+                    const int64_t *tree_lens, const int64_t *tree_bits) {
     const int64_t groups = num_heads / num_kv_heads, num_tokens = query_start_loc[num_reqs];
     const int64_t elem = is_bf16 ? 2 : 4;
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return 1;
@@ -396,6 +413,7 @@ int paged_attention(void *out, const void *query, const void *key_cache, const v
             key_slots(slots, &lo, &hi, t0 + nq - 1, token_req, query_start_loc, seq_lens, block_table,
                       block_table_stride, block_size, sliding_window, max_len);
             for (int64_t u = 0; u < nq; u++) lens[u] = hi - lo - (nq - 1 - u);  /* causal: one key fewer a token */
+            const int64_t req = token_req[t0], tree_len = tree_lens ? tree_lens[req] : 0;
             /* The item this thread likely takes next (exactly, on one thread): its first keys. */
             if (item + num_threads < num_blocks * splits)
                 after_n = key_slots(after, &after_lo, &after_hi, block_first[(item + num_threads) / splits], token_req,
@@ -404,7 +422,8 @@ int paged_attention(void *out, const void *query, const void *key_cache, const v
             attend_any((char *)out + t0 * out_stride * elem, out_stride * elem,
                        (const char *)query + t0 * query_stride * elem, query_stride * elem, lens, nq, key_cache,
                        value_cache, slots, after, after_n, h0, h0 + heads_per_item, groups, num_kv_heads, head_dim,
-                       scale, soft_cap, is_bf16, scratch);
+                       scale, soft_cap, tree_len ? tree_bits + t0 : NULL, seq_lens[req] - tree_len - lo, is_bf16,
+                       scratch);
         }
         free(scratch);
         free(slots);
@@ -453,16 +472,17 @@ void rope_and_cache(void *q_out, const void *query, const void *key, const void 
 }
 
 /* A layer's attention where rope_and_cache applies: the rotated queries into a scratch of their own, then
-   paged_attention over them. One call instead of two: at batch 1 each call's Python (its checks, the
-   argument conversions, the query's allocation) costs more than its work. Returns nonzero, touching
-   nothing, where paged_attention would, or where the scratch cannot be had. */
+   paged_attention over them (draft trees' masks as it takes them). One call instead of two: at batch 1 each call's
+   Python (its checks, the argument conversions, the query's allocation) costs more than its work. Returns nonzero,
+   touching nothing, where paged_attention would, or where the scratch cannot be had. */
 int rope_cache_attention(void *out, const void *query, const void *key, const void *value, const int64_t *positions,
                          const float *cos_sin, const int64_t *slot_mapping, void *key_cache, void *value_cache,
                          const int64_t *block_table, const int64_t *query_start_loc, const int64_t *seq_lens,
                          int64_t num_reqs, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t rotary_dim, int64_t block_size, int64_t block_table_stride,
                          int64_t query_stride, int64_t key_stride, int64_t value_stride, int64_t out_stride,
-                         float scale, int64_t sliding_window, float soft_cap, int is_bf16, int num_threads) {
+                         float scale, int64_t sliding_window, float soft_cap, int is_bf16, int num_threads,
+                         const int64_t *tree_lens, const int64_t *tree_bits) {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return 1;
     const int64_t q_row = num_heads * head_dim;
     void *rotated = malloc((size_t)((num_tokens > 0 ? num_tokens : 1) * q_row * (is_bf16 ? 2 : 4)));
@@ -472,7 +492,8 @@ int rope_cache_attention(void *out, const void *query, const void *key, const vo
                    num_threads);
     const int status = paged_attention(out, rotated, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                        num_reqs, num_heads, num_kv_heads, head_dim, block_size, block_table_stride,
-                                       q_row, out_stride, scale, sliding_window, soft_cap, is_bf16, num_threads);
+                                       q_row, out_stride, scale, sliding_window, soft_cap, is_bf16, num_threads,
+                                       tree_lens, tree_bits);
     free(rotated);
     return status;
 }

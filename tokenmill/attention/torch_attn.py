@@ -2,10 +2,11 @@
 kernels.prefill_attention.paged_attention_ref).
 
 On the CPU, float32 and bfloat16 go through a C kernel (attention.cpu_kernel) that reads each request's
-context in place through its block table, whatever the number of new tokens per request. The torch
-path below is the fallback (no C compiler, float16, another device): single-token (decode) requests are
-attended together in one batched matmul over their gathered, padded K/V; requests with several new
-tokens (prefill chunks) one by one, with a causal mask offset by the tokens already in the cache.
+context in place through its block table, whatever the number of new tokens per request, draft trees' masks
+included. The torch path below is the fallback (no C compiler, float16, another device): single-token
+(decode) requests are attended together in one batched matmul over their gathered, padded K/V; requests
+with several new tokens (prefill chunks) one by one, with a causal mask offset by the tokens already in
+the cache.
 An fp8 or int8 pool (kv_cache_dtype fp8 / int8) always takes the torch path: K/V are quantized as they are
 written and dequantized (kernels.kv_fp8, kernels.kv_int8: each row with its own scale, gathered beside it) as
 each request's context is gathered.
@@ -49,6 +50,7 @@ class TorchAttentionMetadata:
     mla_splits: dict = field(default_factory=dict)
     tree_lens: list[int] | None = None  # [num_reqs] draft-tree nodes ending each request's keys (None: no tree)
     tree_bits: torch.Tensor | None = None  # [num_tokens] int64: the nodes each query sees
+    tree_lens_cpu: torch.Tensor | None = None  # [num_reqs] int64, for the C kernel
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -203,22 +205,23 @@ class TorchAttentionBackend(AttentionBackend):
             decode_block_table=to_device(decode_block_table),
             layout=layout,
             tree_lens=None if layout.tree_lens is None else layout.tree_lens.tolist(),
-            tree_bits=None if layout.tree_bits is None else torch.from_numpy(layout.tree_bits).to(device),
+            tree_bits=None if layout.tree_bits is None else to_device(layout.tree_bits),
+            tree_lens_cpu=None if layout.tree_lens is None else torch.from_numpy(layout.tree_lens.astype(np.int64)),
         )
 
     def forward(
         self, layer, positions, query, key, value, kv_cache, metadata: TorchAttentionMetadata
     ) -> torch.Tensor:
-        # The C kernel has no draft-tree masks: a step verifying trees takes the torch path.
-        if metadata.tree_lens is None and kernel_applies(query, kv_cache):
+        if kernel_applies(query, kv_cache):
             if rope_and_cache_applies(layer, positions, key, value, metadata.max_seq_len):
                 return rope_cache_attention(layer, positions, query, key, value, kv_cache, metadata.slot_mapping,
-                                            metadata.block_table, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
+                                            metadata.block_table, metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
+                                            metadata.tree_lens_cpu, metadata.tree_bits)
             query, key = layer.transform_qk(positions, query, key)
             write_kv(kv_cache, key, value, metadata.slot_mapping)
             return paged_attention_cpu(
                 query, kv_cache, metadata.block_table, metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
-                layer.scale, layer.sliding_window, layer.logits_soft_cap,
+                layer.scale, layer.sliding_window, layer.logits_soft_cap, metadata.tree_lens_cpu, metadata.tree_bits,
             )
         query, key = layer.transform_qk(positions, query, key)
         scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)

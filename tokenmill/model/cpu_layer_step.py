@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.modules import module as nn_module
 
-from tokenmill.attention.cpu_kernel import heads_fit, load_kernel, pool_pointers, rope_table_length
+from tokenmill.attention.cpu_kernel import heads_fit, load_kernel, pool_pointers, rope_table_length, tree_pointers
 from tokenmill.attention.torch_attn import TorchAttentionBackend
 from tokenmill.distributed.parallel_state import get_tp_size
 from tokenmill.forward_context import get_forward_context
@@ -96,8 +96,7 @@ class CpuLayerStep:
         pointers = pool_pointers(kv_cache) if kv_cache.dtype == self.dtype else None
         # TorchAttentionBackend.forward's checks for the fused kernel, less what the step's build decided
         if (pointers is None or type(ctx.backend) is not TorchAttentionBackend or positions.dtype != torch.int64
-                or metadata.max_seq_len > rope_table_length(layer) or qkv.stride(1) != 1
-                or metadata.tree_lens is not None):  # draft trees' masks: the backend's torch path
+                or metadata.max_seq_len > rope_table_length(layer) or qkv.stride(1) != 1):
             q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
             return layer(positions, q, k, v)
         step = _step_arguments(metadata, positions)
@@ -109,7 +108,7 @@ class CpuLayerStep:
             step.block_table, step.query_start_loc, step.seq_lens, step.num_reqs, rows, self.heads, self.kv_heads,
             self.head_dim, layer.rotary_emb.rotary_dim, kv_cache.shape[2], step.block_table_stride, stride, stride,
             stride, self.q_size, layer.scale, layer.sliding_window or 0, layer.logits_soft_cap or 0.0,
-            self.is_bf16, threads,
+            self.is_bf16, threads, step.tree_lens, step.tree_bits,
         )
         assert status == 0, "the step's build admits only heads within the kernel's limits"
         return out
@@ -126,6 +125,8 @@ class _StepArguments(NamedTuple):
     seq_lens: int
     num_reqs: int
     block_table_stride: int
+    tree_lens: int | None  # the draft trees' masks (None: no trees)
+    tree_bits: int | None
 
 
 def _step_arguments(metadata, positions: torch.Tensor) -> _StepArguments:
@@ -134,8 +135,9 @@ def _step_arguments(metadata, positions: torch.Tensor) -> _StepArguments:
     if cached is not None and cached.tensors[0] is positions:
         return cached
     tensors = (positions, positions.contiguous(), metadata.slot_mapping.contiguous(), metadata.block_table.contiguous(),
-               metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
-    cached = _StepArguments(tensors, *(t.data_ptr() for t in tensors[1:]), tensors[5].shape[0], tensors[3].stride(0))
+               metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.tree_lens_cpu, metadata.tree_bits)
+    cached = _StepArguments(tensors, *(t.data_ptr() for t in tensors[1:6]), tensors[5].shape[0], tensors[3].stride(0),
+                            *tree_pointers(metadata.tree_lens_cpu, metadata.tree_bits))
     metadata.__dict__["_cpu_step_arguments"] = cached
     return cached
 
