@@ -8,6 +8,7 @@ Requests with the same spec share one compilation (and xgrammar's own cache shar
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Lock
@@ -20,14 +21,23 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHED = 1024
 """Distinct specs kept compiled; beyond it the oldest are forgotten (recompiled if asked again)."""
+MAX_COMPILE_THREADS = 8
+
+
+def compile_threads() -> int:
+    """Grammars compiled at once: xgrammar releases the GIL while it compiles, so a burst of new schemas (each
+    ~10 ms) compiles as fast as there are cores; half this process's CPUs (the engine's loop, the grammar process
+    and the fills need the rest), at least 2, at most 8."""
+    return max(2, min(MAX_COMPILE_THREADS, len(os.sched_getaffinity(0)) // 2))
 
 
 class GrammarCompiler:
-    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, num_threads: int = 2) -> None:
-        """`load_tokenizer`: the model's Hugging Face tokenizer, loaded in a compile thread on first use."""
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, num_threads: int | None = None) -> None:
+        """`load_tokenizer`: the model's Hugging Face tokenizer, loaded in a compile thread on first use;
+        `num_threads`: grammars compiled at once (None: compile_threads())."""
         self._load_tokenizer = load_tokenizer
         self._vocab_size = vocab_size
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(num_threads or compile_threads(), thread_name_prefix="grammar")
         self._lock = Lock()
         self._compiler = None
         self._compiled: dict[tuple[str, str, str], Future] = {}
