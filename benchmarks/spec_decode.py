@@ -14,10 +14,11 @@ Sections:
                drafting k = 4 every step: time per engine step (drafting + verifying) against a plain decode
                step (the issue's bound: <= 1.3x); acceptance is meaningless with dummy weights
   tree_cost    the same model and head: a chain of 4 drafts against draft trees (speculative_token_tree) at batch
-               1 and 16: time per engine step (drafting the tree level by level, eagerly; verifying it under
-               the tree mask, in the full-step graphs captured with tree masks) and tokens per verifying
-               request-step (meaningless with dummy weights: measure it with a trained head); the table says how
-               much more than the chain each tree costs, and so how much more it must accept to win
+               1 and 16: time per engine step (drafting the tree level by level, each level's pass a CUDA graph
+               replay; verifying it under the tree mask, in the full-step graphs captured with tree masks) and
+               tokens per verifying request-step (meaningless with dummy weights: measure it with a trained
+               head); the table says how much more than the chain each tree costs, and so how much more it must
+               accept to win
   load         the same model at batch 64 and 256 (128 / 256 tokens, random prompts), plain against n-gram
                speculation configured (k = 4): the draft budget must not make either slower
   W3, W4       BENCHMARKS.md's throughput workloads (benchmarks/gpu_check.py) with and without n-gram speculation
@@ -313,7 +314,7 @@ TREES = {
                           (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0)],
 }
 """Drafts of depth 4: a chain (decode CUDA graphs for its verify steps and draft steps), the same chain as a
-one-branch tree (the tree path: full-step graphs with tree masks for verifying, eager level passes for
+one-branch tree (the tree path: full-step graphs with tree masks for verifying, a graph per level pass for
 drafting), and two trees."""
 
 

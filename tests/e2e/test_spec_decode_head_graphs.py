@@ -1,62 +1,72 @@
-"""EAGLE, EAGLE-3 and MTP heads' draft steps replayed from CUDA graphs (GPU, float32, the tiny random targets
-and heads of the CPU tests): every proposal is made twice from the same state, once eagerly and once with the
-head's graphs, and the two draft exactly the same tokens.
+"""EAGLE, EAGLE-3 and MTP heads' draft steps, and EAGLE and EAGLE-3 draft trees' level passes, replayed from CUDA
+graphs (GPU, float32, the tiny random targets and heads of the CPU tests): every proposal is made twice from the
+same state, once eagerly and once with the head's graphs, and the two draft exactly the same tokens.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from tests.e2e.test_spec_decode import TREE as EAGLE_TREE
 from tests.e2e.test_spec_decode import always_draft, eagle_target_and_head, workload  # noqa: F401 (fixture)
+from tests.e2e.test_spec_decode_eagle3 import TREE as EAGLE3_TREE
 from tests.e2e.test_spec_decode_eagle3 import proposer_of, random_target_and_head  # noqa: F401 (fixture)
 from tests.e2e.test_spec_decode_mtp import random_mtp  # noqa: F401 (fixture)
 from tokenmill import LLM
+from tokenmill.config import parse_token_tree
 
 pytestmark = pytest.mark.gpu
 
 K = 3
 
 
-def compare_with_eager(proposer) -> list[tuple[int, int]]:
+def compare_with_eager(proposer) -> list[tuple[int, int, int]]:
     """From now on every proposal runs eagerly first, then again from the same state with the graphs, and
-    asserts that both draft the same tokens; returns (graph replays, steps) of each proposal that drafted."""
-    graphs = proposer.cuda_graphs
-    replays = [0]
-    run = graphs.run
+    asserts that both draft the same tokens; returns (draft-step graph replays, draft-tree level graph replays,
+    most drafts of a row) of each proposal that drafted."""
+    runners = {name: getattr(proposer, name) for name in ("cuda_graphs", "tree_graphs")
+               if getattr(proposer, name, None) is not None}
+    replays = dict.fromkeys(runners, 0)
+    for name, runner in runners.items():
+        def counting_run(*args, name=name, run=runner.run):
+            out = run(*args)
+            replays[name] += out is not None
+            return out
 
-    def counting_run(*args):
-        out = run(*args)
-        replays[0] += out is not None
-        return out
-
-    graphs.run = counting_run
+        runner.run = counting_run
     propose, calls = proposer.propose, []
 
     def comparing_propose(states, rows, max_drafts):
         num_computed = proposer.num_computed.copy()  # all propose() changes besides the head's KV
-        proposer.cuda_graphs = None
+        for name in runners:
+            setattr(proposer, name, None)
         eager = propose(states, rows, max_drafts)
         proposer.num_computed[:] = num_computed
-        proposer.cuda_graphs = graphs
-        before = replays[0]
+        for name, runner in runners.items():
+            setattr(proposer, name, runner)
+        before = dict(replays)
         replayed = propose(states, rows, max_drafts)
         assert [d.tolist() for d in replayed] == [d.tolist() for d in eager], (rows, max_drafts)
         steps = max((len(d) for d in replayed), default=0)
         if steps:
-            calls.append((replays[0] - before, steps))
+            calls.append(tuple(replays.get(name, 0) - before.get(name, 0) for name in ("cuda_graphs", "tree_graphs"))
+                         + (steps,))
         return replayed
 
     proposer.propose = comparing_propose
     return calls
 
 
+FIXTURES = {"eagle": "eagle_target_and_head", "eagle3": "random_target_and_head", "mtp": "random_mtp"}
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_head_drafts_replayed_from_cuda_graphs_equal_eager_drafts(method, request):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    fixture = {"eagle": "eagle_target_and_head", "eagle3": "random_target_and_head", "mtp": "random_mtp"}[method]
-    made = request.getfixturevalue(fixture)
+    made = request.getfixturevalue(FIXTURES[method])
     spec = {"method": method, "num_speculative_tokens": K}
     if method != "mtp":
         spec["model"] = made[1]  # the head's folder; MTP's layer is in the target's checkpoint
@@ -72,6 +82,38 @@ def test_head_drafts_replayed_from_cuda_graphs_equal_eager_drafts(method, reques
     # The k - 1 one-token steps replay graphs every time, and the first pass too when it is one token per row:
     # after a step that accepted nothing, which with the random heads is most steps (the EAGLE-1 head here,
     # built from the target's own layer, has most drafts accepted: its first pass is rarely one token).
-    assert all(replays >= steps - 1 for replays, steps in calls), calls
+    assert all(replays >= steps - 1 for replays, _, steps in calls), calls
     if method != "eagle":
-        assert any(replays == steps for replays, steps in calls), calls
+        assert any(replays == steps for replays, _, steps in calls), calls
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_draft_trees_replayed_from_cuda_graphs_equal_eager_drafts(method, request):
+    """Each level pass of a draft tree replays its level's graph (worker.tree_cuda_graph), whole trees and (every
+    other proposal) trees of every size, whose deeper levels have fewer rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tokenmill.spec.tree import TokenTree
+
+    made = request.getfixturevalue(FIXTURES[method])
+    tree = {"eagle": EAGLE_TREE, "eagle3": EAGLE3_TREE}[method]
+    spec = {"method": method, "model": made[1], "num_speculative_tokens": K, "speculative_token_tree": tree}
+    llm = LLM(made[0].path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", device="cuda",
+              kv_cache_space=0.01, speculative_config=spec)
+    always_draft(llm)
+    proposer = proposer_of(llm)
+    assert proposer.tree_graphs is not None and set(proposer.tree_graphs.sizes) == {1, 2}
+    calls = compare_with_eager(proposer)
+    shape = TokenTree.from_paths(parse_token_tree(tree))
+    propose = proposer.propose
+
+    def varied_propose(states, rows, max_drafts):  # trees of every size: fewer rows at the deeper levels
+        sizes = (np.arange(len(rows)) * 3 + len(calls)) % (shape.num_nodes + 1)
+        return propose(states, rows, np.where(len(calls) % 2, np.minimum(max_drafts, sizes), max_drafts))
+
+    proposer.propose = varied_propose
+    llm.generate(*workload(), use_tqdm=False)
+    assert len(calls) >= 5, calls
+    # every level pass fits a graph: one replay per level below the deepest drafted node
+    assert all(tree_replays == shape.depth_of(np.array([steps]))[0] - 1 for _, tree_replays, steps in calls), calls
+    assert sum(tree_replays for _, tree_replays, _ in calls) >= 10, calls

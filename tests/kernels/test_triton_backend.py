@@ -228,3 +228,65 @@ def test_graphs_with_tree_masks_replay_tree_steps_and_plain_steps(device):
         out = backend.forward(layer, positions_pad, q, k, v, pool, static)
         torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pool, pool_expected, rtol=0, atol=0)
+
+
+@interpret
+@torch.no_grad()
+def test_tree_level_graphs_replay_level_passes(device):
+    """The graphs of an EAGLE draft tree's level passes (worker.tree_cuda_graph), emulated as above: each level's
+    pass of 3 rows, loaded into the graph of 4 rows (static metadata and inputs as captured, padding rows and
+    tokens stale) and run as the graph runs it, gives the eager pass's tokens and outputs and stores the same KV
+    at the nodes' slots, nothing elsewhere."""
+    from tokenmill.attention.triton_attn import TritonAttentionBackend
+    from tokenmill.config import parse_token_tree
+    from tokenmill.forward_context import forward_context
+    from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from tokenmill.spec.eagle import EagleHead
+    from tokenmill.spec.tree import TokenTree
+    from tokenmill.spec.tree_level import TreeLevelStep, level_layout
+    from tokenmill.worker.tree_cuda_graph import TreeLevelGraphRunner
+
+    tree = TokenTree.from_paths(parse_token_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]))
+    block_size, num_blocks, hidden, dev = 16, 32, 64, torch.device(device)
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        embed, lm_head = VocabParallelEmbedding(256, hidden), ParallelLMHead(256, hidden)
+        head = EagleHead(config, set(), embed, lm_head.compute_logits)
+    for module in (head, embed, lm_head):
+        for name, param in module.named_parameters():
+            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
+    attn = next(m for m in head.modules() if isinstance(m, Attention))
+    attn.allocate_kv_cache(num_blocks, block_size, torch.float32, dev)
+    attn.kv_cache.normal_()  # the rows' context
+    steps = [TreeLevelStep(head, lambda h, k: lm_head.compute_logits(h).topk(k, dim=-1).indices, tree, depth, dev)
+             for depth in (1, 2)]
+    runner = TreeLevelGraphRunner(steps, TritonAttentionBackend(), dev, block_size, max_blocks_per_req=8,
+                                  max_num_reqs=8, max_tokens=12, hidden_size=hidden, dtype=torch.float32)
+    assert runner.sizes == {1: [1, 2, 4, 6], 2: [1, 2, 4]}  # passes of at most 12 tokens: widths 2 and 3
+    assert runner._graph_rows(1, 5) == 6 and runner._graph_rows(2, 5) is None  # a larger pass runs eagerly
+    block_table = np.random.default_rng(0).permutation(num_blocks)[:24].reshape(3, 8).astype(np.int32)
+    rows, lengths = np.arange(3), np.array([20, 33, 9])
+    parent_out = torch.randn(3, 1, hidden, device=dev)  # the root's: each row's head output at its last position
+    tokens = None
+    for depth, step in zip((1, 2), steps):
+        layout, positions = level_layout(tree, depth, block_table, rows, lengths, block_size)
+        positions = torch.from_numpy(positions).to(dev)
+        pool = attn.kv_cache.clone()
+        with forward_context(runner.attn_backend, runner.attn_backend.build_metadata(layout, dev)):
+            expected = step(positions, parent_out, tokens)
+        pool_expected, attn.kv_cache[:] = attn.kv_cache.clone(), pool
+        assert runner._graph_rows(depth, 3) == 4
+        static = runner._eager_forward(depth, 4)  # what capture() records the graph with: no requests
+        runner.inputs[depth][0].fill_(7)  # stale padding: a replay after other passes
+        runner._load(depth, 4, static, layout, positions, parent_out, tokens)
+        with forward_context(runner.attn_backend, static):
+            got = step(*runner._static_inputs(depth, 4))
+        for g, e in zip(got, expected):  # the tokens alike, the rest to rounding (GEMMs of more rows)
+            torch.testing.assert_close(g[:3], e, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(attn.kv_cache, pool_expected, rtol=1e-4, atol=1e-4)
+        untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+        untouched[torch.from_numpy(layout.slot_mapping)] = False
+        assert torch.equal(attn.kv_cache.flatten(1, 2)[:, untouched], pool.flatten(1, 2)[:, untouched])  # padding
+        _, parent_out, tokens = expected

@@ -15,7 +15,8 @@ hidden state was never seen (a prefix-cache hit, an overflowing window) leaves w
 With a draft tree (spec/tree.py) the head drafts level by level: the root's children are its top tokens at
 the last known position, and one pass per level runs the head over that level's nodes (node i's KV in the slot
 of buffer index L - 1 + i, each node attending to the context and its ancestors only: the tree mask), whose
-outputs give the next level's tokens, each node's children its top tokens.
+outputs give the next level's tokens, each node's children its top tokens (spec/tree_level.py: a level's pass,
+LM head and top-k included, replays a CUDA graph where the worker captured one for its row count).
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.forward_context import forward_context
 from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
 from tokenmill.model.llama import LlamaDecoderLayer
 from tokenmill.spec.draft_model import DraftModelProposer
 from tokenmill.spec.tree import TokenTree
+from tokenmill.spec.tree_level import TreeLevelStep, level_layout
 from tokenmill.worker.request_state import RequestStates
+from tokenmill.worker.tree_cuda_graph import TreeLevelGraphRunner
 
 
 class EagleHead(nn.Module):
@@ -86,6 +90,11 @@ class EagleProposer(DraftModelProposer):
         self.pending_start = np.zeros(max_num_reqs, dtype=np.int64)
         self.pending_len = np.zeros(max_num_reqs, dtype=np.int64)
         self.graph_extra_inputs = ((hidden_size, dtype),)  # the hidden states each token's step reads
+        self.tree_steps = [] if tree is None else [TreeLevelStep(head, self._top_tokens, tree, depth, device)
+                                                   for depth in range(1, tree.max_depth)]
+        """The level passes of a tree draft, depth 1 first (what the worker captures for them)."""
+        self.tree_graphs: TreeLevelGraphRunner | None = None
+        """tree_steps' graphs by level and padded row count, set by the worker (None: eager)."""
 
     @torch.inference_mode()
     def observe(self, states: RequestStates, rows: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray,
@@ -170,7 +179,7 @@ class EagleProposer(DraftModelProposer):
             hidden, tokens = self._step(layout, input_ids, positions, hidden)
         else:
             hidden = self._forward(layout, input_ids, positions, hidden=hidden)[self._to_device(qsl[1:] - 1)]
-            tokens = self._greedy(hidden)
+            tokens = self._greedy(hidden) if self.tree is None else None  # a tree's first level is the top tokens
         self.num_computed[rows] = lengths - 1
         if self.tree is not None:
             trees = self._draft_tree(states, rows, lengths, max_drafts, hidden.clone())
@@ -196,35 +205,39 @@ class EagleProposer(DraftModelProposer):
         num_rows = len(rows)
         num_nodes = np.minimum(max_drafts, tree.num_nodes)
         tokens = torch.zeros((num_rows, tree.num_nodes), dtype=torch.int64, device=self.device)
-        tokens[:, : starts[1]] = self._top_tokens(root_hidden, int(starts[1]))
-        node_out = root_hidden.new_zeros((num_rows, tree.num_nodes, root_hidden.shape[-1]))
+        # Rows that draft no node past the first level take no level pass: the root's top tokens are all they draft.
+        leaves = np.flatnonzero(num_nodes <= starts[1]) if tree.max_depth > 1 else np.arange(num_rows)
+        if len(leaves):
+            leaves_t = self._to_device(leaves)
+            tokens[leaves_t, : starts[1]] = self._top_tokens(root_hidden[leaves_t], int(starts[1]))
+        parent_out, previous = root_hidden[:, None], np.arange(num_rows)  # the rows parent_out holds
         for depth in range(1, tree.max_depth):
             first, end, next_end = (int(x) for x in starts[depth - 1 : depth + 2])
-            selected = np.flatnonzero(num_nodes > end)  # the rows with nodes on the next level
+            selected = np.flatnonzero(num_nodes > end)  # the rows with nodes on the next level (fewer each level)
             if len(selected) == 0:
                 break
-            selected_t = self._to_device(selected)
-            nodes = np.arange(first, end)
-            width = len(nodes)
-            token_rows = np.repeat(rows[selected], width)
-            buffer_index = np.repeat(lengths[selected] - 1, width) + np.tile(nodes, len(selected))
-            query_start_loc = (np.arange(len(selected) + 1) * width).astype(np.int32)
-            layout = self._layout(states, rows[selected], token_rows, buffer_index, query_start_loc,
-                                  (lengths[selected] - 1 + end).astype(np.int32))
-            layout.tree_lens = np.full(len(selected), end, dtype=np.int32)
-            layout.tree_bits = np.tile(tree.ancestor_bits[nodes], len(selected))
+            if len(selected) < len(previous):
+                parent_out = parent_out[self._to_device(np.searchsorted(previous, selected))]
+            rows_index = slice(None) if len(selected) == num_rows else self._to_device(selected)
+            previous = selected
+            layout, positions = level_layout(tree, depth, states.block_table, rows[selected], lengths[selected],
+                                             self.block_size)
+            level_tokens = None if depth == 1 else tokens[rows_index, first:end]
+            level_tokens, parent_out, children = self._tree_level(depth, layout, positions, parent_out, level_tokens)
             if depth == 1:
-                hidden = root_hidden[selected_t].repeat_interleave(width, dim=0)
-            else:
-                hidden = node_out[selected_t][:, self._to_device(tree.parent[nodes])].flatten(0, 1)
-            # Positions as a chain's: a node at depth d is fed at L + d - 2.
-            positions = np.repeat(lengths[selected] + depth - 2, width)
-            out = self._forward(layout, tokens[selected_t, first:end].flatten(), positions, hidden=hidden)
-            out = out.view(len(selected), width, -1)
-            node_out[selected_t, first:end] = out
-            children = np.arange(end, next_end)
-            top = self._top_tokens(out.flatten(0, 1), int(tree.rank[children].max()) + 1)
-            top = top.view(len(selected), width, -1)
-            parents, ranks = self._to_device(np.stack([tree.parent[children] - first, tree.rank[children]]))
-            tokens[selected_t, end:next_end] = top[:, parents, ranks]
+                tokens[rows_index, first:end] = level_tokens
+            tokens[rows_index, end:next_end] = children
         return tokens.cpu().numpy()
+
+    def _tree_level(self, depth: int, layout: BatchLayout, positions: np.ndarray, parent_out: torch.Tensor,
+                    tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A level's pass (spec/tree_level.TreeLevelStep): one graph replay where a graph fits (its outputs are
+        then the graph's static ones: used before its next replay), else eagerly."""
+        positions_t = self._to_device(positions)
+        if self.tree_graphs is not None:
+            out = self.tree_graphs.run(depth, layout, positions_t, parent_out, tokens)
+            if out is not None:
+                return out
+        metadata = self.attn_backend.build_metadata(layout, self.device)
+        with forward_context(self.attn_backend, metadata):
+            return self.tree_steps[depth - 1](positions_t, parent_out, tokens)

@@ -41,6 +41,7 @@ from tokenmill.worker.mixed_cuda_graph import DEFAULT_MAX_TOKENS, MixedCudaGraph
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 from tokenmill.worker.sampler_warmup import compile_sampler_in_background, warm_up_sampler
+from tokenmill.worker.tree_cuda_graph import TreeLevelGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -248,8 +249,8 @@ class Worker:
         return make_proposer(speculative)
 
     def _capture_cuda_graphs(self, block_size: int, pool=None) -> None:
-        """Decode graphs of the target, then of the drafter if any, all in one memory pool (`pool`: the one the
-        graphs for steps with prefills were captured into, if they were)."""
+        """Decode graphs of the target, then of the drafter if any (and of its draft tree's level passes), all in
+        one memory pool (`pool`: the one the graphs for steps with prefills were captured into, if they were)."""
         if not self.attn_backend.supports_cuda_graphs:
             logger.info("attention backend %r cannot be captured: decode runs eagerly", self.attn_backend.name)
             return
@@ -267,6 +268,24 @@ class Worker:
             runner.capture(pool)
             pool = runner.pool
             owner.cuda_graphs = runner
+        if getattr(owner, "tree_steps", None):  # the drafter (the last owner) drafts trees
+            self._capture_tree_level_graphs(owner, block_size, pool)
+
+    def _capture_tree_level_graphs(self, proposer: EagleProposer, block_size: int, pool) -> None:
+        """An EAGLE draft tree's level passes (worker.tree_cuda_graph), into the drafters' pool: each level's
+        passes of up to max_num_seqs tokens, whose logits are no more than the largest draft step's."""
+        if not self.attn_backend.supports_mixed_cuda_graphs:
+            logger.info("attention backend %r has no fixed-grid kernels: draft-tree levels run eagerly",
+                        self.attn_backend.name)
+            return
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        (width, dtype), = proposer.graph_extra_inputs
+        runner = TreeLevelGraphRunner(proposer.tree_steps, self.attn_backend, self.device, block_size,
+                                      max_blocks_per_req=-(-self.max_model_len // block_size),
+                                      max_num_reqs=max_num_seqs, max_tokens=max_num_seqs, hidden_size=width,
+                                      dtype=dtype)
+        runner.capture(pool)
+        proposer.tree_graphs = runner
 
     def _capture_mixed_cuda_graphs(self, block_size: int):
         """The target's graphs for steps with prefills (worker.mixed_cuda_graph), captured before the decode graphs
