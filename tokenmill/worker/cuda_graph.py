@@ -40,6 +40,19 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
+def empty_layout(max_blocks_per_req: int, block_size: int, trees: bool = False) -> BatchLayout:
+    """A step with no requests: what a graph's first, eager run pads to its size (`trees`: with the tree fields)."""
+    return BatchLayout(
+        query_start_loc=np.zeros(1, dtype=np.int32),
+        seq_lens=np.zeros(0, dtype=np.int32),
+        block_table=np.zeros((0, max_blocks_per_req), dtype=np.int32),
+        slot_mapping=np.zeros(0, dtype=np.int64),
+        block_size=block_size,
+        tree_lens=np.zeros(0, dtype=np.int32) if trees else None,
+        tree_bits=np.zeros(0, dtype=np.int64) if trees else None,
+    )
+
+
 def pad_layout(layout: BatchLayout, size: int, num_block_columns: int | None = None) -> BatchLayout:
     """A decode-only layout grown to `size` requests of one token each; the padding attends to nothing."""
     num_reqs = len(layout.seq_lens)
@@ -125,14 +138,7 @@ class CudaGraphRunner:
 
     def _eager_forward(self, size: int) -> object:
         """The padded step of `size` with no requests, run eagerly; returns its attention metadata."""
-        empty = BatchLayout(
-            query_start_loc=np.zeros(1, dtype=np.int32),
-            seq_lens=np.zeros(0, dtype=np.int32),
-            block_table=np.zeros((0, self.max_blocks_per_req), dtype=np.int32),
-            slot_mapping=np.zeros(0, dtype=np.int64),
-            block_size=self.block_size,
-        )
-        metadata = self._metadata(empty, size)
+        metadata = self._metadata(empty_layout(self.max_blocks_per_req, self.block_size), size)
         with forward_context(self.attn_backend, metadata):
             self.model(*self._static_inputs(size))
         return metadata

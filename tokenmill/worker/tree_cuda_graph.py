@@ -18,14 +18,13 @@ import bisect
 import logging
 import time
 
-import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, FixedShape
 from tokenmill.forward_context import forward_context
 from tokenmill.kernels.precompile import precompile
 from tokenmill.spec.tree_level import TreeLevelStep
-from tokenmill.worker.cuda_graph import GiB, capture_sizes
+from tokenmill.worker.cuda_graph import GiB, capture_sizes, empty_layout
 
 logger = logging.getLogger(__name__)
 
@@ -98,16 +97,7 @@ class TreeLevelGraphRunner:
 
     def _eager_forward(self, depth: int, rows: int) -> object:
         """The level's padded pass of `rows` rows with none of them requests, run eagerly; returns its metadata."""
-        empty = BatchLayout(
-            query_start_loc=np.zeros(1, dtype=np.int32),
-            seq_lens=np.zeros(0, dtype=np.int32),
-            block_table=np.zeros((0, self.max_blocks_per_req), dtype=np.int32),
-            slot_mapping=np.zeros(0, dtype=np.int64),
-            block_size=self.block_size,
-            tree_lens=np.zeros(0, dtype=np.int32),
-            tree_bits=np.zeros(0, dtype=np.int64),
-        )
-        metadata = self._metadata(empty, depth, rows)
+        metadata = self._metadata(empty_layout(self.max_blocks_per_req, self.block_size, trees=True), depth, rows)
         with forward_context(self.attn_backend, metadata):
             self.steps[depth](*self._static_inputs(depth, rows))
         return metadata
