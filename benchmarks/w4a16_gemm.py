@@ -10,7 +10,9 @@ row count: 18 at one row, 13 at four).
 --large-rows: from 5 rows on, int_weight_gemm's choice ("engine"), the skinny kernel (up to 16 rows), the
 dequantization into the shared scratch then cuBLAS (dequant_int_gemm), the dequantization alone, and bf16 cuBLAS on
 the same (dequantized) weight; each output's largest error against the float32 product, relative to its largest
-value. The totals over the four projections say whether int_weight_gemm's choices by row count are right.
+value. The totals over the four projections say whether int_weight_gemm's choices by row count are right. Each
+call is timed inside a CUDA graph of 10 calls, as the engine replays it (eagerly, a call whose GPU work is shorter
+than its Python launch path would time the host).
 --dequant-sweep: dequantize_int_weight's (BLOCK_N, BLOCK_K, warps) on gate_up.
 """
 
@@ -52,6 +54,21 @@ def gemv_configs(rows: int) -> list[tuple[int, int, int, int]]:
 
 def us(fn) -> float:
     return triton.testing.do_bench(fn) * 1e3
+
+
+GRAPH_REPS = 10
+
+
+def graph_us(fn) -> float:
+    """The GPU time of one call, as the engine's CUDA graphs replay it: GRAPH_REPS calls captured in a graph (an
+    eager call whose GPU work is shorter than its Python launch path would time the host)."""
+    fn()  # compiles, allocates the scratch, remembers which tiles do not fit: nothing of that in the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_REPS):
+            fn()
+    return triton.testing.do_bench(graph.replay) * 1e3 / GRAPH_REPS
 
 
 def sweep_us(fn) -> float:
@@ -99,12 +116,12 @@ def large_rows(args) -> None:
             xs = x if w[3] is None else x.index_select(1, w[3])
             ref = xs.float() @ wd.float().T
             times = dict(
-                engine=us(functools.partial(int_weight_gemm, x, *w)),
-                skinny=us(functools.partial(skinny_int_gemm, x, *w)) if rows <= SKINNY_MAX_ROWS else nothing,
-                dq=us(functools.partial(dequant_int_gemm, x, *w)),
-                dq_only=us(functools.partial(dequantize_int_weight, w[0], w[1], w[2], args.bits,
-                                             dequant_scratch(x.device, x.dtype, n, k))),
-                bf16=us(functools.partial(torch.mm, xs, wd.T)),
+                engine=graph_us(functools.partial(int_weight_gemm, x, *w)),
+                skinny=graph_us(functools.partial(skinny_int_gemm, x, *w)) if rows <= SKINNY_MAX_ROWS else nothing,
+                dq=graph_us(functools.partial(dequant_int_gemm, x, *w)),
+                dq_only=graph_us(functools.partial(dequantize_int_weight, w[0], w[1], w[2], args.bits,
+                                                   dequant_scratch(x.device, x.dtype, n, k))),
+                bf16=graph_us(functools.partial(torch.mm, xs, wd.T)),
             )
             for key, t in times.items():
                 totals[key] += t
