@@ -118,3 +118,69 @@ def test_constrained_requests_draft_and_verify_exactly(smollm2_path, monkeypatch
     assert plain.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
     expected = plain.chat(asks, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+
+
+# A draft tree (speculative_token_tree) of depth 3, as test_spec_decode.py's.
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]
+
+
+def write_random_eagle_head(folder, target) -> str:
+    """A seeded random one-layer EAGLE-1 head (config.json, pytorch_model.bin) of the `target` config's width."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                         intermediate_size=target.intermediate_size, num_hidden_layers=1,
+                         num_attention_heads=target.num_attention_heads,
+                         num_key_value_heads=target.num_key_value_heads,
+                         max_position_embeddings=target.max_position_embeddings)
+    config.save_pretrained(folder)
+    tensors = {f"layers.0.{n}": t for n, t in LlamaDecoderLayer(config, 0).state_dict().items()
+               if not n.startswith("input_layernorm.")}
+    tensors["fc.weight"] = torch.randn(target.hidden_size, 2 * target.hidden_size) * 0.02
+    torch.save(tensors, folder / "pytorch_model.bin")
+    return str(folder)
+
+
+def test_constrained_requests_draft_trees_and_verify_exactly(smollm2_path, smollm2_llm, tmp_path, monkeypatch,
+                                                            capfd):
+    """Draft trees on constrained requests: the grammar masks the logits row of every node (with its path
+    accepted), so greedy tokens are exactly those of the same requests without speculation (smollm2_llm, its
+    matchers in its own process; here in a grammar process), and a sampled request obeys its spec. The trees
+    are scripted around the plain run's continuation (test_spec_decode.py's ScriptedTreeProposer: the right
+    token under a different branch each step, wrong ones beside it that the grammar often refuses); the head,
+    random, only makes the engine draft trees."""
+    from test_spec_decode import ScriptedTreeProposer, record_accepted_paths, use_scripted_proposer
+
+    from tokenmill.config import parse_token_tree
+    from tokenmill.spec.tree import TokenTree
+    from tokenmill.worker import tree_verify
+
+    copy = [{"role": "user", "content": 'Repeat this JSON exactly: {"name": "Alice Smith", "age": 30}'}]
+    asks, specs = [copy, ASK, ASK], [SPECS[0], SPECS[2], SPECS[3]]  # a JSON schema, a regex, a choice
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec) for spec in specs]
+    plain = smollm2_llm.chat(asks, params, use_tqdm=False)
+    target = smollm2_llm.engine.core.executor.driver_worker.hf_config
+    monkeypatch.setattr("tokenmill.structured.matchers.use_grammar_process", lambda device: True)
+    spec = {"method": "eagle", "model": write_random_eagle_head(tmp_path, target), "num_speculative_tokens": 3,
+            "speculative_token_tree": TREE}
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32", gguf_dequantize=True,
+              speculative_config=spec)
+    sequences = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in plain]
+    use_scripted_proposer(llm, ScriptedTreeProposer(sequences, TokenTree.from_paths(parse_token_tree(TREE))))
+    monkeypatch.setattr(tree_verify, "verify_tree", tree_verify.verify_tree)  # restored after the recording below
+    accepted_nodes = record_accepted_paths(llm)
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=60, structured_outputs=SPECS[0])
+    outs = llm.chat(asks + [copy], params + [sampled], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:3]] == [o.outputs[0].token_ids for o in plain]
+    for spec, out in zip(specs + [SPECS[0]], outs):
+        check(spec, out.outputs[0].text)
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.num_draft_tokens > 0 and stats.accepted_per_position[2] > 0, stats  # trees drafted, deep paths taken
+    assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert {0, 1}.issubset(path[0] for path in accepted_nodes)  # both of the root's branches were taken
+    assert not llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
+    # Nodes past an accepted stop token may be accepted too (its mask allows all): never handed to the grammar.
+    assert "refused" not in capfd.readouterr().err

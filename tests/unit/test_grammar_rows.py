@@ -199,3 +199,91 @@ def test_a_padded_model_vocab_masks_as_xgrammar_compiled_at_the_model_vocab(setu
         assert torch.equal(logits, expected)
         assert not torch.isfinite(logits[:, len(tokenizer) :]).any()
     compiler.shutdown()
+
+
+# A draft tree (speculative_token_tree) of depth 3: node i is TREE[i]'s path of child ranks.
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]
+
+
+@pytest.mark.parametrize("matchers", ["in process", "threaded", "grammar process"])
+def test_tree_masks_are_a_fresh_matcher_along_each_nodes_path(setup, matchers, monkeypatch, caplog, capfd):
+    """Draft trees: each node's logits row is masked as a fresh matcher through the row's output and then the
+    node's path allows (all allowed where the grammar refuses a token on the path, or has ended before it);
+    rows drafting the whole tree, its first nodes only, none, without a grammar, or terminated; then a step
+    after one more token, which a matcher left off the known tokens would mask wrongly."""
+    from tokenmill.spec.tree import TokenTree
+
+    tokenizer, compiler = setup
+    if matchers == "threaded":
+        two_fill_threads(monkeypatch)
+    tree = TokenTree.from_paths(tuple(TREE))
+    eos = tokenizer.eos_token_id
+    states = RequestStates(8, 64, 4)
+    grammar_rows = GrammarRows(compiler, len(tokenizer), torch.device("cpu"), in_process=matchers != "grammar process",
+                               tree=tree)
+    outputs = {0: encode(tokenizer, '{"name": "'), 1: encode(tokenizer, "yes"), 2: [],
+               3: encode(tokenizer, "ok") + [eos], 4: [], 5: []}
+    for row, output in outputs.items():
+        states.token_ids[row, : 3 + len(output)] = [1, 2, 3] + output
+        states.num_prompt_tokens[row], states.num_tokens[row] = 3, 3 + len(output)
+        states.sampling_params[row] = SamplingParams(structured_outputs=SPECS.get(row))
+        if row in SPECS:
+            grammar_rows.add(row, states, frozenset([eos]))
+    width = len(tokenizer) + 64
+
+    def node_tokens(texts: list) -> list[int]:
+        return [t if isinstance(t, int) else encode(tokenizer, t)[0] for t in texts]
+
+    seen = {"accepted at depth 3": 0, "all allowed": 0}  # nodes whose path the grammar takes, or does not
+
+    def step(rows: list[int], drafts: dict[int, list[int]]) -> None:
+        num_drafts = np.array([len(drafts.get(row, [])) for row in rows])
+        for row in rows:
+            states.token_ids[row, states.num_tokens[row] : states.num_tokens[row] + len(drafts.get(row, []))] = \
+                drafts.get(row, [])
+        rows_array = np.array(rows)
+        constrained = grammar_rows.constrained(rows_array, states)
+        counts = 1 + num_drafts
+        first = np.cumsum(counts) - counts
+        logits = torch.randn(int(counts.sum()), width)
+        expected = logits.clone()
+        for i in constrained:
+            row = rows[i]
+            nodes = drafts.get(row, [])
+            allowed = [reference(compiler, tokenizer, SPECS[row], outputs[row], [], width)]
+            for node in range(len(nodes)):
+                path = [node]
+                while tree.parent[path[0]] >= 0:
+                    path.insert(0, int(tree.parent[path[0]]))
+                along = reference(compiler, tokenizer, SPECS[row], outputs[row], [nodes[j] for j in path], width)
+                allowed.append(along[-1:])
+                if row != 3:  # (a terminated row's nodes are all refused)
+                    everything = bool(along[-1, : len(tokenizer)].all())
+                    seen["all allowed"] += everything
+                    seen["accepted at depth 3"] += len(path) == 3 and not everything
+            expected[first[i] : first[i] + counts[i]].masked_fill_(~torch.cat(allowed), float("-inf"))
+        grammar_rows.start(rows_array, first, num_drafts, states, constrained)
+        grammar_rows.apply(logits)
+        assert torch.equal(logits, expected)
+
+    # Node order: (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0).
+    step([4, 0, 1, 2, 3, 5], {
+        0: node_tokens(["Al", '"', "ice", "{", "}", '"}', "x", eos]),  # a branch that ends the grammar
+        1: node_tokens([",", ".", " because", "!", " no", " the", " a", "."]),  # "." and "!" refused: subtrees
+        2: node_tokens(["Par", "Lon", "is", "Rome", "don"]),  # the tree's first 5 nodes only
+        3: node_tokens([",", "a", "b"]),  # terminated
+        4: node_tokens(["a", "b"]),  # no grammar
+    })
+    assert seen["accepted at depth 3"] >= 3 and seen["all allowed"] >= 4, seen
+    # One token each, but row 2: a verified path through its stop token and past it (the stop token's mask
+    # allows all), which its matcher must not be handed (the request ends at the stop token).
+    for row, texts in ((0, ["Al"]), (1, [","]), (2, ["London", eos, "x"])):
+        tokens = node_tokens(texts)
+        outputs[row] += tokens
+        states.token_ids[row, states.num_tokens[row] : states.num_tokens[row] + len(tokens)] = tokens
+        states.num_tokens[row] += len(tokens)
+    step([0, 1, 2, 5], {0: node_tokens(["ice", "an", '"', '",', "}", "}", " ", eos]), 1: node_tokens([" because"]),
+                        5: node_tokens(["a", "b", "a"])})
+    step([0, 1, 2], {})  # every matcher back at its known tokens
+    grammar_rows.close()
+    assert "refused" not in caplog.text + capfd.readouterr().err  # (a grammar process logs to its stderr)

@@ -47,7 +47,8 @@ class GrammarProcessError(RuntimeError):
 class GrammarProcess:
     """The engine's side: starts the process and speaks to it; the host buffers live in shared memory."""
 
-    def __init__(self, compiler) -> None:
+    def __init__(self, compiler, tree_parent: np.ndarray | None = None) -> None:
+        """`tree_parent`: the draft tree's shape (MatcherSet's), sent once: a step's fill names only node counts."""
         ours, theirs = socket.socketpair()
         # This engine's tokenmill, wherever it was imported from (a benchmark puts the repository on sys.path).
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +62,7 @@ class GrammarProcess:
         self._lock = threading.Lock()  # a compile hint may come from the thread that takes requests
         self._memory: list[mmap.mmap] = []
         self._pinned: list[int] = []  # the buffers' addresses registered with CUDA
-        self._send("init", compiler)
+        self._send("init", compiler, tree_parent)
         self._finalizer = weakref.finalize(self, _shut, self._conn, self._proc, self._memory, self._pinned)
 
     @property
@@ -226,8 +227,8 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def serve(conn: Connection) -> None:
     from tokenmill.structured.matcher_set import MatcherSet
 
-    _, compiler = conn.recv()
-    matchers = MatcherSet()
+    _, compiler, tree_parent = conn.recv()
+    matchers = MatcherSet(tree_parent)
     attached: list[mmap.mmap] = []
     buffers: list[np.ndarray] = []
     while True:

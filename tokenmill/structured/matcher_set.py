@@ -2,6 +2,10 @@
 
 Plain numpy in, bitmasks out, so that it runs alike in the engine's process and in a grammar process of its own
 (structured/grammar_process.py). The engine side (structured/matchers.py) decides which rows and tokens.
+
+A row's drafts are a chain, or with draft trees (speculative_token_tree) the tree's first nodes: node i's
+logits row follows the root's at 1 + i, and its mask is the grammar's after the path root -> i, filled by
+walking the tree depth first (accept the node's token, fill, go on into its children, roll back to go up).
 """
 
 from __future__ import annotations
@@ -31,10 +35,38 @@ def fill_threads(num_rows: int) -> int:
     return max(1, min(MAX_FILL_THREADS, _usable_fill_threads(), num_rows // ROWS_PER_FILL_THREAD))
 
 
+class TreeWalk:
+    """A draft tree's nodes in depth-first order, as the grammar walks them (a row drafts the first nodes of the
+    breadth-first order, which hold every ancestor of theirs: the walk skips the others)."""
+
+    def __init__(self, parent: np.ndarray) -> None:
+        parent = np.asarray(parent, dtype=np.int64)
+        self.depth = np.zeros(len(parent), dtype=np.int64)
+        for node, up in enumerate(parent.tolist()):  # breadth-first: a parent comes before its children
+            self.depth[node] = 1 if up < 0 else self.depth[up] + 1
+        children: dict[int, list[int]] = {}
+        for node, up in enumerate(parent.tolist()):
+            children.setdefault(up, []).append(node)
+        order: list[int] = []
+        stack = children.get(-1, [])[::-1]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack += children.get(node, [])[::-1]
+        self.order = np.array(order, dtype=np.int64)
+        """The nodes depth first, siblings in rank order."""
+        self.subtree_end = np.array([next((k for k in range(at + 1, len(order))
+                                           if self.depth[order[k]] <= self.depth[order[at]]), len(order))
+                                     for at in range(len(order))], dtype=np.int64)
+        """At each place of `order`, where the walk leaves that node's subtree."""
+
+
 class MatcherSet:
-    def __init__(self) -> None:
+    def __init__(self, tree_parent: np.ndarray | None = None) -> None:
+        """`tree_parent`: the draft tree's parent of each node (spec/tree.py's TokenTree.parent); None: chains."""
         self._matchers: dict[int, object] = {}  # by row
         self._batches: dict[int, object] = {}  # xgrammar's BatchGrammarMatcher by its number of fill threads
+        self._tree = None if tree_parent is None else TreeWalk(tree_parent)
 
     def add(self, row: int, compiled, stop_tokens: list[int]) -> None:
         """A fresh matcher for `row` (replacing the one of the row's last request)."""
@@ -64,18 +96,24 @@ class MatcherSet:
         # A resumed request replays its output; after a verifying step a row may have emitted several.
         for i in np.flatnonzero(~single & (counts > 0)).tolist():
             row = int(rows[i])
+            matcher = self._matchers[row]
             for token in tokens[starts[i] : starts[i] + counts[i]].tolist():
-                if not self._matchers[row].accept_token(token):
+                if matcher.is_terminated():
+                    break  # drafts verified past the stop token (its mask allows all): the request ends at it
+                if not matcher.accept_token(token):
                     refused.append((row, token))
         for row, token in refused:
             logger.warning("grammar of row %d refused token %d it had allowed", row, token)
 
     def fill(self, rows: np.ndarray, num_drafts: np.ndarray, drafts: np.ndarray, bitmask: np.ndarray) -> None:
         """Row `rows[i]`'s masks for its `num_drafts[i]` draft positions and the one after, in order, into
-        `bitmask` [sum(1 + num_drafts), words]; `drafts`: the rows' drafts one after the other."""
+        `bitmask` [sum(1 + num_drafts), words]; `drafts`: the rows' drafts one after the other. With a tree:
+        its masks for the root, then for each of its first `num_drafts[i]` nodes."""
         matchers = [self._matchers[row] for row in rows.tolist()]
         if not num_drafts.any():
             self._fill(matchers, bitmask, range(len(matchers)))
+        elif self._tree is not None:
+            self._fill_tree(matchers, num_drafts, drafts, bitmask)
         else:
             self._fill_with_drafts(matchers, num_drafts, drafts, bitmask)
 
@@ -126,3 +164,39 @@ class MatcherSet:
             alive = walking
         for i in np.flatnonzero(num_accepted).tolist():
             matchers[i].rollback(int(num_accepted[i]))  # back to the known tokens: the drafts may yet be rejected
+
+    def _fill_tree(self, matchers: list, num_nodes: np.ndarray, drafts: np.ndarray, bitmask: np.ndarray) -> None:
+        """Draft trees: the roots' masks (one batched fill), then each node's, depth first (one batched fill per
+        node across the rows that drafted it), each matcher rolled back to the node's parent before it accepts
+        the node's token; then back to the known tokens."""
+        walk = self._tree
+        first_slot = np.cumsum(num_nodes + 1) - (num_nodes + 1)
+        first_node = np.cumsum(num_nodes) - num_nodes
+        self._fill(matchers, bitmask, first_slot.tolist())
+        walked = np.zeros(len(matchers), dtype=np.int64)  # the drafts each matcher has accepted
+        skip_until = np.zeros(len(matchers), dtype=np.int64)  # past a refused node: where its subtree ends
+        drafting = np.flatnonzero(num_nodes)
+        for at, node in enumerate(walk.order.tolist()):
+            here = drafting[(num_nodes[drafting] > node) & (skip_until[drafting] <= at)]
+            if not len(here):
+                continue
+            filling, slots = [], []
+            for i in here.tolist():
+                matcher = matchers[i]
+                back = int(walked[i]) - (int(walk.depth[node]) - 1)
+                if back:
+                    matcher.rollback(back)
+                    walked[i] -= back
+                if matcher.is_terminated() or not matcher.accept_token(int(drafts[first_node[i] + node])):
+                    # The parent's mask rejects this node: its subtree's logits rows are never used.
+                    subtree = walk.order[at : walk.subtree_end[at]]
+                    bitmask[first_slot[i] + 1 + subtree[subtree < num_nodes[i]]] = -1
+                    skip_until[i] = walk.subtree_end[at]
+                    continue
+                walked[i] += 1
+                filling.append(matcher)
+                slots.append(int(first_slot[i]) + 1 + node)
+            if filling:
+                self._fill(filling, bitmask, slots)
+        for i in np.flatnonzero(walked).tolist():
+            matchers[i].rollback(int(walked[i]))  # back to the known tokens: the drafts may yet be rejected

@@ -5,7 +5,8 @@ step, then fills the row's bitmask of allowed next tokens (packed int32, 32 toke
 the logits on the device before anything else of sampling. A request resumed after preemption gets a fresh
 matcher that replays its output so far. With speculative decoding the matcher walks through the step's drafts
 to mask every draft position (the rejection sampler then sees the constrained distribution there too), and
-rolls back.
+rolls back; with draft trees it walks the tree depth first, masking each node's logits row with the grammar's
+state after the node's path (matcher_set.py), so the tree's verification sees constrained distributions too.
 
 The matchers live in a grammar process of their own on a GPU host with cores to spare (grammar_process.py;
 `use_grammar_process`), else in this process. A step is split so that the grammar process works while the
@@ -40,6 +41,7 @@ from tokenmill.structured.matcher_set import MatcherSet
 from tokenmill.worker.request_state import RequestStates
 
 if TYPE_CHECKING:
+    from tokenmill.spec.tree import TokenTree
     from tokenmill.worker.input_batch import InputBatch
     from tokenmill.worker.pending_output import PendingOutput
 
@@ -58,9 +60,9 @@ def use_grammar_process(device: torch.device) -> bool:
 class LocalMatchers:
     """The matchers in this process: each call does its work at once."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, tree_parent: np.ndarray | None = None) -> None:
         self._compiler = compiler
-        self._set = MatcherSet()
+        self._set = MatcherSet(tree_parent)
 
     def new_buffers(self, num_int32: int, pinned: bool) -> list[torch.Tensor]:
         return [torch.empty(num_int32, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
@@ -86,8 +88,9 @@ class LocalMatchers:
 
 class GrammarRows:
     def __init__(self, compiler: GrammarCompiler, vocab_size: int, device: torch.device,
-                 in_process: bool | None = None) -> None:
-        """`in_process`: the matchers here (True) or in a grammar process (False); None: use_grammar_process."""
+                 in_process: bool | None = None, tree: TokenTree | None = None) -> None:
+        """`in_process`: the matchers here (True) or in a grammar process (False); None: use_grammar_process.
+        `tree`: the draft tree (speculative_token_tree) whose nodes a row's drafts are; None: chains."""
         self.compiler = compiler
         self.vocab_size = vocab_size
         self.device = device
@@ -96,12 +99,13 @@ class GrammarRows:
         self._words = 0
         if in_process is None:
             in_process = not use_grammar_process(device)
+        tree_parent = None if tree is None else tree.parent
         if in_process:
-            self._matchers = LocalMatchers(compiler)
+            self._matchers = LocalMatchers(compiler, tree_parent)
         else:
             from tokenmill.structured.grammar_process import GrammarProcess
 
-            self._matchers = GrammarProcess(compiler)
+            self._matchers = GrammarProcess(compiler, tree_parent)
             # The engine core's compiler (the same object in a one-process engine) says which specs are coming.
             compiler.add_listener(self._matchers.compile)
         # Per row, sized on first use (the rows' count is the request states'):
@@ -205,7 +209,8 @@ class GrammarRows:
               constrained: list[int]) -> None:
         """Begin the masks of row `rows[i]` (i in `constrained`) for its logits rows `first_logit_rows[i]` ..
         `+ num_drafts[i]`: one per draft position (the grammar having accepted the drafts before it), then the
-        position after the drafts. The rows' tokens must be on the host. `apply` finishes them."""
+        position after the drafts; with a tree, the root's and then one per node (the grammar having accepted
+        the node's path). The rows' tokens must be on the host. `apply` finishes them."""
         chosen = np.asarray(constrained, dtype=np.int64)
         grammar_rows = rows[chosen]
         drafts = np.asarray(num_drafts)[chosen]

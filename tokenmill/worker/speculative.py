@@ -4,7 +4,8 @@ Before the forward pass, the proposer writes up to the scheduled lookahead of dr
 request's known tokens (in its row of RequestStates). After it, the sampler draws at each request's
 last position as in plain decoding, and spec/rejection.py decides how many drafts before it stand. With a
 draft tree (speculative_token_tree) the drafts are the tree's first nodes, and worker/tree_verify.py verifies
-them; the drafter then observes the step's hidden states after the verification, in the accepted order.
+them (a grammar masks every node's logits row: structured/matcher_set.py); the drafter then observes the
+step's hidden states after the verification, in the accepted order.
 """
 
 from __future__ import annotations
@@ -46,9 +47,7 @@ class SpeculativeDecoding:
         # Before min_tokens the EOS ban depends on the position: those requests decode one token per step.
         num_output = states.num_tokens - states.num_prompt_tokens
         params = states.sampling_params
-        # A grammar would have to follow every branch of a tree: under trees those requests decode undrafted.
-        candidates = [(i, row, k) for i, row, k in candidates if num_output[row] >= params[row].min_tokens
-                      and (self.tree is None or params[row].structured_outputs is None)]
+        candidates = [(i, row, k) for i, row, k in candidates if num_output[row] >= params[row].min_tokens]
         if not candidates:
             return num_drafts
         positions, rows, max_drafts = (np.array(column, dtype=np.int64) for column in zip(*candidates))

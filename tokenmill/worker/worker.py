@@ -318,7 +318,8 @@ class Worker:
         if not self.model_runner.stage.is_last:  # only the last pipeline stage masks logits and samples
             compiler.shutdown()  # this rank's own copy, never used
             return
-        self.model_runner.grammar_rows = GrammarRows(compiler, self.hf_config.vocab_size, self.device)
+        self.model_runner.grammar_rows = GrammarRows(compiler, self.hf_config.vocab_size, self.device,
+                                                     tree=self.token_tree)
 
     def measure_step_cost(self) -> StepCost:
         """t(n) of this device's forward pass, for the draft budget; before any request runs."""
