@@ -15,14 +15,33 @@ def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Reques
     return Request(rid, tokens, SamplingParams(max_tokens=4), cache_salt=salt)
 
 
+def cached(pool: BlockPool, blocks: list) -> list:
+    for block in blocks:
+        pool.cache_full_block(block, f"h{block.block_id}".encode())
+    return blocks
+
+
 def test_free_blocks_are_reused_least_recently_freed_first():
     pool = BlockPool(num_blocks=4, enable_caching=True)
-    a = pool.get_new_blocks(2)
-    b = pool.get_new_blocks(2)
+    a = cached(pool, pool.get_new_blocks(2))
+    b = cached(pool, pool.get_new_blocks(2))
     pool.free_blocks(b)
     pool.free_blocks(a)
     assert pool.free_queue.block_ids() == [b[0].block_id, b[1].block_id, a[0].block_id, a[1].block_id]
     assert [blk.block_id for blk in pool.get_new_blocks(2)] == [b[0].block_id, b[1].block_id]
+
+
+def test_blocks_without_cached_data_are_reused_before_cached_ones():
+    """Blocks no prefix could hit are taken first (in the order freed), before never-used ones and before any
+    cached block is evicted."""
+    pool = BlockPool(num_blocks=6, enable_caching=True)
+    a = cached(pool, pool.get_new_blocks(2))  # blocks 0, 1: cached
+    b = pool.get_new_blocks(2)  # blocks 2, 3: freed without a hash (a partial block, a preempted step)
+    pool.free_blocks(a)
+    pool.free_blocks(b)
+    assert pool.free_queue.block_ids() == [2, 3, 4, 5, 0, 1]
+    assert [blk.block_id for blk in pool.get_new_blocks(5)] == [2, 3, 4, 5, 0]
+    assert pool.get_cached_block(b"h0") is None and pool.get_cached_block(b"h1") is a[1]
 
 
 def test_touching_a_free_cached_block_pulls_it_out_of_the_middle_of_the_queue():

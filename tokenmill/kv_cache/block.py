@@ -16,10 +16,12 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Free blocks in eviction order: the least recently freed block comes out first.
+    """Free blocks in the order they are taken: the least recently freed block comes out first, but for blocks
+    freed without cached data (which nothing could hit), taken before any that a prefix could still hit: no
+    cached prefix is evicted while such a block is free, and on the CPU memory already mapped is reused first.
 
-    A linked list rather than a deque because a prefix-cache hit must pull a block out of the
-    middle of the queue in O(1).
+    A linked list rather than a deque because a prefix-cache hit must pull a block out of the middle of the
+    queue in O(1).
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -46,16 +48,24 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert_after(self._tail.prev_free, block)
+
+    def prepend(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the head, in their order: they are taken next."""
+        after = self._head
+        for block in blocks:
+            self._insert_after(after, block)
+            after = block
+
+    def _insert_after(self, prev: KVCacheBlock | None, block: KVCacheBlock) -> None:
+        assert prev is not None and prev.next_free is not None
+        block.prev_free, block.next_free = prev, prev.next_free
+        prev.next_free.prev_free = block
+        prev.next_free = block
         self.num_free_blocks += 1
 
     def block_ids(self) -> list[int]:
-        """Ids in eviction order (for tests and debugging)."""
+        """Ids in the order they are taken (for tests and debugging)."""
         ids, block = [], self._head.next_free
         while block is not None and block is not self._tail:
             ids.append(block.block_id)

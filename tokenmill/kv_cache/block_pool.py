@@ -46,12 +46,19 @@ class BlockPool:
             block.ref_count += 1
 
     def free_blocks(self, blocks_in_eviction_order: list[KVCacheBlock]) -> None:
-        """Drop a reference; blocks reaching zero join the free queue tail, cached data intact."""
+        """Drop a reference; blocks reaching zero join the free queue's tail, cached data intact, or its head
+        if they hold nothing a prefix could hit (no hash): reused before any cached block is evicted."""
+        worthless = []
         for block in blocks_in_eviction_order:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block.block_id} freed twice"
             if block.ref_count == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    worthless.append(block)
+                else:
+                    self.free_queue.append(block)
+        if worthless:
+            self.free_queue.prepend(worthless)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         if not self.enable_caching or block.block_hash is not None:
