@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_smoke_run_writes_every_measurement_and_its_outputs_validate(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks/structured_outputs.py"), "--smoke",
-                             "--num-requests", "4", "--output-len", "64", "--out", str(tmp_path)],
+                             "--num-requests", "4", "--output-len", "32", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "structured_outputs.json").read_text())

@@ -93,13 +93,14 @@ def test_bad_specs_fail_before_anything_is_scheduled(smollm2_llm):
         StructuredOutputsParams(regex="a", choice=["a"])
 
 
-def test_constrained_requests_draft_and_verify_exactly(smollm2_path, monkeypatch):
+def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm, monkeypatch):
     """Speculation on a constrained request: the grammar masks every draft position, and the tokens are
     exactly those of the same request without speculation (its matchers in a grammar process, the plain
-    engine's in its own process)."""
+    engine's, smollm2_llm's, in its own process)."""
     monkeypatch.setattr("tokenmill.structured.matchers.use_grammar_process", lambda device: True)
-    # float32: the tokens must equal plain decoding's exactly (bfloat16 rounds a verify step differently).
-    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32",
+    # float32 and dequantized, as smollm2_llm: the tokens must equal plain decoding's exactly (bfloat16 rounds a
+    # verify step differently).
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32", gguf_dequantize=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
     budget = llm.engine.core.scheduler.draft_budget
     budget.cost, budget.min_gain = None, 0.0  # draft every step, whatever the measured step cost says
@@ -113,10 +114,8 @@ def test_constrained_requests_draft_and_verify_exactly(smollm2_path, monkeypatch
     stats = llm.engine.last_stats.spec_decoding
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     assert not llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
-    monkeypatch.undo()
-    plain = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32")
-    assert plain.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
-    expected = plain.chat(asks, params, use_tqdm=False)
+    assert smollm2_llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
+    expected = smollm2_llm.chat(asks, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
 
 
