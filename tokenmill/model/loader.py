@@ -4,6 +4,7 @@ CPU, else dequantized), or dummy."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import json
 import logging
@@ -23,6 +24,7 @@ from tokenmill.layers.quant import (
     resolve_quant_config,
 )
 from tokenmill.model.base import LLAMA_STACKED_PARAMS
+from tokenmill.model.gguf_cache import remembered
 from tokenmill.model.registry import get_model_class
 from tokenmill.model.stage import owned_weights
 
@@ -39,19 +41,23 @@ def is_gguf(path: str) -> bool:
 def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
     path = model_config.model
     if is_gguf(path):
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        from tokenmill.model.gguf_moe import moe_config
-
-        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-        config = moe_config(path, config)  # the experts' fields transformers leaves out; Mixtral's class
-        # GGUF metadata names the family but not the class.
-        if not getattr(config, "architectures", None):
-            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
-        return config
+        return copy.deepcopy(remembered("config", path, lambda: _gguf_config(path)))  # callers may change it
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is neither a model folder nor a .gguf file")
     return AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
+
+
+def _gguf_config(path: str) -> PretrainedConfig:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tokenmill.model.gguf_moe import moe_config
+
+    config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    config = moe_config(path, config)  # the experts' fields transformers leaves out; Mixtral's class
+    # GGUF metadata names the family but not the class.
+    if not getattr(config, "architectures", None):
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
+    return config
 
 
 # CPU flags (as /proc/cpuinfo names them) of units that compute bfloat16 natively: AVX512_BF16's dot
@@ -299,7 +305,7 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
     from tokenmill.layers.quant.gguf import QUANTIZED_TYPES, tag_ggml
     from tokenmill.model.gguf_moe import expert_weights, is_expert_tensor
 
-    reader = GGUFReader(path)
+    reader = remembered("reader", path, lambda: GGUFReader(path))  # read only: its tensors are the file's
     arch_name = read_field(reader, "general.architecture")[0]
     arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == arch_name), None)
     if arch is None:
