@@ -8,13 +8,13 @@ Requests with the same spec share one compilation (and xgrammar's own cache shar
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Lock
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.grammar import build_grammar
+from tokenmill.structured.matcher_set import half_the_usable_cpus
 from tokenmill.structured.vocab import grammar_vocab_size
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def compile_threads() -> int:
     """Grammars compiled at once: xgrammar releases the GIL while it compiles, so a burst of new schemas (each
     ~10 ms) compiles as fast as there are cores; half this process's CPUs (the engine's loop, the grammar process
     and the fills need the rest), at least 2, at most 8."""
-    return max(2, min(MAX_COMPILE_THREADS, len(os.sched_getaffinity(0)) // 2))
+    return max(2, min(MAX_COMPILE_THREADS, half_the_usable_cpus()))
 
 
 class GrammarCompiler:

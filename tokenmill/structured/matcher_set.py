@@ -24,15 +24,15 @@ ROWS_PER_FILL_THREAD = 32
 
 
 @functools.cache
-def _usable_fill_threads() -> int:
-    """Half the CPUs this process may use (asked once: the fill runs every step)."""
+def half_the_usable_cpus() -> int:
+    """Half the CPUs this process may use, at least 1 (asked once: the fill runs every step)."""
     return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def fill_threads(num_rows: int) -> int:
     """Threads for one batched fill. Not xgrammar's 'auto' (half of std::thread::hardware_concurrency()): that
     counts the host's CPUs, not this process's (a GPU lease may see 16 of a host's hundreds)."""
-    return max(1, min(MAX_FILL_THREADS, _usable_fill_threads(), num_rows // ROWS_PER_FILL_THREAD))
+    return max(1, min(MAX_FILL_THREADS, half_the_usable_cpus(), num_rows // ROWS_PER_FILL_THREAD))
 
 
 class TreeWalk:

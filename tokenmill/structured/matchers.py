@@ -272,7 +272,7 @@ class GrammarRows:
                 for event in self._copied:
                     if event is not None:
                         event.synchronize()
-                self._host = []
+                self._host, self._host_numpy = [], []  # no view may hold the old mappings open
             # In this process the old buffers may still be in flight: the caching host allocator keeps them until
             # their copies ran.
             self._host = self._matchers.new_buffers(size, pinned)
