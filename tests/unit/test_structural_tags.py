@@ -149,3 +149,21 @@ def test_plans_of_strict_tools_under_auto():
     # tool_choice "none" ignores strict; "required" enforces every schema anyway.
     assert plan_tools(request(tools=TOOLS, tool_choice="none"), auto("mistral"), False).constraint is None
     assert plan_tools(request(tools=TOOLS, tool_choice="required"), auto("mistral"), False).mode == "forced"
+
+
+def test_a_spec_that_built_is_not_built_again_and_a_bad_one_is_refused_every_time(monkeypatch):
+    """validate() remembers the specs that built (clients send one schema with every request); a bad spec is
+    not remembered, so it gets its error every time."""
+    from tokenmill.structured import grammar
+
+    builds = []
+    build = grammar.build_grammar
+    monkeypatch.setattr(grammar, "build_grammar", lambda params: builds.append(params) or build(params))
+    good = StructuredOutputsParams(regex=r"remembered-[0-9]{3}")
+    for _ in range(3):
+        grammar.validate(good)
+    assert len(builds) == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="invalid regex"):
+            grammar.validate(StructuredOutputsParams(regex="(unclosed"))
+    assert len(builds) == 3
