@@ -55,7 +55,8 @@ def main() -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.bench.offline import vocab_size_of
 
-    llm = LLM(args.model, load_format="dummy", quantization=args.quantization, max_model_len=2048)
+    llm = LLM(args.model, load_format="dummy", quantization=args.quantization, max_model_len=2048,
+              skip_tokenizer_init=True)
     vocab = vocab_size_of(llm)
 
     def prompts(seed: int) -> list[dict]:
