@@ -72,6 +72,21 @@ def test_specs_hold_under_async_scheduling_chunked_prefill_and_preemption(busy_l
             if sample.finish_reason == "stop":
                 check(spec, sample.text)
     assert busy_llm.engine.last_stats.num_preemptions > 0
+    assert busy_llm.engine.core.awaiting_grammar.compiler.num_compiled == 0  # the grammar process compiled them
+
+
+def test_a_spec_the_grammar_process_cannot_compile_fails_only_its_request(busy_llm, monkeypatch):
+    """The grammar process compiles the grammars (the engine core's compiler delegates to it): a spec that fails
+    there (let past the frontend, which would refuse it) fails its request, and the engine and its grammar
+    process serve the others."""
+    monkeypatch.setattr("tokenmill.engine.input_processor.validate_structured_outputs", lambda params: None)
+    bad = StructuredOutputsParams(regex="(abc")
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec) for spec in (bad, SPECS[2])]
+    outs = busy_llm.chat([ASK, ASK], params, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort" and not outs[0].outputs[0].token_ids
+    assert outs[1].outputs[0].finish_reason == "stop"
+    check(SPECS[2], outs[1].outputs[0].text)
+    assert busy_llm.engine.core.awaiting_grammar.compiler.num_compiled == 0
 
 
 def test_max_tokens_inside_the_structure_ends_with_length_and_logprobs_are_finite(smollm2_llm):
@@ -115,6 +130,8 @@ def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     assert not llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
     assert smollm2_llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
+    # Compiled once, in the grammar process, which told the engine core when each was ready.
+    assert llm.engine.core.awaiting_grammar.compiler.num_compiled == 0
     expected = smollm2_llm.chat(asks, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
 

@@ -30,16 +30,28 @@ SPECS = {0: StructuredOutputsParams(json={"type": "object", "properties": {"name
          5: StructuredOutputsParams(choice=["a", "b"])}
 
 
+def new_compiler(tokenizer) -> GrammarCompiler:
+    from transformers import AutoTokenizer
+
+    # A recipe a grammar process can take (a partial, not a lambda).
+    return GrammarCompiler(functools.partial(AutoTokenizer.from_pretrained, TOKENIZER), len(tokenizer), num_threads=1)
+
+
 @pytest.fixture(scope="module")
 def setup():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    # A recipe a grammar process can take (a partial, not a lambda).
-    compiler = GrammarCompiler(functools.partial(AutoTokenizer.from_pretrained, TOKENIZER), len(tokenizer),
-                               num_threads=1)
+    compiler = new_compiler(tokenizer)  # compiles here: the references' grammars, and the in-process rows'
     yield tokenizer, compiler
     compiler.shutdown()
+
+
+def rows_compiler(setup, matchers: str) -> GrammarCompiler:
+    """The compiler GrammarRows gets: a grammar process takes its compiler over (compiles its grammars), so a
+    fresh one, which compiles nothing here."""
+    tokenizer, compiler = setup
+    return new_compiler(tokenizer) if matchers == "grammar process" else compiler
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -94,7 +106,8 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, monkeypat
         device = torch.device("cuda")
     eos = frozenset([tokenizer.eos_token_id])
     states = RequestStates(8, 64, 4)
-    grammar_rows = GrammarRows(compiler, len(tokenizer), device, in_process=matchers != "grammar process")
+    grammar_rows = GrammarRows(rows_compiler(setup, matchers), len(tokenizer), device,
+                               in_process=matchers != "grammar process")
     outputs = {0: encode(tokenizer, '{"name": "'), 1: encode(tokenizer, "yes"), 2: [], 3: encode(tokenizer, "ok"),
                4: [], 5: []}
     outputs[3].append(tokenizer.eos_token_id)  # terminated
@@ -142,6 +155,7 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, monkeypat
     step([0, 2], {0: encode(tokenizer, 'ice"}')})  # back to the first host buffer; drafts up to the end
     step([0, 4, 1], {})  # logits rows 0 and 2: not consecutive
     if matchers == "grammar process":  # a grammar process that dies fails the next step, with a clear error
+        assert grammar_rows.compiler.num_compiled == 0  # the grammar process compiled them
         os.kill(grammar_rows._matchers.pid, signal.SIGKILL)
         with pytest.raises(GrammarProcessError, match="exited"):
             step([0, 2], {})
@@ -219,8 +233,8 @@ def test_tree_masks_are_a_fresh_matcher_along_each_nodes_path(setup, matchers, m
     tree = TokenTree.from_paths(tuple(TREE))
     eos = tokenizer.eos_token_id
     states = RequestStates(8, 64, 4)
-    grammar_rows = GrammarRows(compiler, len(tokenizer), torch.device("cpu"), in_process=matchers != "grammar process",
-                               tree=tree)
+    grammar_rows = GrammarRows(rows_compiler(setup, matchers), len(tokenizer), torch.device("cpu"),
+                               in_process=matchers != "grammar process", tree=tree)
     outputs = {0: encode(tokenizer, '{"name": "'), 1: encode(tokenizer, "yes"), 2: [],
                3: encode(tokenizer, "ok") + [eos], 4: [], 5: []}
     for row, output in outputs.items():
@@ -285,5 +299,72 @@ def test_tree_masks_are_a_fresh_matcher_along_each_nodes_path(setup, matchers, m
     step([0, 1, 2, 5], {0: node_tokens(["ice", "an", '"', '",', "}", "}", " ", eos]), 1: node_tokens([" because"]),
                         5: node_tokens(["a", "b", "a"])})
     step([0, 1, 2], {})  # every matcher back at its known tokens
+    if matchers == "grammar process":
+        assert grammar_rows.compiler.num_compiled == 0  # the grammar process compiled them
     grammar_rows.close()
     assert "refused" not in caplog.text + capfd.readouterr().err  # (a grammar process logs to its stderr)
+
+
+def test_a_grammar_process_compiles_for_the_engine_core(setup, monkeypatch):
+    """With the matchers in a grammar process, it compiles each spec once and the engine core's requests wait
+    for its report: nothing compiles in the engine's process, a spec it cannot compile fails only its request
+    (the process serves on), and its death fails the compiles pending then and later instead of hanging."""
+    from tokenmill.request import Request
+    from tokenmill.structured.waiting import AwaitingGrammar
+
+    tokenizer, reference_compiler = setup
+    compiler = new_compiler(tokenizer)
+    grammar_rows = GrammarRows(compiler, len(tokenizer), torch.device("cpu"), in_process=False)
+    awaiting = AwaitingGrammar(compiler)
+    bad = StructuredOutputsParams(regex="(abc")  # the frontend would refuse it: a compile that fails
+    for request_id, spec in (("good", SPECS[1]), ("bad", bad), ("same", SPECS[1])):
+        awaiting.add(Request(request_id, [1, 2, 3], SamplingParams(structured_outputs=spec)))
+    assert compiler.submit(SPECS[1]) is compiler.submit(SPECS[1])
+    ready, failed = [], []
+    for _ in range(400):  # 20 s at most
+        now_ready, now_failed = awaiting.take_ready(idle=True)
+        ready += [request.request_id for request in now_ready]
+        failed += now_failed
+        if not awaiting:
+            break
+    assert sorted(ready) == ["good", "same"] and failed == ["bad"]
+    assert "invalid regex" in str(compiler.submit(bad).exception())
+    assert compiler.num_compiled == 0 and compiler.grammar_vocab_size == len(tokenizer)
+    with pytest.raises(RuntimeError, match="grammar process"):
+        compiler.get(SPECS[1])
+
+    # The process serves on: a row under the spec that compiled masks as a plain matcher.
+    states = RequestStates(4, 64, 4)
+    output = encode(tokenizer, "yes")
+    states.token_ids[0, : 3 + len(output)] = [1, 2, 3] + output
+    states.num_prompt_tokens[0], states.num_tokens[0] = 3, 3 + len(output)
+    states.sampling_params[0] = SamplingParams(structured_outputs=SPECS[1])
+    grammar_rows.add(0, states, frozenset([tokenizer.eos_token_id]))
+    assert grammar_rows.grammar_vocab_size == len(tokenizer)
+    logits = torch.randn(1, len(tokenizer))
+    expected = logits.masked_fill(~reference(reference_compiler, tokenizer, SPECS[1], output, [], len(tokenizer)),
+                                  float("-inf"))
+    rows = np.array([0])
+    grammar_rows.start(rows, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), states,
+                       grammar_rows.constrained(rows, states))
+    grammar_rows.apply(logits)
+    assert torch.equal(logits, expected)
+
+    # Stopped, it holds compiles pending: one the cache forgot (MAX_CACHED) is still the one future, and all
+    # complete when it goes on. Killed, its pending compiles fail, and so does any later one.
+    pid = grammar_rows._matchers.pid
+    os.kill(pid, signal.SIGSTOP)
+    monkeypatch.setattr("tokenmill.structured.compiler.MAX_CACHED", 1)
+    first = compiler.submit(SPECS[2])
+    second = compiler.submit(SPECS[3])  # SPECS[2] forgotten by the cache
+    assert compiler.submit(SPECS[2]) is first and not first.done() and not second.done()
+    os.kill(pid, signal.SIGCONT)
+    assert first.result(timeout=10) is None and second.result(timeout=10) is None
+    os.kill(pid, signal.SIGSTOP)
+    pending = compiler.submit(SPECS[0])
+    assert not pending.done()
+    os.kill(pid, signal.SIGKILL)
+    assert isinstance(pending.exception(timeout=10), GrammarProcessError)
+    assert isinstance(compiler.submit(SPECS[2]).exception(timeout=0), GrammarProcessError)
+    grammar_rows.close()
+    compiler.shutdown()

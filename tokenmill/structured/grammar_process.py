@@ -1,4 +1,5 @@
-"""The rows' matchers in a process of their own: `python -m tokenmill.structured.grammar_process FD PARENT_PID`.
+"""The rows' matchers in a process of their own: `python -m tokenmill.structured.grammar_process FD COMPILE_FD
+PARENT_PID`.
 
 The engine's host is its bottleneck at large batches, and xgrammar's accept and fill (~1.7 ms a step at 256 rows
 on the H200's host) cannot overlap the engine's Python from a thread (the GIL). Here they run on another core:
@@ -8,6 +9,11 @@ engine core's update, outputs and scheduling, since the runner launches such a s
 next step: worker/pending_output.py's DeferredSample), and only then waits for the masks, which the process
 writes into shared memory (the engine's host buffers, memory files mapped by both: registered as pinned memory on
 a GPU, so the copy to the device reads them directly).
+
+The process also compiles the grammars (each spec once: the engine's compiler `delegate`s to it) and reports
+each compile's end (success with the grammars' vocabulary, or the error) over a second socket pair, the compile
+channel, which a thread of the engine's reads: the requests waiting for their grammar are released from there,
+and the replies to the fills never queue behind a compile's.
 
 Messages go over a socket pair, in order, one way but for the reply to each fill. A plain subprocess (not
 multiprocessing's): the server's engine core is a daemon process, which multiprocessing forbids children. It
@@ -48,22 +54,31 @@ class GrammarProcess:
     """The engine's side: starts the process and speaks to it; the host buffers live in shared memory."""
 
     def __init__(self, compiler, tree_parent: np.ndarray | None = None) -> None:
-        """`tree_parent`: the draft tree's shape (MatcherSet's), sent once: a step's fill names only node counts."""
+        """`compiler`: the engine's GrammarCompiler, whose grammars the process compiles from now on (it compiles
+        none itself). `tree_parent`: the draft tree's shape (MatcherSet's), sent once: a step's fill names only
+        node counts."""
         ours, theirs = socket.socketpair()
+        compiles_ours, compiles_theirs = socket.socketpair()
         # This engine's tokenmill, wherever it was imported from (a benchmark puts the repository on sys.path).
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.structured.grammar_process", str(theirs.fileno()), str(os.getpid())],
-            pass_fds=[theirs.fileno()], env=env,
+            [sys.executable, "-m", "tokenmill.structured.grammar_process", str(theirs.fileno()),
+             str(compiles_theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno(), compiles_theirs.fileno()], env=env,
         )
         theirs.close()
+        compiles_theirs.close()
         self._conn = Connection(ours.detach())
-        self._lock = threading.Lock()  # a compile hint may come from the thread that takes requests
+        self._lock = threading.Lock()  # a compile may come from the thread that takes requests
         self._memory: list[mmap.mmap] = []
         self._pinned: list[int] = []  # the buffers' addresses registered with CUDA
         self._send("init", compiler, tree_parent)
         self._finalizer = weakref.finalize(self, _shut, self._conn, self._proc, self._memory, self._pinned)
+        # The reader holds the compiler weakly: this object (which the compiler holds) goes with the engine.
+        threading.Thread(target=_read_compiles, args=(Connection(compiles_ours.detach()), weakref.ref(compiler)),
+                         daemon=True, name="grammar-compiles").start()
+        compiler.delegate(self.compile)
 
     @property
     def pid(self) -> int:
@@ -103,9 +118,15 @@ class GrammarProcess:
         self._send("add", row, params, stop_tokens)
 
     def compile(self, params) -> None:
-        """Compile a spec ahead of its first add (the engine core's compiler has just started on it)."""
-        if not self._conn.closed and self._proc.poll() is None:  # a failure shows at the next step's wait
-            self._send("compile", params)
+        """Compile a spec (ahead of its first add): its end comes back on the compile channel. Called from the
+        thread that takes requests (`_send` locks)."""
+        try:
+            if self._conn.closed or self._proc.poll() is not None:
+                raise OSError
+            with self._lock:
+                self._conn.send(("compile", params))
+        except OSError:  # not `_died`, which reads the replies: the step's thread does
+            raise GrammarProcessError("the grammar process is gone: it cannot compile the grammar") from None
 
     def accept(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray) -> None:
         self._send_step(pack_step(ACCEPT, (), (rows, counts, tokens)))
@@ -216,6 +237,26 @@ def _shut(conn: Connection, proc: subprocess.Popen, memory: list[mmap.mmap], pin
     _release(memory, pinned)
 
 
+def _read_compiles(conn: Connection, compiler_ref: weakref.ref) -> None:
+    """The engine's side of the compile channel: each compile's end to the compiler (its futures), until the
+    process is gone, which fails the compiles still pending (their requests, never the engine: a step's wait
+    reports the process's end)."""
+    while True:
+        try:
+            key, error, vocab_size = conn.recv()
+        except (EOFError, OSError):
+            break
+        compiler = compiler_ref()
+        if compiler is None:
+            break
+        compiler.compiled(key, error, vocab_size)
+        del compiler  # not held while waiting
+    conn.close()
+    compiler = compiler_ref()
+    if compiler is not None:
+        compiler.elsewhere_gone(GrammarProcessError("the grammar process is gone: it cannot compile the grammar"))
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     """An engine killed with SIGKILL cannot close our socket before we notice: leave no orphan behind."""
     while True:
@@ -224,10 +265,22 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, compiles: Connection) -> None:
+    from tokenmill.structured.compiler import spec_key
     from tokenmill.structured.matcher_set import MatcherSet
 
     _, compiler, tree_parent = conn.recv()
+    report_lock = threading.Lock()  # compiles end on the compiler's threads
+
+    def report(key, future) -> None:
+        error = future.exception()
+        message = (key, None, future.result().tokenizer_info.vocab_size) if error is None else (key, str(error), None)
+        try:
+            with report_lock:
+                compiles.send(message)
+        except OSError:  # the engine is gone: the main loop sees it too
+            pass
+
     matchers = MatcherSet(tree_parent)
     attached: list[mmap.mmap] = []
     buffers: list[np.ndarray] = []
@@ -251,7 +304,8 @@ def serve(conn: Connection) -> None:
             row, params, stop_tokens = args
             matchers.add(row, compiler.get(params), stop_tokens)
         elif kind == "compile":
-            compiler.submit(args[0])
+            key = spec_key(args[0])
+            compiler.submit(args[0]).add_done_callback(lambda future, key=key: report(key, future))
         elif kind == "buffers":
             buffers = []  # views first: a mapping closes only once nothing views it
             for memory in attached:
@@ -264,12 +318,12 @@ def serve(conn: Connection) -> None:
             buffers = [np.ndarray(args[0] // 4, dtype=np.int32, buffer=memory) for memory in attached]
 
 
-def main(fd: int, parent_pid: int) -> None:
+def main(fd: int, compiles_fd: int, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the engine decides
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True, name="parent-watch").start()
     conn = Connection(fd)
     try:
-        serve(conn)
+        serve(conn, Connection(compiles_fd))
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
@@ -280,4 +334,4 @@ def main(fd: int, parent_pid: int) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(format="grammar process: %(levelname)s %(message)s")
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

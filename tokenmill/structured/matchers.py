@@ -105,9 +105,9 @@ class GrammarRows:
         else:
             from tokenmill.structured.grammar_process import GrammarProcess
 
+            # It compiles the compiler's grammars from now on, each once: in a one-process engine the compiler is
+            # the engine core's, whose requests wait for the grammar process's compiles (compiler.py).
             self._matchers = GrammarProcess(compiler, tree_parent)
-            # The engine core's compiler (the same object in a one-process engine) says which specs are coming.
-            compiler.add_listener(self._matchers.compile)
         # Per row, sized on first use (the rows' count is the request states'):
         self._active: np.ndarray | None = None  # [rows] bool: the row has a matcher
         self._generation: np.ndarray | None = None  # [rows] the row's generation when its matcher was made
@@ -156,8 +156,10 @@ class GrammarRows:
             self._accepted = np.zeros(num_rows, dtype=np.int64)
         params = states.sampling_params[row].structured_outputs
         if self.grammar_vocab_size is None:
-            # xgrammar fills masks this wide (compiled by now: the engine core waited for it).
-            self.grammar_vocab_size = self.compiler.get(params).tokenizer_info.vocab_size
+            # xgrammar fills masks this wide (compiled by now, here or in the grammar process, when the engine core
+            # waited for it; the rank of a multi-process engine waits here).
+            self.compiler.submit(params).result()
+            self.grammar_vocab_size = self.compiler.grammar_vocab_size
             self._words = -(-self.grammar_vocab_size // 32)
         # A stop token past the grammar's vocabulary cannot be sampled under it (the mask forbids it).
         stop_tokens = sorted(t for t in eos_token_ids if t < self.grammar_vocab_size)
