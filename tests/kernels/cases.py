@@ -169,7 +169,8 @@ def run_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int
 
 
 def run_qk_norm_rope_cache(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
-                           norm_offset: float | None, dtype: torch.dtype, device: str, seed: int) -> tuple[int, float]:
+                           norm_offset: float | None, dtype: torch.dtype, device: str, seed: int,
+                           heads_per_program: int | None = None) -> tuple[int, float]:
     """The fused kernel on q/k/v views of one qkv tensor, some tokens padding (slot -1); norm_offset None: no
     q/k norms. Returns the number of elements of q and of the pool whose bits differ from the composed torch
     reference (rms_norm_ref -> rotary_embedding_ref -> reshape_and_cache_ref), and the relative error of q and
@@ -195,7 +196,8 @@ def run_qk_norm_rope_cache(num_tokens: int, num_heads: int, num_kv_heads: int, h
     pool = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=g).to(dtype).to(device)
 
     fused_pool, ref_pool = pool.clone(), pool.clone()
-    fused_q = qk_norm_rope_cache(positions, q, k, v, fused_pool, slots.to(torch.int32), cos_sin, q_norm, k_norm)
+    fused_q = qk_norm_rope_cache(positions, q, k, v, fused_pool, slots.to(torch.int32), cos_sin, q_norm, k_norm,
+                                 heads_per_program=heads_per_program)
     ref_q = qk_norm_rope_cache_ref(positions, q, k, v, ref_pool, slots, cos_sin, q_norm, k_norm)
 
     bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]

@@ -125,13 +125,17 @@ def written_int8_pools(writer: str, num_tokens: int, num_kv_heads: int, head_dim
         if norm_offset is not None:
             norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(device),
                                    eps=1e-6, offset=norm_offset)
-        qk_norm_rope_cache(positions, q, k, v, got[0], slots.to(torch.int32), cos_sin, norm, norm, got[1], got[2])
+        # "qk_norm_rope_cache_heads": a program per token and 4 heads (a prefill's layout), not per head.
+        heads = 4 if writer.endswith("_heads") else 1
+        qk_norm_rope_cache(positions, q, k, v, got[0], slots.to(torch.int32), cos_sin, norm, norm, got[1], got[2],
+                           heads_per_program=heads)
         qk_norm_rope_cache_ref(positions, q, k, v, want[0], slots, cos_sin, norm, norm, want[1], want[2])
     return got, want, slots[slots >= 0]
 
 
 @pytest.mark.parametrize("writer", [pytest.param("reshape_and_cache", marks=interpret),
-                                    pytest.param("qk_norm_rope_cache", marks=interpret)])
+                                    pytest.param("qk_norm_rope_cache", marks=interpret),
+                                    pytest.param("qk_norm_rope_cache_heads", marks=interpret)])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=interpret),
                                    pytest.param(torch.float16, marks=interpret), torch.bfloat16], ids=str)
 def test_int8_writers_store_the_torch_quantization_bit_for_bit(device, writer, dtype):

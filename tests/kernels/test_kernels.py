@@ -105,9 +105,11 @@ def test_rotary(device, dtype, rotary_dim):
 # (heads, kv_heads, head_dim, rotary_dim): GQA with a full rotary, MHA rotating 3/4 of each head, MQA half.
 @pytest.mark.parametrize("shape", [pytest.param((8, 2, 64, 64), marks=interpret), (8, 8, 128, 96), (16, 1, 256, 128)],
                          ids=str)
-def test_qk_norm_rope_cache(device, dtype, norm_offset, shape):
-    num_tokens = 37 if device == "cuda" else 13  # a program per token and head: few under the interpreter
-    mismatches, error = cases.run_qk_norm_rope_cache(num_tokens, *shape, norm_offset, dtype, device, seed=0)
+@pytest.mark.parametrize("heads_per_program", [1, 4], ids=["head_per_program", "heads_per_program"])
+def test_qk_norm_rope_cache(device, dtype, norm_offset, shape, heads_per_program):
+    num_tokens = 37 if device == "cuda" else 13  # a program per token and head(s): few under the interpreter
+    mismatches, error = cases.run_qk_norm_rope_cache(num_tokens, *shape, norm_offset, dtype, device, seed=0,
+                                                     heads_per_program=heads_per_program)
     # The rotary rounds each product and sum as torch does (no fused multiply-adds); Triton's interpreter
     # truncates float32 to bfloat16 instead of rounding it, so there bfloat16 can only be close.
     if norm_offset is None and (device == "cuda" or dtype != torch.bfloat16):

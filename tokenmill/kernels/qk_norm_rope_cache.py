@@ -1,9 +1,10 @@
 """q/k norms, rotary embedding and the KV write of an attention layer in one launch.
 
 Unfused, each layer launches up to four kernels after its QKV projection (q RMSNorm, k RMSNorm, rotary,
-reshape_and_cache), each re-reading what the previous one wrote. Here one program takes one head row of
-one token: the optional per-head RMSNorm (Qwen3's q_norm/k_norm), then the rotate-half rotary, then the
-store: q into a new contiguous tensor, k (with v, untouched) into the paged pool at the token's slot.
+reshape_and_cache), each re-reading what the previous one wrote. Here a program takes a head row of one token
+(with many tokens, a prefill's, several heads of it: a warp a head): the optional per-head RMSNorm (Qwen3's
+q_norm/k_norm), then the rotate-half rotary, then the store: q into a new contiguous tensor, k (with v,
+untouched) into the paged pool at the token's slot.
 
 A row is normed as kernels.rms_norm norms it (the normed row rounded to the activation dtype, as that
 kernel's store rounds it), then rotated with each product and sum rounded as torch rounds them: the kernel
@@ -48,27 +49,30 @@ def _rms_scaled(x, rstd, w, offset, HAS_OFFSET: tl.constexpr, dtype: tl.constexp
 
 
 @triton.jit
-def _normed_rotated_head(
-    x_ptr, weight_ptr, eps, offset, cos, sin, head_dim, half,
+def _normed_rotated_heads(
+    x_ptr, heads, stride_h, head_mask, weight_ptr, eps, offset, cos, sin, head_dim, half,
     HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One head row (unit stride at x_ptr) normed then rotated: float32 holding activation-dtype values."""
+    """Head rows [HEADS, BLOCK_D] (row `h` at x_ptr + heads[h] * stride_h, unit stride) normed then rotated:
+    float32 holding activation-dtype values; cos and sin [BLOCK_D] are the token's."""
     dtype = x_ptr.dtype.element_ty
     dims = tl.arange(0, BLOCK_D)
-    in_first_half = dims < half
-    rotated = dims < 2 * half
-    partner = tl.where(in_first_half, dims + half, dims - half)
-    x = tl.load(x_ptr + dims, mask=dims < head_dim, other=0.0).to(tl.float32)
-    x_partner = tl.load(x_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+    in_first_half = (dims < half)[None, :]
+    rotated = (dims < 2 * half)[None, :]
+    partner = tl.where(dims < half, dims + half, dims - half)
+    rows = x_ptr + heads[:, None] * stride_h
+    x = tl.load(rows + dims[None, :], mask=head_mask[:, None] & (dims < head_dim)[None, :], other=0.0)
+    x = x.to(tl.float32)
+    x_partner = tl.load(rows + partner[None, :], mask=head_mask[:, None] & rotated, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / head_dim + eps)
-        w = tl.load(weight_ptr + dims, mask=dims < head_dim, other=0.0).to(tl.float32)
-        w_partner = tl.load(weight_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / head_dim + eps))[:, None]
+        w = tl.load(weight_ptr + dims, mask=dims < head_dim, other=0.0).to(tl.float32)[None, :]
+        w_partner = tl.load(weight_ptr + partner, mask=dims < 2 * half, other=0.0).to(tl.float32)[None, :]
         x = _rms_scaled(x, rstd, w, offset, HAS_OFFSET, dtype)
         x_partner = _rms_scaled(x_partner, rstd, w_partner, offset, HAS_OFFSET, dtype)
     # First half: x1 * cos - x2 * sin; second half: x2 * cos + x1 * sin; each product rounded.
-    a = (x * cos).to(dtype).to(tl.float32)
-    b = (x_partner * sin).to(dtype).to(tl.float32)
+    a = (x * cos[None, :]).to(dtype).to(tl.float32)
+    b = (x_partner * sin[None, :]).to(dtype).to(tl.float32)
     return tl.where(rotated, tl.where(in_first_half, a - b, a + b), x)
 
 
@@ -78,12 +82,14 @@ def _qk_norm_rope_cache_kernel(
     q_weight_ptr, k_weight_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ct, stride_ch, stride_cs, stride_sb, stride_st,
-    num_q_heads, head_dim, half, q_eps, k_eps, q_offset, k_offset,
+    num_q_heads, num_kv_heads, head_dim, half, q_eps, k_eps, q_offset, k_offset,
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, HAS_Q_OFFSET: tl.constexpr, HAS_K_OFFSET: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, IS_INT8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr, IS_FP8: tl.constexpr,
+    IS_INT8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # the q heads, then the kv heads
+    group = tl.program_id(1)  # HEADS q heads at a time, then HEADS kv heads at a time
+    q_groups = tl.cdiv(num_q_heads, HEADS)
     dtype = q_out_ptr.dtype.element_ty
     dims = tl.arange(0, BLOCK_D)
     # Element d rotates with frequency d mod half: cos and sin spread over both halves of the row.
@@ -92,29 +98,40 @@ def _qk_norm_rope_cache_kernel(
     table_row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs
     cos = tl.load(table_row + freq, mask=rotated, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(table_row + half + freq, mask=rotated, other=0.0).to(dtype).to(tl.float32)
-    if head < num_q_heads:
-        q = _normed_rotated_head(q_ptr + token * stride_qt + head * stride_qh, q_weight_ptr, q_eps, q_offset,
-                                 cos, sin, head_dim, half, HAS_Q_NORM, HAS_Q_OFFSET, BLOCK_D)
-        tl.store(q_out_ptr + (token * num_q_heads + head) * head_dim + dims, q.to(dtype), mask=dims < head_dim)
+    if group < q_groups:
+        heads = group * HEADS + tl.arange(0, HEADS)
+        head_mask = heads < num_q_heads
+        q = _normed_rotated_heads(q_ptr + token * stride_qt, heads, stride_qh, head_mask, q_weight_ptr, q_eps,
+                                  q_offset, cos, sin, head_dim, half, HAS_Q_NORM, HAS_Q_OFFSET, BLOCK_D)
+        dst = q_out_ptr + (token * num_q_heads + heads[:, None]) * head_dim + dims[None, :]
+        tl.store(dst, q.to(dtype), mask=head_mask[:, None] & (dims < head_dim)[None, :])
     else:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:  # a padding token stores nothing
-            kv_head = head - num_q_heads
-            k = _normed_rotated_head(k_ptr + token * stride_kt + kv_head * stride_kh, k_weight_ptr, k_eps, k_offset,
-                                     cos, sin, head_dim, half, HAS_K_NORM, HAS_K_OFFSET, BLOCK_D)
-            mask = dims < head_dim
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + dims
+            heads = (group - q_groups) * HEADS + tl.arange(0, HEADS)
+            head_mask = heads < num_kv_heads
+            k = _normed_rotated_heads(k_ptr + token * stride_kt, heads, stride_kh, head_mask, k_weight_ptr, k_eps,
+                                      k_offset, cos, sin, head_dim, half, HAS_K_NORM, HAS_K_OFFSET, BLOCK_D)
+            mask = head_mask[:, None] & (dims < head_dim)[None, :]
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + heads[:, None] * stride_ch \
+                + dims[None, :]
             # Rounded to the activation dtype first, as the unfused rotary output is, then to the pool's.
             k = k.to(dtype)
-            v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims, mask=mask)
-            if IS_INT8:  # the head's row as a one-row tile, its scale at its slot and head
-                scale_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kv_head
-                scale_dst = scale_dst + tl.zeros([1], tl.int64)
-                store_kv_int8(k_cache_ptr + dst[None, :], k[None, :], k_scale_ptr + scale_dst, mask[None, :])
-                store_kv_int8(v_cache_ptr + dst[None, :], v[None, :], v_scale_ptr + scale_dst, mask[None, :])
+            v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+            if IS_INT8:  # each head's row with its scale at its slot and head
+                scale_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + heads
+                store_kv_int8(k_cache_ptr + dst, k, k_scale_ptr + scale_dst, mask)
+                store_kv_int8(v_cache_ptr + dst, v, v_scale_ptr + scale_dst, mask)
             else:
                 store_kv(k_cache_ptr + dst, k, k_scale_ptr, mask, IS_FP8)
                 store_kv(v_cache_ptr + dst, v, v_scale_ptr, mask, IS_FP8)
+
+
+MANY_TOKENS = 64
+"""From this many tokens a program takes several heads of its token (HEADS_PER_PROGRAM): a prefill's million
+one-head programs each moved 512 bytes and reloaded the token's cos/sin; fewer tokens keep a program per head,
+which spreads a decode step's few rows over more of the GPU."""
+HEADS_PER_PROGRAM = 8
 
 
 def qk_norm_rope_cache(
@@ -129,6 +146,7 @@ def qk_norm_rope_cache(
     k_norm: HeadNorm | None = None,
     k_scale: torch.Tensor | None = None,  # an fp8 pool's scales ([] float32) or an int8 pool's (kernels.kv_int8)
     v_scale: torch.Tensor | None = None,
+    heads_per_program: int | None = None,  # None: by the token count (MANY_TOKENS); a power of 2
 ) -> torch.Tensor:
     """The normed, rotated query (new, contiguous); the normed, rotated key and the value go to the pool."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -140,20 +158,24 @@ def qk_norm_rope_cache(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scales = kv_scales(kv_cache, k_scale, v_scale)
     block = triton.next_power_of_2(head_dim)
-    _qk_norm_rope_cache_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+    if heads_per_program is None:
+        heads_per_program = HEADS_PER_PROGRAM if num_tokens >= MANY_TOKENS else 1
+    heads = min(heads_per_program, triton.next_power_of_2(num_q_heads))
+    groups = triton.cdiv(num_q_heads, heads) + triton.cdiv(num_kv_heads, heads)
+    _qk_norm_rope_cache_kernel[(num_tokens, groups)](
         query, key, value, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
         query if q_norm is None else q_norm.weight, key if k_norm is None else k_norm.weight, scales.k, scales.v,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
         scales.stride_b, scales.stride_t,
-        num_q_heads, head_dim, cos_sin_cache.shape[1] // 2,
+        num_q_heads, num_kv_heads, head_dim, cos_sin_cache.shape[1] // 2,
         0.0 if q_norm is None else q_norm.eps, 0.0 if k_norm is None else k_norm.eps,
         0.0 if q_norm is None else q_norm.offset, 0.0 if k_norm is None else k_norm.offset,
         HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None,
         HAS_Q_OFFSET=q_norm is not None and q_norm.offset != 0.0,
         HAS_K_OFFSET=k_norm is not None and k_norm.offset != 0.0,
-        BLOCK_SIZE=kv_cache.shape[2], BLOCK_D=block, IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
-        num_warps=min(16, max(1, block // 256)),
+        BLOCK_SIZE=kv_cache.shape[2], BLOCK_D=block, HEADS=heads, IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
+        num_warps=min(16, max(heads, block // 256)),
         enable_fp_fusion=False,  # a * cos - b * sin as two rounded products, as the reference computes it
     )
     return q_out
