@@ -1,5 +1,5 @@
-"""A `tokenmill serve` subprocess on a free loopback port, for the server tests (one per test module:
-startup takes ~20 s on a small CPU machine)."""
+"""A `tokenmill serve` subprocess on a free loopback port, for the server tests (startup takes ~20 s on a small
+CPU machine: modules that need no flags of their own share one, the `shared_server` fixture of conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import httpx
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 240
+SHARED_SERVER_MODEL = "smollm2"
+"""The shared server's --served-model-name."""
+SHARED_SERVER_API_KEY = "shared-test-key"
 
 
 def free_port() -> int:

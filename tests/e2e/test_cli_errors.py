@@ -1,6 +1,6 @@
 """The `tokenmill` command's failures, as a newcomer meets them: each is one or two lines on stderr
-and a non-zero exit status, never a traceback. Real processes, and one real server with an API key
-for the module."""
+and a non-zero exit status, never a traceback. Real processes, and a real server with an API key (the
+shared one of conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import time
 
 import httpx
 import pytest
-from server_harness import HOST, RemoteServer, free_port
+from server_harness import HOST, SHARED_SERVER_API_KEY, free_port
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "cli-test-key"
+API_KEY = SHARED_SERVER_API_KEY
 API_KEY_ENV = "TOKENMILL_API_KEY"
 QUICK_FAILURE_S = 15
 """Far less than loading a model and starting the engine (~20 s on a small CPU machine)."""
@@ -82,10 +82,8 @@ def test_serve_reports_an_unsupported_architecture_in_one_line(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    server = RemoteServer(smollm2_path, "--kv-cache-space", "0.25", "--max-model-len", "512", api_key=API_KEY)
-    yield server
-    server.stop()
+def server(shared_server):
+    return shared_server
 
 
 def test_chat_with_a_wrong_key(server):

@@ -1,6 +1,6 @@
 """Structured outputs through the server (issue 18): response_format, vLLM's structured_outputs and its
 older guided_* keys on /v1/chat/completions and /v1/completions, through the openai SDK against a real
-`tokenmill serve` on SmolLM2 (one server for the module). What does not compile is a 400 naming the
+`tokenmill serve` on SmolLM2 (the shared server of conftest.py). What does not compile is a 400 naming the
 field it came in; what does constrains the output, greedy and sampled."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import re
 import jsonschema
 import openai
 import pytest
-from server_harness import RemoteServer
+from server_harness import SHARED_SERVER_MODEL
 
 pytestmark = pytest.mark.slow
 
-MODEL = "smollm2"
+MODEL = SHARED_SERVER_MODEL
 MAX_TOKENS = 200
 """Room enough for every constrained output below to end by itself (finish_reason stop)."""
 
@@ -37,16 +37,8 @@ GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    server = RemoteServer(smollm2_path, "--served-model-name", MODEL, "--kv-cache-space", "0.25",
-                          "--max-model-len", "512")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai_client()
+def client(shared_server):
+    return shared_server.openai_client()
 
 
 def chat(client, messages, **kwargs) -> str:

@@ -3,7 +3,7 @@ serve` on SmolLM2: tool_choice "required" and a named function are enforced with
 back as tool_calls whose arguments validate, streamed or not; "auto" needs --enable-auto-tool-choice and
 --tool-call-parser, and enforces strict functions' arguments once a call starts; --reasoning-parser splits
 reasoning_content off, and a constrained output (response_format, a forced call) thinks first: its constraint
-applies after </think>. Two servers: one started plain, one with the flags."""
+applies after </think>. Two servers: the plain shared one of conftest.py, and one started with the flags."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import json
 import jsonschema
 import openai
 import pytest
-from server_harness import RemoteServer
+from server_harness import SHARED_SERVER_MODEL, RemoteServer
 
 pytestmark = pytest.mark.slow
 
-MODEL = "smollm2"
+MODEL = SHARED_SERVER_MODEL
 MAX_TOKENS = 120
 GREEDY = {"temperature": 0.0}
 WEATHER_PARAMS = {
@@ -53,11 +53,9 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def plain_client(smollm2_path):
-    """A server started without the tool and reasoning flags."""
-    server = RemoteServer(smollm2_path, *SERVER_ARGS)
-    yield server.openai_client()
-    server.stop()
+def plain_client(shared_server):
+    """The shared server: started without the tool and reasoning flags."""
+    return shared_server.openai_client()
 
 
 def check_calls(tool_calls, names: set[str]) -> list[tuple[str, dict]]:

@@ -1,6 +1,7 @@
 """The edge of the server: every bound a request field has is published in /openapi.json and enforced
 with a 400 in OpenAI's format, before anything reaches the engine; request chat templates (trusted
-here) render off the event loop. One `tokenmill serve` on SmolLM2 for the module."""
+here) render off the event loop. On the shared `tokenmill serve` of conftest.py (SmolLM2, with
+--trust-request-chat-template and an API key)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -20,16 +20,13 @@ HI = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    server = RemoteServer(smollm2_path, "--kv-cache-space", "0.25", "--max-model-len", "512",
-                          "--trust-request-chat-template")
-    yield server
-    server.stop()
+def server(shared_server):
+    return shared_server
 
 
-def post(server, path, body, **kwargs) -> httpx.Response:
+def post(server, path, body, headers=None, **kwargs) -> httpx.Response:
     kwargs.setdefault("json", body)
-    return httpx.post(server.url(path), timeout=120, **kwargs)
+    return httpx.post(server.url(path), timeout=120, headers={**server.headers, **(headers or {})}, **kwargs)
 
 
 def assert_openai_error(response: httpx.Response, status: int = 400) -> dict:
@@ -59,7 +56,7 @@ def member(schema: dict, kind: str) -> dict:
 
 
 def test_openapi_publishes_the_bounds(server):
-    spec = httpx.get(server.url("/openapi.json")).json()
+    spec = httpx.get(server.url("/openapi.json"), headers=server.headers).json()
     schemas = spec["components"]["schemas"]
     completion, chat_request = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
     fields = completion["properties"]
@@ -192,7 +189,7 @@ def test_refused_requests_leave_the_engine_idle(server):
     """After all those 400s nothing runs or waits, and requests are served."""
     deadline = time.monotonic() + 20
     while True:
-        text = httpx.get(server.url("/metrics")).text
+        text = httpx.get(server.url("/metrics"), headers=server.headers).text
         gauges = {sample.name: sample.value for family in text_string_to_metric_families(text)
                   for sample in family.samples if sample.name.startswith("tokenmill:num_requests_")}
         if gauges["tokenmill:num_requests_running"] == gauges["tokenmill:num_requests_waiting"] == 0:

@@ -1,6 +1,7 @@
 """The offline LLM API on the real SmolLM2-135M-Instruct GGUF, on CPU: exact greedy tokens against
 transformers, chat, every way a request stops, errors before scheduling, seeds, token-id prompts."""
 
+import functools
 import json
 import os
 
@@ -40,9 +41,15 @@ def reference(smollm2_llm):
 
 
 @torch.no_grad()
-def test_greedy_batch_equals_transformers_on_the_same_gguf(smollm2_llm, smollm2_path):
+def test_greedy_batch_equals_transformers_on_the_same_gguf(smollm2_llm, smollm2_path, monkeypatch):
+    import gguf
     from transformers import AutoModelForCausalLM
 
+    # transformers' GGUF loader reads the file's metadata twice (config, then weights) and builds the same
+    # tensor-name map once per submodule (~400 times): some 15 s on a small CPU. Both are pure functions of
+    # their arguments, read-only after: built once, they are the same reader and map.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     outputs = smollm2_llm.generate(PROMPTS, greedy(), use_tqdm=False)
     folder, name = os.path.split(smollm2_path)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
