@@ -72,6 +72,27 @@ def scale_scores(s, k_scale_ptr, scale_ptrs, key_mask, sm_scale, softcap, qk_sca
 
 
 @triton.jit
+def key_tile_scores(
+    q, k_cache_ptr, k_scale_ptr, block_row, offs_n, end, kv_offset, kv_head, cols, col_mask,
+    sm_scale, softcap, qk_scale, stride_cb, stride_ct, stride_sb, stride_st,
+    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_SOFTCAP: tl.constexpr, IS_FP8: tl.constexpr,
+    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """The keys offs_n (those below `end`) of one request's KV head, through its block table row: their scaled
+    scores, and what accumulate_tile reads their values with: (s, kv_ptrs, kv_mask, scale_ptrs, n_mask)."""
+    n_mask = offs_n < end
+    page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
+    kv_mask = n_mask[:, None] & col_mask[None, :]
+    s = tile_scores(q, k_cache_ptr, kv_ptrs, cols, kv_mask, DOT_PRECISION, IS_FP8, PAIRS, USE_ASM)
+    # An int8 pool's scales (compiled away for others); int32 offsets (a layer's scales are far fewer than
+    # 2^31): cheaper than the pool's int64 ones.
+    scale_ptrs = page.to(tl.int32) * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
+    s = scale_scores(s, k_scale_ptr, scale_ptrs, n_mask, sm_scale, softcap, qk_scale, USE_SOFTCAP, IS_INT8)
+    return s, kv_ptrs, kv_mask, scale_ptrs, n_mask
+
+
+@triton.jit
 def accumulate_tile(
     s, m_i, l_i, acc, v_cache_ptr, kv_ptrs, cols, kv_mask, v_scale_ptr, scale_ptrs, key_mask,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr, IS_INT8: tl.constexpr,

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.arrivals import arrival_counters
-from tokenmill.kernels.attention_tile import accumulate_tile, attention_output, load_query, scale_scores, tile_scores
+from tokenmill.kernels.attention_tile import accumulate_tile, attention_output, key_tile_scores, load_query
 from tokenmill.kernels.kv_fp8 import kv_scales
 from tokenmill.kernels.kv_widen import as_pairs, head_dim_pad, reads_pairs
 from tokenmill.kernels.prefill_attention import dot_precision
@@ -83,15 +83,11 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        page = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_ptrs = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kv_offset
-        kv_mask = n_mask[:, None] & col_mask[None, :]
-        s = tile_scores(q, k_cache_ptr, kv_ptrs, cols, kv_mask, DOT_PRECISION, IS_FP8, PAIRS, USE_ASM)
-        # An int8 pool's scales (compiled away for others); int32 offsets (a layer's scales are far fewer than
-        # 2^31): cheaper than the pool's int64 ones.
-        scale_ptrs = page.to(tl.int32) * stride_sb + (offs_n % BLOCK_SIZE) * stride_st + kv_head
-        s = scale_scores(s, k_scale_ptr, scale_ptrs, n_mask, sm_scale, softcap, qk_scale, USE_SOFTCAP, IS_INT8)
+        s, kv_ptrs, kv_mask, scale_ptrs, n_mask = key_tile_scores(
+            q, k_cache_ptr, k_scale_ptr, block_row, offs_n, end, kv_offset, kv_head, cols, col_mask, sm_scale,
+            softcap, qk_scale, stride_cb, stride_ct, stride_sb, stride_st, BLOCK_SIZE, DOT_PRECISION, USE_SOFTCAP,
+            IS_FP8, IS_INT8, PAIRS, USE_ASM,
+        )
         s = tl.where(n_mask[None, :], s, float("-inf"))
         acc, m_i, l_i = accumulate_tile(s, m_i, l_i, acc, v_cache_ptr, kv_ptrs, cols, kv_mask, v_scale_ptr, scale_ptrs,
                                         n_mask, q_ptr.dtype.element_ty, DOT_PRECISION, IS_FP8, IS_INT8, PAIRS, USE_ASM)
