@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.fp8_quant import fp8_quantize
 from tokenmill.kernels.fused_moe import CONFIG_DIR, config_path
 
 FP8 = torch.float8_e4m3fn
@@ -35,9 +36,7 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, num_rows, k, stride_xm, stride_qm,
     offs = group * GROUP + tl.arange(0, BLOCK)
     mask = (offs < k) & (tl.arange(0, BLOCK) < GROUP)
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    # An all-zero group gets a tiny scale, not a division by zero (layers.quant.fp8.MIN_SCALE).
-    scale = tl.maximum(tl.max(tl.abs(x)) / 448.0, 1e-12 / 448.0)
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    q, scale = fp8_quantize(x)
     tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + group, scale)
 

@@ -7,11 +7,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import use_triton
+from tokenmill.layers.quant.fp8 import Fp8Activation
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+    def forward(self, x: torch.Tensor, consumer: nn.Module | None = None) -> torch.Tensor | Fp8Activation:
+        """[..., 2 * d] -> [..., d]. consumer: the linear layer that alone reads the output; where its method
+        wants FP8 input (fp8_input_wanted), the output comes quantized from this kernel (Fp8Activation)."""
         if use_triton(x):
+            if consumer is not None and consumer.quant_method.fp8_input_wanted(consumer, x):
+                from tokenmill.kernels.activation import silu_and_mul_fp8
+
+                return Fp8Activation(*silu_and_mul_fp8(x), x.dtype)
             from tokenmill.kernels.activation import silu_and_mul
 
             return silu_and_mul(x)

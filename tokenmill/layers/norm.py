@@ -7,6 +7,7 @@ from torch import nn
 
 from tokenmill.kernels import use_triton
 from tokenmill.layers import cpu_norm
+from tokenmill.layers.quant.fp8 import Fp8Activation
 
 
 class RMSNorm(nn.Module):
@@ -27,13 +28,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, consumer: nn.Module | None = None
+    ) -> torch.Tensor | Fp8Activation | tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+        """consumer: the linear layer that alone reads the normed output; where its method wants FP8 input
+        (fp8_input_wanted), the output comes quantized from this kernel (Fp8Activation)."""
         weight = self.weight  # a parameter: each read goes through nn.Module.__getattr__
         if x.is_cpu:
             if cpu_norm.rms_norm_applies(x, weight, residual):
                 return cpu_norm.rms_norm_cpu(x, weight, self.eps, self.offset, residual)
         elif use_triton(x):
+            if consumer is not None and consumer.quant_method.fp8_input_wanted(consumer, x):
+                from tokenmill.kernels.rms_norm import rms_norm_fp8
+
+                q, scale, residual_out = rms_norm_fp8(x, weight, self.eps, self.offset, residual)
+                out = Fp8Activation(q, scale, x.dtype)
+                return out if residual is None else (out, residual_out)
             from tokenmill.kernels.rms_norm import rms_norm
 
             return rms_norm(x, weight, self.eps, self.offset, residual)

@@ -12,10 +12,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tokenmill.distributed.parallel_state import get_tp_size
-from tokenmill.layers.activation import get_gated_activation
+from tokenmill.layers.activation import SiluAndMul, get_gated_activation
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.quant.fp8 import Fp8Activation
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
 from tokenmill.model.cpu_layer_step import CpuLayerStep
@@ -32,9 +33,17 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = get_gated_activation(hidden_act)
+        # SiLU's kernel can hand an FP8 down_proj its input quantized (layers.quant.fp8.Fp8Activation).
+        self.act_quantizes = isinstance(self.act_fn, SiluAndMul)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    @property
+    def input_projection(self) -> nn.Module:
+        """The one layer that reads this block's input (PreNormDecoderLayer: the norm's consumer)."""
+        return self.gate_up_proj
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        return self.down_proj(self.act_fn(h, consumer=self.down_proj) if self.act_quantizes else self.act_fn(h))
 
 
 class LlamaAttention(nn.Module):
@@ -74,7 +83,12 @@ class LlamaAttention(nn.Module):
             k_norm=self.k_norm,
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_projection(self) -> nn.Module:
+        """The one layer that reads this block's input (PreNormDecoderLayer: the norm's consumer)."""
+        return self.qkv_proj
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | Fp8Activation) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         # split_with_sizes: Tensor.split's Python wrapper costs more than the three views at batch 1
         q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -83,19 +97,30 @@ class LlamaAttention(nn.Module):
 
 class PreNormDecoderLayer(nn.Module):
     """norm -> self_attn -> norm -> mlp, the residual stream carried beside the hidden states (each RMSNorm adds
-    it in). Subclasses build input_layernorm, self_attn, post_attention_layernorm and mlp."""
+    it in). Subclasses build input_layernorm, self_attn, post_attention_layernorm and mlp.
+
+    A block that reads its input only through one linear layer names it `input_projection` (LlamaAttention,
+    LlamaMLP); the norm before it may then hand that layer its input quantized (RMSNorm's consumer)."""
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = _normed(self.input_layernorm, hidden_states, None, self.self_attn)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = _normed(self.input_layernorm, hidden_states, residual, self.self_attn)
         hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = _normed(self.post_attention_layernorm, hidden_states, residual, self.mlp)
         return self.mlp(hidden_states), residual
+
+
+def _normed(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, block: nn.Module):
+    """norm(x) or norm(x, residual); an RMSNorm may hand `block`'s input projection its input quantized. (An EAGLE
+    head's first layer has no input norm: nn.Identity.)"""
+    if isinstance(norm, RMSNorm):
+        return norm(x, residual, consumer=getattr(block, "input_projection", None))
+    return norm(x) if residual is None else norm(x, residual)
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

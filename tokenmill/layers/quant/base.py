@@ -32,6 +32,11 @@ class QuantMethod(ABC):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size] (this rank's shard)."""
 
+    def fp8_input_wanted(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether apply() takes an input of x's rows, dtype and device quantized already by the kernel that
+        produces it (layers.quant.fp8.Fp8Activation: RMSNorm's and SiluAndMul's `consumer`). FP8 methods only."""
+        return False
+
 
 class QuantConfig(ABC):
     """One checkpoint format (or online method): which layers it quantizes and with what."""

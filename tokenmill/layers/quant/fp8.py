@@ -10,14 +10,16 @@ Every layout ends in one of two forms once loaded (`process_weights_after_loadin
 
 On the GPU decode batches (<= 16 rows) keep 16-bit activations and widen the weight in registers (half the
 bytes of bf16, nothing lost on the activations' side); larger batches quantize activations per token (or per
-token and group) and multiply in fp8. The CPU computes the same math in float32 (the reference of the
-kernel tests, and slow: on the CPU FP8 is for checking, not for speed).
+token and group) and multiply in fp8; with per-channel weight scales that per-token quantization runs in the
+kernel producing the layer's input where that is an RMSNorm or SiLU-and-mul (`Fp8Activation`,
+`fp8_input_wanted`). The CPU computes the same math in float32 (the reference of the kernel tests, and slow:
+on the CPU FP8 is for checking, not for speed).
 Mixture-of-experts weights in FP8 (block checkpoints, online per row): layers.quant.fp8_moe.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -73,6 +75,16 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+class Fp8Activation(NamedTuple):
+    """A linear layer's input already quantized per token by the kernel that produced it (kernels.rms_norm's
+    rms_norm_fp8, kernels.activation's silu_and_mul_fp8), bit for bit as apply() would quantize it: only for
+    a layer whose method's `fp8_input_wanted` said so, which then skips its own pass over the activations."""
+
+    q: torch.Tensor  # e4m3 [..., k]
+    scale: torch.Tensor  # float32 [rows, 1], one per token
+    dtype: torch.dtype  # the 16-bit activations' dtype, the output's
+
+
 # -- the method -------------------------------------------------------------------------------------
 class Fp8LinearMethod(QuantMethod):
     def __init__(self, config: Fp8Config) -> None:
@@ -120,7 +132,26 @@ class Fp8LinearMethod(QuantMethod):
         if cfg.static_activations:  # one activation feeds every fused part: the largest scale covers all
             layer.input_scale = torch.nn.Parameter(layer.input_scale.data.max().reshape(1), requires_grad=False)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def fp8_input_wanted(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether apply() would quantize an input of x's rows, dtype and device per token for cuBLASLt (the
+        16-bit-input kernels take too few rows; per-channel weight scales; dynamic activation scales), with rows
+        narrow enough for the producing kernel to quantize (kernels.fp8_quant.FUSED_MAX_FEATURES)."""
+        if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if layer.scale_block or getattr(layer, "input_scale", None) is not None:
+            return False
+        from tokenmill.kernels.fp8_gemm import SKINNY_MAX_ROWS
+        from tokenmill.kernels.fp8_quant import FUSED_MAX_FEATURES
+
+        # As _fp8_linear_cuda dispatches: the GEMV and skinny kernels keep up to 16 rows in 16 bits, large weights only.
+        max_16bit_rows = SKINNY_MAX_ROWS if min(layer.weight.shape) >= SKINNY_MIN_WEIGHT else 0
+        return x.shape[:-1].numel() > max_16bit_rows and layer.input_size <= FUSED_MAX_FEATURES
+
+    def apply(self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):  # quantized already, as fp8_input_wanted asked
+            q = x.q.reshape(-1, x.q.shape[-1])
+            y = _scaled_mm_rowwise(q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
+            return y.reshape(*x.q.shape[:-1], y.shape[-1])
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         block, scale = layer.scale_block, layer.weight_scale
@@ -162,9 +193,14 @@ def _fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         q, q_scale = quantize_fp8_static(x, input_scale), input_scale.expand(rows, 1).contiguous()
     else:
         q, q_scale = quantize_fp8(x)
+    return _scaled_mm_rowwise(q, q_scale, weight, scale, bias, x.dtype)
+
+
+def _scaled_mm_rowwise(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     # cuBLASLt with row-wise scales: one per token (activations) and one per output channel (weight).
     return torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), bias=bias,
-                            out_dtype=x.dtype)
+                            out_dtype=out_dtype)
 
 
 # -- the formats --------------------------------------------------------------------------------------
