@@ -28,7 +28,9 @@ The oracle: in bfloat16 a verify step's GEMMs round differently from a one-token
 the other way than in plain decoding. The section first learns the target's greedy continuation of each run's
 own context (a few untimed runs, the oracle learning each run's own output), then times runs the oracle drafts
 from start to end; its line says how many divergences there were and checks each timed run's tokens against
-what the oracle knows.
+what the oracle knows. With dummy weights the logits are full of near-ties, so at k = 4 the runs may not settle
+(eleventh session: 6 divergences, half the output undrafted); `--dtype float32` rounds ~10^4 times finer, which
+leaves far fewer ties to flip (the weights then read twice the bytes: compare speed-ups, not tokens per second).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -397,6 +399,8 @@ def main() -> int:
     parser.add_argument("--oracle-k", default="2,4", help="draft lengths the oracle section measures")
     parser.add_argument("--oracle-rounds", type=int, default=6,
                         help="most untimed runs in which the oracle learns the target's continuation")
+    parser.add_argument("--dtype", default=None, help="the model's dtype for every section (default: auto, bfloat16 "
+                        "on the GPU); float32 lets the oracle draft whole outputs (see the module's notes)")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized (sections oracle and eagle3_cost): a tiny "
                         "Llama, float32, 32 in / 64 out, one timed run; the oracle first knows a wrong output "
                         "token 24, which it must learn its way past")
@@ -406,6 +410,8 @@ def main() -> int:
         raise SystemExit("--smoke runs the sections oracle, eagle3_cost and tree_cost only")
     with tempfile.TemporaryDirectory() as folder:
         setup = smoke_setup(Path(folder)) if args.smoke else Setup()
+        if args.dtype is not None:
+            setup = replace(setup, dtype=args.dtype)
         for name in sections:
             if name in ("W3", "W4"):
                 section_workload(name)
