@@ -411,6 +411,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
         if sched.max_num_seqs <= 0 or sched.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.model_config.max_model_len is not None and self.model_config.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.model_config.max_model_len}")
+        if cache.kv_cache_space is not None and cache.kv_cache_space <= 0:
+            raise ValueError(f"kv_cache_space must be a positive number of GiB, got {cache.kv_cache_space}")
         if sched.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {sched.policy!r}")
         if self.model_config.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):

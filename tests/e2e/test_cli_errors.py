@@ -81,6 +81,24 @@ def test_serve_reports_an_unsupported_architecture_in_one_line(tmp_path):
     assert_short_error(result, "GPT2LMHeadModel", "not supported")
 
 
+@pytest.mark.parametrize("flag, value, message", [("--max-model-len", "0", "max_model_len must be positive"),
+                                                  ("--kv-cache-space", "-1", "kv_cache_space must be a positive")])
+def test_serve_refuses_a_bad_size_at_once(tmp_path, flag, value, message):
+    result = tokenmill("serve", str(tmp_path / "any.gguf"), flag, value, "--port", str(free_port()),
+                       timeout=QUICK_FAILURE_S)
+    assert_short_error(result, message)
+
+
+def test_an_engine_that_fails_to_start_reports_it_in_one_line(tmp_path, tiny_llama):
+    """The engine core's process fails after loading (an AWQ method on a 16-bit checkpoint) and the frontend
+    stops it: its error, and no stray traceback from that stop."""
+    result = tokenmill("serve", tiny_llama.path, "--load-format", "dummy", "--quantization", "awq",
+                       "--skip-tokenizer-init", "--port", str(free_port()))
+    # Past the start-up's own INFO lines (the engine got that far), the error alone.
+    result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True) if not line.startswith("INFO"))
+    assert_short_error(result, "the engine failed to start", "awq")
+
+
 @pytest.fixture(scope="module")
 def server(shared_server):
     return shared_server

@@ -52,6 +52,9 @@ def run_engine_core(
         max_model_len = resolve_max_model_len(config.model_config.max_model_len, hf_config)
         proc = EngineCoreProc(EngineCore.from_config(config, hf_config, max_model_len), input_address, output_address)
     except BaseException:
+        # The frontend stops us with SIGTERM once it reads the error: we are leaving anyway, and the signal's
+        # SystemExit raised inside the interpreter's exit would print a stray traceback.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         ready.send(("error", traceback.format_exc()))
         ready.close()
         raise SystemExit(1) from None
