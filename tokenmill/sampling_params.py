@@ -7,6 +7,7 @@ documented in tokenmill/sample/sampler.py.
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -138,6 +139,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(self.stop is None or isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
+               f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -149,6 +152,7 @@ class SamplingParams:
     def validate(self) -> None:
         for name in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            _check(value is None or isinstance(value, numbers.Integral), f"{name} must be an integer, got {value!r}")
             _check(value is None or INT64_MIN <= value <= INT64_MAX, f"{name} must fit in 64 bits, got {value}")
         _check(self.n >= 1, f"n must be at least 1, got {self.n}")
         if self.best_of is not None:

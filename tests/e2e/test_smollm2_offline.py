@@ -185,9 +185,14 @@ def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match)
     assert generate_one(smollm2_llm, PROMPTS[0], greedy(max_tokens=3)).finish_reason == "length"
 
 
-@pytest.mark.parametrize("fields", [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0)])
-def test_invalid_sampling_params_are_rejected_on_construction(fields):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("fields, match", [
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens must be an integer"),
+    (dict(seed="7"), "seed must be an integer"), (dict(stop=5), "stop must be a string or a list of strings"),
+    (dict(stop=["ok", None]), "stop must be"),
+])
+def test_invalid_sampling_params_are_rejected_on_construction(fields, match):
+    with pytest.raises(ValueError, match=match):
         SamplingParams(**fields)
 
 
