@@ -123,22 +123,15 @@ def _attend_tile(
     full_hi = lo
     if not USE_WINDOW and not USE_TREE:
         full_hi = tl.minimum(hi, tl.maximum(lo, (context_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N))
-    for start_n in range(lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _key_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_row, kv_offset, start_n, hi,
-            q_pos, cols, col_mask, sm_scale, softcap, qk_scale, window, tree_start, tree_bits,
-            stride_cb, stride_ct, stride_sb, stride_st, kv_head, q_ptr.dtype.element_ty,
-            BLOCK_SIZE, BLOCK_N, False, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, IS_FP8, IS_INT8, PAIRS, USE_ASM,
-            USE_TREE,
-        )
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _key_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_row, kv_offset, start_n, hi,
-            q_pos, cols, col_mask, sm_scale, softcap, qk_scale, window, tree_start, tree_bits,
-            stride_cb, stride_ct, stride_sb, stride_st, kv_head, q_ptr.dtype.element_ty,
-            BLOCK_SIZE, BLOCK_N, True, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, IS_FP8, IS_INT8, PAIRS, USE_ASM,
-            USE_TREE,
-        )
+    for masked in tl.static_range(2):  # the whole tiles, then the diagonal's
+        for start_n in range(full_hi if masked else lo, hi if masked else full_hi, BLOCK_N):
+            acc, m_i, l_i = _key_tile(
+                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_row, kv_offset, start_n,
+                hi, q_pos, cols, col_mask, sm_scale, softcap, qk_scale, window, tree_start, tree_bits,
+                stride_cb, stride_ct, stride_sb, stride_st, kv_head, q_ptr.dtype.element_ty,
+                BLOCK_SIZE, BLOCK_N, masked == 1, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, IS_FP8, IS_INT8, PAIRS,
+                USE_ASM, USE_TREE,
+            )
     out = attention_output(acc, l_i, v_scale_ptr, IS_FP8, IS_INT8, PAIRS)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import use_triton
+from tokenmill.layers.quant.base import wants_fp8_input
 from tokenmill.layers.quant.fp8 import Fp8Activation
 
 
@@ -15,7 +16,7 @@ class SiluAndMul(nn.Module):
         """[..., 2 * d] -> [..., d]. consumer: the linear layer that alone reads the output; where its method
         wants FP8 input (fp8_input_wanted), the output comes quantized from this kernel (Fp8Activation)."""
         if use_triton(x):
-            if consumer is not None and consumer.quant_method.fp8_input_wanted(consumer, x):
+            if wants_fp8_input(consumer, x):
                 from tokenmill.kernels.activation import silu_and_mul_fp8
 
                 return Fp8Activation(*silu_and_mul_fp8(x), x.dtype)
@@ -31,7 +32,8 @@ class GeluAndMul(nn.Module):
         super().__init__()
         self.approximate = approximate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+    def forward(self, x: torch.Tensor, consumer: nn.Module | None = None) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        """consumer: as SiluAndMul's; GELU has no quantizing kernel, so its output stays 16-bit."""
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from tokenmill.kernels import use_triton
 from tokenmill.layers import cpu_norm
+from tokenmill.layers.quant.base import wants_fp8_input
 from tokenmill.layers.quant.fp8 import Fp8Activation
 
 
@@ -37,7 +38,7 @@ class RMSNorm(nn.Module):
             if cpu_norm.rms_norm_applies(x, weight, residual):
                 return cpu_norm.rms_norm_cpu(x, weight, self.eps, self.offset, residual)
         elif use_triton(x):
-            if consumer is not None and consumer.quant_method.fp8_input_wanted(consumer, x):
+            if wants_fp8_input(consumer, x):
                 from tokenmill.kernels.rms_norm import rms_norm_fp8
 
                 q, scale, residual_out = rms_norm_fp8(x, weight, self.eps, self.offset, residual)

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tokenmill.distributed.parallel_state import get_tp_size
-from tokenmill.layers.activation import SiluAndMul, get_gated_activation
+from tokenmill.layers.activation import get_gated_activation
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -33,8 +33,6 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = get_gated_activation(hidden_act)
-        # SiLU's kernel can hand an FP8 down_proj its input quantized (layers.quant.fp8.Fp8Activation).
-        self.act_quantizes = isinstance(self.act_fn, SiluAndMul)
 
     @property
     def input_projection(self) -> nn.Module:
@@ -42,8 +40,8 @@ class LlamaMLP(nn.Module):
         return self.gate_up_proj
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        return self.down_proj(self.act_fn(h, consumer=self.down_proj) if self.act_quantizes else self.act_fn(h))
+        # The activation may hand an FP8 down_proj its input quantized (layers.quant.fp8.Fp8Activation).
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), consumer=self.down_proj))
 
 
 class LlamaAttention(nn.Module):

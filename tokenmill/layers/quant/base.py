@@ -38,6 +38,12 @@ class QuantMethod(ABC):
         return False
 
 
+def wants_fp8_input(consumer: LinearBase | None, x: torch.Tensor) -> bool:
+    """Whether the producer of `consumer`'s input (an RMSNorm, a SiLU-and-mul, computing from x) should hand it
+    quantized (fp8_input_wanted); False without a consumer."""
+    return consumer is not None and consumer.quant_method.fp8_input_wanted(consumer, x)
+
+
 class QuantConfig(ABC):
     """One checkpoint format (or online method): which layers it quantizes and with what."""
 
