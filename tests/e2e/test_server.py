@@ -134,6 +134,22 @@ def test_chat_streamed_and_not_agree_and_count_tokens(server, client, smollm2_to
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, route):
+    # vLLM's stream option, with include_usage (before: accepted and ignored, no chunk but the last had usage).
+    prompt = {"prompt": "Hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    events = sse_events(post(server, route, {**prompt, "model": MODEL, "max_tokens": 3, "n": 2, "ignore_eos": True,
+                                             "stream": True, "stream_options": {"include_usage": True,
+                                                                                "continuous_usage_stats": True}}))
+    *chunks, last, done = events
+    assert done == "[DONE]" and last["choices"] == [] and last["usage"]["completion_tokens"] == 2 * 3
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 2 * 3
+    assert all(chunk["usage"] == {**last["usage"], "completion_tokens": count,
+                                  "total_tokens": last["usage"]["prompt_tokens"] + count}
+               for chunk, count in zip(chunks, counts))
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_every_token_arrives_in_a_chunk_of_its_own_even_when_its_text_is_held_back(server, route):
     """Clients (vLLM's benchmark among them) time chunks as tokens: a step whose text is held back (here
     all of it, behind a long stop string's possible start) still sends a chunk, with empty text."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -266,6 +267,37 @@ def test_completion_several_prompts_share_the_constraint(client):
     assert len(response.choices) == 2
     for choice in response.choices:
         assert choice.finish_reason == "stop" and re.fullmatch(PHONE, choice.text), choice
+
+
+def strict_json(text: str):
+    """As a strict parser (JavaScript's JSON.parse) reads it: no NaN or Infinity."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+LOGPROBS_OF_RULED_OUT = [  # a constraint that allows far fewer than 20 first tokens, and the 20 most likely asked
+    ("/v1/chat/completions", {"messages": ASK_PERSON, "response_format": {"type": "json_object"}, "logprobs": True,
+                              "top_logprobs": 20}),
+    ("/v1/completions", {"prompt": "Is the sky blue?", "guided_choice": ["yes", "no"], "logprobs": 20}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
+@pytest.mark.parametrize(("path", "body"), LOGPROBS_OF_RULED_OUT, ids=["chat", "completion"])
+def test_logprobs_of_ruled_out_tokens_are_json_numbers(shared_server, path, body, stream):
+    # Their -inf logprobs were a 500 (the encoder refuses infinity) or -Infinity in a stream; now -9999, as vLLM's.
+    response = httpx.post(shared_server.url(path), headers=shared_server.headers, timeout=120,
+                          json={**body, "model": MODEL, "max_tokens": 1, "stream": stream})
+    assert response.status_code == 200, response.text
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: {")]
+    logprobs = [choice["logprobs"] for payload in map(strict_json, events if stream else [response.text])
+                for choice in payload["choices"] if choice["logprobs"] is not None]
+    if path == "/v1/chat/completions":
+        [top] = [[alt["logprob"] for alt in entry["top_logprobs"]] for lp in logprobs for entry in lp["content"]]
+    else:
+        [top] = [list(alts.values()) for lp in logprobs for alts in lp["top_logprobs"]]
+    assert len(top) == 20 and min(top) == -9999.0, top
 
 
 def test_the_server_still_serves(client):

@@ -5,6 +5,7 @@ here) render off the event loop. On the shared `tokenmill serve` of conftest.py 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -178,6 +179,53 @@ def test_non_finite_numbers_are_refused(server, field, literal):
     error = assert_openai_error(post(server, "/v1/completions", None, content=body,
                                      headers={"Content-Type": "application/json"}))
     assert error["param"].startswith(field)
+
+
+# ---- lone UTF-16 surrogates ("\ud800" in JSON): a 400 naming the field, wherever they are -----------------
+
+SURROGATE = "\ud800"
+LONE_SURROGATES = [  # before: a TypeError from the tokenizer (a 500 for /tokenize and bad_words), a 500 while
+    # rendering the 404 of an unknown model, or a 400 whose message named none of the request's fields
+    ("prompt", completion(prompt=f"Hi{SURROGATE}"), "prompt"),
+    ("prompts", completion(prompt=["Hi", SURROGATE]), "prompt.1"),
+    ("bad_words", completion(bad_words=[SURROGATE]), "bad_words.0"),
+    ("model", completion(model=SURROGATE), "model"),
+    ("cache_salt", completion(cache_salt=SURROGATE), "cache_salt"),
+    ("logit_bias_key", completion(logit_bias={f"1{SURROGATE}": 1}), "logit_bias.1\\ud800"),
+    ("chat_content", chat(messages=[{"role": "user", "content": SURROGATE}]), "messages.0.content"),
+    ("tokenize", ("/tokenize", {"prompt": SURROGATE}), "prompt"),
+]
+
+
+@pytest.mark.parametrize(("request_", "param"), [case[1:] for case in LONE_SURROGATES],
+                         ids=[case[0] for case in LONE_SURROGATES])
+def test_lone_surrogates_are_refused_by_name(server, request_, param):
+    path, body = request_
+    # json.dumps writes the surrogate as the escape \ud800, as a client's JSON encoder would.
+    response = post(server, path, None, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    error = assert_openai_error(response)
+    assert error["param"] == param and "lone surrogate" in error["message"], error
+
+
+def test_a_surrogate_pair_is_text(server):
+    # The escaped pair of one emoji, as json.dumps writes it: valid, unlike either half alone.
+    body = json.dumps(completion(prompt="Hi \U0001F600")[1])
+    assert "\\ud83d\\ude00" in body
+    response = post(server, "/v1/completions", None, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("key", ["add_generation_prompt", "chat_template", "messages", "tokenize"])
+def test_chat_template_kwargs_may_not_set_what_the_server_passes(server, key):
+    # Before: a 400 about "off_loop() got multiple values for keyword argument", naming messages.
+    error = assert_openai_error(post(server, *chat(chat_template_kwargs={key: False})))
+    assert error["param"] == "chat_template_kwargs" and key in error["message"], error
+
+
+def test_a_completion_prompt_that_fills_the_context_is_named(server):
+    # With max_tokens null no room is left for output: the prompt's fault (before: param "messages").
+    error = assert_openai_error(post(server, *completion(prompt=[1] * 1024, max_tokens=None)))
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded", error
 
 
 def test_a_long_list_of_bad_values_gets_a_short_message(server):

@@ -60,7 +60,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message = "; ".join(_describe(e) for e in errors[:MAX_ERRORS_DESCRIBED]) or "invalid request"
         if len(errors) > MAX_ERRORS_DESCRIBED:
             message += f"; and {len(errors) - MAX_ERRORS_DESCRIBED} more errors"
-        return error_response(400, message, code=first.get("type"), param=".".join(loc) or None)
+        # An error of the whole body (a model validator's) may name its field in its context.
+        param = ".".join(loc) or (first.get("ctx") or {}).get("param")
+        return error_response(400, message, code=first.get("type"), param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -9,6 +9,14 @@ from tokenmill.outputs import Logprob
 Decode = Callable[[int], str]
 """One token id -> its text (for prompt tokens, which carry no decoded text of their own)."""
 
+LOGPROB_FLOOR = -9999.0
+"""Where -inf logprobs (tokens a structured output, or any mask, rules out) are reported, as vLLM does:
+JSON has no infinity (a 500 from the encoder, or -Infinity in a stream that strict parsers refuse)."""
+
+
+def _wire(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN too
+
 
 def _token_text(token_id: int, logprob: Logprob | None, decode: Decode) -> str:
     if logprob is not None and logprob.decoded_token is not None:
@@ -36,13 +44,13 @@ class CompletionLogprobs:
             chosen = entry.get(token_id) if entry is not None else None
             text = _token_text(token_id, chosen, self.decode)
             out["tokens"].append(text)
-            out["token_logprobs"].append(chosen.logprob if chosen is not None else None)
+            out["token_logprobs"].append(_wire(chosen.logprob) if chosen is not None else None)
             if entry is None:
                 out["top_logprobs"].append(None)
             else:
-                top = {_token_text(t, lp, self.decode): lp.logprob for t, lp in _top(entry, self.num_top)}
+                top = {_token_text(t, lp, self.decode): _wire(lp.logprob) for t, lp in _top(entry, self.num_top)}
                 if chosen is not None:
-                    top.setdefault(text, chosen.logprob)
+                    top.setdefault(text, _wire(chosen.logprob))
                 out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
@@ -63,5 +71,5 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_t
 
 def _chat_entry(token_id: int, logprob: Logprob | None, decode: Decode) -> dict:
     text = _token_text(token_id, logprob, decode)
-    return {"token": text, "logprob": logprob.logprob if logprob is not None else None,
+    return {"token": text, "logprob": _wire(logprob.logprob) if logprob is not None else None,
             "bytes": list(text.encode("utf-8"))}

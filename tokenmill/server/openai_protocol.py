@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
 from tokenmill.server.limits import (
     INT64_MAX,
@@ -26,6 +27,7 @@ from tokenmill.server.limits import (
     MAX_TOKEN_COUNT,
     TOKEN_ID_END,
 )
+from tokenmill.server.unicode_text import find_lone_surrogate
 
 
 def _integral_float_to_int(value: Any) -> Any:
@@ -56,9 +58,25 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 
+class RequestBody(RequestModel):
+    """A whole request body: its strings, at any depth, must be valid Unicode (see unicode_text.py)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (found := find_lone_surrogate(data)) is not None:
+            path, surrogate = found
+            raise PydanticCustomError(
+                "string_unicode", "{param}: a string holds a lone surrogate ({surrogate}), which is not valid "
+                "Unicode", {"param": path, "surrogate": surrogate})
+        return data
+
+
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    """A last chunk, with no choices, carries the usage of the whole request."""
     continuous_usage_stats: bool = False
+    """With include_usage, every chunk carries the usage so far as well (vLLM's)."""
 
 
 class TextPart(RequestModel):
@@ -218,7 +236,7 @@ Prompt = Annotated[
 ]
 
 
-class SamplingRequest(RequestModel):
+class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -302,10 +320,11 @@ class ChatCompletionRequest(SamplingRequest):
     """A Jinja chat template to use instead of the model's; refused unless the server was started with
     --trust-request-chat-template."""
     chat_template_kwargs: dict[str, Any] | None = None
-    """Extra variables for the chat template."""
+    """Extra variables for the chat template; not those the server passes itself (messages, tools, chat_template,
+    add_generation_prompt, continue_final_message, tokenize)."""
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(RequestBody):
     """Pass exactly one of prompt and messages."""
 
     model: str | None = None
@@ -317,7 +336,7 @@ class TokenizeRequest(RequestModel):
     continue_final_message: bool = False
 
 
-class DetokenizeRequest(RequestModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -7,14 +7,16 @@ from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_protocol import SamplingRequest
 
 
-def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
-    """The output budget: what was asked for, if it fits the context, else a 400; all that fits if None."""
+def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int, param: str,
+                       prompt_param: str) -> int:
+    """The output budget: what was asked for, if it fits the context, else a 400; all that fits if None.
+    param, prompt_param: the request's fields of the two, which the 400 names."""
     room = max_model_len - prompt_len
     if max_tokens is None:
         if room < 1:
             raise bad_request(
                 f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
-                f"{prompt_len}: no room is left for output", param="messages", code="context_length_exceeded",
+                f"{prompt_len}: no room is left for output", param=prompt_param, code="context_length_exceeded",
             )
         return room
     if max_tokens > room:
@@ -71,3 +73,10 @@ def check_stream_options(req: SamplingRequest) -> None:
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise bad_request("best_of > n cannot be streamed: the best samples are known only at the end",
                           param="best_of")
+
+
+def continuous_usage(req: SamplingRequest) -> bool:
+    """Whether every streamed chunk carries the usage so far (vLLM's continuous_usage_stats, which, as there,
+    takes include_usage too)."""
+    options = req.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats

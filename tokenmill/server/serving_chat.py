@@ -16,11 +16,16 @@ from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
-from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, to_sampling_params
+from tokenmill.server.sampling import check_stream_options, continuous_usage, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_id
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
 from tokenmill.server.tools import ChoiceText, ToolPlan, plan_tools, reasoning_parser_of, template_messages, think_first
+
+TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "chat_template", "add_generation_prompt",
+                                "continue_final_message", "tokenize"})
+"""What render_chat and the template already get from the request: in chat_template_kwargs each would collide
+with it (a TypeError naming internal functions)."""
 
 
 async def render_messages(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
@@ -38,6 +43,10 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
         raise bad_request("chat templates sent in requests are refused unless the server is started with "
                           "--trust-request-chat-template", param="chat_template")
     template_kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    if taken := sorted(TEMPLATE_ARGUMENTS & template_kwargs.keys()):
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: the server passes these itself "
+                          "(send add_generation_prompt, continue_final_message and chat_template as request fields)",
+                          param="chat_template_kwargs")
     if req.tools:
         if "tools" in template_kwargs:
             raise bad_request("pass tools in tools, not in chat_template_kwargs", param="chat_template_kwargs")
@@ -82,7 +91,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     engine = state.engine
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, param)
+    max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, param, "messages")
     params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 structured_outputs=None if constraint is None else constraint.params,
                                 # Tool-call markers ([TOOL_CALLS], <tool_call>) may be special tokens.
@@ -137,12 +146,18 @@ class ChatResponder:
 
     async def stream(self, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
         req, num_completion = self.req, 0
+        every_chunk_usage = continuous_usage(req)
+
+        def chunk(choices: list[dict]) -> str:
+            extra = {"usage": usage(self.num_prompt, num_completion)} if every_chunk_usage else {}
+            return self._chunk(choices, **extra)
+
         texts: dict[int, ChoiceText] = {}
         held = {} if self.plan.mode == "forced" else {"content": ""}  # a step whose text is all held back
         try:
             for index in range(req.n):
-                yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}])
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
             async with aclosing(stream):  # so that a client leaving aborts the request now, not once collected
                 async for output in stream:
                     for completion in output.outputs:
@@ -160,12 +175,12 @@ class ChatResponder:
                         # count chunks as tokens arriving.
                         visible = bool(completion.text) if self.plain else bool(delta)
                         if visible or completion.token_ids or logprobs is not None:
-                            yield self._chunk([{"index": completion.index, "delta": delta or held,
-                                                "logprobs": logprobs, "finish_reason": None}])
+                            yield chunk([{"index": completion.index, "delta": delta or held,
+                                          "logprobs": logprobs, "finish_reason": None}])
                         if completion.finish_reason is not None:
-                            yield self._chunk([{"index": completion.index, "delta": {}, "logprobs": None,
-                                                "finish_reason": text.finish_reason(completion.finish_reason),
-                                                "stop_reason": completion.stop_reason}])
+                            yield chunk([{"index": completion.index, "delta": {}, "logprobs": None,
+                                          "finish_reason": text.finish_reason(completion.finish_reason),
+                                          "stop_reason": completion.stop_reason}])
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield self._chunk([], usage=usage(self.num_prompt, num_completion))
         except EngineDeadError as e:

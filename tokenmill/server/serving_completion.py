@@ -18,7 +18,7 @@ from tokenmill.server.errors import bad_request, error_body
 from tokenmill.server.limits import MAX_SEQUENCES
 from tokenmill.server.logprobs import CompletionLogprobs
 from tokenmill.server.openai_protocol import CompletionRequest
-from tokenmill.server.sampling import check_stream_options, resolve_max_tokens, to_sampling_params
+from tokenmill.server.sampling import check_stream_options, continuous_usage, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_id
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, merge_streams, sse
 from tokenmill.server.structured_outputs import constraint_of
@@ -64,7 +64,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = [
         to_sampling_params(
             req,
-            resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), engine.max_model_len, "max_tokens"),
+            resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), engine.max_model_len, "max_tokens",
+                               "prompt"),
             logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
             structured_outputs=None if constraint is None else constraint.params,
@@ -125,7 +126,9 @@ class CompletionResponder:
     async def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         req, n = self.req, self.req.n
         formats: dict[int, CompletionLogprobs] = {}
+        num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
         num_completion = 0
+        every_chunk_usage = continuous_usage(req)
         try:
             # Closed explicitly, so that a client leaving aborts the requests now, not once collected.
             async with aclosing(merge_streams(streams)) as outputs:
@@ -147,11 +150,11 @@ class CompletionResponder:
                         # character, or maybe a stop string's start): clients count chunks as tokens arriving.
                         if not text and not completion.token_ids and completion.finish_reason is None:
                             continue
+                        extra = {"usage": usage(num_prompt, num_completion)} if every_chunk_usage else {}
                         yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
                                                "finish_reason": completion.finish_reason,
-                                               "stop_reason": completion.stop_reason}]))
+                                               "stop_reason": completion.stop_reason}], **extra))
             if req.stream_options is not None and req.stream_options.include_usage:
-                num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
                 yield sse(self._body([], usage=usage(num_prompt, num_completion)))
         except EngineDeadError as e:
             yield sse(error_body(503, f"the engine is not running: {e}", code="engine_dead"))
