@@ -7,6 +7,7 @@ documented in tokenmill/sample/sampler.py.
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -131,7 +132,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (logprobs are then those of the
-    constrained distribution: the bitmask is applied before everything else)."""
+    constrained distribution: the bitmask is applied before everything else). The output ends where the structure
+    does: ignore_eos and min_tokens are refused with it."""
 
     # Token ids of bad_words, filled by the input processor (it owns the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -176,6 +178,10 @@ class SamplingParams:
                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
                "allowed_token_ids must not be empty")
+        # NaN would win every greedy step (argmax takes it for the largest) and +inf turns the softmax into NaNs;
+        # -inf bans a token.
+        _check(not any(math.isnan(v) or v == math.inf for v in (self.logit_bias or {}).values()),
+               f"logit_bias values must be numbers below +inf, got {self.logit_bias}")
         if self.best_of is not None and self.best_of > self.n and self.is_greedy:
             raise ValueError("best_of > n needs sampling (temperature > 0): greedy samples would all be equal")
 
@@ -212,3 +218,13 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     """Finished beams are ranked by cumulative logprob / length ** length_penalty."""
     temperature: float = 0.0
+    """Beams are ranked by the model's own logprobs (as vLLM's): only 0 is accepted."""
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, numbers.Integral) and value >= 1,
+                   f"{name} must be a positive integer, got {value!r}")
+        _check(math.isfinite(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty}")
+        _check(self.temperature == 0.0, f"temperature {self.temperature} is not supported with beam search: beams are "
+                                        f"ranked by the model's own logprobs")

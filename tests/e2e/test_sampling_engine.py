@@ -113,6 +113,22 @@ def test_min_tokens_masks_eos_and_logit_bias_and_allowed_tokens(tiny, llm):
     assert set(allowed.outputs[0].token_ids) <= {3, 4, 5}
 
 
+@pytest.mark.parametrize("fields, match", [
+    (dict(allowed_token_ids=[5, 6], logit_bias={5: float("-inf"), 6: float("-inf")}), "bans all of"),
+    (dict(allowed_token_ids=[7, 255], stop_token_ids=[7], min_tokens=2), "all stop or EOS tokens"),  # EOS 255
+    (dict(stop=["."]), "stop strings need a tokenizer"),
+    (dict(logprobs=257), "logprobs must be at most the vocabulary size"),  # vocabulary: 256
+    (dict(prompt_logprobs=257), "prompt_logprobs must be at most the vocabulary size"),
+])
+def test_requests_that_cannot_be_served_as_asked_are_refused(llm, fields, match):
+    """With every logit masked, the draw would return a token outside every constraint (token 0); without a
+    tokenizer, there is no text to find stop strings in; more logprobs than tokens failed the engine's step (and
+    left the request running: every later step stalled). The engine still serves after each."""
+    with pytest.raises(ValueError, match=match):
+        run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, **fields))
+    assert len(run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
 def test_penalties_change_greedy_output_only_when_set(llm):
     base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = run(llm, [PROMPTS[2]], base)[0].outputs[0].token_ids
@@ -184,3 +200,14 @@ def test_beam_search_matches_transformers(tiny, llm, width):
         # transformers' beam scores are cumulative logprob / generated length
         scores = reference.sequences_scores.tolist()
         assert [s.cum_logprob / 6 for s in out.sequences] == pytest.approx(scores, abs=1e-4)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(beam_width=0), "beam_width must be a positive integer"), (dict(max_tokens=0), "max_tokens must be"),
+    (dict(temperature=0.7), "not supported with beam search"), (dict(length_penalty=float("nan")), "length_penalty"),
+])
+def test_beam_search_params_are_checked_on_construction(fields, match):
+    from tokenmill import BeamSearchParams
+
+    with pytest.raises(ValueError, match=match):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **fields})

@@ -171,9 +171,10 @@ def invalid_params(**fields) -> SamplingParams:
         ({"prompt_token_ids": [1, 10**6]}, greedy(), "prompt token ids"),
         ("Hi", invalid_params(temperature=-1.0), "temperature"),
         ("Hi", invalid_params(top_p=0.0), "top_p"),
+        ("Hi", greedy(stop=["."], detokenize=False), "stop strings cannot be combined with detokenize=False"),
     ],
     ids=["empty-text", "empty-ids", "ids-too-long", "text-too-long", "id-out-of-vocab",
-         "negative-temperature", "zero-top-p"],
+         "negative-temperature", "zero-top-p", "stop-strings-without-text"],
 )
 def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match):
     scheduler = smollm2_llm.engine.core.scheduler
@@ -190,6 +191,7 @@ def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match)
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens must be an integer"),
     (dict(seed="7"), "seed must be an integer"), (dict(stop=5), "stop must be a string or a list of strings"),
     (dict(stop=["ok", None]), "stop must be"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias values"), (dict(logit_bias={5: float("inf")}), "logit_bias"),
 ])
 def test_invalid_sampling_params_are_rejected_on_construction(fields, match):
     with pytest.raises(ValueError, match=match):

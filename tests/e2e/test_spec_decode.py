@@ -8,6 +8,8 @@ on purpose, in every engine mode (async on and off, chunked prefill, preemption,
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -169,6 +171,21 @@ def test_a_draft_model_equal_to_the_target_drafts_right_and_changes_no_token(tin
         assert llm.engine.last_stats.num_preemptions > 0
 
 
+def test_draft_model_steps_of_rows_near_max_model_len_stay_in_their_blocks(tiny_llama):
+    """A request near max_model_len drafts fewer tokens than the others; its unused draft-model steps must not go
+    past its own slots (an IndexError at the block table's end failed the whole step)."""
+    target, spec = tiny_llama.path, {"method": "draft_model", "model": tiny_llama.path}
+    prompts = [{"prompt_token_ids": [(7 * j) % 40 + 3 for j in range(n)]} for n in (30, 57, 58, 59, 60, 61, 62)]
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    engine = dict(skip_tokenizer_init=True, max_model_len=64, dtype="float32", kv_cache_space=0.01)
+    plain = LLM(target, **engine).generate(prompts, params, use_tqdm=False)
+    llm = LLM(target, **engine, speculative_config={**spec, "num_speculative_tokens": 4})
+    always_draft(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.last_stats.spec_decoding.num_draft_tokens > 0
+
+
 def test_a_different_draft_model_is_mostly_rejected_and_changes_no_token(tiny_llama, plain, other_tiny_llama):
     spec = {"method": "draft_model", "model": other_tiny_llama, "num_speculative_tokens": 2}
     outputs, llm, _ = run(tiny_llama, ENGINES["chunked-prefill"], spec)
@@ -200,6 +217,8 @@ def test_speculative_config_is_checked_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match="needs a 'model'"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "draft_model",
                                                                          "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="cannot be combined with max_num_seqs 1"):
+        LLM(tiny_llama.path, skip_tokenizer_init=True, max_num_seqs=1, speculative_config=SPEC)
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
                                                                          "num_speculative_tokens": 2, "k": 1})
@@ -218,6 +237,39 @@ def test_speculative_config_is_checked_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match=r"must be the speculative_token_tree's depth \(2\) or its number of nodes"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={
             **eagle, "num_speculative_tokens": 4, "speculative_token_tree": tree})
+
+
+def test_the_priority_policy_preempting_a_request_with_drafts_unschedules_its_drafts_too(tiny_llama):
+    """Under the priority policy a request already scheduled in this step (with draft slots) may be preempted
+    to make room for a more urgent one: its drafts were still handed to the worker (a KeyError there)."""
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 60 + 3 for j in range(20 + 9 * i)]} for i in range(5)]
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=25, ignore_eos=True)
+    priorities = [3, 1, 2, 0, 1]
+    engine = dict(skip_tokenizer_init=True, max_model_len=128, dtype="float32")
+    plain = LLM(tiny_llama.path, **engine, kv_cache_space=0.01).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_llama.path, **engine, num_gpu_blocks_override=10, max_num_batched_tokens=32, policy="priority",
+              speculative_config={**SPEC, "prompt_lookup_min": 1})
+    always_draft(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False, priority=priorities)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs] for o in plain]
+    assert llm.engine.last_stats.num_preemptions > 0
+
+
+def test_the_step_cost_is_measured_within_a_one_block_pool(tiny_llama):
+    """The start-up timing of verify steps used two requests of a block each: past a one-block pool, its KV
+    writes corrupted the heap (the process aborted, often only at exit: hence a process of its own)."""
+    code = (f"from tokenmill import LLM, SamplingParams\n"
+            f"llm = LLM({tiny_llama.path!r}, skip_tokenizer_init=True, dtype='float32', max_model_len=16, "
+            f"num_gpu_blocks_override=1, speculative_config={SPEC!r})\n"
+            f"out = llm.generate({{'prompt_token_ids': [3, 4, 3, 4, 3, 4]}}, SamplingParams(temperature=0, "
+            f"max_tokens=8, ignore_eos=True), use_tqdm=False)\n"
+            f"print(out[0].outputs[0].token_ids)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    plain = LLM(tiny_llama.path, skip_tokenizer_init=True, dtype="float32", max_model_len=16, kv_cache_space=0.01)
+    expected = plain.generate({"prompt_token_ids": [3, 4, 3, 4, 3, 4]}, SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert done.stdout.strip().splitlines()[-1] == str(expected)
 
 
 class _Model:

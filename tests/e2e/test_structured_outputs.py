@@ -106,6 +106,10 @@ def test_bad_specs_fail_before_anything_is_scheduled(smollm2_llm):
             smollm2_llm.generate("Hi", SamplingParams(structured_outputs=bad), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
+    # Past the structure's end its grammar allows nothing but EOS: these would emit tokens outside it.
+    for fields in (dict(ignore_eos=True), dict(min_tokens=8)):
+        with pytest.raises(ValueError, match=f"{next(iter(fields))} cannot be combined with structured outputs"):
+            smollm2_llm.generate("Hi", SamplingParams(structured_outputs=SPECS[3], **fields), use_tqdm=False)
 
 
 def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm, monkeypatch):

@@ -78,12 +78,23 @@ class InputProcessor:
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         self._check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias keys")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), "
+                                 f"got {getattr(params, name)}")
+        if params.allowed_token_ids is not None:
+            self._check_an_allowed_token_is_left(params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine has none: use stop_token_ids")
+        if params.stop and not params.detokenize:
+            raise ValueError("stop strings cannot be combined with detokenize=False: they are matched in the text")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer, and this engine has none")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer, and this engine has none")
             validate_structured_outputs(params.structured_outputs)
+            refuse_past_the_structure(params)
         num = len(token_ids)
         if num >= self.max_model_len:
             raise ValueError(
@@ -95,6 +106,18 @@ class InputProcessor:
         if any(t < 0 or t >= self.vocab_size for t in token_ids):
             raise ValueError(f"{what} must be in [0, {self.vocab_size})")
 
+    def _check_an_allowed_token_is_left(self, params: SamplingParams) -> None:
+        """A row whose every logit is masked has no token to sample (the draw would return one outside every
+        constraint): refuse the requests where that is known before they start."""
+        banned = {t for t, bias in (params.logit_bias or {}).items() if bias == float("-inf")}
+        left = set(params.allowed_token_ids) - banned
+        if not left:
+            raise ValueError("logit_bias of -inf cannot be combined with allowed_token_ids that it bans all of")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer_info.eos_token_ids))
+        if params.min_tokens and left <= stops:
+            raise ValueError("min_tokens cannot be combined with allowed_token_ids that are all stop or EOS tokens: "
+                             "min_tokens masks them")
+
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it would appear mid-text and at the start of text (they tokenize differently)."""
         assert self.tokenizer is not None
@@ -105,3 +128,14 @@ class InputProcessor:
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
+
+
+def refuse_past_the_structure(params: SamplingParams) -> None:
+    """A structure ends with an EOS token (the grammar allows nothing else there): ignore_eos would go on past it
+    unconstrained, and min_tokens would mask the only token the grammar allows (the row then has none left)."""
+    if params.ignore_eos:
+        raise ValueError("ignore_eos cannot be combined with structured outputs: the output ends where the "
+                         "structure does")
+    if params.min_tokens:
+        raise ValueError("min_tokens cannot be combined with structured outputs: the structure decides where the "
+                         "output ends")

@@ -126,7 +126,8 @@ class Scheduler:
             num_new = min(num_left, budget)
             num_drafts = (self._lookahead(request, num_new == num_left, budget - num_new, drafts_per_request)
                           if drafts_per_request else 0)
-            new_block_ids = self._allocate_or_preempt(request, num_new + num_drafts, num_scheduled, cached_requests)
+            new_block_ids = self._allocate_or_preempt(request, num_new + num_drafts, num_scheduled, cached_requests,
+                                                      lookahead)
             if new_block_ids is None:
                 continue
             cached_requests.append(CachedRequestData(request.request_id, new_block_ids))
@@ -257,6 +258,7 @@ class Scheduler:
         num_new: int,
         num_scheduled: dict[str, int],
         cached_requests: list[CachedRequestData],
+        lookahead: dict[str, int],
     ) -> list[int] | None:
         """Allocate for a running request, preempting others (or itself) until it fits."""
         while True:
@@ -265,8 +267,10 @@ class Scheduler:
                 return new_block_ids
             victim = self._pick_victim()
             if victim.request_id in num_scheduled:
-                # Only the priority policy can pick a request already scheduled in this step.
+                # Only the priority policy can pick a request already scheduled in this step: unschedule it whole,
+                # its draft slots too (the worker drafts for every request in lookahead).
                 del num_scheduled[victim.request_id]
+                lookahead.pop(victim.request_id, None)
                 cached_requests[:] = [c for c in cached_requests if c.request_id != victim.request_id]
             self._preempt(victim)
             if victim is request:

@@ -73,7 +73,7 @@ class DraftModelProposer:
         drafts = [tokens]
         # Draft j + 1 from draft j at position length + j - 1 (all rows step together: the few that need
         # fewer drafts only waste a row of a small model's step).
-        for layout, positions in self._decode_steps(states, rows, lengths, int(max_drafts.max()) - 1):
+        for layout, positions in self._decode_steps(states, rows, lengths, max_drafts):
             tokens = self._step(layout, tokens, positions)[1]
             drafts.append(tokens)
         drafted = torch.stack(drafts, dim=1).cpu().numpy()
@@ -95,12 +95,15 @@ class DraftModelProposer:
         return self._greedy(hidden[self._to_device(query_start_loc[1:] - 1)])
 
     def _decode_steps(self, states: RequestStates, rows: np.ndarray, first: np.ndarray,
-                      num_steps: int) -> list[tuple[BatchLayout, torch.Tensor]]:
-        """The layouts and device positions of `num_steps` one-token steps of `rows`, the first at positions
-        `first`, each one further: built together before any runs (one host-to-device copy of the positions)."""
+                      max_drafts: np.ndarray) -> list[tuple[BatchLayout, torch.Tensor]]:
+        """The layouts and device positions of the max(max_drafts) - 1 one-token steps of `rows`, the first at
+        positions `first`, each one further: built together before any runs (one host-to-device copy of the
+        positions). A row past its own max_drafts - 1 steps (its output unused) stays at its last draft's
+        position: the slots beyond may not be the request's (near max_model_len, not even in the block table)."""
+        num_steps = int(max_drafts.max()) - 1
         if num_steps <= 0:
             return []
-        positions = first[None, :] + np.arange(num_steps)[:, None]  # [num_steps, num_rows]
+        positions = np.minimum(first[None, :] + np.arange(num_steps)[:, None], first + max_drafts - 1)
         block_size = self.block_size
         slots = kv_slots(states.block_table, rows[None, :], positions, block_size)
         seq_lens = (positions + 1).astype(np.int32)

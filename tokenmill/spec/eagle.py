@@ -189,7 +189,7 @@ class EagleProposer(DraftModelProposer):
         steps = [tokens]
         # Draft j + 1 from draft j and the head's own output, at position length + j - 2, one token per row:
         # graph replays where captured (`hidden`, a graph's output, goes to its input buffer first).
-        for layout, pos in self._decode_steps(states, rows, lengths - 1, int(max_drafts.max()) - 1):
+        for layout, pos in self._decode_steps(states, rows, lengths - 1, max_drafts):
             hidden, tokens = self._step(layout, tokens, pos, hidden)
             steps.append(tokens)
         drafted = torch.stack(steps, dim=1).cpu().numpy()

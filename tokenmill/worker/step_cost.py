@@ -30,10 +30,11 @@ def measure_step_cost(worker: Worker, max_tokens: int) -> StepCost:
     """Times steps on the worker's own runner before any request arrives: one KV block per timed
     request, blocks the scheduler has not handed out yet, and every row freed afterwards."""
     runner = worker.model_runner
-    large = max(2, min(max_tokens, 256 if worker.device.type == "cuda" else 32))
+    # Never more requests than the runner has rows for, nor than the pool has blocks (max_tokens is both).
+    large = min(max_tokens, 256 if worker.device.type == "cuda" else 32)
     small = max(1, large // 16)
     times = {n: _time_step(runner, n, worker.hf_config.vocab_size) for n in (small, large)}
-    per_token = max(0.0, (times[large] - times[small]) / (large - small))
+    per_token = max(0.0, (times[large] - times[small]) / (large - small)) if large > small else 0.0
     cost = StepCost(fixed_s=max(1e-6, times[small] - per_token * small), per_token_s=per_token)
     logger.info("step cost for speculative decoding: %.2f ms + %.1f us per token", cost.fixed_s * 1e3,
                 cost.per_token_s * 1e6)
