@@ -425,10 +425,6 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.model_config.quantization!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
         spec = self.speculative_config
-        if spec is not None and sched.max_num_seqs < 2:
-            # A step verifies at most max_num_seqs tokens (worker.max_verify_tokens): one, so no draft ever fits.
-            raise ValueError("speculative decoding cannot be combined with max_num_seqs 1: a step verifies at most "
-                             "max_num_seqs tokens, so no draft would fit beside the sampled one")
         if spec is not None and spec.method == "mtp" and self.parallel_config.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with MTP layers does not run tensor-parallel yet: use "
                              "tensor_parallel_size 1, or another method")

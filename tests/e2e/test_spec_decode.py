@@ -217,8 +217,6 @@ def test_speculative_config_is_checked_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match="needs a 'model'"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "draft_model",
                                                                          "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="cannot be combined with max_num_seqs 1"):
-        LLM(tiny_llama.path, skip_tokenizer_init=True, max_num_seqs=1, speculative_config=SPEC)
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
                                                                          "num_speculative_tokens": 2, "k": 1})
@@ -253,6 +251,14 @@ def test_the_priority_policy_preempting_a_request_with_drafts_unschedules_its_dr
     outputs = llm.generate(prompts, params, use_tqdm=False, priority=priorities)
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs] for o in plain]
     assert llm.engine.last_stats.num_preemptions > 0
+
+
+def test_one_sequence_at_a_time_still_drafts(tiny_llama, plain):
+    """max_num_seqs 1 (a single user's latency setting): a step verifies one request's token and its drafts (it
+    once verified at most max_num_seqs tokens, so nothing was ever drafted); greedy tokens as plain decoding's."""
+    outputs, llm, proposer = run(tiny_llama, dict(kv_cache_space=0.01, max_num_seqs=1), SPEC, sequences_of(plain))
+    check_same_tokens_and_logprobs(outputs, plain)
+    assert proposer.num_proposed > 0 and llm.engine.last_stats.spec_decoding.num_accepted_tokens > 0
 
 
 def test_the_step_cost_is_measured_within_a_one_block_pool(tiny_llama):

@@ -179,8 +179,12 @@ class Worker:
     @property
     def max_verify_tokens(self) -> int:
         """Most tokens a step verifying drafts may compute: a decode CUDA graph's worth (the largest batch
-        graphs are captured for), so that those steps replay graphs too."""
-        return self.config.scheduler_config.max_num_seqs
+        graphs are captured for), so that those steps replay graphs too; at least one request's sampled token and
+        all its drafts (with max_num_seqs 1 a step of one request and its drafts replays a graph for steps with
+        prefills)."""
+        spec = self.config.speculative_config
+        one_request = 1 if spec is None else 1 + (len(spec.speculative_token_tree or ()) or spec.num_speculative_tokens)
+        return max(self.config.scheduler_config.max_num_seqs, one_request)
 
     def _verification_bytes(self) -> int:
         """Draft verification's temporaries (spec/rejection.py: about four float32 [positions, vocab]
@@ -325,7 +329,9 @@ class Worker:
         """t(n) of this device's forward pass, for the draft budget; before any request runs."""
         from tokenmill.worker.step_cost import measure_step_cost
 
-        return measure_step_cost(self, min(self.max_verify_tokens, self.num_kv_blocks))
+        # One-token requests: no more than the runner has rows (max_num_seqs) and the pool has blocks.
+        return measure_step_cost(self, min(self.max_verify_tokens, self.config.scheduler_config.max_num_seqs,
+                                           self.num_kv_blocks))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
         """Queue the step on the device; result() on the return value waits for its output."""
