@@ -1,5 +1,6 @@
-"""Prefill-side kernels alone on the GPU: paged prefill attention per tile config, and q/k norm + rotary + KV write
-per heads-per-program, on Llama-3.1-8B's heads (32 query / 8 KV heads of 128) and Qwen3-0.6B's (16 / 8, q/k norms).
+"""Prefill-side kernels alone on the GPU: paged prefill attention per tile config, q/k norm + rotary + KV write
+per heads-per-program, on Llama-3.1-8B's heads (32 query / 8 KV heads of 128) and Qwen3-0.6B's (16 / 8, q/k norms),
+and SiLU-and-mul with its output quantized to e4m3 (the FP8 down_proj's input) per warp count.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/prefill_kernels.py [--compare-with OLD/tokenmill/kernels/prefill_attention.py]
 
@@ -7,6 +8,9 @@ Attention: TFLOP/s (causal FLOPs only) for the default config and a sweep of (BL
 8 x 1,024 and 64 x 1,024 causal prompts, 4 x 512 tokens after 1,536 cached, and 1 x 8,192; --compare-with times
 another version of kernels/prefill_attention.py beside it (a file of an older checkout) and says whether the two
 outputs are bitwise equal. Rotary: microseconds per call inside a CUDA graph of 10 calls, from 1 to 8,192 tokens.
+SiLU (--sections silu): Llama-3.1-8B's 14,336 features at 1,024 and 8,192 rows, one program a row at 8, 16 (the
+engine's) and 32 warps, against the unfused pair (bf16 SiLU-and-mul, then quantize_fp8), in bytes moved per second
+(the row's gate and up read, its e4m3 written); each warp count's output checked bitwise against the engine's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import triton
 from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +33,8 @@ sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 import cases  # noqa: E402
 
 from tokenmill.kernels import prefill_attention  # noqa: E402
+from tokenmill.kernels.activation import _silu_and_mul_kernel, silu_and_mul, silu_and_mul_fp8  # noqa: E402
+from tokenmill.kernels.fp8_gemm import quantize_fp8  # noqa: E402
 from tokenmill.kernels.qk_norm_rope_cache import qk_norm_rope_cache  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -102,6 +109,29 @@ def bench_rotary() -> None:
             print(f"rotary {name} {num_tokens} tokens: " + " | ".join(row), flush=True)
 
 
+def bench_silu_fp8() -> None:
+    for rows in (1024, 8192):
+        print(silu_fp8_point(rows, 14336), flush=True)
+
+
+def silu_fp8_point(rows: int, d: int) -> str:
+    x = torch.randn(rows, 2 * d, device="cuda", dtype=torch.bfloat16)
+    engine_q, engine_scales = silu_and_mul_fp8(x)
+    gigabytes = rows * d * (2 * 2 + 1) / 1e9
+    unfused_ms = do_bench(lambda: quantize_fp8(silu_and_mul(x)), warmup=20, rep=200, return_mode="median")
+    row = [f"unfused {unfused_ms * 1e3:.0f} us"]
+    for warps in (8, 16, 32):
+        q = torch.empty(rows, d, device="cuda", dtype=torch.float8_e4m3fn)
+        scales = torch.empty(rows, 1, device="cuda", dtype=torch.float32)
+        fused = functools.partial(_silu_and_mul_kernel[(rows, 1)], x, q, scales, x.stride(0), q.stride(0), d,
+                                  BLOCK=triton.next_power_of_2(d), QUANTIZE_FP8=True, num_warps=warps)
+        fused()
+        same = torch.equal(q.view(torch.uint8), engine_q.view(torch.uint8)) and torch.equal(scales, engine_scales)
+        ms = do_bench(fused, warmup=20, rep=200, return_mode="median")
+        row.append(f"{warps} warps {ms * 1e3:.0f} us {gigabytes / ms:.2f} TB/s{'' if same else ' DIFFERENT'}")
+    return f"silu+fp8 {rows} x {d}: " + " | ".join(row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compare-with", default=None, help="another kernels/prefill_attention.py to time beside")
@@ -113,6 +143,8 @@ def main() -> None:
         bench_attention(args.compare_with)
     if "rotary" in sections:
         bench_rotary()
+    if "silu" in sections:
+        bench_silu_fp8()
 
 
 if __name__ == "__main__":
