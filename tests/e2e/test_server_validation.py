@@ -282,3 +282,19 @@ def test_a_slow_chat_template_does_not_stall_other_requests(server):
     assert still_rendering, f"the template rendered too fast to tell ({time.monotonic() - started:.1f} s)"
     assert max(latencies) < 0.5, latencies
 
+
+
+def test_a_huge_prompt_does_not_hold_up_other_requests(server):
+    """Two million characters take over a second to tokenize (then a 400: longer than max_model_len); a short
+    request sent meanwhile is tokenized and served beside them, not queued behind them on one tokenizer thread."""
+    huge = " ".join(["lorem", "ipsum", "dolor", "sit", "amet", "42", "x"] * 50_000) * 2
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(response=post(server, *completion(prompt=huge))))
+    thread.start()
+    time.sleep(0.3)  # tokenizing by now
+    short = post(server, *completion())
+    still_tokenizing = thread.is_alive()
+    thread.join()
+    assert short.status_code == 200, short.text
+    assert "context length" in assert_openai_error(result["response"])["message"]
+    assert still_tokenizing, "the huge prompt was tokenized too fast to tell"

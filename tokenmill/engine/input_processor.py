@@ -31,7 +31,9 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None,
+                        ) -> tuple[str | None, list[int]]:
+        """(text, token ids); `tokenizer`: another copy of the engine's, for a thread of its own."""
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
@@ -41,7 +43,7 @@ class InputProcessor:
         if token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
-            token_ids = self.tokenizer.encode(text)
+            token_ids = (tokenizer if tokenizer is not None else self.tokenizer).encode(text)
         return text, list(token_ids)
 
     def process(

@@ -38,6 +38,7 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
         freeze_startup_heap("server")
         yield
         state.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
+        state.long_text_executor.shutdown(wait=False, cancel_futures=True)
         state.grammar_checker.shutdown()
         engine.shutdown()
 
@@ -100,7 +101,8 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
         elif engine.tokenizer is None:
             raise bad_request("this server was started without a tokenizer")
         else:
-            token_ids = await state.off_loop(engine.tokenizer.encode, req.prompt,
+            token_ids = await state.tokenize(lambda tokenizer, text, **kwargs: tokenizer.encode(text, **kwargs),
+                                             req.prompt, text_chars=len(req.prompt),
                                              add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids})
 

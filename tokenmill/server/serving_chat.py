@@ -30,8 +30,7 @@ with it (a TypeError naming internal functions)."""
 
 async def render_messages(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
     """The prompt of a chat request (also used by /tokenize); 400 for anything the template rejects."""
-    tokenizer = state.engine.tokenizer
-    if tokenizer is None:
+    if state.engine.tokenizer is None:
         raise bad_request("this server was started without a tokenizer: chat is unavailable")
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
@@ -53,10 +52,10 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
         template_kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
     try:
         conversation = template_messages([message.model_dump(exclude_none=True) for message in req.messages])
-        return await state.off_loop(
+        return await state.tokenize(
             render_chat,
-            tokenizer,
             normalize_messages(conversation),
+            text_chars=sum(len(str(message.get("content") or "")) for message in conversation),
             chat_template=chat_template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,

@@ -9,6 +9,7 @@ from contextlib import aclosing
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor
@@ -35,11 +36,12 @@ def split_prompts(prompt: str | list) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompt]
 
 
-def tokenize_prompts(input_processor: InputProcessor, prompts: list[dict]) -> list[dict]:
+def tokenize_prompts(tokenizer: PreTrainedTokenizerBase | None, input_processor: InputProcessor,
+                     prompts: list[dict]) -> list[dict]:
     tokenized = []
     for prompt in prompts:
         try:
-            text, token_ids = input_processor.tokenize_prompt(prompt)
+            text, token_ids = input_processor.tokenize_prompt(prompt, tokenizer)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), param="prompt") from e
         tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
@@ -59,7 +61,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     constraint = constraint_of(req)
     if constraint is not None:
         await state.grammar_checker.check(constraint)
-    prompts = await state.off_loop(tokenize_prompts, engine.input_processor, prompts)
+    prompts = await state.tokenize(tokenize_prompts, engine.input_processor, prompts,
+                                   text_chars=sum(len(p.get("prompt", "")) for p in prompts))
     want_prompt_logprobs = req.echo and req.logprobs is not None
     params = [
         to_sampling_params(
