@@ -209,3 +209,96 @@ def test_user_messages_of_engine_start_failures_and_of_bugs():
     assert user_message(failure, argparse.Namespace()) == ("the engine failed to start: FileNotFoundError: "
                                                           "no .safetensors files in 'm'")
     assert user_message(RuntimeError("a bug"), argparse.Namespace()) is None  # keeps its traceback
+
+
+@pytest.mark.parametrize(("value", "tokens"), [("1k", 1000), ("32K", 32768), ("25.6k", 25600),
+                                               ("2m", 2_000_000)])
+def test_token_counts_take_vllms_suffixes(value, tokens):
+    args = serve_args("m", "--max-model-len", value, "--max-num-batched-tokens", value)
+    assert args.max_model_len == args.max_num_batched_tokens == tokens
+
+
+@pytest.mark.parametrize(("argv", "command", "error"), [
+    (["serve", "--max-model-len", "1x"], "tokenmill serve",
+     "argument --max-model-len: expected a whole number of tokens like 4096, 1k (1000) or 32K (32768), got '1x'"),
+    (["serve", "--bogus"], "tokenmill serve", "unrecognized arguments: --bogus"),
+    (["bench", "serve", "--request-rate", "fast"], "tokenmill bench serve",
+     "argument --request-rate: rates must be positive numbers or inf, got 'fast'"),
+])
+def test_a_bad_flag_is_two_lines_not_the_usage_of_every_flag(argv, command, error, capsys):
+    from tokenmill.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"{command}: error: {error}\n(`{command} --help` lists the flags)\n"
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    """A tiny Llama's config.json alone: what the CLI reads before any weights."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         architectures=["LlamaForCausalLM"])
+    config.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def no_config_json(folder):
+    (folder / "config.json").unlink()
+    return ["Hi", "--tokenizer", str(folder)]  # a tokenizer is no model
+
+
+def config_json_cut_short(folder):
+    (folder / "config.json").write_text('{"model_type": "llama",\n')
+    return ["Hi"]
+
+
+@pytest.mark.parametrize(("argv", "fragments"), [
+    (["Hi", "--max-model-len", "1000"], ["max_model_len=1000 exceeds", "pass --max-model-len 64 or less"]),
+    (["Hi"], ["model folder", "has no tokenizer files", "--tokenizer"]),
+    (["Hi", "--tokenizer", "/no/such/tokenizer"], ["tokenizer path '/no/such/tokenizer' does not exist"]),
+    (["Hi", "--chat-template", "/no/such.jinja"], ["chat template file '/no/such.jinja' does not exist"]),
+    (["Hi", "--skip-tokenizer-init"], ["generate takes text", "drop --skip-tokenizer-init"]),
+    (["Hi", ""], ["prompt 2 of 2 is empty"]),
+    (no_config_json, ["has no config.json"]),
+    (config_json_cut_short, ["config.json is not valid JSON: Expecting"]),
+], ids=["max-model-len", "no-tokenizer", "tokenizer-path", "chat-template", "skip-tokenizer-init", "empty-prompt",
+        "no-config-json", "config-json-cut-short"])
+def test_a_model_folder_that_will_not_do_is_a_one_line_error(model_folder, argv, fragments, capsys):
+    from tokenmill.cli import main
+
+    if callable(argv):
+        argv = argv(model_folder)
+    assert main(["generate", "--model", str(model_folder), *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_a_url_that_is_no_openai_server_says_so():
+    import httpx
+
+    from tokenmill.cli.errors import user_message
+
+    request = httpx.Request("GET", "http://127.0.0.1:8000/models")
+    response = httpx.Response(404, json={"detail": "Not Found"}, request=request)
+    error = httpx.HTTPStatusError("404", request=request, response=response)
+    message = user_message(error, argparse.Namespace(url_flag="--url"))
+    assert message == ("the server answered 404: Not Found for http://127.0.0.1:8000/models, which is no "
+                       "OpenAI-compatible route; pass the server's address with --url")
+
+
+def test_a_device_this_machine_lacks_is_a_user_error():
+    import torch
+
+    from tokenmill.worker.worker import resolve_device
+
+    with pytest.raises(ValueError, match="'tpu' is not supported; choose one of auto, cuda, cpu"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device is available: pass --device cpu"):
+            resolve_device("cuda")

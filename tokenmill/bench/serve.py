@@ -144,7 +144,10 @@ async def _read_metrics(client) -> tuple:
 
 
 def _rates(text: str) -> list[float]:
-    rates = [float(part) for part in text.split(",") if part.strip()]
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:  # argparse would name only the function: "invalid _rates value"
+        rates = []
     if not rates or any(rate <= 0 for rate in rates):
         raise argparse.ArgumentTypeError(f"rates must be positive numbers or inf, got {text!r}")
     return rates

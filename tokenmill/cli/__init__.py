@@ -19,6 +19,8 @@ def make_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in (serve, generate, chat, bench):
         command.register(subparsers)
+    for command_parser in subparsers.choices.values():  # whose --help an unknown flag's error points to
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_extra_args", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra
     try:
         return args.handler(args)

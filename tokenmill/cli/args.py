@@ -13,7 +13,7 @@ import json
 import os
 import re
 import textwrap
-from typing import Any
+from typing import Any, NoReturn
 
 from tokenmill.config import (
     CacheConfig,
@@ -35,6 +35,12 @@ SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "
 
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
 
+HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens")
+"""Token counts that take vLLM's suffixes: 1k = 1000, 1K = 1024 (m/M, g/G likewise), 25.6k = 25600."""
+
+_HUMAN_READABLE = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
+_MULTIPLIERS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
 API_KEY_ENV = "TOKENMILL_API_KEY"
 """Where `serve`, `chat` and `bench serve` find the API key when --api-key is not given."""
 
@@ -42,6 +48,18 @@ SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_
 """What --speculative-config looks like (vLLM's spelling)."""
 
 _MENTIONS_DEFAULT = re.compile(r"\bdefault", re.IGNORECASE)
+
+
+def human_readable_int(text: str) -> int:
+    """'32K' -> 32768, '1k' -> 1000, '25.6k' -> 25600, '4096' -> 4096 (a fraction only where the result is whole)."""
+    match = _HUMAN_READABLE.fullmatch(text.strip())
+    if match is not None:
+        number, suffix = match.groups()
+        value = float(number) * _MULTIPLIERS[suffix] if "." in number else int(number) * _MULTIPLIERS[suffix]
+        if value == int(value):
+            return int(value)
+    raise argparse.ArgumentTypeError(f"expected a whole number of tokens like 4096, 1k (1000) or 32K (32768), "
+                                     f"got {text!r}")
 
 
 def api_key_or_env(api_key: str | None) -> str | None:
@@ -72,6 +90,10 @@ class CommandParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", DefaultsOnceFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """The error and where the flags are listed, not argparse's usage of every flag (dozens of lines)."""
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n")
 
 
 @functools.cache
@@ -134,7 +156,7 @@ def add_dataclass_args(
         if element is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = element
+            kwargs["type"] = human_readable_int if f.name in HUMAN_READABLE_INTS else element
             if is_list:
                 kwargs["nargs"] = "+"
         flag = FLAG_NAMES.get(f.name, f.name.replace("_", "-"))
@@ -210,6 +232,12 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> tuple[str, dict[str, An
     if speculative is not None:
         kwargs["speculative_config"] = speculative
     return resolve_model(args.model), kwargs
+
+
+def check_text_prompts(kwargs: dict[str, Any], command: str) -> None:
+    """generate and chat --local take text, which a tokenizer must encode: said before the model loads."""
+    if kwargs.get("skip_tokenizer_init"):
+        raise ValueError(f"tokenmill {command} takes text, which needs the tokenizer: drop --skip-tokenizer-init")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

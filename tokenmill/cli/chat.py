@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterator
 
-from tokenmill.cli.args import API_KEY_ENV, add_engine_args, api_key_or_env, engine_kwargs_from_args
+from tokenmill.cli.args import (
+    API_KEY_ENV,
+    add_engine_args,
+    api_key_or_env,
+    check_text_prompts,
+    engine_kwargs_from_args,
+)
 
 EXIT_COMMANDS = ("/exit", "/quit")
 
@@ -75,6 +81,7 @@ def _local_reply(args: argparse.Namespace) -> Reply:
     from tokenmill import LLM, SamplingParams
 
     model, engine_kwargs = engine_kwargs_from_args(args)
+    check_text_prompts(engine_kwargs, "chat")
     llm = LLM(model, **engine_kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.cli.args import add_dataclass_args, add_engine_args, engine_kwargs_from_args, given_fields
+from tokenmill.cli.args import (
+    add_dataclass_args,
+    add_engine_args,
+    check_text_prompts,
+    engine_kwargs_from_args,
+    given_fields,
+)
 from tokenmill.sampling_params import SamplingParams
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
@@ -35,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
 
     model, engine_kwargs = engine_kwargs_from_args(args)
     params = SamplingParams(**given_fields(args, SamplingParams, only=SAMPLING_FLAGS))
+    check_text_prompts(engine_kwargs, "generate")
+    empty = [str(i) for i, prompt in enumerate(args.prompts, 1) if not prompt]
+    if empty:  # the engine refuses them too, but only once the model has loaded
+        raise ValueError(f"prompt {', '.join(empty)} of {len(args.prompts)} is empty: give text to continue")
     llm = LLM(model, **engine_kwargs)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)

@@ -24,7 +24,8 @@ def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) ->
             raise ValueError("the model config has no max_position_embeddings: pass max_model_len")
         return model_max
     if model_max is not None and requested > model_max:
-        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={model_max}")
+        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={model_max}: "
+                         f"pass --max-model-len {model_max} or less (or leave it out)")
     return requested
 
 

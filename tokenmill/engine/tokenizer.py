@@ -20,6 +20,9 @@ from tokenmill.model.loader import is_gguf
 def load_tokenizer(model_config: ModelConfig, hf_config: PretrainedConfig | None = None) -> PreTrainedTokenizerBase:
     """`hf_config` (the model's) spares a GGUF tokenizer from re-parsing the file's metadata."""
     path = model_config.tokenizer or model_config.model
+    template = model_config.chat_template
+    if template is not None and not os.path.isfile(template):  # before the tokenizer's seconds of loading
+        raise FileNotFoundError(f"chat template file {template!r} does not exist")
     if is_gguf(path):
         folder, name = os.path.split(os.path.abspath(path))
         if hf_config is not None and path == model_config.model:
@@ -27,11 +30,26 @@ def load_tokenizer(model_config: ModelConfig, hf_config: PretrainedConfig | None
         else:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     else:
+        _check_tokenizer_folder(path, given=model_config.tokenizer is not None)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
     if model_config.chat_template is not None:
         with open(model_config.chat_template) as f:
             tokenizer.chat_template = f.read()
     return tokenizer
+
+
+def _check_tokenizer_folder(path: str, given: bool) -> None:
+    """A local path without tokenizer files, said in a line (transformers would try the Hub with it, or fail to
+    build a tokenizer from nothing in a paragraph). A name that is no local path is left to transformers."""
+    if not os.path.exists(path):
+        if given and (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1):
+            raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
+        return
+    if os.path.isdir(path) and not any(name.startswith(("tokenizer", "vocab", "spiece", "tekken"))
+                                       or name.endswith((".model", ".tiktoken")) for name in os.listdir(path)):
+        where = "--tokenizer folder" if given else "model folder"
+        raise FileNotFoundError(f"the {where} {path!r} has no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                                f"...): pass --tokenizer FOLDER, or --skip-tokenizer-init to give token ids")
 
 
 def _gguf_tokenizer_class(hf_config: PretrainedConfig) -> type[PreTrainedTokenizerBase]:

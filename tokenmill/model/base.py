@@ -64,6 +64,7 @@ def load_weights_by_name(
     # Optional tensors (KV scales): loaded when the checkpoint has them, never reported missing.
     buffers = {name: b for name, b in model.named_buffers() if hasattr(b, "weight_loader")}
     loaded: set[str] = set()
+    fused_shards: dict[str, tuple[str, set[str | int]]] = {}  # fused parameter -> (its layer name, shards loaded)
     for name, tensor in weights:
         if rename is not None:
             name = rename(name)
@@ -82,22 +83,38 @@ def load_weights_by_name(
             params[name].weight_loader(params[name], tensor, *loader_args)
             loaded.add(name)
             continue
-        shard_id = None
+        checkpoint_name, shard_id = name, None
         for ckpt_name, (fused_name, sid) in stacked_params.items():
             if f".{ckpt_name}." in name:
                 name, shard_id = name.replace(f".{ckpt_name}.", f".{fused_name}."), sid
+                fused_shards.setdefault(name, (fused_name, set()))[1].add(sid)
                 break
         param = params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
-        if loader is None:
-            default_weight_loader(param, tensor)
-        elif shard_id is None:
-            loader(param, tensor)
-        else:
-            loader(param, tensor, shard_id)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except (ValueError, RuntimeError) as e:  # e.g. a shape the config does not give: say which tensor
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise ValueError(f"loading checkpoint tensor {checkpoint_name!r}: {e}") from None
         loaded.add(name)
-    missing = set(params) - loaded
+    missing = sorted(set(params) - loaded) + _missing_shards(fused_shards, stacked_params)
     if missing:
-        raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+        raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _missing_shards(fused_shards: dict[str, tuple[str, set[str | int]]],
+                    stacked_params: dict[str, tuple[str, str | int]]) -> list[str]:
+    """The checkpoint tensors absent from fused parameters that got some of theirs: a q_proj without its k_proj
+    would otherwise leave k's rows at their initial values, unnoticed."""
+    return sorted(name.replace(f".{fused}.", f".{ckpt_name}.")
+                  for name, (fused, found) in fused_shards.items()
+                  for ckpt_name, (fused_name, sid) in stacked_params.items()
+                  if fused_name == fused and sid not in found)

@@ -9,6 +9,7 @@ import glob
 import json
 import logging
 import os
+import struct
 from collections.abc import Callable, Iterator
 
 import torch
@@ -25,7 +26,7 @@ from tokenmill.layers.quant import (
 )
 from tokenmill.model.base import LLAMA_STACKED_PARAMS
 from tokenmill.model.gguf_cache import remembered
-from tokenmill.model.registry import get_model_class
+from tokenmill.model.registry import get_model_class, supported_architectures
 from tokenmill.model.stage import owned_weights
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,33 @@ def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
         return copy.deepcopy(remembered("config", path, lambda: _gguf_config(path)))  # callers may change it
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is neither a model folder nor a .gguf file")
-    return AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"model folder {path!r} has no config.json: pass a Hugging Face model folder "
+                                f"(config.json and *.safetensors) or a .gguf file")
+    try:
+        with open(config_file) as f:
+            json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # transformers says only "not a valid JSON file"
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
+    if not getattr(config, "architectures", None):
+        _name_architecture_from_model_type(config, config_file)
+    return config
+
+
+def _name_architecture_from_model_type(config: PretrainedConfig, config_file: str) -> None:
+    """A config.json without `architectures` loads as the class transformers' AutoModelForCausalLM would build
+    for its model_type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if architecture is None:
+        raise ValueError(f"{config_file} names no architectures and its model_type {config.model_type!r} is no "
+                         f"causal LM transformers knows: add e.g. \"architectures\": [\"LlamaForCausalLM\"]")
+    logger.info("%s names no architectures: loading it as %s, after its model_type %r", config_file, architecture,
+                config.model_type)
+    config.architectures = [architecture]
 
 
 def _gguf_config(path: str) -> PretrainedConfig:
@@ -52,7 +79,16 @@ def _gguf_config(path: str) -> PretrainedConfig:
 
     from tokenmill.model.gguf_moe import moe_config
 
-    config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    try:
+        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    except (ValueError, IndexError, struct.error) as e:
+        if "magic" in str(e):  # not a GGUF at all: the message says so
+            raise
+        if "architecture" in str(e):  # a family transformers cannot read
+            raise ValueError(f"{path}: {e} Supported: {', '.join(supported_architectures())}") from None
+        # gguf's reader fails on a cut-off file with a numpy reshape error that names neither the file nor why.
+        raise ValueError(f"cannot read {path} ({os.path.getsize(path):,} bytes) as a GGUF file: {e}. A partial "
+                         f"download fails this way: download it again") from None
     config = moe_config(path, config)  # the experts' fields transformers leaves out; Mixtral's class
     # GGUF metadata names the family but not the class.
     if not getattr(config, "architectures", None):
@@ -267,20 +303,35 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted({os.path.join(folder, name) for name in json.load(f)["weight_map"].values()})
-    else:
-        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {folder!r}")
+    files = safetensors_files(folder)
     for file in tqdm(files, desc="Loading safetensors shards", disable=len(files) < 2):
-        with safe_open(file, framework="pt") as f:
+        try:
+            opened = safe_open(file, framework="pt")
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file ({e}); a partial download fails this "
+                             f"way: download it again") from None
+        with opened as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def safetensors_files(folder: str) -> list[str]:
+    """The checkpoint's shards: those its index names (each must exist), else every *.safetensors file."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {folder!r}")
+        return files
+    with open(index) as f:
+        files = sorted({os.path.join(folder, name) for name in json.load(f)["weight_map"].values()})
+    missing = [os.path.basename(file) for file in files if not os.path.isfile(file)]
+    if missing:
+        raise FileNotFoundError(f"{index} names {len(missing)} shard(s) missing from the folder: "
+                                f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}; download them")
+    return files
 
 
 def iter_gguf_weights(path: str, hf_config: PretrainedConfig,

@@ -51,8 +51,12 @@ DEFAULT_CPU_KV_CACHE_GIB = 4.0
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but no CUDA device is available")
+    kind = name.partition(":")[0]  # cuda:1 names one GPU
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device {name!r} is not supported; choose one of auto, cuda, cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but no CUDA device is available: pass --device cpu, or "
+                         f"leave it at auto")
     return torch.device(name)
 
 
