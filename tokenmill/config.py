@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_BLOCK_SIZE = 16
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 """kv_cache_dtype values; fp8 is e4m3 (vLLM's meaning of "fp8"); e5m2 is not implemented; int8 has a scale per
 token and KV head."""
 
@@ -417,10 +420,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_space must be a positive number of GiB, got {cache.kv_cache_space}")
         if sched.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {sched.policy!r}")
-        if self.model_config.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
-            raise ValueError(f"unsupported dtype {self.model_config.dtype!r}")
-        if self.model_config.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(f"unsupported load_format {self.model_config.load_format!r}")
+        if self.model_config.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.model_config.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.model_config.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unsupported load_format {self.model_config.load_format!r}; choose one of "
+                             f"{', '.join(LOAD_FORMATS)}")
+        device = self.device_config.device
+        if device != "auto" and device.partition(":")[0] not in ("cuda", "cpu"):  # said before anything loads
+            raise ValueError(f"device {device!r} is not supported; choose one of auto, cuda, cpu")
         if self.model_config.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"unknown quantization {self.model_config.quantization!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
@@ -433,6 +440,10 @@ class EngineConfig:
             # The drafter needs the target's embedding and last hidden states, which live on different stages.
             raise ValueError(f"speculative method {spec.method!r} does not run pipeline-parallel yet: use "
                              "pipeline_parallel_size 1, or the ngram method")
+        if spec is not None and spec.model is not None and not os.path.exists(spec.model):
+            # Said now, not once the target has loaded (a draft model or head is a local folder or file).
+            raise ValueError(f"speculative_config model {spec.model!r} does not exist: pass the draft model's or "
+                             f"EAGLE head's folder")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 ENGINES = {
@@ -220,6 +221,9 @@ def test_speculative_config_is_checked_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={"method": "ngram",
                                                                          "num_speculative_tokens": 2, "k": 1})
+    with pytest.raises(ValueError, match="speculative_config model '/no/such/head' does not exist"):
+        EngineConfig.from_kwargs(tiny_llama.path, speculative_config={"method": "eagle", "model": "/no/such/head",
+                                                                      "num_speculative_tokens": 2})
     tree = "[(0,), (1,), (0, 0)]"  # vLLM's spelling: a string
     with pytest.raises(ValueError, match="speculative_token_tree needs the speculative method 'eagle' or 'eagle3'"):
         LLM(tiny_llama.path, skip_tokenizer_init=True, speculative_config={

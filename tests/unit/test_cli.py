@@ -302,3 +302,15 @@ def test_a_device_this_machine_lacks_is_a_user_error():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device is available: pass --device cpu"):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dtype", "fp17", "unsupported dtype 'fp17'; choose one of auto, float32"),
+    ("load_format", "pt", "unsupported load_format 'pt'; choose one of auto, safetensors"),
+    ("device", "tpu", "device 'tpu' is not supported; choose one of auto, cuda, cpu"),
+])
+def test_a_bad_choice_is_refused_with_the_choices_before_anything_loads(field, value, message):
+    from tokenmill.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs("no-model-needed", **{field: value})
