@@ -17,6 +17,12 @@ DEFAULT_BLOCK_SIZE = 16
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def check_device(name: str) -> None:
+    """auto, cpu, cuda or cuda:N (one GPU); anything else is a ValueError naming the choices."""
+    if name != "auto" and name.partition(":")[0] not in ("cuda", "cpu"):
+        raise ValueError(f"device {name!r} is not supported; choose one of auto, cuda, cpu")
 """kv_cache_dtype values; fp8 is e4m3 (vLLM's meaning of "fp8"); e5m2 is not implemented; int8 has a scale per
 token and KV head."""
 
@@ -425,9 +431,7 @@ class EngineConfig:
         if self.model_config.load_format not in LOAD_FORMATS:
             raise ValueError(f"unsupported load_format {self.model_config.load_format!r}; choose one of "
                              f"{', '.join(LOAD_FORMATS)}")
-        device = self.device_config.device
-        if device != "auto" and device.partition(":")[0] not in ("cuda", "cpu"):  # said before anything loads
-            raise ValueError(f"device {device!r} is not supported; choose one of auto, cuda, cpu")
+        check_device(self.device_config.device)  # said before anything loads
         if self.model_config.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"unknown quantization {self.model_config.quantization!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")

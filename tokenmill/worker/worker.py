@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 
 from tokenmill.attention.backend import get_attention_backend
 from tokenmill.attention.kv_quant import check_kv_cache_dtype, log_kv_scales, resolve_kv_cache_dtype
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, check_device
 from tokenmill.distributed.parallel_state import init_distributed, set_expert_parallel
 from tokenmill.kernels.kv_fp8 import is_fp8
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
@@ -51,10 +51,8 @@ DEFAULT_CPU_KV_CACHE_GIB = 4.0
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kind = name.partition(":")[0]  # cuda:1 names one GPU
-    if kind not in ("cuda", "cpu"):
-        raise ValueError(f"device {name!r} is not supported; choose one of auto, cuda, cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
+    check_device(name)
+    if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but no CUDA device is available: pass --device cpu, or "
                          f"leave it at auto")
     return torch.device(name)
@@ -186,9 +184,15 @@ class Worker:
         graphs are captured for), so that those steps replay graphs too; at least one request's sampled token and
         all its drafts (with max_num_seqs 1 a step of one request and its drafts replays a graph for steps with
         prefills)."""
-        spec = self.config.speculative_config
-        one_request = 1 if spec is None else 1 + (len(spec.speculative_token_tree or ()) or spec.num_speculative_tokens)
-        return max(self.config.scheduler_config.max_num_seqs, one_request)
+        return max(self.config.scheduler_config.max_num_seqs, 1 + self.max_drafts_per_request)
+
+    @property
+    def max_drafts_per_request(self) -> int:
+        """Draft tokens one request verifies in a step at most: its tree's nodes, or its chain's length."""
+        speculative = self.config.speculative_config
+        if speculative is None:
+            return 0
+        return speculative.num_speculative_tokens if self.token_tree is None else self.token_tree.num_nodes
 
     def _verification_bytes(self) -> int:
         """Draft verification's temporaries (spec/rejection.py: about four float32 [positions, vocab]
@@ -250,10 +254,9 @@ class Worker:
             eagle1 = speculative.method in ("eagle", "mtp")  # MTP drafts from the last states as EAGLE-1 does
             proposer = EagleProposer if eagle1 else Eagle3Proposer
             width = self.hf_config.hidden_size if eagle1 else self.eagle_head.fc.out_features
-            tree = self.token_tree
-            max_drafts = speculative.num_speculative_tokens if tree is None else tree.num_nodes
             return proposer(self.eagle_head, self.attn_backend, self.device, block_size,
-                            self.config.scheduler_config.max_num_seqs, width, max_drafts, self.dtype, tree)
+                            self.config.scheduler_config.max_num_seqs, width, self.max_drafts_per_request, self.dtype,
+                            self.token_tree)
         return make_proposer(speculative)
 
     def _capture_cuda_graphs(self, block_size: int, pool=None) -> None:
@@ -334,8 +337,7 @@ class Worker:
         from tokenmill.worker.step_cost import measure_step_cost
 
         # One-token requests: no more than the runner has rows (max_num_seqs) and the pool has blocks.
-        return measure_step_cost(self, min(self.max_verify_tokens, self.config.scheduler_config.max_num_seqs,
-                                           self.num_kv_blocks))
+        return measure_step_cost(self, min(self.config.scheduler_config.max_num_seqs, self.num_kv_blocks))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
         """Queue the step on the device; result() on the return value waits for its output."""
