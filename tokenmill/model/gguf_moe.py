@@ -16,14 +16,14 @@ never the whole float32 stack of a layer (2.4 GB per Qwen3-30B-A3B layer).
 
 from __future__ import annotations
 
-import mmap
 import re
-import struct
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 from transformers import MixtralConfig, PretrainedConfig
+
+from tokenmill.model.gguf_file import read_metadata
 
 # The Hugging Face architectures whose GGUF files load (others with experts are refused by the loader).
 GGUF_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
@@ -34,55 +34,10 @@ _SPLIT_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 _PROJECTIONS = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
 _QWEN_PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
-# GGUF metadata value types (gguf.GGUFValueType) of fixed size -> struct format
-_FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-def scalar_metadata(path: str) -> dict[str, object]:
-    """The file's scalar metadata (numbers, booleans, strings; arrays skipped), read from the header directly:
-    gguf's GGUFReader also decodes every vocabulary entry, seconds for a large tokenizer."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        magic, version = struct.unpack_from("<4sI", buf, 0)
-        if magic != b"GGUF" or version & 0xFFFF == 1:
-            raise ValueError(f"{path!r} is not a GGUF file of version 2 or later")
-        order = ">" if version & 0xFFFF == 0 else "<"  # a big-endian file reads its version byte-swapped
-
-        def unpack(fmt: str, offset: int) -> tuple[object, int]:
-            return struct.unpack_from(order + fmt, buf, offset)[0], offset + struct.calcsize(order + fmt)
-
-        def string(offset: int) -> tuple[str, int]:
-            length, offset = unpack("Q", offset)
-            return buf[offset:offset + length].decode("utf-8", errors="replace"), offset + length
-
-        def skip_array(offset: int) -> int:
-            item_type, offset = unpack("I", offset)
-            count, offset = unpack("Q", offset)
-            if item_type in _FIXED:
-                return offset + count * struct.calcsize(_FIXED[item_type])
-            for _ in range(count):
-                offset = string(offset)[1] if item_type == _STRING else skip_array(offset)
-            return offset
-
-        kv_count, offset = unpack("Q", 16)
-        values: dict[str, object] = {}
-        for _ in range(kv_count):
-            key, offset = string(offset)
-            value_type, offset = unpack("I", offset)
-            if value_type in _FIXED:
-                values[key], offset = unpack(_FIXED[value_type], offset)
-            elif value_type == _STRING:
-                values[key], offset = string(offset)
-            elif value_type == _ARRAY:
-                offset = skip_array(offset)
-            else:
-                raise ValueError(f"{path!r}: metadata {key!r} has an unknown GGUF value type {value_type}")
-        return values
-
 
 def moe_config(path: str, config: PretrainedConfig) -> PretrainedConfig:
     """transformers' config of a GGUF file, with the mixture-of-experts fields it misses (module docstring)."""
-    metadata = scalar_metadata(path)
+    metadata = read_metadata(path)
     arch = metadata.get("general.architecture")
 
     def field(name: str):
@@ -124,7 +79,7 @@ def is_expert_tensor(name: str) -> bool:
 
 def expert_weights(tensor, model_type: str,
                    keep_raw: Callable[[str], bool] | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """A stacked experts tensor (gguf's ReaderTensor) -> (per-expert Hugging Face name, tensor): the raw rows
+    """A stacked experts tensor (model.gguf_file.GGUFTensor) -> (per-expert Hugging Face name, tensor): the raw rows
     tagged with their GGML type where keep_raw(name) holds (keep_raw None: none), else float32 values."""
     from gguf import dequantize
 

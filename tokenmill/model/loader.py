@@ -25,7 +25,8 @@ from tokenmill.layers.quant import (
     resolve_quant_config,
 )
 from tokenmill.model.base import LLAMA_STACKED_PARAMS
-from tokenmill.model.gguf_cache import remembered
+from tokenmill.model.gguf_cache import config_kept_on_disk, remembered
+from tokenmill.model.gguf_file import read_header
 from tokenmill.model.registry import get_model_class, supported_architectures
 from tokenmill.model.stage import owned_weights
 
@@ -80,7 +81,8 @@ def _gguf_config(path: str) -> PretrainedConfig:
     from tokenmill.model.gguf_moe import moe_config
 
     try:
-        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        config = config_kept_on_disk(path, lambda: AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                                        gguf_file=os.path.basename(path)))
     except (ValueError, IndexError, struct.error) as e:
         if "magic" in str(e):  # not a GGUF at all: the message says so
             raise
@@ -336,10 +338,10 @@ def safetensors_files(folder: str) -> list[str]:
 
 def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
                       keep_quantized: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a model under Hugging Face names: gguf's reader and name map, plus transformers'
-    per-family fixes, and stacked MoE experts split per expert (model.gguf_moe). Tensors are dequantized to
-    float32, except where `keep_quantized(name)` holds for a tensor of a type layers.quant.gguf multiplies
-    (or layers.quant.gguf_moe, for experts): those come as their raw rows, a uint8
+    """The tensors of a model under Hugging Face names: the file's header (model.gguf_file), gguf's name map,
+    plus transformers' per-family fixes, and stacked MoE experts split per expert (model.gguf_moe). Tensors
+    are dequantized to float32, except where `keep_quantized(name)` holds for a tensor of a type
+    layers.quant.gguf multiplies (or layers.quant.gguf_moe, for experts): those come as their raw rows, a uint8
     [rows, row_bytes] tensor tagged with its GGML type (layers.quant.gguf.tag_ggml). With `keep_quantized`,
     the other matrices of those types (the embedding, the LM head) come dense with their raw rows as
     `ggml_blocks`.
@@ -348,16 +350,16 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
     name map once per submodule (~8 s of a ~20 s load for SmolLM2-135M); here each happens once.
     """
     import numpy as np
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, dequantize, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, dequantize, get_tensor_name_map
     from transformers import AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from tokenmill.layers.quant.gguf import QUANTIZED_TYPES, tag_ggml
     from tokenmill.model.gguf_moe import expert_weights, is_expert_tensor
 
-    reader = remembered("reader", path, lambda: GGUFReader(path))  # read only: its tensors are the file's
-    arch_name = read_field(reader, "general.architecture")[0]
+    header = remembered("header", path, lambda: read_header(path))  # read only: its tensors are the file's
+    arch_name = header.metadata.get("general.architecture")
     arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == arch_name), None)
     if arch is None:
         raise ValueError(f"GGUF architecture {arch_name!r} is unknown to the installed gguf package")
@@ -374,7 +376,7 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
     if type(processor) not in (TensorProcessor, hf_gguf.LlamaTensorProcessor, hf_gguf.Gemma2TensorProcessor,
                                hf_gguf.Qwen2MoeTensorProcessor):
         keep_quantized = None
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         if is_expert_tensor(tensor.name):  # llama.cpp's stacked experts, one expert at a time
             raw_type = int(tensor.tensor_type) in QUANTIZED_TYPES
             yield from expert_weights(tensor, hf_config.model_type, keep_quantized if raw_type else None)
