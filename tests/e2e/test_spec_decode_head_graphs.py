@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.e2e.test_spec_decode import TREE as EAGLE_TREE
-from tests.e2e.test_spec_decode import always_draft, eagle_target_and_head, workload  # noqa: F401 (fixture)
+from tests.e2e.test_spec_decode import always_draft, check_same_tokens_and_logprobs, eagle_target_and_head, workload  # noqa: F401 (fixture)
 from tests.e2e.test_spec_decode_eagle3 import TREE as EAGLE3_TREE
 from tests.e2e.test_spec_decode_eagle3 import proposer_of, random_target_and_head  # noqa: F401 (fixture)
 from tests.e2e.test_spec_decode_mtp import random_mtp  # noqa: F401 (fixture)
@@ -117,3 +117,19 @@ def test_draft_trees_replayed_from_cuda_graphs_equal_eager_drafts(method, reques
     # every level pass fits a graph: one replay per level below the deepest drafted node
     assert all(tree_replays == shape.depth_of(np.array([steps]))[0] - 1 for _, tree_replays, steps in calls), calls
     assert sum(tree_replays for _, tree_replays, _ in calls) >= 10, calls
+
+
+def test_one_sequence_at_a_time_drafts_with_cuda_graphs(request):
+    """max_num_seqs 1 on the GPU: the verify steps (1 + k tokens, beyond the decode graphs' single row) and the
+    head's draft graphs give plain decoding's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    target, head = request.getfixturevalue("eagle_target_and_head")
+    engine = dict(skip_tokenizer_init=True, max_model_len=128, dtype="float32", device="cuda", kv_cache_space=0.01,
+                  max_num_seqs=1)
+    plain = LLM(target.path, **engine).generate(*workload(), use_tqdm=False)
+    llm = LLM(target.path, **engine, speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": K})
+    always_draft(llm)
+    assert proposer_of(llm).cuda_graphs is not None
+    check_same_tokens_and_logprobs(llm.generate(*workload(), use_tqdm=False), plain)
+    assert llm.engine.last_stats.spec_decoding.num_accepted_tokens > 0
