@@ -100,6 +100,11 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
     """Schedule step N+1 while the device runs step N (None: on for CUDA, off for the CPU, where the
     same cores would do both)."""
+    target_step_ms: float | None = None
+    """On a GPU, in place of max_num_batched_tokens: the token budget becomes the prompt tokens this GPU computes
+    in about this many milliseconds of one step (measured at start-up; 512 to 8,192), so that a step carrying a
+    prompt chunk holds back the requests decoding beside it by about that much. `tokenmill serve` sets 20 unless
+    --max-num-batched-tokens is given. None: the fixed budget."""
 
 
 @dataclass(frozen=True)
@@ -409,6 +414,11 @@ class EngineConfig:
                    speculative_config=speculative)
 
     def __post_init__(self) -> None:
+        target = self.scheduler_config.target_step_ms
+        if target is not None and (self.scheduler_config.max_num_batched_tokens is not None or target <= 0):
+            raise ValueError("target_step_ms must be positive" if target <= 0 else
+                             "target_step_ms sets the token budget from the step time: give it or "
+                             "max_num_batched_tokens, not both")
         if self.scheduler_config.max_num_batched_tokens is None:
             budget = default_token_budget(self.device_config.device, self.scheduler_config.enable_chunked_prefill)
             object.__setattr__(self, "scheduler_config",

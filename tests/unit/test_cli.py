@@ -38,6 +38,17 @@ def test_omitted_flags_keep_the_dataclass_defaults():
     assert config == EngineConfig(ModelConfig(model="model.gguf"))
 
 
+def test_the_server_bounds_its_steps_in_time_unless_given_a_budget():
+    from tokenmill.cli.serve import SERVE_TARGET_STEP_MS, serving_engine_config
+
+    assert serving_engine_config(serve_args("m.gguf")).scheduler_config.target_step_ms == SERVE_TARGET_STEP_MS
+    given = serving_engine_config(serve_args("m.gguf", "--max-num-batched-tokens", "2k")).scheduler_config
+    assert given.target_step_ms is None and given.max_num_batched_tokens == 2000
+    assert serving_engine_config(serve_args("m.gguf", "--target-step-ms", "35")).scheduler_config.target_step_ms == 35
+    with pytest.raises(ValueError, match="not both"):
+        serving_engine_config(serve_args("m.gguf", "--max-num-batched-tokens", "2k", "--target-step-ms", "35"))
+
+
 @pytest.mark.parametrize("device,chunked,budget", [("cpu", True, 512), ("cpu", False, 8192), ("cuda", True, 8192)])
 def test_the_token_budget_defaults_by_device(device, chunked, budget):
     """The CPU steps in 512-token chunks (its activations stay in the caches); a GPU, or a CPU without chunked

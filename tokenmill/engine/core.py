@@ -15,13 +15,14 @@ model code. It runs in the caller's process (offline LLM) or in its own (server)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.executor.base import make_executor
 from tokenmill.kv_cache.manager import KVCacheManager
@@ -30,6 +31,7 @@ from tokenmill.request import FinishReason, Request, RequestStatus
 from tokenmill.scheduler.draft_budget import DraftBudget
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.scheduler.token_budget import token_budget_for_step_time
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.waiting import AwaitingGrammar
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
@@ -88,7 +90,8 @@ class EngineCore:
             draft_budget = DraftBudget(spec.num_speculative_tokens, executor.measure_step_cost(),
                                        spec.disable_by_batch_size, executor.max_verify_tokens, spec.tree_level_sizes)
         num_batches = config.parallel_config.num_batches_in_flight
-        scheduler = Scheduler(config.scheduler_config, kv_cache_manager, max_model_len, draft_budget, num_batches)
+        scheduler = Scheduler(_scheduler_config(config, executor), kv_cache_manager, max_model_len, draft_budget,
+                              num_batches)
         async_scheduling = config.scheduler_config.async_scheduling
         if async_scheduling is None:
             async_scheduling = executor.device.type == "cuda"
@@ -179,3 +182,17 @@ class EngineCore:
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _scheduler_config(config: EngineConfig, executor) -> SchedulerConfig:
+    """The scheduler's config, its token budget set from target_step_ms where that applies: on a GPU, one pipeline
+    stage, chunked prefill (else a prompt must fit one step)."""
+    sched = config.scheduler_config
+    if (sched.target_step_ms is None or executor.device.type != "cuda" or not sched.enable_chunked_prefill
+            or config.parallel_config.pipeline_parallel_size > 1):
+        return sched
+    budget = token_budget_for_step_time(executor.measure_prefill_cost(), sched.target_step_ms / 1e3,
+                                        sched.max_num_batched_tokens)
+    logger.info("token budget %d a step: the prompt tokens this GPU computes in ~%g ms (target_step_ms; "
+                "--max-num-batched-tokens sets a budget instead)", budget, sched.target_step_ms)
+    return dataclasses.replace(sched, max_num_batched_tokens=budget)

@@ -47,6 +47,9 @@ class Executor(ABC):
     def measure_step_cost(self) -> StepCost: ...
 
     @abstractmethod
+    def measure_prefill_cost(self) -> StepCost: ...
+
+    @abstractmethod
     def enable_structured_outputs(self, compiler: GrammarCompiler) -> None: ...
 
     @abstractmethod
@@ -73,6 +76,9 @@ class RankGroupExecutor(Executor):
 
     def measure_step_cost(self) -> StepCost:
         return self.collective_rpc("measure_step_cost")[0]
+
+    def measure_prefill_cost(self) -> StepCost:
+        return self.collective_rpc("measure_prefill_cost")[0]
 
     def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
         # Every rank must mask alike, since every rank samples (and must sample the same tokens): the others

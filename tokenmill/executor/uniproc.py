@@ -32,6 +32,9 @@ class UniProcExecutor(Executor):
     def measure_step_cost(self) -> StepCost:
         return self.driver_worker.measure_step_cost()
 
+    def measure_prefill_cost(self) -> StepCost:
+        return self.driver_worker.measure_prefill_cost()
+
     def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
         self.driver_worker.enable_structured_outputs(compiler)
 

@@ -3,7 +3,8 @@
 Speculative decoding's draft budget (scheduler/draft_budget.py) weighs the tokens a draft may save
 against what verifying it costs on this device: t(n) = fixed + per_token * n, fitted to two timed
 steps of n one-token requests, the layout (and, on the GPU, the CUDA graphs) that plain decode and
-draft-verification steps run.
+draft-verification steps run. The token budget from a step time (scheduler/token_budget.py) fits the
+same line to two steps of one prompt of n tokens.
 """
 
 from __future__ import annotations
@@ -41,15 +42,34 @@ def measure_step_cost(worker: Worker, max_tokens: int) -> StepCost:
     return cost
 
 
-def _time_step(runner: ModelRunner, num_tokens: int, vocab_size: int) -> float:
+def measure_prefill_cost(worker: Worker, max_tokens: int) -> StepCost:
+    """t(n) of a step that computes one prompt of n tokens (n up to `max_tokens`), on blocks the scheduler has
+    not handed out yet, freed afterwards."""
+    runner, block_size = worker.model_runner, worker.config.cache_config.block_size
+    large = min(max_tokens, 2048)
+    small = max(1, large // 8)
+    times = {n: _time_step(runner, n, worker.hf_config.vocab_size, prompt_len=n, block_size=block_size)
+             for n in (small, large)}
+    per_token = max(0.0, (times[large] - times[small]) / (large - small)) if large > small else 0.0
+    cost = StepCost(fixed_s=max(1e-6, times[small] - per_token * small), per_token_s=per_token)
+    logger.info("prefill step cost: %.2f ms + %.1f us per prompt token", cost.fixed_s * 1e3, cost.per_token_s * 1e6)
+    return cost
+
+
+def _time_step(runner: ModelRunner, num_tokens: int, vocab_size: int, prompt_len: int = 1,
+               block_size: int = 1) -> float:
+    """The median time of a step of `num_tokens` tokens: one-token requests, or prompts of `prompt_len`."""
     params = SamplingParams(temperature=0, max_tokens=1)
+    blocks_per_request = -(-prompt_len // block_size)
     samples = []
     for repeat in range(REPEATS + 1):  # the first one warms up
-        requests = [NewRequestData(f"step-cost-{repeat}-{i}", [(7 * i + repeat) % vocab_size], 1, params, [i], 0)
-                    for i in range(num_tokens)]
+        requests = [NewRequestData(f"step-cost-{repeat}-{i}",
+                                   [(7 * (i + j) + repeat) % vocab_size for j in range(prompt_len)], prompt_len,
+                                   params, list(range(i * blocks_per_request, (i + 1) * blocks_per_request)), 0)
+                    for i in range(num_tokens // prompt_len)]
         ids = {r.request_id for r in requests}
         start = time.perf_counter()
-        runner.execute_model(SchedulerOutput(requests, [], {r: 1 for r in ids}, num_tokens)).result()
+        runner.execute_model(SchedulerOutput(requests, [], {r: prompt_len for r in ids}, num_tokens)).result()
         samples.append(time.perf_counter() - start)
         runner.execute_model(SchedulerOutput([], [], {}, 0, finished_request_ids=ids))
     return statistics.median(samples[1:])

@@ -339,6 +339,15 @@ class Worker:
         # One-token requests: no more than the runner has rows (max_num_seqs) and the pool has blocks.
         return measure_step_cost(self, min(self.config.scheduler_config.max_num_seqs, self.num_kv_blocks))
 
+    def measure_prefill_cost(self) -> StepCost:
+        """t(n) of a step computing one prompt of n tokens, for the token budget from a step time."""
+        from tokenmill.worker.step_cost import measure_prefill_cost
+
+        block_size = self.config.cache_config.block_size
+        # A prompt and its sampled token within max_model_len, its blocks within the pool.
+        return measure_prefill_cost(self, min(self.config.scheduler_config.max_num_batched_tokens,
+                                              self.max_model_len - 1, self.num_kv_blocks * block_size))
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | ReadyOutput:
         """Queue the step on the device; result() on the return value waits for its output."""
         assert self.model_runner is not None, "initialize_cache() must run first"
