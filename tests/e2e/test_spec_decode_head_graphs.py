@@ -133,3 +133,19 @@ def test_one_sequence_at_a_time_drafts_with_cuda_graphs(request):
     assert proposer_of(llm).cuda_graphs is not None
     check_same_tokens_and_logprobs(llm.generate(*workload(), use_tqdm=False), plain)
     assert llm.engine.last_stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_a_step_time_budget_is_measured_beside_an_eagle_head(request):
+    """target_step_ms times prefill steps on the runner before any request, the head observing them: the engine
+    still drafts and keeps plain decoding's greedy tokens afterwards."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    target, head = request.getfixturevalue("eagle_target_and_head")
+    engine = dict(skip_tokenizer_init=True, max_model_len=128, dtype="float32", device="cuda", kv_cache_space=0.01)
+    plain = LLM(target.path, **engine).generate(*workload(), use_tqdm=False)
+    llm = LLM(target.path, **engine, target_step_ms=20.0,
+              speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": K})
+    assert llm.engine.core.scheduler.config.max_num_batched_tokens >= 512
+    always_draft(llm)
+    check_same_tokens_and_logprobs(llm.generate(*workload(), use_tqdm=False), plain)
+    assert llm.engine.last_stats.spec_decoding.num_accepted_tokens > 0
