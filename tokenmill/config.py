@@ -15,6 +15,8 @@ from typing import Any
 DEFAULT_BLOCK_SIZE = 16
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+"""kv_cache_dtype values; fp8 is e4m3 (vLLM's meaning of "fp8"); e5m2 is not implemented; int8 has a scale per
+token and KV head."""
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -23,8 +25,6 @@ def check_device(name: str) -> None:
     """auto, cpu, cuda or cuda:N (one GPU); anything else is a ValueError naming the choices."""
     if name != "auto" and name.partition(":")[0] not in ("cuda", "cpu"):
         raise ValueError(f"device {name!r} is not supported; choose one of auto, cuda, cpu")
-"""kv_cache_dtype values; fp8 is e4m3 (vLLM's meaning of "fp8"); e5m2 is not implemented; int8 has a scale per
-token and KV head."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from typing import TypeVar
 
 from transformers import PretrainedConfig
 
+from tokenmill.model.gguf_file import GGUFHeader, read_header
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -50,6 +52,12 @@ def remembered(kind: str, path: str, parse: Callable[[], T]) -> T:
         while len(_remembered) > MAX_REMEMBERED:
             _remembered.popitem(last=False)
     return value
+
+
+def gguf_header(path: str) -> GGUFHeader:
+    """The file's metadata and tensors (model.gguf_file), read once per process: read only, its tensors are the
+    file's."""
+    return remembered("header", path, lambda: read_header(path))
 
 
 def config_kept_on_disk(path: str, parse: Callable[[], PretrainedConfig]) -> PretrainedConfig:

@@ -9,7 +9,6 @@ as their numpy type), so `gguf.dequantize` and the rest of the loader take them 
 
 from __future__ import annotations
 
-import mmap
 import struct
 from typing import NamedTuple
 
@@ -45,12 +44,6 @@ class GGUFTensor(NamedTuple):
 class GGUFHeader(NamedTuple):
     metadata: dict[str, object]  # numbers, booleans and strings as values; arrays as ArrayInfo
     tensors: list[GGUFTensor]
-
-
-def read_metadata(path: str) -> dict[str, object]:
-    """The file's metadata alone (numbers, booleans, strings; arrays as ArrayInfo)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _Parser(path, buf).metadata()
 
 
 def read_header(path: str) -> GGUFHeader:

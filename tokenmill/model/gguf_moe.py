@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import MixtralConfig, PretrainedConfig
 
-from tokenmill.model.gguf_file import read_metadata
+from tokenmill.model.gguf_cache import gguf_header
 
 # The Hugging Face architectures whose GGUF files load (others with experts are refused by the loader).
 GGUF_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
@@ -37,7 +37,7 @@ _QWEN_PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 def moe_config(path: str, config: PretrainedConfig) -> PretrainedConfig:
     """transformers' config of a GGUF file, with the mixture-of-experts fields it misses (module docstring)."""
-    metadata = read_metadata(path)
+    metadata = gguf_header(path).metadata
     arch = metadata.get("general.architecture")
 
     def field(name: str):

@@ -25,8 +25,7 @@ from tokenmill.layers.quant import (
     resolve_quant_config,
 )
 from tokenmill.model.base import LLAMA_STACKED_PARAMS
-from tokenmill.model.gguf_cache import config_kept_on_disk, remembered
-from tokenmill.model.gguf_file import read_header
+from tokenmill.model.gguf_cache import config_kept_on_disk, gguf_header, remembered
 from tokenmill.model.registry import get_model_class, supported_architectures
 from tokenmill.model.stage import owned_weights
 
@@ -358,7 +357,7 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig,
     from tokenmill.layers.quant.gguf import QUANTIZED_TYPES, tag_ggml
     from tokenmill.model.gguf_moe import expert_weights, is_expert_tensor
 
-    header = remembered("header", path, lambda: read_header(path))  # read only: its tensors are the file's
+    header = gguf_header(path)
     arch_name = header.metadata.get("general.architecture")
     arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == arch_name), None)
     if arch is None:

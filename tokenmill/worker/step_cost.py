@@ -35,8 +35,7 @@ def measure_step_cost(worker: Worker, max_tokens: int) -> StepCost:
     large = min(max_tokens, 256 if worker.device.type == "cuda" else 32)
     small = max(1, large // 16)
     times = {n: _time_step(runner, n, worker.hf_config.vocab_size) for n in (small, large)}
-    per_token = max(0.0, (times[large] - times[small]) / (large - small)) if large > small else 0.0
-    cost = StepCost(fixed_s=max(1e-6, times[small] - per_token * small), per_token_s=per_token)
+    cost = _fit_line(times, small, large)
     logger.info("step cost for speculative decoding: %.2f ms + %.1f us per token", cost.fixed_s * 1e3,
                 cost.per_token_s * 1e6)
     return cost
@@ -50,10 +49,15 @@ def measure_prefill_cost(worker: Worker, max_tokens: int) -> StepCost:
     small = max(1, large // 8)
     times = {n: _time_step(runner, n, worker.hf_config.vocab_size, prompt_len=n, block_size=block_size)
              for n in (small, large)}
-    per_token = max(0.0, (times[large] - times[small]) / (large - small)) if large > small else 0.0
-    cost = StepCost(fixed_s=max(1e-6, times[small] - per_token * small), per_token_s=per_token)
+    cost = _fit_line(times, small, large)
     logger.info("prefill step cost: %.2f ms + %.1f us per prompt token", cost.fixed_s * 1e3, cost.per_token_s * 1e6)
     return cost
+
+
+def _fit_line(times: dict[int, float], small: int, large: int) -> StepCost:
+    """t(n) = fixed + per_token * n through the two timed sizes (never negative)."""
+    per_token = max(0.0, (times[large] - times[small]) / (large - small)) if large > small else 0.0
+    return StepCost(fixed_s=max(1e-6, times[small] - per_token * small), per_token_s=per_token)
 
 
 def _time_step(runner: ModelRunner, num_tokens: int, vocab_size: int, prompt_len: int = 1,
