@@ -188,8 +188,11 @@ def _scheduler_config(config: EngineConfig, executor) -> SchedulerConfig:
     """The scheduler's config, its token budget set from target_step_ms where that applies: on a GPU, one pipeline
     stage, chunked prefill (else a prompt must fit one step)."""
     sched = config.scheduler_config
-    if (sched.target_step_ms is None or executor.device.type != "cuda" or not sched.enable_chunked_prefill
-            or config.parallel_config.pipeline_parallel_size > 1):
+    if sched.target_step_ms is None or executor.device.type != "cuda":
+        return sched
+    if not sched.enable_chunked_prefill or config.parallel_config.pipeline_parallel_size > 1:
+        logger.info("token budget %d a step, fixed: target_step_ms needs chunked prefill and one pipeline stage",
+                    sched.max_num_batched_tokens)
         return sched
     budget = token_budget_for_step_time(executor.measure_prefill_cost(), sched.target_step_ms / 1e3,
                                         sched.max_num_batched_tokens)
