@@ -25,7 +25,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    """"stop", "length" or "abort"; None while running."""
+    """"stop", "length", "abort", or "error" (request.NO_TOKEN_LEFT); None while running."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended generation; None for EOS-less endings."""
     cumulative_logprob: float | None = None

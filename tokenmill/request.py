@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_NO_TOKEN = enum.auto()
+    """The request's own constraints left no token to sample (see NO_TOKEN_LEFT)."""
 
     @property
     def is_finished(self) -> bool:
@@ -26,13 +28,20 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_NO_TOKEN: FinishReason.ERROR,
 }
+
+NO_TOKEN_LEFT = ("no token was left to sample: the request's allowed_token_ids, bad_words, logit_bias or min_tokens "
+                 "ban every token its structured-output grammar allows here")
+"""Why a request ended with finish_reason "error": only found mid-generation (a grammar's allowed tokens change
+with every token), so it ends there, with the tokens before, rather than emit a token outside its constraints."""
 
 
 def finish_reason_of(status: RequestStatus) -> FinishReason | None:

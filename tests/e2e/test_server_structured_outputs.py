@@ -153,6 +153,21 @@ def test_response_format_text_is_unconstrained(client):
 
 # ---- valid requests constrain the output (these need the engine side of structured outputs) -------
 
+def test_bans_that_leave_the_grammar_no_token_are_a_400(client):
+    """allowed_token_ids of EOS alone: the choice's grammar allows none of it at the first token. Found only while
+    generating: a full response is a 400, a stream ends with the error event (the SDK raises it)."""
+    body = {"structured_outputs": {"choice": COLORS}, "allowed_token_ids": [0]}
+    error = expect_400(lambda: client.chat.completions.create(model=MODEL, messages=ASK_COLOR, extra_body=body),
+                       None, "no token was left", "allowed_token_ids")
+    assert error.code == "no_token_left"
+    expect_400(lambda: client.completions.create(model=MODEL, prompt="The sky is", extra_body=body), None,
+               "no token was left")
+    with pytest.raises(openai.APIError, match="no token was left"):
+        for _ in client.chat.completions.create(model=MODEL, messages=ASK_COLOR, extra_body=body, stream=True):
+            pass
+    assert chat(client, ASK_COLOR, extra_body={"structured_outputs": {"choice": COLORS}}) in COLORS
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_chat_json_schema(client, sampling):
     text = chat(client, ASK_PERSON, response_format=json_schema_format(PERSON), **sampling)

@@ -112,6 +112,24 @@ def test_bad_specs_fail_before_anything_is_scheduled(smollm2_llm):
             smollm2_llm.generate("Hi", SamplingParams(structured_outputs=SPECS[3], **fields), use_tqdm=False)
 
 
+@pytest.mark.parametrize("engine", ["smollm2_llm", "busy_llm"])
+def test_bans_that_leave_a_grammar_no_token_end_that_request_with_error(engine, request):
+    """allowed_token_ids that hold "Paris" but not EOS: the choice's grammar then allows only EOS, which the request
+    bans, so it ends there ("error", its tokens before kept) instead of emitting a token outside both; a request
+    banned from the first token ends with none. The batch's other request is untouched. In the engine's process
+    and with a grammar process under async scheduling (busy_llm)."""
+    smollm2_llm = request.getfixturevalue(engine)
+    paris = smollm2_llm.get_tokenizer().encode("Paris", add_special_tokens=False)
+    choice = StructuredOutputsParams(choice=CHOICES)
+    params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice, allowed_token_ids=paris),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=20, structured_outputs=choice, allowed_token_ids=[0])]
+    banned, free, dead = (out.outputs[0] for out in smollm2_llm.chat([ASK] * 3, params, use_tqdm=False))
+    assert (banned.finish_reason, banned.token_ids, banned.text) == ("error", paris, "Paris")
+    assert free.finish_reason == "stop" and free.text in CHOICES
+    assert (dead.finish_reason, dead.token_ids) == ("error", [])
+
+
 def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm, monkeypatch):
     """Speculation on a constrained request: the grammar masks every draft position, and the tokens are
     exactly those of the same request without speculation (its matchers in a grammar process, the plain

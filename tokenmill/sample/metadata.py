@@ -105,6 +105,8 @@ class SamplingMetadata:
     """Largest `logprobs` among the rows; None when no row wants logprobs."""
     logits_processors: dict[int, tuple[list, list[int]]]
     """Row -> (the request's processors, its output token ids); the slow path."""
+    banning_rows: np.ndarray | None = None
+    """The rows whose logit mask bans tokens (-inf), which alone or with a grammar may leave none."""
 
 
 def build_sampling_metadata(

@@ -106,11 +106,15 @@ class SamplingState:
         penalties = None
         if self.output_counts is not None and columns.has_penalties.any():
             penalties = (self.output_counts, self.seen_mask, rows)
-        return build_sampling_metadata(
+        metadata = build_sampling_metadata(
             columns, generators, self.vocab_size, self.device,
             logit_mask=self._make_mask(len(rows), masked), penalty_tensors=penalties,
             logits_processors=processors, row_seeds=row_seeds,
         )
+        banning = [i for i, (p, banned) in masked.items()
+                   if banned or p.allowed_token_ids is not None or float("-inf") in (p.logit_bias or {}).values()]
+        metadata.banning_rows = np.array(banning, dtype=np.int64) if banning else None
+        return metadata
 
     def _seeded_generator(self, index: int, step_seed: int) -> torch.Generator:
         generator = self._seeded_generators.setdefault(index, torch.Generator(self.device))

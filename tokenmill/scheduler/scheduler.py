@@ -333,15 +333,18 @@ class Scheduler:
     def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append a step's tokens one by one; a stop condition met inside the run drops the rest."""
         for i, token_id in enumerate(token_ids):
-            request.output_token_ids.append(token_id)
-            status = check_stop(request, self.max_model_len)
+            # A negative id is the worker's mark of a row whose constraints left no token (NO_TOKEN_LEFT).
+            status = RequestStatus.FINISHED_NO_TOKEN if token_id < 0 else None
+            if status is None:
+                request.output_token_ids.append(token_id)
+                status = check_stop(request, self.max_model_len)
             if status is not None:
                 if request.status == RequestStatus.RUNNING:
                     self.running.remove(request)
                 else:
                     self.waiting.remove(request)
                 self._finish(request, status)
-                return token_ids[: i + 1]
+                return token_ids[: i + (status != RequestStatus.FINISHED_NO_TOKEN)]
         return token_ids
 
     def _record_drafts(self, num_drafts: int, num_accepted: int) -> None:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.request import NO_TOKEN_LEFT, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,15 @@ def error_response(
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, code=code, param=param)
+
+
+def no_token_left(finish_reasons) -> dict | None:
+    """The error of a request one of whose choices ended with no token left to sample (finish_reason "error":
+    its own bans and its grammar excluded every token), found only mid-generation; None if none did. A full
+    response is then this 400; a stream sends it as its last event."""
+    if FinishReason.ERROR.value not in finish_reasons:
+        return None
+    return error_body(400, NO_TOKEN_LEFT, code="no_token_left")
 
 
 def install_error_handlers(app: FastAPI) -> None:

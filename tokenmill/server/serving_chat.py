@@ -13,7 +13,7 @@ from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.chat_template import normalize_messages, render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.choices import collect, usage
-from tokenmill.server.errors import bad_request, error_body
+from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenmill.server.sampling import check_stream_options, continuous_usage, resolve_max_tokens, to_sampling_params
@@ -103,6 +103,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream:
         return SSEResponse(responder.stream(stream))
     _, choices = await cancel_on_disconnect(raw, collect(stream, params))
+    if (error := no_token_left([c.finish_reason for c in choices])) is not None:
+        return JSONResponse(error, status_code=400)
     return JSONResponse(responder.full(choices))
 
 
@@ -152,6 +154,7 @@ class ChatResponder:
             return self._chunk(choices, **extra)
 
         texts: dict[int, ChoiceText] = {}
+        finish_reasons = []
         held = {} if self.plan.mode == "forced" else {"content": ""}  # a step whose text is all held back
         try:
             for index in range(req.n):
@@ -177,11 +180,14 @@ class ChatResponder:
                             yield chunk([{"index": completion.index, "delta": delta or held,
                                           "logprobs": logprobs, "finish_reason": None}])
                         if completion.finish_reason is not None:
+                            finish_reasons.append(completion.finish_reason)
                             yield chunk([{"index": completion.index, "delta": {}, "logprobs": None,
                                           "finish_reason": text.finish_reason(completion.finish_reason),
                                           "stop_reason": completion.stop_reason}])
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield self._chunk([], usage=usage(self.num_prompt, num_completion))
+            if (error := no_token_left(finish_reasons)) is not None:
+                yield sse(error)
         except EngineDeadError as e:
             yield sse(error_body(503, f"the engine is not running: {e}", code="engine_dead"))
         yield DONE

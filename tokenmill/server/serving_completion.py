@@ -15,7 +15,7 @@ from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.choices import collect, usage
-from tokenmill.server.errors import bad_request, error_body
+from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.limits import MAX_SEQUENCES
 from tokenmill.server.logprobs import CompletionLogprobs
 from tokenmill.server.openai_protocol import CompletionRequest
@@ -82,6 +82,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream:
         return SSEResponse(response.stream(streams))
     results = await cancel_on_disconnect(raw, asyncio.gather(*(collect(s, p) for s, p in zip(streams, params))))
+    if (error := no_token_left([c.finish_reason for _, choices in results for c in choices])) is not None:
+        return JSONResponse(error, status_code=400)
     return JSONResponse(response.full(results))
 
 
@@ -132,6 +134,7 @@ class CompletionResponder:
         num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
         num_completion = 0
         every_chunk_usage = continuous_usage(req)
+        finish_reasons = []
         try:
             # Closed explicitly, so that a client leaving aborts the requests now, not once collected.
             async with aclosing(merge_streams(streams)) as outputs:
@@ -153,12 +156,16 @@ class CompletionResponder:
                         # character, or maybe a stop string's start): clients count chunks as tokens arriving.
                         if not text and not completion.token_ids and completion.finish_reason is None:
                             continue
+                        if completion.finish_reason is not None:
+                            finish_reasons.append(completion.finish_reason)
                         extra = {"usage": usage(num_prompt, num_completion)} if every_chunk_usage else {}
                         yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
                                                "finish_reason": completion.finish_reason,
                                                "stop_reason": completion.stop_reason}], **extra))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse(self._body([], usage=usage(num_prompt, num_completion)))
+            if (error := no_token_left(finish_reasons)) is not None:
+                yield sse(error)
         except EngineDeadError as e:
             yield sse(error_body(503, f"the engine is not running: {e}", code="engine_dead"))
         yield DONE

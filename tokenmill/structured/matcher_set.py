@@ -82,6 +82,11 @@ class MatcherSet:
         import xgrammar as xgr
 
         refused = []
+        if (tokens < 0).any():  # rows that had no token to sample end now (sample/no_token.py): nothing to accept
+            dead = np.zeros(len(rows), dtype=bool)
+            dead[np.repeat(np.arange(len(rows)), counts)[tokens < 0]] = True
+            keep = np.repeat(~dead, counts)
+            rows, counts, tokens = rows[~dead], counts[~dead], tokens[keep]
         single = counts == 1  # the usual step: one new token per row, all in one call
         starts = np.cumsum(counts) - counts
         if single.all():

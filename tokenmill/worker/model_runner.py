@@ -19,6 +19,7 @@ from tokenmill.device_copy import to_device
 from tokenmill.distributed.parallel_state import get_pp_stage
 from tokenmill.forward_context import forward_context
 from tokenmill.sample.logprobs import PromptLogprobsCollector
+from tokenmill.sample.no_token import rows_without_token
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -187,7 +188,9 @@ class ModelRunner:
         if verifying:
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,
                                                                 self.sampling_state)
+            none_left = None  # verifying rows never ban (scheduler/draft_budget.can_draft)
         else:
+            none_left = rows_without_token(logits, metadata)
             output = self.sampler(logits, metadata)
             tokens = output.token_ids
         if self.stage.num_stages > 1:
@@ -202,10 +205,12 @@ class ModelRunner:
                 taken = self.prompt_logprobs.take(rid)
                 if taken is not None:
                     prompt_logprobs[rid] = taken
-        return self._pending_output(batch, tokens, output.logprobs, num_logprobs, prompt_logprobs)
+        return self._pending_output(batch, tokens, output.logprobs, num_logprobs, prompt_logprobs,
+                                    none_left=none_left)
 
     def _pending_output(self, batch: InputBatch, tokens: torch.Tensor | VerifiedTokens, logprobs=None,
-                        num_logprobs=None, prompt_logprobs=None, arrival=None) -> PendingOutput:
+                        num_logprobs=None, prompt_logprobs=None, arrival=None, none_left=None) -> PendingOutput:
+        """`none_left`: [n] bool, the rows that had no token to sample (sample/no_token.py): -1 on the host."""
         rows = batch.sampled_rows
         positions = self.states.reserve_sampled_tokens(rows)
         # After a verifying step the next one reads every input on the host (execute_model waits for it).
@@ -214,7 +219,7 @@ class ModelRunner:
         self._last_pending = PendingOutput(
             self.states, self._sampled_request_ids(batch), rows, positions, tokens, logprobs, num_logprobs,
             prompt_logprobs, host_buffer=self._host_buffers[self._num_launched % len(self._host_buffers)],
-            arrival=arrival,
+            arrival=arrival, none_left=none_left,
         )
         return self._last_pending
 

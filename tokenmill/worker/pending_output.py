@@ -59,9 +59,12 @@ class PendingOutput:
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
         host_buffer: torch.Tensor | None = None,
         arrival: Work | None = None,
+        none_left: torch.Tensor | None = None,
     ) -> None:
         """`token_ids` [n] on the device (one per row) or a verifying step's tokens; `host_buffer`, pinned
-        and long enough, receives them; `arrival` is the receive still filling them (another pipeline stage's)."""
+        and long enough, receives them; `arrival` is the receive still filling them (another pipeline stage's);
+        `none_left` [n] bool marks the rows that had no token to sample: -1 reaches the host for them (the
+        device keeps the drawn token, which the next step may read as its input and then discards)."""
         self._states = states
         self._request_ids = request_ids
         self._rows = rows
@@ -77,6 +80,8 @@ class PendingOutput:
             self.wait_for_tokens()  # read right here (the next step waits for a verifying step's anyway)
             # One copy: the counts as column 0, the tokens after them.
             token_ids = torch.cat([self.verified.num_emitted.unsqueeze(1), self.verified.token_ids], dim=1).flatten()
+        elif none_left is not None:
+            token_ids = torch.where(none_left, -1, token_ids)
         if token_ids.is_cuda:
             self.wait_for_tokens()  # NCCL: the copy below queues behind the receive; the host does not wait
             self._host_tokens = host_buffer[: len(token_ids)]

@@ -1,0 +1,26 @@
+"""Rows whose constraints leave no token to sample.
+
+A grammar allows a different set of tokens at every position, so a request's own bans (allowed_token_ids,
+bad_words, a -inf logit_bias, the EOS ban before min_tokens) may exclude all of them somewhere mid-generation.
+The draw would then return an arbitrary token outside every constraint; the runner marks such rows instead
+(request.NO_TOKEN_LEFT) and the scheduler ends them there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.device_copy import to_device
+from tokenmill.sample.metadata import SamplingMetadata
+
+
+def rows_without_token(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+    """[rows] bool on the device: the rows whose logits (grammar masks applied) are all -inf once the logit mask
+    is added; None when no row bans anything. Reads only the banning rows, on the device (no host sync)."""
+    if metadata.banning_rows is None:
+        return None
+    index = to_device(metadata.banning_rows, logits.device)
+    masked = logits[index].float() + metadata.logit_mask[index]
+    none_left = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
+    none_left[index] = torch.isneginf(masked.amax(dim=-1))
+    return none_left
