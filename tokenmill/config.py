@@ -309,6 +309,13 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_speculative_tokens", depth)
 
     @property
+    def drafts_after_verify(self) -> bool:
+        """Whether the proposer drafts the next step's chain inside the verifying step, right after its rejection
+        sampler (spec/eagle.py: heads that draft from the target's states); its draft positions then run up to
+        num_speculative_tokens - 1 past the verified ones, which the scheduler allocates with them."""
+        return self.method in ("eagle", "eagle3", "mtp") and self.speculative_token_tree is None
+
+    @property
     def tree_level_sizes(self) -> tuple[int, ...] | None:
         """Nodes at each depth 1, 2, ... of the draft tree; None for a chain."""
         tree = self.speculative_token_tree

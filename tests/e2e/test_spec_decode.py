@@ -24,7 +24,8 @@ ENGINES = {
     "default": dict(kv_cache_space=0.01),
     "async": dict(kv_cache_space=0.01, async_scheduling=True),
     "chunked-prefill": dict(kv_cache_space=0.01, max_num_batched_tokens=16, async_scheduling=True),
-    "preempting": dict(num_gpu_blocks_override=10, max_num_batched_tokens=64),
+    # 8 blocks: preemptions with and without async scheduling (the GPU's default), EAGLE's slots ahead included.
+    "preempting": dict(num_gpu_blocks_override=8, max_num_batched_tokens=64),
     "no-prefix-caching": dict(kv_cache_space=0.01, enable_prefix_caching=False),
 }
 
@@ -331,12 +332,12 @@ def record_target_hidden_states(llm: LLM) -> list:
     records, first = [], [False]
 
     def recording(method):
-        def recorded(layout, input_ids, positions, hidden=None):
+        def recorded(layout, input_ids, positions, hidden=None, **kwargs):
             if first[0]:
                 first[0] = False
                 # A tree's level passes feed token ids from the device.
                 records.append((np.array(positions), torch.as_tensor(input_ids).cpu().numpy(), hidden.cpu().clone()))
-            return method(layout, input_ids, positions, hidden=hidden)
+            return method(layout, input_ids, positions, hidden=hidden, **kwargs)
         return recorded
 
     def first_pass_of(method):
@@ -348,10 +349,22 @@ def record_target_hidden_states(llm: LLM) -> list:
                 first[0] = False
         return wrapped
 
+    def recorded_after_verify(states, rows, first_positions, num_drafts, target_states, tokens, num_emitted):
+        # Its first pass also reads the target's states past the accepted drafts (their KV is rewritten later):
+        # only those of emitted tokens are the head's input proper.
+        emitted, ids = num_emitted.cpu().numpy(), tokens.cpu().numpy()
+        starts = np.cumsum(1 + num_drafts) - 1 - num_drafts
+        for i, first in enumerate(first_positions.tolist()):
+            records.append((np.arange(first, first + emitted[i]), ids[i, : emitted[i]],
+                            target_states[starts[i] : starts[i] + emitted[i]].cpu().clone()))
+        return draft_after_verify(states, rows, first_positions, num_drafts, target_states, tokens, num_emitted)
+
+    draft_after_verify = proposer.draft_after_verify
     proposer._forward = recording(proposer._forward)
     proposer._step = recording(proposer._step)
     proposer.observe = first_pass_of(proposer.observe)
     proposer.propose = first_pass_of(proposer.propose)
+    proposer.draft_after_verify = recorded_after_verify
     return records
 
 

@@ -143,14 +143,14 @@ def record_aux_states(llm: LLM) -> list:
     proposer, records = proposer_of(llm), []
     observe = proposer.observe
 
-    def recording_observe(states, rows, query_start_loc, positions, hidden_states):
+    def recording_observe(states, rows, query_start_loc, positions, hidden_states, skip=None):
         known = states.num_tokens[rows] - (states.last_step_index[rows] >= 0)
         for i, row in enumerate(rows.tolist()):
             for j in range(int(query_start_loc[i]), int(query_start_loc[i + 1])):
                 p = int(positions[j])
                 if p < known[i]:
                     records.append((tuple(states.token_ids[row, : p + 1].tolist()), hidden_states[j].clone()))
-        return observe(states, rows, query_start_loc, positions, hidden_states)
+        return observe(states, rows, query_start_loc, positions, hidden_states, skip=skip)
 
     proposer.observe = recording_observe
     return records

@@ -30,8 +30,8 @@ def compare_with_eager(proposer) -> list[tuple[int, int, int]]:
                if getattr(proposer, name, None) is not None}
     replays = dict.fromkeys(runners, 0)
     for name, runner in runners.items():
-        def counting_run(*args, name=name, run=runner.run):
-            out = run(*args)
+        def counting_run(*args, name=name, run=runner.run, **kwargs):
+            out = run(*args, **kwargs)
             replays[name] += out is not None
             return out
 
@@ -39,6 +39,8 @@ def compare_with_eager(proposer) -> list[tuple[int, int, int]]:
     propose, calls = proposer.propose, []
 
     def comparing_propose(states, rows, max_drafts):
+        if states.has_next_drafts(rows).all():  # drafted right after the last verification: no pass to compare
+            return propose(states, rows, max_drafts)
         num_computed = proposer.num_computed.copy()  # all propose() changes besides the head's KV
         for name in runners:
             setattr(proposer, name, None)
@@ -55,7 +57,23 @@ def compare_with_eager(proposer) -> list[tuple[int, int, int]]:
                          + (steps,))
         return replayed
 
+    draft_after_verify = proposer.draft_after_verify
+
+    def comparing_after_verify(*args):  # drafting right after a verification: the same comparison
+        for name in runners:
+            setattr(proposer, name, None)
+        eager = draft_after_verify(*args)
+        for name, runner in runners.items():
+            setattr(proposer, name, runner)
+        before = dict(replays)
+        replayed = draft_after_verify(*args)
+        assert replayed.tolist() == eager.tolist()
+        calls.append(tuple(replays.get(name, 0) - before.get(name, 0) for name in ("cuda_graphs", "tree_graphs"))
+                     + (replayed.shape[1],))
+        return replayed
+
     proposer.propose = comparing_propose
+    proposer.draft_after_verify = comparing_after_verify
     return calls
 
 

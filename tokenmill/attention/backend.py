@@ -67,9 +67,19 @@ class AttentionBackend(ABC):
     """Whether build_metadata(layout, device, padded_to=FixedShape(...)) gives metadata whose kernels launch on
     grids fixed by that shape, so that one graph serves any step with prefills that fits."""
 
+    supports_device_positions: bool = False
+    """Whether place_decodes() is implemented: decode positions known only on the device (no host sync)."""
+
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
         """Per-step metadata shared by every layer (tensors on the device, host copies as needed)."""
+
+    def place_decodes(self, metadata: object, positions: torch.Tensor, block_size: int) -> None:
+        """Move the metadata's first len(positions) requests, one query token each and built for positions at or
+        past these, to `positions` [n] int64 on the device: their context lengths and KV slots (the block
+        tables must reach the built positions). A drafter's steps after a verification whose accepted counts
+        are still on the device (spec/eagle.py)."""
+        raise NotImplementedError(f"the {self.name} attention backend takes positions from the host only")
 
     @abstractmethod
     def forward(

@@ -58,6 +58,7 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    supports_device_positions = True
     supports_mixed_cuda_graphs = True
 
     def build_metadata(self, layout: BatchLayout, device: torch.device,
@@ -156,6 +157,12 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_attention(query, pool, out, expanded.query_start_loc, expanded.seq_lens, expanded.block_table,
                           expanded.req_ids, expanded.max_query_len, scale)
         return out
+
+    def place_decodes(self, metadata: TritonAttentionMetadata, positions: torch.Tensor, block_size: int) -> None:
+        num = len(positions)
+        metadata.seq_lens[:num].copy_(positions + 1)
+        blocks = metadata.block_table[:num].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        metadata.slot_mapping[:num].copy_(blocks * block_size + positions % block_size)
 
     def copy_metadata(self, dst: TritonAttentionMetadata, src: TritonAttentionMetadata) -> None:
         """Copy a step's metadata into a captured graph's static metadata for the same batch shape."""

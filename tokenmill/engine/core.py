@@ -88,7 +88,8 @@ class EngineCore:
         if config.speculative_config is not None:
             spec = config.speculative_config
             draft_budget = DraftBudget(spec.num_speculative_tokens, executor.measure_step_cost(),
-                                       spec.disable_by_batch_size, executor.max_verify_tokens, spec.tree_level_sizes)
+                                       spec.disable_by_batch_size, executor.max_verify_tokens, spec.tree_level_sizes,
+                                       spec.num_speculative_tokens - 1 if spec.drafts_after_verify else 0)
         num_batches = config.parallel_config.num_batches_in_flight
         scheduler = Scheduler(_scheduler_config(config, executor), kv_cache_manager, max_model_len, draft_budget,
                               num_batches)

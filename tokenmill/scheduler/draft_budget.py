@@ -68,8 +68,11 @@ def can_draft(params: SamplingParams) -> bool:
 class DraftBudget:
     def __init__(self, num_speculative_tokens: int, cost: StepCost | None,
                  disable_by_batch_size: int | None = None, max_tokens_per_step: int = 1 << 30,
-                 tree_level_sizes: tuple[int, ...] | None = None) -> None:
+                 tree_level_sizes: tuple[int, ...] | None = None, slots_ahead: int = 0) -> None:
+        """`slots_ahead`: KV slots past a verifying step's own that its proposer writes (drafting the next step's
+        chain right after verifying: SpeculativeConfig.drafts_after_verify)."""
         self.max_drafts = num_speculative_tokens
+        self.slots_ahead = slots_ahead
         self.tree_level_sizes = tree_level_sizes
         sizes = tree_level_sizes or (1,) * num_speculative_tokens
         self._slots_by_depth = [sum(sizes[:d]) for d in range(len(sizes) + 1)]

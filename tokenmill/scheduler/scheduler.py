@@ -126,7 +126,8 @@ class Scheduler:
             num_new = min(num_left, budget)
             num_drafts = (self._lookahead(request, num_new == num_left, budget - num_new, drafts_per_request)
                           if drafts_per_request else 0)
-            new_block_ids = self._allocate_or_preempt(request, num_new + num_drafts, num_scheduled, cached_requests,
+            new_block_ids = self._allocate_or_preempt(request, num_new + num_drafts + self._slots_ahead(request, num_new
+                                                      + num_drafts, num_drafts), num_scheduled, cached_requests,
                                                       lookahead)
             if new_block_ids is None:
                 continue
@@ -162,7 +163,8 @@ class Scheduler:
             num_drafts = (self._lookahead(request, num_new <= budget, budget - num_new, drafts_per_request)
                           if drafts_per_request else 0)
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new + num_drafts, computed) is None:
+            slots_ahead = self._slots_ahead(request, computed.num_tokens + num_new + num_drafts, num_drafts)
+            if self.kv.allocate_slots(request, num_new + num_drafts + slots_ahead, computed) is None:
                 break
             self.waiting.pop()
             self.forks.admitted(request)
@@ -233,6 +235,14 @@ class Scheduler:
         room = min(max_tokens - request.num_output_tokens - in_flight - 1, room_slots)
         # A tree's nodes need slots beyond the tokens its deepest path can emit (any first nodes form a tree).
         return max(0, min(self.draft_budget.num_slots(min(drafts_per_request, room)), budget_left, room_slots))
+
+    def _slots_ahead(self, request: Request, num_new: int, num_drafts: int) -> int:
+        """KV slots past a verifying step's `num_new` tokens where its proposer drafts the next step's chain right
+        away (DraftBudget.slots_ahead), within max_model_len."""
+        if not num_drafts or not self.draft_budget.slots_ahead:
+            return 0
+        room = self.max_model_len - request.num_computed_tokens - num_new
+        return max(0, min(self.draft_budget.slots_ahead, room))
 
     def _describe_stall(self) -> str:
         head = self.waiting.peek() if len(self.waiting) else None

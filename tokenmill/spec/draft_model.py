@@ -104,6 +104,12 @@ class DraftModelProposer:
         if num_steps <= 0:
             return []
         positions = np.minimum(first[None, :] + np.arange(num_steps)[:, None], first + max_drafts - 1)
+        return self._one_token_steps(states, rows, positions)
+
+    def _one_token_steps(self, states: RequestStates, rows: np.ndarray,
+                         positions: np.ndarray) -> list[tuple[BatchLayout, torch.Tensor]]:
+        """The layouts and device positions of one-token steps of `rows` at `positions` [steps, rows]."""
+        num_steps = len(positions)
         block_size = self.block_size
         slots = kv_slots(states.block_table, rows[None, :], positions, block_size)
         seq_lens = (positions + 1).astype(np.int32)
@@ -122,23 +128,30 @@ class DraftModelProposer:
                            self.block_size)
 
     def _step(self, layout: BatchLayout, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor,
-              hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              hidden: torch.Tensor | None = None, placed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A pass of one token per row: its output hidden states and each row's greedy token, from one graph
         replay where a graph fits (the hidden states are then the graph's static output: use them before its
-        next replay), else eagerly."""
+        next replay), else eagerly. `placed`: `positions` (on the device) are at or before the layout's, which the
+        attention metadata is moved to on the device (AttentionBackend.place_decodes)."""
+        place = None
+        if placed:
+            place = lambda metadata: self.attn_backend.place_decodes(metadata, positions, self.block_size)  # noqa: E731
         if self.cuda_graphs is not None:
             out = self.cuda_graphs.run(layout, self._tensor(input_ids), self._tensor(positions),
-                                       *(() if hidden is None else (hidden,)))
+                                       *(() if hidden is None else (hidden,)), place=place)
             if out is not None:
                 hidden_states, tokens = out
                 return hidden_states, tokens.clone()  # the drafts of every step are stacked after the last
-        hidden_states = self._forward(layout, input_ids, positions, hidden=hidden)
+        hidden_states = self._forward(layout, input_ids, positions, hidden=hidden, place=place)
         return hidden_states, self._greedy(hidden_states)
 
     def _forward(self, layout: BatchLayout, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor,
-                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """An eager pass; `hidden`: the extra input of a head that drafts from hidden states (spec/eagle.py)."""
+                 hidden: torch.Tensor | None = None, place=None) -> torch.Tensor:
+        """An eager pass; `hidden`: the extra input of a head that drafts from hidden states (spec/eagle.py);
+        `place(metadata)`: as in CudaGraphRunner.run."""
         metadata = self.attn_backend.build_metadata(layout, self.device)
+        if place is not None:
+            place(metadata)
         with forward_context(self.attn_backend, metadata):
             if hidden is not None:
                 return self.model(self._tensor(input_ids), self._tensor(positions), hidden)

@@ -95,14 +95,19 @@ class EagleProposer(DraftModelProposer):
         """The level passes of a tree draft, depth 1 first (what the worker captures for them)."""
         self.tree_graphs: TreeLevelGraphRunner | None = None
         """tree_steps' graphs by level and padded row count, set by the worker (None: eager)."""
+        self.max_drafts = max_drafts
+        self._drafted_after_verify = np.full(max_num_reqs, -1, dtype=np.int64)
+        """The row generation whose head state draft_after_verify left to settle once its tokens are on the host."""
 
     @torch.inference_mode()
     def observe(self, states: RequestStates, rows: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray,
-                hidden_states: torch.Tensor) -> None:
-        """The target computed `hidden_states` [num_tokens] at `positions`, rows' runs given by query_start_loc."""
+                hidden_states: torch.Tensor, skip: np.ndarray | None = None) -> None:
+        """The target computed `hidden_states` [num_tokens] at `positions`, rows' runs given by query_start_loc;
+        `skip` [rows] bool: rows left to draft_after_verify."""
         num_rows = len(rows)
         if num_rows == 0:
             return
+        self._settle(states, rows)
         first = positions[query_start_loc[:-1]]
         end = positions[query_start_loc[1:] - 1] + 1
         fresh = states.row_generation[rows] != self._generation[rows]
@@ -118,6 +123,8 @@ class EagleProposer(DraftModelProposer):
         consume_rows, consume_pos, consume_src, consume_end = [], [], [], []
         keep_dst, keep_src = [], []
         for i, row in enumerate(rows.tolist()):
+            if skip is not None and skip[i]:
+                continue
             c, e = int(first[i]), int(end[i])
             ps, pl = int(self.pending_start[row]), int(self.pending_len[row])
             avail = ps if ps + pl >= c else c  # the window and this step's run, when they join
@@ -156,6 +163,87 @@ class EagleProposer(DraftModelProposer):
 
     @torch.inference_mode()
     def propose(self, states: RequestStates, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
+        """The drafts draft_after_verify made in the last step where they still fit, the head's passes for the rest."""
+        self._settle(states, rows)
+        ready = states.has_next_drafts(rows)
+        if not ready.any():
+            return self._propose_here(states, rows, max_drafts)
+        drafts = [states.next_drafts[row, :k] for row, k in zip(rows.tolist(), max_drafts.tolist())]
+        if not ready.all():
+            rest = np.flatnonzero(~ready)
+            for i, d in zip(rest.tolist(), self._propose_here(states, rows[rest], max_drafts[rest])):
+                drafts[i] = d
+        return drafts
+
+    @torch.inference_mode()
+    def draft_after_verify(self, states: RequestStates, rows: np.ndarray, first: np.ndarray, num_drafts: np.ndarray,
+                           target_states: torch.Tensor, tokens: torch.Tensor,
+                           num_emitted: torch.Tensor) -> torch.Tensor:
+        """The next step's chain of max_drafts drafts for rows that verified `num_drafts` [n] drafts from positions
+        `first` [n] on in this step, drafted right after the verification without waiting for its tokens on the
+        host: [n, max_drafts].
+
+        The head first runs over the verified positions L - 1 .. L - 1 + d (`first` = L - 1; one row
+        each, as the verification laid them out, so that its CUDA graphs take the pass), reading
+        the target's states there (`target_states`, [sum(1 + d), width], row after row) and the emitted
+        tokens (`tokens` [n, >= 1 + d], `num_emitted` [n] of them valid): its output at the last emitted token's
+        predecessor gives draft 1 (the positions past it hold KV of rejected tokens, rewritten next time). Drafts
+        2.. follow one position at a time from there. The emitted count is known on the device only: on the CPU
+        it is read at once (no cost), elsewhere the one-token steps are laid out for the largest count and moved
+        back on the device (AttentionBackend.place_decodes). Their KV slots run up to max_drafts - 1 past the
+        verified ones (the scheduler allocates them: DraftBudget.slots_ahead)."""
+        counts = 1 + num_drafts
+        starts = np.cumsum(counts) - counts
+        within = np.arange(counts.sum()) - np.repeat(starts, counts)
+        self._generation[rows] = states.row_generation[rows]
+        self._drafted_after_verify[rows] = states.row_generation[rows]
+        # One row per verified position, each attending to the head's KV up to itself (as the verification laid
+        # out the target's): the one-token steps' CUDA graphs take the pass.
+        token_rows = np.repeat(rows, counts)
+        [(layout, positions)] = self._one_token_steps(states, token_rows, (np.repeat(first, counts) + within)[None])
+        index = self._to_device(np.stack([np.repeat(np.arange(len(rows)), counts), within]))
+        input_ids = tokens[index[0], index[1]].clamp(min=0)
+        hidden, drafts = self._step(layout, input_ids, positions, self._from_target(target_states))
+        at = self._to_device(starts) + num_emitted - 1
+        hidden, steps = hidden[at], [drafts[at]]
+        if self.max_drafts == 1:
+            return steps[0][:, None]
+        # Step i's position: first + num_emitted + i - 1 (i = 1 ..), never past the allocated slots or the model.
+        last = np.minimum(first + num_drafts + self.max_drafts - 1, states.token_ids.shape[1] - 1)
+        upper = np.minimum(first + 1 + num_drafts + np.arange(self.max_drafts - 1)[:, None], last)
+        exact = self.device.type == "cpu" or not self.attn_backend.supports_device_positions
+        if exact:  # the counts on the host: the steps laid out where they are
+            emitted = num_emitted.cpu().numpy()
+            upper = np.minimum(first + emitted + np.arange(self.max_drafts - 1)[:, None], last)
+        on_device = None if exact else torch.minimum(
+            self._to_device(first)[None, :] + num_emitted[None, :] + torch.arange(self.max_drafts - 1,
+                                                                                   device=self.device)[:, None],
+            self._to_device(last)[None, :])
+        for i, (layout, pos) in enumerate(self._one_token_steps(states, rows, upper)):
+            if on_device is None:
+                hidden, draft = self._step(layout, steps[-1], pos, hidden)
+            else:
+                hidden, draft = self._step(layout, steps[-1], on_device[i], hidden, placed=True)
+            steps.append(draft)
+        return torch.stack(steps, dim=1)
+
+    def _from_target(self, target_states: torch.Tensor) -> torch.Tensor:
+        """The head's input from the target's states (EAGLE-3 projects its layers' states first)."""
+        return target_states
+
+    def _settle(self, states: RequestStates, rows: np.ndarray) -> None:
+        """Rows that draft_after_verify drafted for, now that their tokens are on the host: the head's KV is right up
+        to the position before the last known token, and no target state waits in the window."""
+        settled = rows[self._drafted_after_verify[rows] == states.row_generation[rows]]
+        if len(settled) == 0:
+            return
+        self._drafted_after_verify[settled] = -1
+        last = states.num_tokens[settled] - 1
+        self.num_computed[settled] = last
+        self.pending_start[settled] = last
+        self.pending_len[settled] = 0
+
+    def _propose_here(self, states: RequestStates, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
         lengths = states.num_tokens[rows]
         start = np.maximum(np.minimum(self.num_computed[rows], lengths - 2), self.pending_start[rows])
         # A row whose target hidden states up to its last known position are not in the window drafts nothing.

@@ -141,10 +141,13 @@ class Eagle3Proposer(EagleProposer):
 
     @torch.inference_mode()
     def observe(self, states: RequestStates, rows: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray,
-                hidden_states: torch.Tensor) -> None:
+                hidden_states: torch.Tensor, skip: np.ndarray | None = None) -> None:
         """`hidden_states`: the target's auxiliary layers' states [num_tokens, n_aux * target_hidden]."""
         combined = self.model.fc(hidden_states[: int(query_start_loc[-1])])  # [num_tokens, hidden]
-        super().observe(states, rows, query_start_loc, positions, combined)
+        super().observe(states, rows, query_start_loc, positions, combined, skip=skip)
+
+    def _from_target(self, target_states: torch.Tensor) -> torch.Tensor:
+        return self.model.fc(target_states)
 
     def _greedy(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.greedy_target_ids(hidden_states)

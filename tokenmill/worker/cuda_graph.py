@@ -147,16 +147,19 @@ class CudaGraphRunner:
         return [self.input_ids[:size], self.positions[:size]] + [buffer[:size] for buffer in self.extra_inputs]
 
     def run(self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor,
-            *extra_inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+            *extra_inputs: torch.Tensor, place=None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """Hidden states [num_tokens, hidden_size] of the step (a tuple where the model returns several), or
         None if no graph fits it. The result is a view of the graph's static output: read it before the next
-        replay of any graph of the pool."""
+        replay of any graph of the pool. `place(metadata)`: changes the copied metadata on the device (a drafter's
+        positions known only there: AttentionBackend.place_decodes)."""
         size = self._graph_size(layout)
         if size is None:
             return None
         num_tokens = len(layout.slot_mapping)
         graph, static_metadata, hidden_states = self.graphs[size]
         self.attn_backend.copy_metadata(static_metadata, self._metadata(layout, size))
+        if place is not None:
+            place(static_metadata)
         self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
         self.positions[:num_tokens].copy_(positions, non_blocking=True)
         for buffer, values in zip(self.extra_inputs, extra_inputs, strict=True):

@@ -83,6 +83,10 @@ class ModelRunner:
         width = 1 if max_drafts == 0 else 2 + max_drafts
         self._host_buffers = [torch.empty(max_num_reqs * width, dtype=torch.int64, pin_memory=pinned)
                               for _ in range(max(2, num_batches_in_flight))]
+        drafting = self.speculative is not None and self.speculative.drafts_after_verify
+        self._draft_buffers = [torch.empty(max_num_reqs * max_drafts, dtype=torch.int64, pin_memory=pinned)
+                               for _ in range(2)] if drafting and pinned else None
+        """Pinned landing buffers of the drafts made right after a verification (SpeculativeDecoding.draft_next)."""
         self._num_launched = 0
         self.stage = get_pp_stage()
         """This rank's pipeline stage: only the last one computes logits and samples."""
@@ -205,8 +209,12 @@ class ModelRunner:
                 taken = self.prompt_logprobs.take(rid)
                 if taken is not None:
                     prompt_logprobs[rid] = taken
-        return self._pending_output(batch, tokens, output.logprobs, num_logprobs, prompt_logprobs,
-                                    none_left=none_left)
+        pending = self._pending_output(batch, tokens, output.logprobs, num_logprobs, prompt_logprobs,
+                                       none_left=none_left)
+        if verifying and (drafted := self.speculative.draft_next(self.states)) is not None:
+            buffers = self._draft_buffers
+            pending.add_next_drafts(*drafted, None if buffers is None else buffers[self._num_launched % 2])
+        return pending
 
     def _pending_output(self, batch: InputBatch, tokens: torch.Tensor | VerifiedTokens, logprobs=None,
                         num_logprobs=None, prompt_logprobs=None, arrival=None, none_left=None) -> PendingOutput:

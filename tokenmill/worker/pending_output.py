@@ -94,6 +94,33 @@ class PendingOutput:
         else:
             self._host_tokens = token_ids
         self._logprobs = logprobs
+        self._next_drafts = None
+
+    def add_next_drafts(self, indices: np.ndarray, drafts: torch.Tensor, host_buffer: torch.Tensor | None) -> None:
+        """The next step's drafts [len(indices), k] of the step's rows `indices`, drafted after its tokens were
+        queued for the host (SpeculativeDecoding.draft_next): copied behind them, waited for only when the next
+        step looks at them, so that the host takes this step's tokens while the device drafts."""
+        event = None
+        if drafts.is_cuda:
+            host = host_buffer[: drafts.numel()].view(drafts.shape)
+            host.copy_(drafts, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            drafts = host
+        self._next_drafts = (indices, drafts, event)
+
+    def _expect_next_drafts(self) -> None:
+        indices, drafts, event = self._next_drafts
+        kept = self._kept_rows()[indices]
+        rows = self._rows[indices[kept]]
+        at = np.stack([self._states.row_generation[rows], self._states.num_tokens[rows]], axis=1)
+
+        def land() -> None:
+            if event is not None:
+                event.synchronize()
+            self._states.keep_next_drafts(rows, at, drafts.numpy()[kept])
+
+        self._states.expect_next_drafts(land)
 
     @property
     def is_done(self) -> bool:
@@ -128,6 +155,8 @@ class PendingOutput:
             counts = packed[:, 0]
             token_ids = [packed[i, 1 : 1 + c].tolist() for i, c in enumerate(counts.tolist())]
             self._write_verified_tokens(token_ids, counts)
+            if self._next_drafts is not None:
+                self._expect_next_drafts()
             starts = self.verified.logprob_starts
             logprob_slices = [slice(s, s + c) for s, c in zip(starts.tolist(), counts.tolist())]
             num_drafts = {rid: d for rid, d in zip(self._request_ids, self.verified.num_draft_positions.tolist()) if d}

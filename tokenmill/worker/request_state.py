@@ -34,6 +34,36 @@ class RequestStates:
         as soon as it is aborted, while its last step still runs)."""
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.next_drafts = np.zeros((max_num_reqs, 0), dtype=np.int64)
+        """Drafts a verifying step already made for each row's next one (spec/eagle.py drafts right after its
+        verification), valid while the row's generation and token count are those of next_drafts_at."""
+        self.next_drafts_at = np.full((max_num_reqs, 2), -1, dtype=np.int64)
+
+        self._landing_drafts = None
+        """A callable that waits for drafts on their way to the host and keeps them (expect_next_drafts)."""
+
+    def keep_next_drafts(self, rows: np.ndarray, at: np.ndarray, drafts: np.ndarray) -> None:
+        """`drafts` [len(rows), k]: the rows' next drafts, for the generations and token counts `at` [len(rows), 2]."""
+        if self.next_drafts.shape[1] < drafts.shape[1]:
+            self.next_drafts = np.zeros((len(self.num_tokens), drafts.shape[1]), dtype=np.int64)
+        self.next_drafts[rows, : drafts.shape[1]] = drafts
+        self.next_drafts_at[rows] = at
+
+    def expect_next_drafts(self, land) -> None:
+        """`land()` calls keep_next_drafts once its drafts are on the host: done when they are first looked at."""
+        self.land_next_drafts()
+        self._landing_drafts = land
+
+    def land_next_drafts(self) -> None:
+        if self._landing_drafts is not None:
+            self._landing_drafts, land = None, self._landing_drafts
+            land()
+
+    def has_next_drafts(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows)] bool: whether keep_next_drafts' drafts still fit each row."""
+        self.land_next_drafts()
+        at = self.next_drafts_at[rows]
+        return (at[:, 0] == self.row_generation[rows]) & (at[:, 1] == self.num_tokens[rows])
 
     def apply(self, scheduler_output: SchedulerOutput) -> list[tuple[int, NewRequestData]]:
         """Bring the rows up to date with what the scheduler decided for this step; returns the

@@ -36,6 +36,12 @@ class SpeculativeDecoding:
         """Draft trees' verification; None: chains."""
         self._tree_step_states: tuple[InputBatch, torch.Tensor] | None = None
         """A tree step's batch and hidden states, observed once its verification has ordered them."""
+        self.drafts_after_verify = tree is None and hasattr(proposer, "draft_after_verify")
+        """Whether the proposer drafts each verifying row's next chain right after the verification (spec/eagle.py)."""
+        self._verify_states: torch.Tensor | None = None
+        """This step's target states, for draft_after_verify."""
+        self._draft_inputs: tuple | None = None
+        """The last verification's rows and what draft_after_verify drafts their next chain from."""
 
     def propose(self, scheduler_output: SchedulerOutput, states: RequestStates) -> np.ndarray:
         """Draft tokens for the requests given lookahead, written after their known tokens; returns the
@@ -68,6 +74,14 @@ class SpeculativeDecoding:
         hidden_states = hidden_states if aux_hidden_states is None else aux_hidden_states
         if batch.buffer_positions is not None:  # a tree step: which nodes stand is known after sampling
             self._tree_step_states = (batch, hidden_states[: batch.num_tokens])
+            return
+        self._verify_states = None
+        if self.drafts_after_verify and batch.sampled_num_drafts.any():
+            # The verifying rows' states go to draft_after_verify once the verification has decided what stands.
+            self._verify_states = hidden_states
+            skip = np.isin(batch.rows, batch.sampled_rows[batch.sampled_num_drafts > 0])
+            if not skip.all():
+                observe(states, batch.rows, batch.query_start_loc, batch.positions, hidden_states, skip=skip)
             return
         observe(states, batch.rows, batch.query_start_loc, batch.positions, hidden_states)
 
@@ -109,7 +123,24 @@ class SpeculativeDecoding:
         num_emitted[rows_t] = num_verified
         if metadata.max_num_logprobs is not None:
             output.logprobs = self._verified_logprobs(logits, tokens, counts, starts, metadata.max_num_logprobs)
+        if self._verify_states is not None:  # what draft_next needs, before the launch counts this step's tokens
+            num_v = batch.sampled_num_drafts[verifying]
+            positions = np.repeat(starts[verifying], 1 + num_v) + np.arange(int((1 + num_v).sum())) - np.repeat(
+                np.cumsum(1 + num_v) - 1 - num_v, 1 + num_v)
+            target_states = self._verify_states[to_device(batch.logits_indices[positions], self.device)]
+            self._verify_states = None
+            inputs = (draft_rows, first_draft - 1, num_v, target_states, verified, num_verified)
+            self._draft_inputs = (verifying, inputs)
         return VerifiedTokens(tokens, num_emitted, batch.sampled_num_drafts, starts), output
+
+    def draft_next(self, states: RequestStates) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The next step's drafts of the rows the last sample_and_verify verified, drafted at once on the device
+        (proposer.draft_after_verify) once that step's tokens are on their way to the host: the rows' indices in
+        the step's sampled rows and their drafts [n, k]; None when the proposer does not draft so."""
+        if self._draft_inputs is None:
+            return None
+        (indices, inputs), self._draft_inputs = self._draft_inputs, None
+        return indices, self.proposer.draft_after_verify(states, *inputs)
 
     def _verified_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, counts: np.ndarray, starts: np.ndarray,
                            num_top: int) -> LogprobsTensors:
