@@ -198,6 +198,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def bans_tokens(self) -> bool:
+        """Whether allowed_token_ids or a -inf logit_bias ban tokens at every position (bad_words and min_tokens
+        ban by position)."""
+        return self.allowed_token_ids is not None or float("-inf") in (self.logit_bias or {}).values()
+
     def clone_for_sample(self, index: int) -> SamplingParams:
         """The params of one of several samples: n=1, and a seed of its own if seeded."""
         # Wrapped into 64 bits, so a seed near the top of the range gives every sample a valid seed.

@@ -111,8 +111,7 @@ class SamplingState:
             logit_mask=self._make_mask(len(rows), masked), penalty_tensors=penalties,
             logits_processors=processors, row_seeds=row_seeds,
         )
-        banning = [i for i, (p, banned) in masked.items()
-                   if banned or p.allowed_token_ids is not None or float("-inf") in (p.logit_bias or {}).values()]
+        banning = [i for i, (p, banned) in masked.items() if banned or p.bans_tokens]
         metadata.banning_rows = np.array(banning, dtype=np.int64) if banning else None
         return metadata
 

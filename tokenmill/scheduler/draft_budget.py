@@ -59,10 +59,9 @@ def can_draft(params: SamplingParams) -> bool:
     speculation, but without its speed-up. (Requests under a grammar do draft: structured/matchers.py masks
     every draft position; but not with bans of their own, which may leave a position no token, as only a
     one-token step detects: sample/no_token.py.)"""
-    bans = params.allowed_token_ids is not None or float("-inf") in (params.logit_bias or {}).values()
     return not (params.has_penalties or params.bad_words_token_ids or params.logits_processors
                 or (params.seed is not None and not params.is_greedy)
-                or (params.structured_outputs is not None and bans))
+                or (params.structured_outputs is not None and params.bans_tokens))
 
 
 class DraftBudget:

@@ -126,9 +126,8 @@ class Scheduler:
             num_new = min(num_left, budget)
             num_drafts = (self._lookahead(request, num_new == num_left, budget - num_new, drafts_per_request)
                           if drafts_per_request else 0)
-            new_block_ids = self._allocate_or_preempt(request, num_new + num_drafts + self._slots_ahead(request, num_new
-                                                      + num_drafts, num_drafts), num_scheduled, cached_requests,
-                                                      lookahead)
+            num_slots = num_new + num_drafts + self._slots_ahead(request, num_new + num_drafts, num_drafts)
+            new_block_ids = self._allocate_or_preempt(request, num_slots, num_scheduled, cached_requests, lookahead)
             if new_block_ids is None:
                 continue
             cached_requests.append(CachedRequestData(request.request_id, new_block_ids))

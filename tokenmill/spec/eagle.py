@@ -210,11 +210,10 @@ class EagleProposer(DraftModelProposer):
             return steps[0][:, None]
         # Step i's position: first + num_emitted + i - 1 (i = 1 ..), never past the allocated slots or the model.
         last = np.minimum(first + num_drafts + self.max_drafts - 1, states.token_ids.shape[1] - 1)
-        upper = np.minimum(first + 1 + num_drafts + np.arange(self.max_drafts - 1)[:, None], last)
         exact = self.device.type == "cpu" or not self.attn_backend.supports_device_positions
-        if exact:  # the counts on the host: the steps laid out where they are
-            emitted = num_emitted.cpu().numpy()
-            upper = np.minimum(first + emitted + np.arange(self.max_drafts - 1)[:, None], last)
+        # Exact: the counts read on the host, the steps laid out where they are; else for every draft accepted.
+        emitted = num_emitted.cpu().numpy() if exact else 1 + num_drafts
+        upper = np.minimum(first + emitted + np.arange(self.max_drafts - 1)[:, None], last)
         on_device = None if exact else torch.minimum(
             self._to_device(first)[None, :] + num_emitted[None, :] + torch.arange(self.max_drafts - 1,
                                                                                    device=self.device)[:, None],
