@@ -182,6 +182,23 @@ def write_random_eagle_head(folder, target) -> str:
     return str(folder)
 
 
+def test_constrained_requests_verify_an_eagle_heads_chain_exactly(smollm2_path, smollm2_llm, tmp_path):
+    """An EAGLE head drafts each next chain right after the verification (spec/eagle.py draft_after_verify); the
+    grammar masks every draft position of it: greedy tokens are those of the same requests without speculation."""
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec) for spec in SPECS[:4]]
+    plain = smollm2_llm.chat([ASK] * 4, params, use_tqdm=False)
+    target = smollm2_llm.engine.core.executor.driver_worker.hf_config
+    spec = {"method": "eagle", "model": write_random_eagle_head(tmp_path, target), "num_speculative_tokens": 3}
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32", gguf_dequantize=True,
+              speculative_config=spec)
+    from test_spec_decode import always_draft
+
+    always_draft(llm)
+    outs = llm.chat([ASK] * 4, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.last_stats.spec_decoding.num_draft_tokens > 0
+
+
 def test_constrained_requests_draft_trees_and_verify_exactly(smollm2_path, smollm2_llm, tmp_path, monkeypatch,
                                                             capfd):
     """Draft trees on constrained requests: the grammar masks the logits row of every node (with its path
