@@ -240,6 +240,31 @@ def test_two_stages_of_a_mixture_of_experts_give_transformers_greedy_tokens(tmp_
         llm.engine.core.shutdown()
 
 
+def test_two_stages_mask_by_grammar_and_end_a_request_left_no_token(smollm2_path):
+    """Structured outputs on two stages of the default model: the last stage masks by the grammars and
+    samples, and a request whose bans leave its grammar no token ends there with "error" (the driver, on the
+    last stage, reports the mark; the first stage embeds the drawn token, and the request ends before it
+    matters), as test_structured_outputs.py checks in one process."""
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    ask = [{"role": "user", "content": "Which city is the capital of France?"}]
+    choice = StructuredOutputsParams(choice=["Paris", "London", "Rome"])
+    llm = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=256, dtype="float32", gguf_dequantize=True,
+              pipeline_parallel_size=2)
+    try:
+        paris = llm.get_tokenizer().encode("Paris", add_special_tokens=False)
+        params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice, allowed_token_ids=paris),
+                  SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice),
+                  SamplingParams(temperature=0.8, seed=1, max_tokens=20, structured_outputs=choice,
+                                 allowed_token_ids=[0])]
+        banned, free, dead = (out.outputs[0] for out in llm.chat([ask] * 3, params, use_tqdm=False))
+    finally:
+        llm.engine.core.shutdown()
+    assert (banned.finish_reason, banned.token_ids, banned.text) == ("error", paris, "Paris")
+    assert free.finish_reason == "stop" and free.text in ("Paris", "London", "Rome")
+    assert (dead.finish_reason, dead.token_ids) == ("error", [])
+
+
 def test_a_dead_stage_ends_the_engine_with_a_clear_error(tmp_path):
     build_llama(tmp_path)
     llm = LLM(str(tmp_path), **ENGINE, pipeline_parallel_size=2)
