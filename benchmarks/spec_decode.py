@@ -13,6 +13,8 @@ Sections:
   eagle3_cost  the same model and lengths with a dummy-weight EAGLE-3 head in the published Llama-3.1-8B layout
                drafting k = 4 every step: time per engine step (drafting + verifying) against a plain decode
                step (the issue's bound: <= 1.3x); acceptance is meaningless with dummy weights
+  eagle3_anatomy  the eagle3_cost run with its host phases timed per step (scheduling, launching, the waits for
+               tokens and drafts, the update), and under the torch profiler: the GPU's busy share and idle gaps
   tree_cost    the same model and head: a chain of 4 drafts against draft trees (speculative_token_tree) at batch
                1 and 16: time per engine step (drafting the tree level by level, each level's pass a CUDA graph
                replay; verifying it under the tree mask, in the full-step graphs captured with tree masks) and
@@ -308,6 +310,145 @@ def section_eagle3_cost(setup: Setup, k: int = 4) -> None:
          f"{per_step['eagle3'] / per_step['plain']:.2f}x a plain step")
 
 
+# Host phases HostTimers times: (module, owner (a class, or None for a module's function), name). Nested phases
+# count inside their callers' too.
+HOST_PHASES = (
+    ("tokenmill.worker.model_runner", "ModelRunner", "execute_model"),
+    ("tokenmill.worker.pending_output", "PendingOutput", "result"),
+    ("tokenmill.worker.request_state", "RequestStates", "land_next_drafts"),
+    ("tokenmill.worker.request_state", "RequestStates", "apply"),
+    ("tokenmill.worker.speculative", "SpeculativeDecoding", "propose"),
+    ("tokenmill.worker.model_runner", None, "prepare_inputs"),
+    ("tokenmill.worker.model_runner", "ModelRunner", "_forward"),
+    ("tokenmill.worker.speculative", "SpeculativeDecoding", "observe"),
+    ("tokenmill.worker.model_runner", "ModelRunner", "_sample"),
+    ("tokenmill.sample.state", "SamplingState", "build_metadata"),
+    ("tokenmill.worker.speculative", "SpeculativeDecoding", "sample_and_verify"),
+    ("tokenmill.sample.sampler", "Sampler", "forward"),
+    ("tokenmill.worker.speculative", None, "verify_drafts"),
+    ("tokenmill.sample.state", "SamplingState", "record_sampled"),
+    ("tokenmill.worker.model_runner", "ModelRunner", "_pending_output"),
+    ("tokenmill.worker.speculative", "SpeculativeDecoding", "draft_next"),
+    ("tokenmill.spec.draft_model", "DraftModelProposer", "_one_token_steps"),
+    ("tokenmill.spec.draft_model", "DraftModelProposer", "_step"),
+    ("tokenmill.worker.cuda_graph", "CudaGraphRunner", "run"),
+    ("tokenmill.worker.pending_output", "PendingOutput", "add_next_drafts"),
+)
+
+
+class HostTimers:
+    """Wall time per engine step in each host phase of HOST_PHASES (by wrapping the calls), the scheduler's and
+    the engine's whole step beside them."""
+
+    def __init__(self, llm: LLM) -> None:
+        import importlib
+
+        self.seconds: dict[str, float] = {}
+        self._restore: list[tuple[object, str, object]] = []
+        core = llm.engine.core
+        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(core.scheduler, "update_from_output", "update_from_output")
+        self._wrap(llm.engine, "step", "engine step")
+        for module_name, owner_name, name in HOST_PHASES:
+            module = importlib.import_module(module_name)
+            owner = module if owner_name is None else getattr(module, owner_name)
+            self._wrap(owner, name, f"{owner_name or module_name.rsplit('.', 1)[1]}.{name}")
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+        seconds = self.seconds
+        seconds[label] = 0.0
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        self._restore.append((owner, name, inner))
+
+    def restore(self) -> None:
+        for owner, name, inner in reversed(self._restore):
+            setattr(owner, name, inner)
+
+
+def gap_sites(prof, threshold_ms: float = 0.05, top: int = 12) -> list[str]:
+    """The GPU's idle gaps over threshold_ms by the kernels before and after them: total ms, count, names."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    sites: dict[tuple[str, str], list[float]] = {}
+    end, before = None, ""
+    for start, stop, name in kernels:
+        if end is not None and (start - end) / 1e3 > threshold_ms:
+            sites.setdefault((before[:60], name[:60]), []).append((start - end) / 1e3)
+        if end is None or stop > end:
+            end, before = stop, name
+    ranked = sorted(sites.items(), key=lambda item: -sum(item[1]))[:top]
+    return [f"{sum(g):8.1f} ms {len(g):5d}x  {a}  ->  {b}" for (a, b), g in ranked]
+
+
+def gpu_busy(prof) -> tuple[float, float, list[float]]:
+    """(kernel time's union in ms, the trace's wall in ms from first to last kernel, the idle gaps in ms)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return 0.0, 1.0, []
+    busy, gaps, end = 0.0, [], None
+    for start, stop in spans:
+        if end is None or start > end:
+            if end is not None:
+                gaps.append((start - end) / 1e3)
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3, gaps
+
+
+def section_eagle3_anatomy(setup: Setup, k: int = 4) -> None:
+    """One EAGLE-3 k = 4 run (as eagle3_cost) with its host phases timed per step, then one under the torch
+    profiler: how busy the GPU is and where it idles."""
+    prompts = random_prompts(1, setup.prompt_len, seed=3)
+    params = greedy(setup.output_len)
+    with tempfile.TemporaryDirectory() as folder:
+        head = write_eagle3_head(Path(folder), json.loads(Path(setup.model, "config.json").read_text()))
+        for name, extra in (("plain", {}), ("eagle3", {"speculative_config": {
+                "method": "eagle3", "model": head, "num_speculative_tokens": k}})):
+            llm = make_llm(setup, **extra)
+            drafting = "speculative_config" in extra
+            if drafting:
+                fresh_budget(llm, k, measured_cost=False)
+            timed_generate(llm, prompts, params)  # warm-up
+            counter = StepCounter(llm)
+            timers = HostTimers(llm)
+            if drafting:
+                fresh_budget(llm, k, measured_cost=False)
+            _, seconds = timed_generate(llm, prompts, params)
+            timers.restore()
+            steps = counter.count
+            note(f"eagle3_anatomy: {name} host", f"{seconds / steps * 1e3:.3f} ms/step over {steps} steps; per step: "
+                 + ", ".join(f"{label} {value / steps * 1e3:.3f} ms" for label, value in timers.seconds.items()))
+            if drafting:
+                fresh_budget(llm, k, measured_cost=False)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                timed_generate(llm, prompts, params)
+            busy, wall, gaps = gpu_busy(prof)
+            gaps = np.array(gaps)
+            big = gaps[gaps > 0.05] if len(gaps) else gaps
+            note(f"eagle3_anatomy: {name} GPU", f"kernels busy {busy:.1f} of {wall:.1f} ms ({busy / wall:.1%}); "
+                 f"{len(gaps)} idle gaps, {gaps.sum():.1f} ms; {len(big)} over 50 us: {big.sum():.1f} ms, median "
+                 f"{np.median(big) if len(big) else 0:.3f} ms")
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            print(table, flush=True)
+            print("GPU idle gaps over 50 us by the kernels around them:", *gap_sites(prof), sep="\n  ", flush=True)
+            del llm, prof, timers, counter
+            release()
+
+
 TREES = {
     "chain 4": None,
     "chain 4 as a tree": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
@@ -406,7 +547,7 @@ def main() -> int:
                         "token 24, which it must learn its way past")
     args = parser.parse_args()
     sections = args.sections.split(",")
-    if args.smoke and set(sections) - {"oracle", "eagle3_cost", "tree_cost"}:
+    if args.smoke and set(sections) - {"oracle", "eagle3_cost", "eagle3_anatomy", "tree_cost"}:
         raise SystemExit("--smoke runs the sections oracle, eagle3_cost and tree_cost only")
     with tempfile.TemporaryDirectory() as folder:
         setup = smoke_setup(Path(folder)) if args.smoke else Setup()
@@ -417,8 +558,9 @@ def main() -> int:
                 section_workload(name)
             elif name == "oracle":
                 section_oracle(setup, tuple(int(k) for k in args.oracle_k.split(",")), args.oracle_rounds)
-            elif name in ("correct", "eagle3_cost", "tree_cost", "load"):
-                {"correct": section_correct, "eagle3_cost": section_eagle3_cost, "tree_cost": section_tree_cost,
+            elif name in ("correct", "eagle3_cost", "eagle3_anatomy", "tree_cost", "load"):
+                {"correct": section_correct, "eagle3_cost": section_eagle3_cost,
+                 "eagle3_anatomy": section_eagle3_anatomy, "tree_cost": section_tree_cost,
                  "load": section_load}[name](setup)
             else:
                 raise SystemExit(f"unknown section {name!r}")

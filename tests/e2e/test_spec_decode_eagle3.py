@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -168,17 +169,26 @@ def check_aux_states(model, layers: list[int], records: list) -> None:
     assert len(records) > 100, len(records)
 
 
-def record_proposals(proposer) -> list[tuple[list[int], list[int]]]:
-    """(the row's tokens, the drafts proposed after them) for every proposal the proposer makes from now on."""
-    proposals, propose = [], proposer.propose
+def record_proposals(llm: LLM) -> list[tuple[list[int], list[int], int]]:
+    """(a row's tokens, the drafts verified after them, its prompt's length) for every row that verifies drafts
+    in a step from now on, as the forward pass reads them: those the proposer made on the host and those
+    draft_after_verify left on the device alike."""
+    runner = llm.engine.core.executor.driver_worker.model_runner
+    states, proposals, forward = runner.states, [], runner._forward
 
-    def recording_propose(states, rows, max_drafts):
-        drafts = propose(states, rows, max_drafts)
-        proposals.extend((states.token_ids[r, : states.num_tokens[r]].tolist(), d.tolist())
-                         for r, d in zip(rows.tolist(), drafts) if len(d))
-        return drafts
+    def recording_forward(batch):
+        hidden_states = forward(batch)
+        ids = runner.speculative._input_ids.cpu().numpy()  # the step's, drafts placed
+        counts = 1 + batch.sampled_num_drafts
+        for row, start, d in zip(batch.sampled_rows.tolist(), (np.cumsum(counts) - counts).tolist(),
+                                 batch.sampled_num_drafts.tolist()):
+            if d:  # the known tokens are all on the host: a step with drafts waits for the last one's
+                proposals.append((states.token_ids[row, : states.num_tokens[row]].tolist(),
+                                  ids[batch.logits_indices[start + 1 : start + 1 + d]].tolist(),
+                                  int(states.num_prompt_tokens[row])))
+        return hidden_states
 
-    proposer.propose = recording_propose
+    runner._forward = recording_forward
     return proposals
 
 
@@ -195,24 +205,28 @@ def test_an_eagle3_head_whose_first_draft_is_the_target_token_is_always_accepted
     llm = eagle3_llm(target, head, ENGINES[engine], k=3, tree=tree)
     records = record_aux_states(llm)
     follow = greedy_next_tokens(model)
-    proposer, counts = proposer_of(llm), {"after_output": 0, "at_prompt_end": 0}
+    proposals = record_proposals(llm)
+    proposer, proposed_on_host = proposer_of(llm), [0]
     propose = proposer.propose
 
-    def checking_propose(states, rows, max_drafts):
+    def counting_propose(states, rows, max_drafts):
         drafts = propose(states, rows, max_drafts)
-        for row, draft in zip(rows.tolist(), drafts):
-            tokens = states.token_ids[row, : states.num_tokens[row]]
-            if len(draft) and len(tokens) > states.num_prompt_tokens[row]:
-                assert draft[0] == follow[tokens[-1]], "the first draft is not the target's greedy token"
-                counts["after_output"] += 1
-            elif len(draft):  # drafted with the prompt's last chunk: its last token is not f(the one before)
-                counts["at_prompt_end"] += 1
+        proposed_on_host[0] += sum(len(d) > 0 for d in drafts)
         return drafts
 
-    proposer.propose = checking_propose
+    proposer.propose = counting_propose
     outputs = llm.generate(*workload(), use_tqdm=False)
     check_same_tokens_and_logprobs(outputs, exact_plain)
     check_aux_states(model, [0, 1, 2], records)
+    if tree is None:  # most chains were drafted right after a verification, and read where they were made
+        assert proposed_on_host[0] < len(proposals) // 3, (proposed_on_host, len(proposals))
+    counts = {"after_output": 0, "at_prompt_end": 0}
+    for tokens, drafts, num_prompt_tokens in proposals:
+        if len(tokens) > num_prompt_tokens:
+            assert drafts[0] == follow[tokens[-1]], "the first draft is not the target's greedy token"
+            counts["after_output"] += 1
+        else:  # drafted with the prompt's last chunk: its last token is not f(the one before)
+            counts["at_prompt_end"] += 1
     stats = llm.engine.last_stats.spec_decoding
     assert stats.num_drafts == counts["after_output"] + counts["at_prompt_end"], (stats, counts)
     assert counts["after_output"] > 10 and counts["at_prompt_end"] <= counts["after_output"] // 4, counts
@@ -301,7 +315,7 @@ def test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token
     plain = run(target, engine)[0]
     llm = eagle3_llm(target, head, engine, k=2 if tree is None else 3, tree=tree)
     records = record_aux_states(llm)
-    proposals = record_proposals(proposer_of(llm))
+    proposals = record_proposals(llm)
     outputs = llm.generate(*workload(), use_tqdm=False)
     check_same_tokens_and_logprobs(outputs, plain)
     check_aux_states(model, [2, 1, 0], records)
@@ -310,7 +324,7 @@ def test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token
     # shared prompt blocks; chains of 3 or more drafts show it too): only the acceptance rate depends on it.
     forked = [o.prompt_token_ids for o in outputs if len(o.outputs) > 1]
     with torch.no_grad():
-        for tokens, drafts in proposals:
+        for tokens, drafts, _ in proposals:
             if tree is not None and any(tokens[: len(p)] == p for p in forked):
                 continue
             hidden = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states

@@ -107,7 +107,7 @@ class EagleProposer(DraftModelProposer):
         num_rows = len(rows)
         if num_rows == 0:
             return
-        self._settle(states, rows)
+        self.settle(states, rows)
         first = positions[query_start_loc[:-1]]
         end = positions[query_start_loc[1:] - 1] + 1
         fresh = states.row_generation[rows] != self._generation[rows]
@@ -164,7 +164,7 @@ class EagleProposer(DraftModelProposer):
     @torch.inference_mode()
     def propose(self, states: RequestStates, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
         """The drafts draft_after_verify made in the last step where they still fit, the head's passes for the rest."""
-        self._settle(states, rows)
+        self.settle(states, rows)
         ready = states.has_next_drafts(rows)
         if not ready.any():
             return self._propose_here(states, rows, max_drafts)
@@ -230,7 +230,7 @@ class EagleProposer(DraftModelProposer):
         """The head's input from the target's states (EAGLE-3 projects its layers' states first)."""
         return target_states
 
-    def _settle(self, states: RequestStates, rows: np.ndarray) -> None:
+    def settle(self, states: RequestStates, rows: np.ndarray) -> None:
         """Rows that draft_after_verify drafted for, now that their tokens are on the host: the head's KV is right up
         to the position before the last known token, and no target state waits in the window."""
         settled = rows[self._drafted_after_verify[rows] == states.row_generation[rows]]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.device_copy import to_device
+from tokenmill.device_copy import pack_to_device, to_device
 from tokenmill.distributed.parallel_state import get_pp_stage
 from tokenmill.forward_context import forward_context
 from tokenmill.sample.logprobs import PromptLogprobsCollector
@@ -145,11 +145,20 @@ class ModelRunner:
 
     def _forward(self, batch: InputBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The last hidden states, and the auxiliary layers' where a proposer asked the model for them."""
-        input_ids, positions = self._to_device(batch.input_ids), self._to_device(batch.positions)
+        # One host-to-device copy: the inputs, and the indices that fill some of them in from the device.
+        arrays = [batch.input_ids, batch.positions]
+        if len(batch.last_token_dst):
+            arrays.append(np.stack([batch.last_token_dst, batch.last_token_src]))
+        places = None if self.speculative is None else self.speculative.draft_places(batch)
+        if places is not None:
+            arrays.append(places)
+        input_ids, positions, *indices = pack_to_device(arrays, self.device)[2]
         if len(batch.last_token_dst):
             self._last_pending.wait_for_tokens()
-            dst, src = self._to_device(np.stack([batch.last_token_dst, batch.last_token_src]))
+            dst, src = indices.pop(0)
             input_ids[dst] = self._last_sampled[src]
+        if self.speculative is not None:
+            self.speculative.place_drafts(input_ids, indices[0] if indices else None)
         for graphs in (self.cuda_graphs, self.mixed_cuda_graphs):
             if graphs is not None:
                 hidden_states = graphs.run(batch.layout, input_ids, positions)

@@ -99,18 +99,18 @@ class PendingOutput:
     def add_next_drafts(self, indices: np.ndarray, drafts: torch.Tensor, host_buffer: torch.Tensor | None) -> None:
         """The next step's drafts [len(indices), k] of the step's rows `indices`, drafted after its tokens were
         queued for the host (SpeculativeDecoding.draft_next): copied behind them, waited for only when the next
-        step looks at them, so that the host takes this step's tokens while the device drafts."""
-        event = None
+        step looks at them on the host, so that the host takes this step's tokens while the device drafts (and
+        the next step can read them on the device without waiting: RequestStates.next_drafts_on_device)."""
+        event, host = None, drafts
         if drafts.is_cuda:
             host = host_buffer[: drafts.numel()].view(drafts.shape)
             host.copy_(drafts, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            drafts = host
-        self._next_drafts = (indices, drafts, event)
+        self._next_drafts = (indices, drafts, host, event)
 
     def _expect_next_drafts(self) -> None:
-        indices, drafts, event = self._next_drafts
+        indices, drafts, host, event = self._next_drafts
         kept = self._kept_rows()[indices]
         rows = self._rows[indices[kept]]
         at = np.stack([self._states.row_generation[rows], self._states.num_tokens[rows]], axis=1)
@@ -118,9 +118,9 @@ class PendingOutput:
         def land() -> None:
             if event is not None:
                 event.synchronize()
-            self._states.keep_next_drafts(rows, at, drafts.numpy()[kept])
+            self._states.keep_next_drafts(rows, at, host.numpy()[kept])
 
-        self._states.expect_next_drafts(land)
+        self._states.expect_next_drafts(land, (rows, at, np.flatnonzero(kept), drafts))
 
     @property
     def is_done(self) -> bool:

@@ -41,6 +41,8 @@ class RequestStates:
 
         self._landing_drafts = None
         """A callable that waits for drafts on their way to the host and keeps them (expect_next_drafts)."""
+        self._drafts_on_device = None
+        """The same drafts where they were made: (rows, at [n, 2], each row's index in the tensor, tensor [m, k])."""
 
     def keep_next_drafts(self, rows: np.ndarray, at: np.ndarray, drafts: np.ndarray) -> None:
         """`drafts` [len(rows), k]: the rows' next drafts, for the generations and token counts `at` [len(rows), 2]."""
@@ -49,10 +51,27 @@ class RequestStates:
         self.next_drafts[rows, : drafts.shape[1]] = drafts
         self.next_drafts_at[rows] = at
 
-    def expect_next_drafts(self, land) -> None:
-        """`land()` calls keep_next_drafts once its drafts are on the host: done when they are first looked at."""
+    def expect_next_drafts(self, land, on_device: tuple | None = None) -> None:
+        """`land()` calls keep_next_drafts once its drafts are on the host: done when they are first looked at.
+        `on_device`: (rows, at, index, drafts) as keep_next_drafts takes them, but `drafts` [m, k] where they were
+        made and `index` [len(rows)] each row's in it: next_drafts_on_device reads them without waiting."""
         self.land_next_drafts()
         self._landing_drafts = land
+        self._drafts_on_device = on_device
+
+    def next_drafts_on_device(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, object] | None:
+        """Without waiting for the drafts on their way to the host: which rows they still fit [len(rows)] bool,
+        each such row's index in the drafts, and the drafts [m, k] where they were made; None without any."""
+        if self._drafts_on_device is None or len(self._drafts_on_device[0]) == 0:
+            return None
+        drafted_rows, at, index_of, drafts = self._drafts_on_device
+        where = np.full(len(self.num_tokens), -1, dtype=np.int64)
+        where[drafted_rows] = np.arange(len(drafted_rows))
+        found = where[rows]
+        ready = found >= 0
+        at = at[found]
+        ready &= (at[:, 0] == self.row_generation[rows]) & (at[:, 1] == self.num_tokens[rows])
+        return ready, index_of[found], drafts
 
     def land_next_drafts(self) -> None:
         if self._landing_drafts is not None:

@@ -6,6 +6,11 @@ last position as in plain decoding, and spec/rejection.py decides how many draft
 draft tree (speculative_token_tree) the drafts are the tree's first nodes, and worker/tree_verify.py verifies
 them (a grammar masks every node's logits row: structured/matcher_set.py); the drafter then observes the
 step's hidden states after the verification, in the accepted order.
+
+A chain the proposer drafted right after the last verification (spec/eagle.py draft_after_verify) stays where it
+was made: the next step writes it into its input ids on the device and the verification reads every draft from
+those, so that step is laid out and launched while the device still drafts, without waiting for the drafts on the
+host (a row with a grammar still waits: its masks need them there).
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ class SpeculativeDecoding:
         """This step's target states, for draft_after_verify."""
         self._draft_inputs: tuple | None = None
         """The last verification's rows and what draft_after_verify drafts their next chain from."""
+        self._drafts_to_place: tuple | None = None
+        """This step's drafts read where draft_after_verify made them: (batch indices, their rows in the drafts,
+        counts, drafts [m, k] on the device), for place_drafts."""
+        self._input_ids: torch.Tensor | None = None
+        """This step's input ids on the device, where the verification reads each draft."""
 
     def propose(self, scheduler_output: SchedulerOutput, states: RequestStates) -> np.ndarray:
         """Draft tokens for the requests given lookahead, written after their known tokens; returns the
@@ -57,12 +67,55 @@ class SpeculativeDecoding:
         if not candidates:
             return num_drafts
         positions, rows, max_drafts = (np.array(column, dtype=np.int64) for column in zip(*candidates))
+        if self.drafts_after_verify:
+            on_device = self._drafts_on_device(states, positions, rows, max_drafts, num_drafts)
+            if on_device.all():
+                return num_drafts
+            positions, rows, max_drafts = positions[~on_device], rows[~on_device], max_drafts[~on_device]
         lengths = states.num_tokens[rows]
         drafts = self.proposer.propose(states, rows, max_drafts)
         for i, row, length, draft in zip(positions.tolist(), rows.tolist(), lengths.tolist(), drafts):
             states.token_ids[row, length : length + len(draft)] = draft
             num_drafts[i] = len(draft)
         return num_drafts
+
+    def _drafts_on_device(self, states: RequestStates, batch_index: np.ndarray, rows: np.ndarray,
+                          max_drafts: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+        """The rows whose drafts draft_after_verify made in the last step and that need them nowhere but in the
+        forward pass and the verification: both read them on the device (place_drafts), so that this step
+        launches while the device still drafts them. Their counts go into num_drafts; returns which rows."""
+        found = states.next_drafts_on_device(rows)
+        if found is None:
+            return np.zeros(len(rows), dtype=bool)
+        ready, index, drafts = found
+        # A grammar reads its row's drafts on the host (structured/).
+        ready &= np.fromiter((states.sampling_params[row].structured_outputs is None for row in rows.tolist()),
+                             dtype=bool, count=len(rows))
+        if ready.any():
+            self.proposer.settle(states, rows[ready])
+            counts = np.minimum(max_drafts[ready], drafts.shape[1])
+            num_drafts[batch_index[ready]] = counts
+            self._drafts_to_place = (batch_index[ready], index[ready], counts, drafts)
+        return ready
+
+    def draft_places(self, batch: InputBatch) -> np.ndarray | None:
+        """[2, m]: where the drafts that propose left on the device go in the step's input ids (each row's last
+        tokens), and where each is in those drafts (flat); None when there are none."""
+        if self._drafts_to_place is None:
+            return None
+        batch_index, index, counts, drafts = self._drafts_to_place
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        dst = np.repeat(batch.query_start_loc[1:][batch_index] - counts, counts) + within
+        return np.stack([dst, np.repeat(index * drafts.shape[1], counts) + within])
+
+    def place_drafts(self, input_ids: torch.Tensor, places: torch.Tensor | None) -> None:
+        """The step's input ids on the device [num_tokens]: the drafts are written in at `places` (draft_places' on
+        the device), and the verification reads every draft there."""
+        self._input_ids = input_ids
+        if places is not None:
+            drafts = self._drafts_to_place[3]
+            input_ids[places[0]] = drafts.reshape(-1)[places[1]]
+        self._drafts_to_place = None
 
     def observe(self, batch: InputBatch, states: RequestStates, hidden_states: torch.Tensor,
                 aux_hidden_states: torch.Tensor | None = None) -> None:
@@ -107,12 +160,14 @@ class SpeculativeDecoding:
         logit_positions = starts[verifying, None] + offsets
         draft_rows = batch.sampled_rows[verifying]
         first_draft = states.num_tokens[draft_rows]
-        draft_ids = states.token_ids[draft_rows[:, None], first_draft[:, None] + offsets]
+        # Draft j of a row is the input token after the one whose logits verify it (place_drafts).
+        draft_index = batch.logits_indices[logit_positions + 1]
         is_greedy = sampling_state.columns.is_greedy[draft_rows]
         # One host-to-device copy for everything the verification indexes with.
-        host = [starts + counts - 1, verifying, draft_ids, batch.sampled_num_drafts[verifying], logit_positions,
+        host = [starts + counts - 1, verifying, draft_index, batch.sampled_num_drafts[verifying], logit_positions,
                 is_greedy]
-        last_t, rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t = pack_to_device(host, self.device)[2]
+        last_t, rows_t, draft_index_t, num_drafts_t, positions_t, greedy_t = pack_to_device(host, self.device)[2]
+        draft_ids_t = self._input_ids[draft_index_t]
         output = self.sampler(logits[last_t], metadata)
         verify = VerifyBatch(rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t, bool(is_greedy.all()))
         verified, num_verified = verify_drafts(logits, output.token_ids[rows_t], verify, metadata)
