@@ -165,6 +165,7 @@ def section_correct(setup: Setup) -> None:
     tests = ["tests/e2e/test_spec_decode.py",
              eagle3 + "test_an_eagle3_head_whose_first_draft_is_the_target_token_is_always_accepted",
              eagle3 + "test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token",
+             eagle3 + "test_steps_launched_before_the_last_ones_tokens_are_on_the_host_change_no_token",
              "tests/unit/test_rejection_sampler.py",
              "tests/unit/test_ngram_proposer.py", "tests/unit/test_scheduler_properties.py",
              "tests/e2e/test_structured_outputs.py"]
@@ -279,13 +280,23 @@ def section_eagle3_cost(setup: Setup, k: int = 4) -> None:
     params = greedy(setup.output_len)
     with tempfile.TemporaryDirectory() as folder:
         head = write_eagle3_head(Path(folder), json.loads(Path(setup.model, "config.json").read_text()))
-        per_step, steps = {}, {}
-        for name, extra in (("plain", {}), ("eagle3", {"speculative_config": {
-                "method": "eagle3", "model": head, "num_speculative_tokens": k}})):
+        per_step, steps, ahead = {}, {}, {}
+        spec = {"speculative_config": {"method": "eagle3", "model": head, "num_speculative_tokens": k}}
+        # "eagle3 waiting": every verifying step waits for the last one's tokens on the host (worker/verify_ahead.py)
+        for name, extra in (("plain", {}), ("eagle3", spec), ("eagle3 waiting", spec)):
             llm = make_llm(setup, **extra)
             counter = StepCounter(llm)
             drafting = "speculative_config" in extra
             if drafting:
+                speculative = llm.engine.core.executor.driver_worker.model_runner.speculative
+                speculative.launches_ahead &= name == "eagle3"
+                take_drafts_ahead, ahead[name] = speculative.take_drafts_ahead, [0]
+
+                def counting(step, count=ahead[name], take=take_drafts_ahead):
+                    count[0] += 1
+                    return take(step)
+
+                speculative.take_drafts_ahead = counting
                 fresh_budget(llm, k, measured_cost=False)
             timed_generate(llm, prompts, params)  # warm-up
             before = stats_of(llm)
@@ -306,8 +317,10 @@ def section_eagle3_cost(setup: Setup, k: int = 4) -> None:
             del llm
             release()
     note(f"eagle3_cost: k={k} batch 1", f"plain {per_step['plain'] * 1e3:.3f} ms/step ({steps['plain']} steps), "
-         f"EAGLE-3 drafting {k} + verifying {per_step['eagle3'] * 1e3:.3f} ms/step ({steps['eagle3']} steps): "
-         f"{per_step['eagle3'] / per_step['plain']:.2f}x a plain step")
+         f"EAGLE-3 drafting {k} + verifying {per_step['eagle3'] * 1e3:.3f} ms/step ({steps['eagle3']} steps, "
+         f"{ahead['eagle3'][0]} steps of all its runs launched before the last one's tokens were on the host): "
+         f"{per_step['eagle3'] / per_step['plain']:.2f}x a plain step; each step waiting for the last one's tokens: "
+         f"{per_step['eagle3 waiting'] * 1e3:.3f} ms/step, {per_step['eagle3 waiting'] / per_step['plain']:.2f}x")
 
 
 # Host phases HostTimers times: (module, owner (a class, or None for a module's function), name). Nested phases

@@ -349,15 +349,19 @@ def record_target_hidden_states(llm: LLM) -> list:
                 first[0] = False
         return wrapped
 
-    def recorded_after_verify(states, rows, first_positions, num_drafts, target_states, tokens, num_emitted):
+    def recorded_after_verify(states, rows, first_positions, num_drafts, target_states, tokens, num_emitted,
+                              shift=None):
         # Its first pass also reads the target's states past the accepted drafts (their KV is rewritten later):
-        # only those of emitted tokens are the head's input proper.
+        # only those of emitted tokens are the head's input proper. (`shift`: a step launched ahead of its last
+        # one's counts, laid out further on: worker/verify_ahead.py.)
         emitted, ids = num_emitted.cpu().numpy(), tokens.cpu().numpy()
         starts = np.cumsum(1 + num_drafts) - 1 - num_drafts
-        for i, first in enumerate(first_positions.tolist()):
+        exact_first = first_positions if shift is None else first_positions - shift.cpu().numpy()
+        for i, first in enumerate(exact_first.tolist()):
             records.append((np.arange(first, first + emitted[i]), ids[i, : emitted[i]],
                             target_states[starts[i] : starts[i] + emitted[i]].cpu().clone()))
-        return draft_after_verify(states, rows, first_positions, num_drafts, target_states, tokens, num_emitted)
+        return draft_after_verify(states, rows, first_positions, num_drafts, target_states, tokens, num_emitted,
+                                  shift)
 
     draft_after_verify = proposer.draft_after_verify
     proposer._forward = recording(proposer._forward)

@@ -180,12 +180,32 @@ def record_proposals(llm: LLM) -> list[tuple[list[int], list[int], int]]:
         hidden_states = forward(batch)
         ids = runner.speculative._input_ids.cpu().numpy()  # the step's, drafts placed
         counts = 1 + batch.sampled_num_drafts
-        for row, start, d in zip(batch.sampled_rows.tolist(), (np.cumsum(counts) - counts).tolist(),
-                                 batch.sampled_num_drafts.tolist()):
-            if d:  # the known tokens are all on the host: a step with drafts waits for the last one's
-                proposals.append((states.token_ids[row, : states.num_tokens[row]].tolist(),
-                                  ids[batch.logits_indices[start + 1 : start + 1 + d]].tolist(),
-                                  int(states.num_prompt_tokens[row])))
+        starts = np.cumsum(counts) - counts
+        # A row's known tokens end with its first input here; a step launched before the last one's tokens reached
+        # the host (worker/verify_ahead.py) is laid out further on, by the drafts that last step rejected.
+        ahead = runner._ahead
+        rejected = np.zeros(len(batch.rows), dtype=np.int64) if ahead is None else \
+            runner.speculative._ahead[1].cpu().numpy()
+        sampled = {row: i for i, row in enumerate(batch.rows.tolist())}
+        verifying = [(row, int(batch.positions[batch.logits_indices[start]]) + 1 - rejected[sampled[row]],
+                      ids[batch.logits_indices[start + 1 : start + 1 + d]].tolist())
+                     for row, start, d in zip(batch.sampled_rows.tolist(), starts.tolist(),
+                                              batch.sampled_num_drafts.tolist()) if d]
+        record = lambda: proposals.extend(  # noqa: E731
+            (states.token_ids[row, :known].tolist(), drafts, int(states.num_prompt_tokens[row]))
+            for row, known, drafts in verifying)
+        if ahead is None:  # the known tokens are all on the host: a step with drafts waits for the last one's
+            record()
+            return hidden_states
+        result = ahead.last.result  # the last step's tokens: on the host once the engine has its result
+
+        def recording_result():
+            output = result()
+            ahead.last.result = result  # once: later calls return the same output
+            record()
+            return output
+
+        ahead.last.result = recording_result
         return hidden_states
 
     runner._forward = recording_forward
@@ -336,6 +356,37 @@ def test_a_random_eagle3_head_drafts_what_the_head_computes_and_changes_no_token
                 assert reference.tree_drafts(aux, tokens, list(nodes)) == drafts
     stats = llm.engine.last_stats.spec_decoding
     assert len(proposals) == stats.num_drafts > 20 and stats.acceptance_rate < 0.3, stats
+
+
+@pytest.mark.parametrize("head", ["exact_target_and_head", "random_target_and_head"])
+@pytest.mark.parametrize("engine", ["async", "chunked-prefill", "preempting"])
+def test_steps_launched_before_the_last_ones_tokens_are_on_the_host_change_no_token(request, head, engine):
+    """Greedy requests, none of which needs the host's tokens (worker/verify_ahead.py): under async scheduling
+    verifying steps launch before the last one's counts reach the host, laid out as if all its drafts stood and
+    moved back on the device by the rejected ones; the tokens and logprobs stay plain decoding's."""
+    target, head_path, _ = request.getfixturevalue(head)
+    engine = {**ENGINES[engine], "async_scheduling": True}
+    prompts = workload()[0]
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True, logprobs=2 if i == 2 else None)
+              for i in range(len(prompts))]
+    plain = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", **engine).generate(
+        prompts, params, use_tqdm=False)
+    llm = eagle3_llm(target, head_path, engine, k=3)
+    speculative, launched_ahead = llm.engine.core.executor.driver_worker.model_runner.speculative, [0]
+    take_drafts_ahead = speculative.take_drafts_ahead
+
+    def counting_take_drafts_ahead(ahead):
+        launched_ahead[0] += 1
+        return take_drafts_ahead(ahead)
+
+    speculative.take_drafts_ahead = counting_take_drafts_ahead
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    check_same_tokens_and_logprobs(outputs, plain)
+    stats = llm.engine.last_stats.spec_decoding
+    assert launched_ahead[0] > stats.num_drafts // 8, (launched_ahead, stats)
+    assert stats.num_accepted_tokens < stats.num_draft_tokens, stats  # rows moved back by 1 .. k drafts
+    kv = llm.engine.core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks, "blocks leaked"
 
 
 @pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])

@@ -199,6 +199,36 @@ def test_constrained_requests_verify_an_eagle_heads_chain_exactly(smollm2_path, 
     assert llm.engine.last_stats.spec_decoding.num_draft_tokens > 0
 
 
+def test_eagle_steps_launched_ahead_beside_constrained_requests_change_no_token(smollm2_path, smollm2_llm, tmp_path,
+                                                                                 monkeypatch):
+    """Async scheduling with an EAGLE head: once the constrained request ends, the others' verifying steps launch
+    before the last one's tokens reach the host (worker/verify_ahead.py) in an engine with a grammar process;
+    greedy tokens are those of the same requests without speculation."""
+    monkeypatch.setattr("tokenmill.structured.matchers.use_grammar_process", lambda device: True)
+    params = [SamplingParams(temperature=0, max_tokens=10, structured_outputs=SPECS[0])] + [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in range(2)]
+    plain = smollm2_llm.chat([ASK] * 3, params, use_tqdm=False)
+    target = smollm2_llm.engine.core.executor.driver_worker.hf_config
+    spec = {"method": "eagle", "model": write_random_eagle_head(tmp_path, target), "num_speculative_tokens": 3}
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32", gguf_dequantize=True,
+              speculative_config=spec, async_scheduling=True)
+    from test_spec_decode import always_draft
+
+    always_draft(llm)
+    runner = llm.engine.core.executor.driver_worker.model_runner
+    assert not runner.grammar_rows.in_process
+    take_drafts_ahead, launched_ahead = runner.speculative.take_drafts_ahead, [0]
+
+    def counting(ahead):
+        launched_ahead[0] += 1
+        return take_drafts_ahead(ahead)
+
+    runner.speculative.take_drafts_ahead = counting
+    outs = llm.chat([ASK] * 3, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert launched_ahead[0] > 3, launched_ahead
+
+
 def test_constrained_requests_draft_trees_and_verify_exactly(smollm2_path, smollm2_llm, tmp_path, monkeypatch,
                                                             capfd):
     """Draft trees on constrained requests: the grammar masks the logits row of every node (with its path

@@ -14,7 +14,7 @@ each request's context is gathered.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -183,6 +183,23 @@ def latent_as_kv(kv_cache: torch.Tensor) -> torch.Tensor:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    # Its per-request loops read the lengths on the host: placing them reads the positions there (free on the CPU).
+    supports_device_positions = True
+
+    def place_decodes(self, metadata: TorchAttentionMetadata, positions: torch.Tensor, block_size: int) -> None:
+        num = len(positions)
+        blocks = metadata.block_table[:num].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        metadata.slot_mapping[:num] = blocks * block_size + positions % block_size
+        seq_lens = (positions + 1).cpu()
+        metadata.seq_lens_cpu[:num] = seq_lens
+        metadata.seq_lens[:num] = seq_lens.tolist()
+        metadata.decode_seq_lens[:num] = seq_lens.to(metadata.decode_seq_lens.device)  # its first num: all decodes
+        if metadata.layout is not None:  # MLA's split reads the host layout
+            layout = metadata.layout
+            seq_lens_host, slots = layout.seq_lens.copy(), layout.slot_mapping.copy()
+            seq_lens_host[:num], slots[:num] = seq_lens.numpy(), metadata.slot_mapping[:num].cpu().numpy()
+            metadata.layout = replace(layout, seq_lens=seq_lens_host, slot_mapping=slots)
+            metadata.mla_splits.clear()
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
         qsl = layout.query_start_loc

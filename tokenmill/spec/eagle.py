@@ -177,8 +177,8 @@ class EagleProposer(DraftModelProposer):
 
     @torch.inference_mode()
     def draft_after_verify(self, states: RequestStates, rows: np.ndarray, first: np.ndarray, num_drafts: np.ndarray,
-                           target_states: torch.Tensor, tokens: torch.Tensor,
-                           num_emitted: torch.Tensor) -> torch.Tensor:
+                           target_states: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor,
+                           shift: torch.Tensor | None = None) -> torch.Tensor:
         """The next step's chain of max_drafts drafts for rows that verified `num_drafts` [n] drafts from positions
         `first` [n] on in this step, drafted right after the verification without waiting for its tokens on the
         host: [n, max_drafts].
@@ -191,7 +191,12 @@ class EagleProposer(DraftModelProposer):
         2.. follow one position at a time from there. The emitted count is known on the device only: on the CPU
         it is read at once (no cost), elsewhere the one-token steps are laid out for the largest count and moved
         back on the device (AttentionBackend.place_decodes). Their KV slots run up to max_drafts - 1 past the
-        verified ones (the scheduler allocates them: DraftBudget.slots_ahead)."""
+        verified ones (the scheduler allocates them: DraftBudget.slots_ahead). `shift` [n] on the device: how far
+        before `first` each row's positions lie (a step laid out before its last one's counts were on the host:
+        worker/verify_ahead.py); None: none."""
+        exact = self.device.type == "cpu" or not self.attn_backend.supports_device_positions
+        if shift is not None and exact:
+            first, shift = first - shift.cpu().numpy(), None
         counts = 1 + num_drafts
         starts = np.cumsum(counts) - counts
         within = np.arange(counts.sum()) - np.repeat(starts, counts)
@@ -203,20 +208,23 @@ class EagleProposer(DraftModelProposer):
         [(layout, positions)] = self._one_token_steps(states, token_rows, (np.repeat(first, counts) + within)[None])
         index = self._to_device(np.stack([np.repeat(np.arange(len(rows)), counts), within]))
         input_ids = tokens[index[0], index[1]].clamp(min=0)
-        hidden, drafts = self._step(layout, input_ids, positions, self._from_target(target_states))
+        if shift is None:
+            hidden, drafts = self._step(layout, input_ids, positions, self._from_target(target_states))
+        else:
+            hidden, drafts = self._step(layout, input_ids, positions - shift[index[0]],
+                                        self._from_target(target_states), placed=True)
         at = self._to_device(starts) + num_emitted - 1
         hidden, steps = hidden[at], [drafts[at]]
         if self.max_drafts == 1:
             return steps[0][:, None]
         # Step i's position: first + num_emitted + i - 1 (i = 1 ..), never past the allocated slots or the model.
         last = np.minimum(first + num_drafts + self.max_drafts - 1, states.token_ids.shape[1] - 1)
-        exact = self.device.type == "cpu" or not self.attn_backend.supports_device_positions
         # Exact: the counts read on the host, the steps laid out where they are; else for every draft accepted.
         emitted = num_emitted.cpu().numpy() if exact else 1 + num_drafts
         upper = np.minimum(first + emitted + np.arange(self.max_drafts - 1)[:, None], last)
+        first_t = None if exact else self._to_device(first) - (0 if shift is None else shift)
         on_device = None if exact else torch.minimum(
-            self._to_device(first)[None, :] + num_emitted[None, :] + torch.arange(self.max_drafts - 1,
-                                                                                   device=self.device)[:, None],
+            first_t[None, :] + num_emitted[None, :] + torch.arange(self.max_drafts - 1, device=self.device)[:, None],
             self._to_device(last)[None, :])
         for i, (layout, pos) in enumerate(self._one_token_steps(states, rows, upper)):
             if on_device is None:

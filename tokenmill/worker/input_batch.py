@@ -55,10 +55,11 @@ def kv_slots(block_table: np.ndarray, token_rows: np.ndarray, positions: np.ndar
 
 def prepare_inputs(
     scheduler_output: SchedulerOutput, states: RequestStates, block_size: int, num_drafts: np.ndarray | None = None,
-    tree: TokenTree | None = None,
+    tree: TokenTree | None = None, num_ahead: np.ndarray | None = None,
 ) -> InputBatch:
     """`num_drafts` [num_reqs]: draft tokens written after each request's known tokens (None: none); `tree`: the
-    drafts are that tree's first nodes."""
+    drafts are that tree's first nodes; `num_ahead` [num_reqs]: the drafts of a verifying step still in flight,
+    which the rows count as computed and accepted (worker/verify_ahead.py): the step is laid out that far on."""
     request_ids = list(scheduler_output.num_scheduled_tokens)
     rows = np.fromiter((states.row_of[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
     num_new = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(request_ids))
@@ -76,9 +77,10 @@ def prepare_inputs(
     offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], num_new)
     positions = np.repeat(num_computed, num_new) + offsets
     input_ids = states.token_ids[token_rows, positions]
+    num_known = states.num_tokens[rows] if num_ahead is None else states.num_tokens[rows] + num_ahead
     # The last step's tokens may still be on their way to the host: those inputs are read on the device.
     last_index = states.last_step_index[token_rows]
-    last_token_dst = np.flatnonzero((last_index >= 0) & (positions == states.num_tokens[token_rows] - 1))
+    last_token_dst = np.flatnonzero((last_index >= 0) & (positions == np.repeat(num_known, num_new) - 1))
     slot_mapping = kv_slots(states.block_table, token_rows, positions, block_size)
 
     seq_lens = (num_computed + num_new).astype(np.int32)
@@ -102,7 +104,7 @@ def prepare_inputs(
         layout = BatchLayout(query_start_loc, seq_lens, states.block_table[rows, :max_blocks], slot_mapping,
                              block_size)
     # A request gets a new token only when this step reaches the end of its known tokens (and drafts).
-    is_sampled = seq_lens == states.num_tokens[rows] + num_drafts
+    is_sampled = seq_lens == num_known + num_drafts
     ends = query_start_loc[1:][is_sampled]
     sampled_num_drafts = num_drafts[is_sampled]
     if sampled_num_drafts.any():

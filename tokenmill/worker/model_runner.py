@@ -34,6 +34,7 @@ from tokenmill.worker.request_state import RequestStates
 from tokenmill.worker.speculative import SpeculativeDecoding
 from tokenmill.worker.stage_tokens import receive_sampled_tokens, share_sampled_tokens
 from tokenmill.worker.tree_verify import TreeVerification
+from tokenmill.worker.verify_ahead import VerifyAhead, verify_ahead
 
 EMPTY_OUTPUT = ReadyOutput(ModelRunnerOutput(sampled_token_ids={}))
 
@@ -71,11 +72,13 @@ class ModelRunner:
         """Structured outputs' per-row grammars; set by the worker when the engine enables them."""
         self.tree = tree
         trees = None if tree is None else TreeVerification(tree, self.sampler, model, device)
-        self.speculative = None if proposer is None else SpeculativeDecoding(proposer, self.sampler, device, trees)
+        self.speculative = None if proposer is None else SpeculativeDecoding(
+            proposer, self.sampler, device, trees, places_on_device=attn_backend.supports_device_positions)
         """Drafts and verification; None without speculative decoding."""
         self._last_sampled: torch.Tensor | None = None  # [n] the last launched step's tokens, on the device
         self._last_pending: PendingOutput | None = None
         self._deferred: DeferredSample | None = None  # the last step, if its sampler waits for its grammar masks
+        self._ahead: VerifyAhead | None = None  # this step, if launched before the last one's tokens reached the host
         # Pinned landing buffers for sampled tokens, one per step launched before the oldest one's copy is read:
         # a step and the next under async scheduling, a step per micro-batch in flight under pipeline stages.
         pinned = device.type == "cuda"
@@ -112,7 +115,11 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return EMPTY_OUTPUT
         last = self._last_pending
-        if last is not None and (last.verified is not None or scheduler_output.num_lookahead_tokens):
+        self._ahead = None
+        if self.speculative is not None and self.speculative.launches_ahead and not self.prompt_logprobs.pending:
+            self._ahead = verify_ahead(scheduler_output, self.states, last, self.sampling_state.needs_host_pass)
+        if self._ahead is None and last is not None and (last.verified is not None
+                                                         or scheduler_output.num_lookahead_tokens):
             # Drafts need the last step's tokens on the host, and after a verifying step so do the positions.
             last.result()
             self.states.last_step_index.fill(-1)
@@ -120,13 +127,18 @@ class ModelRunner:
         # the launch, never waited for), and the step's mask request before the launch if it can: it accepts and
         # fills while this step is launched. (Matchers in this process work after the launch instead, so that
         # the device runs the forward pass meanwhile.)
-        grammars_early = self.grammar_rows is not None and self.grammar_rows.works_apart
+        # (Not in a step launched ahead: none of its rows has a grammar, and the last step's tokens must stay off
+        # the host until it is launched: its layout counts on that. The matchers take them later.)
+        grammars_early = self.grammar_rows is not None and self.grammar_rows.works_apart and self._ahead is None
         if grammars_early:
             self.grammar_rows.send_ready_tokens(last, self.states)
-        num_drafts = None
-        if scheduler_output.num_lookahead_tokens and self.speculative is not None:
+        num_drafts = num_ahead = None
+        if self._ahead is not None:  # its first inputs: the tokens the last step emitted last, on the device
+            num_drafts, num_ahead = self.speculative.take_drafts_ahead(self._ahead), self._ahead.num_ahead
+            self._last_sampled = self._ahead.last_emitted()
+        elif scheduler_output.num_lookahead_tokens and self.speculative is not None:
             num_drafts = self.speculative.propose(scheduler_output, self.states)
-        batch = prepare_inputs(scheduler_output, self.states, self.block_size, num_drafts, self.tree)
+        batch = prepare_inputs(scheduler_output, self.states, self.block_size, num_drafts, self.tree, num_ahead)
         self.states.num_computed_tokens[batch.rows] += batch.num_new
         constrained = None
         if grammars_early and self.grammar_rows.send_ready_tokens(last, self.states):
@@ -149,22 +161,31 @@ class ModelRunner:
         arrays = [batch.input_ids, batch.positions]
         if len(batch.last_token_dst):
             arrays.append(np.stack([batch.last_token_dst, batch.last_token_src]))
-        places = None if self.speculative is None else self.speculative.draft_places(batch)
-        if places is not None:
-            arrays.append(places)
+        places = shift = None
+        if self.speculative is not None:
+            places = self.speculative.draft_places(batch)
+            shift = None if self._ahead is None else self.speculative.ahead_shift(batch)
+        arrays += [a for a in (places, None if shift is None else shift[0]) if a is not None]
         input_ids, positions, *indices = pack_to_device(arrays, self.device)[2]
         if len(batch.last_token_dst):
             self._last_pending.wait_for_tokens()
             dst, src = indices.pop(0)
             input_ids[dst] = self._last_sampled[src]
         if self.speculative is not None:
-            self.speculative.place_drafts(input_ids, indices[0] if indices else None)
-        for graphs in (self.cuda_graphs, self.mixed_cuda_graphs):
+            self.speculative.place_drafts(input_ids, indices.pop(0) if places is not None else None)
+        place = None
+        if shift is not None:  # laid out as if the last step's drafts all stood (worker/verify_ahead.py)
+            positions = positions - shift[1][indices.pop(0)]
+            place = lambda metadata: self.attn_backend.place_decodes(metadata, positions, self.block_size)  # noqa: E731
+        # Positions moved on the device fit the one-token-per-request graphs only.
+        for graphs in (self.cuda_graphs,) if place is not None else (self.cuda_graphs, self.mixed_cuda_graphs):
             if graphs is not None:
-                hidden_states = graphs.run(batch.layout, input_ids, positions)
+                hidden_states = graphs.run(batch.layout, input_ids, positions, place=place)
                 if hidden_states is not None:
                     return hidden_states
         metadata = self.attn_backend.build_metadata(batch.layout, self.device)
+        if place is not None:
+            place(metadata)
         with forward_context(self.attn_backend, metadata):
             return self.model(input_ids, positions)
 
@@ -233,10 +254,14 @@ class ModelRunner:
         # After a verifying step the next one reads every input on the host (execute_model waits for it).
         self._last_sampled = None if isinstance(tokens, VerifiedTokens) else tokens
         self._num_launched += 1
+        ahead_of = None
+        if self._ahead is not None:
+            assert not self._ahead.last.is_done, "the last step's tokens reached the rows while this one launched ahead"
+            ahead_of = (self._ahead.last, self._ahead.index)
         self._last_pending = PendingOutput(
             self.states, self._sampled_request_ids(batch), rows, positions, tokens, logprobs, num_logprobs,
             prompt_logprobs, host_buffer=self._host_buffers[self._num_launched % len(self._host_buffers)],
-            arrival=arrival, none_left=none_left,
+            arrival=arrival, none_left=none_left, ahead_of=ahead_of,
         )
         return self._last_pending
 

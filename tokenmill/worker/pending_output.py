@@ -60,11 +60,14 @@ class PendingOutput:
         host_buffer: torch.Tensor | None = None,
         arrival: Work | None = None,
         none_left: torch.Tensor | None = None,
+        ahead_of: tuple[PendingOutput, np.ndarray] | None = None,
     ) -> None:
         """`token_ids` [n] on the device (one per row) or a verifying step's tokens; `host_buffer`, pinned
         and long enough, receives them; `arrival` is the receive still filling them (another pipeline stage's);
         `none_left` [n] bool marks the rows that had no token to sample: -1 reaches the host for them (the
-        device keeps the drawn token, which the next step may read as its input and then discards)."""
+        device keeps the drawn token, which the next step may read as its input and then discards); `ahead_of`:
+        the verifying step this one was launched before the tokens of (worker/verify_ahead.py), and each row's index
+        there: the rows' token counts did not hold that step's accepted drafts yet, nor did `positions`."""
         self._states = states
         self._request_ids = request_ids
         self._rows = rows
@@ -95,6 +98,9 @@ class PendingOutput:
             self._host_tokens = token_ids
         self._logprobs = logprobs
         self._next_drafts = None
+        self._ahead_of = ahead_of
+        self.num_emitted: np.ndarray | None = None
+        """[n] the tokens each row emitted, once result() has them (a verifying step)."""
 
     def add_next_drafts(self, indices: np.ndarray, drafts: torch.Tensor, host_buffer: torch.Tensor | None) -> None:
         """The next step's drafts [len(indices), k] of the step's rows `indices`, drafted after its tokens were
@@ -123,6 +129,16 @@ class PendingOutput:
         self._states.expect_next_drafts(land, (rows, at, np.flatnonzero(kept), drafts))
 
     @property
+    def next_drafts(self) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The rows (indices in this step's) and their next drafts [n, k] on the device, if add_next_drafts gave any."""
+        return None if self._next_drafts is None else self._next_drafts[:2]
+
+    @property
+    def generations(self) -> np.ndarray:
+        """[n] each row's generation when the step was launched."""
+        return self._generations
+
+    @property
     def is_done(self) -> bool:
         return self._output is not None
 
@@ -141,6 +157,10 @@ class PendingOutput:
         """Wait for the copy, store the tokens in the worker's rows, and return the step's output."""
         if self._output is not None:
             return self._output
+        if self._ahead_of is not None:  # that step's accepted drafts first: then this one's positions
+            (last, index), self._ahead_of = self._ahead_of, None
+            last.result()
+            self._positions = self._positions + last.num_emitted[index] - 1
         self.wait_for_tokens()
         if self._event is not None:
             self._event.synchronize()
@@ -152,7 +172,7 @@ class PendingOutput:
             logprob_slices = [slice(i, i + 1) for i in range(len(flat))]
         else:
             packed = self._host_tokens.numpy().reshape(len(self._rows), -1)
-            counts = packed[:, 0]
+            counts = self.num_emitted = packed[:, 0]
             token_ids = [packed[i, 1 : 1 + c].tolist() for i, c in enumerate(counts.tolist())]
             self._write_verified_tokens(token_ids, counts)
             if self._next_drafts is not None:

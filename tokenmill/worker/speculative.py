@@ -29,11 +29,13 @@ from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.pending_output import VerifiedTokens
 from tokenmill.worker.request_state import RequestStates
 from tokenmill.worker.tree_verify import TreeVerification
+from tokenmill.worker.verify_ahead import VerifyAhead
 
 
 class SpeculativeDecoding:
     def __init__(self, proposer: Proposer, sampler: Sampler, device: torch.device,
-                 tree: TreeVerification | None = None) -> None:
+                 tree: TreeVerification | None = None, places_on_device: bool = False) -> None:
+        """`places_on_device`: the attention backend moves decode positions on the device (verify_ahead)."""
         self.proposer = proposer
         self.sampler = sampler
         self.device = device
@@ -52,10 +54,15 @@ class SpeculativeDecoding:
         counts, drafts [m, k] on the device), for place_drafts."""
         self._input_ids: torch.Tensor | None = None
         """This step's input ids on the device, where the verification reads each draft."""
+        self.launches_ahead = self.drafts_after_verify and places_on_device
+        """Whether a step may launch before the last one's tokens are on the host (worker/verify_ahead.py)."""
+        self._ahead: tuple[VerifyAhead, torch.Tensor] | None = None
+        """This step's VerifyAhead and each request's rejected drafts of the last step (on the device)."""
 
     def propose(self, scheduler_output: SchedulerOutput, states: RequestStates) -> np.ndarray:
         """Draft tokens for the requests given lookahead, written after their known tokens; returns the
         number of drafts of each request of the step, in batch order."""
+        self._ahead = None
         request_ids = list(scheduler_output.num_scheduled_tokens)
         num_drafts = np.zeros(len(request_ids), dtype=np.int64)
         index = {rid: i for i, rid in enumerate(request_ids)}
@@ -78,6 +85,19 @@ class SpeculativeDecoding:
             states.token_ids[row, length : length + len(draft)] = draft
             num_drafts[i] = len(draft)
         return num_drafts
+
+    def take_drafts_ahead(self, ahead: VerifyAhead) -> np.ndarray:
+        """A step launched ahead (worker/verify_ahead.py) verifies the drafts its rows' last step made, on the
+        device: returns each request's count."""
+        num_reqs = len(ahead.index)
+        self._drafts_to_place = (np.arange(num_reqs), ahead.drafts_index, ahead.num_drafts, ahead.last.next_drafts[1])
+        self._ahead = (ahead, ahead.rejected())
+        return ahead.num_drafts.copy()
+
+    def ahead_shift(self, batch: InputBatch) -> tuple[np.ndarray, torch.Tensor]:
+        """For a step launched ahead (take_drafts_ahead): each token's request [num_tokens] and the requests'
+        rejected drafts of the last step on the device, by which the positions move back."""
+        return np.repeat(np.arange(len(batch.rows)), batch.num_new), self._ahead[1]
 
     def _drafts_on_device(self, states: RequestStates, batch_index: np.ndarray, rows: np.ndarray,
                           max_drafts: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
@@ -160,6 +180,11 @@ class SpeculativeDecoding:
         logit_positions = starts[verifying, None] + offsets
         draft_rows = batch.sampled_rows[verifying]
         first_draft = states.num_tokens[draft_rows]
+        shift = None
+        if self._ahead is not None:  # laid out as if the last step's drafts all stood: moved back by `shift`
+            (ahead, rejected), self._ahead = self._ahead, None
+            first_draft = first_draft + ahead.num_ahead[verifying]
+            shift = rejected[to_device(verifying, self.device)]
         # Draft j of a row is the input token after the one whose logits verify it (place_drafts).
         draft_index = batch.logits_indices[logit_positions + 1]
         is_greedy = sampling_state.columns.is_greedy[draft_rows]
@@ -184,7 +209,7 @@ class SpeculativeDecoding:
                 np.cumsum(1 + num_v) - 1 - num_v, 1 + num_v)
             target_states = self._verify_states[to_device(batch.logits_indices[positions], self.device)]
             self._verify_states = None
-            inputs = (draft_rows, first_draft - 1, num_v, target_states, verified, num_verified)
+            inputs = (draft_rows, first_draft - 1, num_v, target_states, verified, num_verified, shift)
             self._draft_inputs = (verifying, inputs)
         return VerifiedTokens(tokens, num_emitted, batch.sampled_num_drafts, starts), output
 
