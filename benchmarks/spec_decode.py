@@ -310,7 +310,7 @@ def section_eagle3_cost(setup: Setup, k: int = 4) -> None:
                 times.append(seconds / counts[-1])
             per_step[name], steps[name] = float(np.median(times)), counts
             stats = difference(before, stats_of(llm))
-            if stats is not None:
+            if stats is not None and name == "eagle3":
                 note(f"eagle3_cost: k={k} drafts", f"{stats.num_draft_tokens} draft tokens in {stats.num_drafts} "
                      f"drafting steps of {sum(counts)} ({stats.num_draft_tokens / max(stats.num_drafts, 1):.2f} "
                      f"per step), acceptance {stats.acceptance_rate:.2f} (dummy weights: meaningless)")
