@@ -165,7 +165,10 @@ class ModelRunner:
         if self.speculative is not None:
             places = self.speculative.draft_places(batch)
             shift = None if self._ahead is None else self.speculative.ahead_shift(batch)
-        arrays += [a for a in (places, None if shift is None else shift[0]) if a is not None]
+        if places is not None:
+            arrays.append(places)
+        if shift is not None:
+            arrays.append(shift[0])
         input_ids, positions, *indices = pack_to_device(arrays, self.device)[2]
         if len(batch.last_token_dst):
             self._last_pending.wait_for_tokens()

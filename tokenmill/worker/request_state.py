@@ -12,6 +12,13 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import NewRequestData, SchedulerOutput
 
 
+def index_among(values: np.ndarray, among: np.ndarray, size: int) -> np.ndarray:
+    """Each of `values`' index in `among` (distinct integers below `size`), -1 where it is not there."""
+    where = np.full(size, -1, dtype=np.int64)
+    where[among] = np.arange(len(among))
+    return where[values]
+
+
 class RequestStates:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -65,9 +72,7 @@ class RequestStates:
         if self._drafts_on_device is None or len(self._drafts_on_device[0]) == 0:
             return None
         drafted_rows, at, index_of, drafts = self._drafts_on_device
-        where = np.full(len(self.num_tokens), -1, dtype=np.int64)
-        where[drafted_rows] = np.arange(len(drafted_rows))
-        found = where[rows]
+        found = index_among(rows, drafted_rows, len(self.num_tokens))
         ready = found >= 0
         at = at[found]
         ready &= (at[:, 0] == self.row_generation[rows]) & (at[:, 1] == self.num_tokens[rows])

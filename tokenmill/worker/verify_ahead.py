@@ -23,7 +23,7 @@ import torch
 from tokenmill.device_copy import to_device
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.worker.pending_output import PendingOutput
-from tokenmill.worker.request_state import RequestStates
+from tokenmill.worker.request_state import RequestStates, index_among
 
 
 @dataclass
@@ -77,15 +77,12 @@ def verify_ahead(scheduler_output: SchedulerOutput, states: RequestStates, last:
     if (num_scheduled != 1 + num_drafts).any() or (num_drafts > drafts.shape[1]).any():
         return None
     # Each request's row in the last step (the same request: a row's generation changes when it is given anew).
-    where = np.full(len(states.num_tokens), -1, dtype=np.int64)
-    kept = last.generations == states.row_generation[last.rows]
-    where[last.rows[kept]] = np.flatnonzero(kept)
-    index = where[rows]
+    kept = np.flatnonzero(last.generations == states.row_generation[last.rows])
+    index = index_among(rows, last.rows[kept], len(states.num_tokens))
     if (index < 0).any():
         return None
-    in_drafts = np.full(len(last.rows), -1, dtype=np.int64)
-    in_drafts[drafted_index] = np.arange(len(drafted_index))
-    drafts_index = in_drafts[index]
+    index = kept[index]
+    drafts_index = index_among(index, drafted_index, len(last.rows))
     if (drafts_index < 0).any() or needs_host_pass[rows].any():
         return None
     for row in rows.tolist():
