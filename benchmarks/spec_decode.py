@@ -455,8 +455,8 @@ def section_eagle3_anatomy(setup: Setup, k: int = 4) -> None:
             note(f"eagle3_anatomy: {name} GPU", f"kernels busy {busy:.1f} of {wall:.1f} ms ({busy / wall:.1%}); "
                  f"{len(gaps)} idle gaps, {gaps.sum():.1f} ms; {len(big)} over 50 us: {big.sum():.1f} ms, median "
                  f"{np.median(big) if len(big) else 0:.3f} ms")
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-            print(table, flush=True)
+            for sort_by in ("self_cpu_time_total", "self_cuda_time_total"):
+                print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=90), flush=True)
             print("GPU idle gaps over 50 us by the kernels around them:", *gap_sites(prof), sep="\n  ", flush=True)
             del llm, prof, timers, counter
             release()

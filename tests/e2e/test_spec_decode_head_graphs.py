@@ -22,12 +22,14 @@ pytestmark = pytest.mark.gpu
 K = 3
 
 
-def compare_with_eager(proposer) -> list[tuple[int, int, int]]:
+RUNNERS = ("cuda_graphs", "tree_graphs", "chain_graphs")
+
+
+def compare_with_eager(proposer) -> list[tuple[int, int, int, int]]:
     """From now on every proposal runs eagerly first, then again from the same state with the graphs, and
     asserts that both draft the same tokens; returns (draft-step graph replays, draft-tree level graph replays,
-    most drafts of a row) of each proposal that drafted."""
-    runners = {name: getattr(proposer, name) for name in ("cuda_graphs", "tree_graphs")
-               if getattr(proposer, name, None) is not None}
+    whole-chain graph replays, most drafts of a row) of each proposal that drafted."""
+    runners = {name: getattr(proposer, name) for name in RUNNERS if getattr(proposer, name, None) is not None}
     replays = dict.fromkeys(runners, 0)
     for name, runner in runners.items():
         def counting_run(*args, name=name, run=runner.run, **kwargs):
@@ -53,8 +55,7 @@ def compare_with_eager(proposer) -> list[tuple[int, int, int]]:
         assert [d.tolist() for d in replayed] == [d.tolist() for d in eager], (rows, max_drafts)
         steps = max((len(d) for d in replayed), default=0)
         if steps:
-            calls.append(tuple(replays.get(name, 0) - before.get(name, 0) for name in ("cuda_graphs", "tree_graphs"))
-                         + (steps,))
+            calls.append(tuple(replays.get(name, 0) - before.get(name, 0) for name in RUNNERS) + (steps,))
         return replayed
 
     draft_after_verify = proposer.draft_after_verify
@@ -68,8 +69,7 @@ def compare_with_eager(proposer) -> list[tuple[int, int, int]]:
         before = dict(replays)
         replayed = draft_after_verify(*args)
         assert replayed.tolist() == eager.tolist()
-        calls.append(tuple(replays.get(name, 0) - before.get(name, 0) for name in ("cuda_graphs", "tree_graphs"))
-                     + (replayed.shape[1],))
+        calls.append(tuple(replays.get(name, 0) - before.get(name, 0) for name in RUNNERS) + (replayed.shape[1],))
         return replayed
 
     proposer.propose = comparing_propose
@@ -94,15 +94,15 @@ def test_head_drafts_replayed_from_cuda_graphs_equal_eager_drafts(method, reques
     always_draft(llm)
     proposer = proposer_of(llm)
     assert proposer.cuda_graphs is not None and len(proposer.cuda_graphs.extra_inputs) == 1
+    assert proposer.chain_graphs is not None
     calls = compare_with_eager(proposer)
     llm.generate(*workload(), use_tqdm=False)
     assert len(calls) >= 5, calls
-    # The k - 1 one-token steps replay graphs every time, and the first pass too when it is one token per row:
-    # after a step that accepted nothing, which with the random heads is most steps (the EAGLE-1 head here,
-    # built from the target's own layer, has most drafts accepted: its first pass is rarely one token).
-    assert all(replays >= steps - 1 for replays, _, steps in calls), calls
-    if method != "eagle":
-        assert any(replays == steps for replays, _, steps in calls), calls
+    # A chain drafted right after its verification replays one graph, passes and all. A proposal from the host's
+    # tokens (a request's first) replays the k - 1 one-token steps' graphs, and the first pass's too when it is one
+    # token per row.
+    assert all(chains == 1 if chains else replays >= steps - 1 for replays, _, chains, steps in calls), calls
+    assert sum(chains for _, _, chains, _ in calls) >= 5, calls
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -133,8 +133,8 @@ def test_draft_trees_replayed_from_cuda_graphs_equal_eager_drafts(method, reques
     llm.generate(*workload(), use_tqdm=False)
     assert len(calls) >= 5, calls
     # every level pass fits a graph: one replay per level below the deepest drafted node
-    assert all(tree_replays == shape.depth_of(np.array([steps]))[0] - 1 for _, tree_replays, steps in calls), calls
-    assert sum(tree_replays for _, tree_replays, _ in calls) >= 10, calls
+    assert all(tree_replays == shape.depth_of(np.array([steps]))[0] - 1 for _, tree_replays, _, steps in calls), calls
+    assert sum(tree_replays for _, tree_replays, _, _ in calls) >= 10, calls
 
 
 def test_one_sequence_at_a_time_drafts_with_cuda_graphs(request):

@@ -74,11 +74,14 @@ class AttentionBackend(ABC):
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
         """Per-step metadata shared by every layer (tensors on the device, host copies as needed)."""
 
-    def place_decodes(self, metadata: object, positions: torch.Tensor, block_size: int) -> None:
+    def place_decodes(self, metadata: object, positions: torch.Tensor, block_size: int,
+                      block_table: torch.Tensor | None = None, padded: bool = False) -> None:
         """Move the metadata's first len(positions) requests, one query token each and built for positions at or
         past these, to `positions` [n] int64 on the device: their context lengths and KV slots (the block
         tables must reach the built positions). A drafter's steps after a verification whose accepted counts
-        are still on the device (spec/eagle.py)."""
+        are still on the device (spec/eagle.py). `block_table` [n, width] on the device: the requests' block
+        tables, written in first (a graph built for no request in particular: worker/chain_draft_graph.py);
+        `padded`: a negative position is a padding request, which stores nothing and attends to nothing."""
         raise NotImplementedError(f"the {self.name} attention backend takes positions from the host only")
 
     @abstractmethod

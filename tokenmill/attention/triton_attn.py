@@ -158,11 +158,20 @@ class TritonAttentionBackend(AttentionBackend):
                           expanded.req_ids, expanded.max_query_len, scale)
         return out
 
-    def place_decodes(self, metadata: TritonAttentionMetadata, positions: torch.Tensor, block_size: int) -> None:
+    def place_decodes(self, metadata: TritonAttentionMetadata, positions: torch.Tensor, block_size: int,
+                      block_table: torch.Tensor | None = None, padded: bool = False) -> None:
         num = len(positions)
-        metadata.seq_lens[:num].copy_(positions + 1)
-        blocks = metadata.block_table[:num].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-        metadata.slot_mapping[:num].copy_(blocks * block_size + positions % block_size)
+        if block_table is not None:
+            metadata.block_table[:num, : block_table.shape[1]].copy_(block_table)
+        at = positions.clamp(min=0) if padded else positions
+        blocks = metadata.block_table[:num].gather(1, (at // block_size).unsqueeze(1)).squeeze(1)
+        slots = blocks * block_size + at % block_size
+        if padded:  # padding: no context, no slot
+            metadata.seq_lens[:num].copy_(torch.where(positions < 0, 0, positions + 1))
+            metadata.slot_mapping[:num].copy_(torch.where(positions < 0, -1, slots))
+        else:
+            metadata.seq_lens[:num].copy_(positions + 1)
+            metadata.slot_mapping[:num].copy_(slots)
 
     def copy_metadata(self, dst: TritonAttentionMetadata, src: TritonAttentionMetadata) -> None:
         """Copy a step's metadata into a captured graph's static metadata for the same batch shape."""

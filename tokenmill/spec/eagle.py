@@ -34,6 +34,7 @@ from tokenmill.model.llama import LlamaDecoderLayer
 from tokenmill.spec.draft_model import DraftModelProposer
 from tokenmill.spec.tree import TokenTree
 from tokenmill.spec.tree_level import TreeLevelStep, level_layout
+from tokenmill.worker.chain_draft_graph import ChainDraftGraphs
 from tokenmill.worker.request_state import RequestStates
 from tokenmill.worker.tree_cuda_graph import TreeLevelGraphRunner
 
@@ -96,6 +97,8 @@ class EagleProposer(DraftModelProposer):
         self.tree_graphs: TreeLevelGraphRunner | None = None
         """tree_steps' graphs by level and padded row count, set by the worker (None: eager)."""
         self.max_drafts = max_drafts
+        self.chain_graphs: ChainDraftGraphs | None = None
+        """draft_after_verify's whole chains by padded row count, set by the worker (None: pass by pass)."""
         self._drafted_after_verify = np.full(max_num_reqs, -1, dtype=np.int64)
         """The row generation whose head state draft_after_verify left to settle once its tokens are on the host."""
 
@@ -193,15 +196,23 @@ class EagleProposer(DraftModelProposer):
         back on the device (AttentionBackend.place_decodes). Their KV slots run up to max_drafts - 1 past the
         verified ones (the scheduler allocates them: DraftBudget.slots_ahead). `shift` [n] on the device: how far
         before `first` each row's positions lie (a step laid out before its last one's counts were on the host:
-        worker/verify_ahead.py); None: none."""
+        worker/verify_ahead.py); None: none. Where the worker captured them, the whole chain replays one CUDA graph
+        (worker/chain_draft_graph.py)."""
         exact = self.device.type == "cpu" or not self.attn_backend.supports_device_positions
         if shift is not None and exact:
             first, shift = first - shift.cpu().numpy(), None
+        self._generation[rows] = states.row_generation[rows]
+        self._drafted_after_verify[rows] = states.row_generation[rows]
+        # Step i's position: first + num_emitted + i - 1 (i = 1 ..), never past the allocated slots or the model.
+        last = np.minimum(first + num_drafts + self.max_drafts - 1, states.token_ids.shape[1] - 1)
+        if not exact and self.chain_graphs is not None:
+            drafts = self.chain_graphs.run(states.block_table[rows], first, num_drafts, last, target_states, tokens,
+                                           num_emitted, shift)
+            if drafts is not None:
+                return drafts
         counts = 1 + num_drafts
         starts = np.cumsum(counts) - counts
         within = np.arange(counts.sum()) - np.repeat(starts, counts)
-        self._generation[rows] = states.row_generation[rows]
-        self._drafted_after_verify[rows] = states.row_generation[rows]
         # One row per verified position, each attending to the head's KV up to itself (as the verification laid
         # out the target's): the one-token steps' CUDA graphs take the pass.
         token_rows = np.repeat(rows, counts)
@@ -209,16 +220,14 @@ class EagleProposer(DraftModelProposer):
         index = self._to_device(np.stack([np.repeat(np.arange(len(rows)), counts), within]))
         input_ids = tokens[index[0], index[1]].clamp(min=0)
         if shift is None:
-            hidden, drafts = self._step(layout, input_ids, positions, self._from_target(target_states))
+            hidden, drafts = self._step(layout, input_ids, positions, self.from_target(target_states))
         else:
             hidden, drafts = self._step(layout, input_ids, positions - shift[index[0]],
-                                        self._from_target(target_states), placed=True)
+                                        self.from_target(target_states), placed=True)
         at = self._to_device(starts) + num_emitted - 1
         hidden, steps = hidden[at], [drafts[at]]
         if self.max_drafts == 1:
             return steps[0][:, None]
-        # Step i's position: first + num_emitted + i - 1 (i = 1 ..), never past the allocated slots or the model.
-        last = np.minimum(first + num_drafts + self.max_drafts - 1, states.token_ids.shape[1] - 1)
         # Exact: the counts read on the host, the steps laid out where they are; else for every draft accepted.
         emitted = num_emitted.cpu().numpy() if exact else 1 + num_drafts
         upper = np.minimum(first + emitted + np.arange(self.max_drafts - 1)[:, None], last)
@@ -234,7 +243,12 @@ class EagleProposer(DraftModelProposer):
             steps.append(draft)
         return torch.stack(steps, dim=1)
 
-    def _from_target(self, target_states: torch.Tensor) -> torch.Tensor:
+    @property
+    def target_state_width(self) -> int:
+        """The width of the target's states that draft_after_verify reads."""
+        return self.pending.shape[-1]
+
+    def from_target(self, target_states: torch.Tensor) -> torch.Tensor:
         """The head's input from the target's states (EAGLE-3 projects its layers' states first)."""
         return target_states
 

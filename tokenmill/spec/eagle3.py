@@ -146,7 +146,11 @@ class Eagle3Proposer(EagleProposer):
         combined = self.model.fc(hidden_states[: int(query_start_loc[-1])])  # [num_tokens, hidden]
         super().observe(states, rows, query_start_loc, positions, combined, skip=skip)
 
-    def _from_target(self, target_states: torch.Tensor) -> torch.Tensor:
+    @property
+    def target_state_width(self) -> int:
+        return self.model.fc.in_features
+
+    def from_target(self, target_states: torch.Tensor) -> torch.Tensor:
         return self.model.fc(target_states)
 
     def _greedy(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -40,16 +40,19 @@ def verify_drafts(
     """logits [positions, vocab]; `bonus_token_ids` [r] the sampler's tokens at each row's last position.
     Returns the emitted tokens [r, k + 1] (padded with -1) and how many each row emits [r]."""
     num_rows, k = batch.draft_token_ids.shape
-    target = logits[batch.logit_positions.reshape(-1)].float()  # [r * k, vocab]
-    per_position = batch.rows.repeat_interleave(k)
+    target = logits[batch.logit_positions.reshape(-1)]  # [r * k, vocab]
+    # Greedy rows without a mask take the argmax in the logits' dtype: the same token as in float32.
+    if metadata.logit_mask is not None or not batch.all_greedy:
+        target = target.float()
+        per_position = batch.rows.repeat_interleave(k)
     if metadata.logit_mask is not None:
         target = target + metadata.logit_mask[per_position]
     drafts = batch.draft_token_ids.reshape(-1)
-    greedy = batch.is_greedy.repeat_interleave(k)
     argmax = target.argmax(dim=-1)
     accepted = drafts == argmax
     recovered = argmax
     if not batch.all_greedy:
+        greedy = batch.is_greedy.repeat_interleave(k)
         probs = processed_probs(target, metadata, per_position)
         uniforms = torch.rand(num_rows * k, device=target.device)
         noise = torch.empty_like(target).exponential_()

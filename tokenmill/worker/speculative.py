@@ -196,11 +196,14 @@ class SpeculativeDecoding:
         output = self.sampler(logits[last_t], metadata)
         verify = VerifyBatch(rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t, bool(is_greedy.all()))
         verified, num_verified = verify_drafts(logits, output.token_ids[rows_t], verify, metadata)
-        tokens = torch.full((len(counts), 1 + max_drafts), -1, dtype=torch.int64, device=logits.device)
-        tokens[:, 0] = output.token_ids
-        tokens[rows_t] = verified
-        num_emitted = torch.ones(len(counts), dtype=torch.int64, device=logits.device)
-        num_emitted[rows_t] = num_verified
+        if len(verifying) == len(counts):  # every row verified (in batch order): their tokens are the step's
+            tokens, num_emitted = verified, num_verified
+        else:
+            tokens = torch.full((len(counts), 1 + max_drafts), -1, dtype=torch.int64, device=logits.device)
+            tokens[:, 0] = output.token_ids
+            tokens[rows_t] = verified
+            num_emitted = torch.ones(len(counts), dtype=torch.int64, device=logits.device)
+            num_emitted[rows_t] = num_verified
         if metadata.max_num_logprobs is not None:
             output.logprobs = self._verified_logprobs(logits, tokens, counts, starts, metadata.max_num_logprobs)
         if self._verify_states is not None:  # what draft_next needs, before the launch counts this step's tokens

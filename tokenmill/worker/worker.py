@@ -27,6 +27,7 @@ from tokenmill.spec.proposers import make_proposer
 from tokenmill.spec.tree import TokenTree
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.matchers import GrammarRows
+from tokenmill.worker.chain_draft_graph import ChainDraftGraphs
 from tokenmill.worker.cpu_threads import choose_cpu_threads
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.draft_model import (
@@ -281,6 +282,15 @@ class Worker:
             owner.cuda_graphs = runner
         if getattr(owner, "tree_steps", None):  # the drafter (the last owner) drafts trees
             self._capture_tree_level_graphs(owner, block_size, pool)
+        elif (self.model_runner.speculative is not None and self.model_runner.speculative.drafts_after_verify
+              and self.attn_backend.supports_device_positions):
+            # An EAGLE chain drafted right after its verification: all its passes in one graph, their positions
+            # moved on the device
+            chains = ChainDraftGraphs(owner, self.attn_backend, self.device, block_size,
+                                      max_blocks_per_req=-(-self.max_model_len // block_size),
+                                      max_rows=self.config.scheduler_config.max_num_seqs)
+            chains.capture(pool)
+            owner.chain_graphs = chains
 
     def _capture_tree_level_graphs(self, proposer: EagleProposer, block_size: int, pool) -> None:
         """An EAGLE draft tree's level passes (worker.tree_cuda_graph), into the drafters' pool: each level's
