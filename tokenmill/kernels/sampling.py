@@ -478,13 +478,14 @@ def _greedy(logits: torch.Tensor, penalties: Penalties | None) -> tuple[torch.Te
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
     device = logits.device
-    out = torch.empty(num_rows, dtype=torch.int64, device=device)
+    # One zero-fill: the greedy rows' zero temperatures and seeds, and the output, so that it holds valid ids when a
+    # recording run skips the launch (kernels/precompile.py: a drafter's graph feeds its argmax back as input ids).
+    zeros = torch.zeros(3, num_rows, dtype=torch.int64, device=device)
+    out, seeds, temperature = zeros[0], zeros[1], zeros[2].view(torch.float32)[:num_rows]
     layout = split_layout(num_rows, vocab_size, TILE)
     if num_rows == 0:
         return out, torch.empty(0, layout[2], dtype=torch.float32, device=device)
-    zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
-    maxima = _draw(logits, zeros, torch.zeros(num_rows, dtype=torch.int64, device=device), None, layout, TILE, out,
-                   penalties)
+    maxima = _draw(logits, temperature, seeds, None, layout, TILE, out, penalties)
     return out, maxima
 
 

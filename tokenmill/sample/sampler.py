@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tokenmill.kernels import triton_available
 from tokenmill.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -136,8 +137,14 @@ def apply_penalties(
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row (ties: the lowest token id). On the CPU torch.max's indices are the same and ~3x
-    faster than torch.argmax (4.6 against 1.5 ms for 64 x 49,152 float32 on one core)."""
-    return torch.max(logits, dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
+    faster than torch.argmax (4.6 against 1.5 ms for 64 x 49,152 float32 on one core). On CUDA the sampler's
+    kernel: it spreads a few rows over the whole GPU, where torch's reduction of a row runs in one block (H200: an
+    EAGLE-3 head's 32,000-token row 10.7 us)."""
+    if logits.device.type == "cpu":
+        return torch.max(logits, dim=-1).indices
+    if logits.device.type == "cuda" and triton_available():
+        return kernel_argmax(logits, None)
+    return logits.argmax(dim=-1)
 
 
 def kernel_argmax(logits: torch.Tensor, penalties: Penalties | None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.device_copy import to_device
 from tokenmill.forward_context import forward_context
+from tokenmill.sample.sampler import greedy_ids
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import kv_slots
 from tokenmill.worker.request_state import RequestStates
@@ -158,7 +159,7 @@ class DraftModelProposer:
             return self.model(self._tensor(input_ids), self._tensor(positions))
 
     def _greedy(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden_states).argmax(dim=-1)
+        return greedy_ids(self.model.compute_logits(hidden_states))
 
     def _top_tokens(self, hidden_states: torch.Tensor, k: int) -> torch.Tensor:
         """Each position's k most likely tokens [n, k], most likely first (a draft tree's children)."""

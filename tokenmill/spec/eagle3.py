@@ -24,6 +24,7 @@ from tokenmill.layers.linear import QKVParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
 from tokenmill.model.llama import LlamaAttention, LlamaMLP, head_dim_of
+from tokenmill.sample.sampler import greedy_ids
 from tokenmill.spec.eagle import EagleProposer
 from tokenmill.worker.request_state import RequestStates
 
@@ -102,7 +103,7 @@ class Eagle3Head(nn.Module):
 
     def greedy_target_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The target-vocabulary id of each position's most likely draft token."""
-        return self._to_target(self._draft_logits(hidden_states).argmax(dim=-1))
+        return self._to_target(greedy_ids(self._draft_logits(hidden_states)))
 
     def top_target_ids(self, hidden_states: torch.Tensor, k: int) -> torch.Tensor:
         """The target-vocabulary ids of each position's k most likely draft tokens [n, k], most likely first."""

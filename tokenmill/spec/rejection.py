@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.sample.metadata import SamplingMetadata
-from tokenmill.sample.sampler import apply_min_p, apply_top_k_top_p
+from tokenmill.sample.sampler import apply_min_p, apply_top_k_top_p, greedy_ids
 
 
 @dataclass
@@ -48,7 +48,7 @@ def verify_drafts(
     if metadata.logit_mask is not None:
         target = target + metadata.logit_mask[per_position]
     drafts = batch.draft_token_ids.reshape(-1)
-    argmax = target.argmax(dim=-1)
+    argmax = greedy_ids(target)
     accepted = drafts == argmax
     recovered = argmax
     if not batch.all_greedy:
