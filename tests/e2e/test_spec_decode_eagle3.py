@@ -398,7 +398,9 @@ def test_an_eagle3_head_drafts_alike_on_two_tensor_parallel_ranks(exact_target_a
     prompts = [{"prompt_token_ids": [5, 9, 13, 17, 21, 30][: 3 + i]} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = []
-    for engine in ({"async_scheduling": True}, {"async_scheduling": True, "tensor_parallel_size": 2}):
+    # On the CPU wherever it runs: two ranks of gloo, also on a machine with one GPU
+    for engine in ({"async_scheduling": True, "device": "cpu"},
+                   {"async_scheduling": True, "tensor_parallel_size": 2, "device": "cpu"}):
         llm = eagle3_llm(target, head, engine, 2 if tree is None else len(parse_token_tree(tree)[-1]), tree)
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
