@@ -66,7 +66,10 @@ def test_two_nodes_give_the_one_rank_greedy_tokens_and_node_1_stops_with_the_eng
             node_1.wait()
 
 
-def test_a_killed_node_ends_the_engine_with_a_clear_error(model):
+@pytest.mark.parametrize("pause_s", [0.0, 1.0], ids=["at_once", "after_its_connection_closed"])
+def test_a_killed_node_ends_the_engine_with_a_clear_error(model, pause_s):
+    """Also when the next step comes after the node's connection closed but before its heartbeat is overdue: the
+    driver's send to it has no peer then, which must not wait for one forever."""
     folder, _ = model
     port = free_port()
     node_1 = start_node_1(port)
@@ -74,6 +77,7 @@ def test_a_killed_node_ends_the_engine_with_a_clear_error(model):
         llm = two_node_engine(folder, port)
         try:
             os.killpg(node_1.pid, signal.SIGKILL)  # the launcher and its rank, as when the machine goes down
+            time.sleep(pause_s)
             start = time.monotonic()
             with pytest.raises(RuntimeError, match=r"node 1 \(ranks 1-1\) sent no heartbeat"):
                 llm.generate(prompts(), GREEDY, use_tqdm=False)

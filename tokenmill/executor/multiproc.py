@@ -172,7 +172,14 @@ class MultiprocExecutor(RankGroupExecutor):
             raise WorkerFailed(self._failure_message())
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for inbox in self._inboxes:
-            inbox.send(message, copy=False)
+            while True:
+                try:
+                    inbox.send(message, copy=False, flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # no peer left (its node went down): a send would wait for one forever
+                    if self._failure is not None:  # the watchdog's verdict (an exit, a stopped heartbeat)
+                        raise WorkerFailed(self._failure_message()) from None
+                    inbox.poll(_POLL_MS, zmq.POLLOUT)
 
     def _collect(self, kind: str) -> list[Any]:
         """One `kind` message from every other rank, in rank order; raises if a rank fails meanwhile."""
