@@ -205,7 +205,7 @@ class EagleProposer(DraftModelProposer):
         self._drafted_after_verify[rows] = states.row_generation[rows]
         # Step i's position: first + num_emitted + i - 1 (i = 1 ..), never past the allocated slots or the model.
         last = np.minimum(first + num_drafts + self.max_drafts - 1, states.token_ids.shape[1] - 1)
-        if not exact and self.chain_graphs is not None:
+        if self.chain_graphs is not None:  # (captured only where positions move on the device: never exact)
             drafts = self.chain_graphs.run(states.block_table[rows], first, num_drafts, last, target_states, tokens,
                                            num_emitted, shift)
             if drafts is not None:

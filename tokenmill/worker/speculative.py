@@ -180,11 +180,10 @@ class SpeculativeDecoding:
         logit_positions = starts[verifying, None] + offsets
         draft_rows = batch.sampled_rows[verifying]
         first_draft = states.num_tokens[draft_rows]
-        shift = None
-        if self._ahead is not None:  # laid out as if the last step's drafts all stood: moved back by `shift`
+        rejected = None
+        if self._ahead is not None:  # laid out as if the last step's drafts all stood: moved back by `shift` below
             (ahead, rejected), self._ahead = self._ahead, None
             first_draft = first_draft + ahead.num_ahead[verifying]
-            shift = rejected[to_device(verifying, self.device)]
         # Draft j of a row is the input token after the one whose logits verify it (place_drafts).
         draft_index = batch.logits_indices[logit_positions + 1]
         is_greedy = sampling_state.columns.is_greedy[draft_rows]
@@ -193,6 +192,7 @@ class SpeculativeDecoding:
                 is_greedy]
         last_t, rows_t, draft_index_t, num_drafts_t, positions_t, greedy_t = pack_to_device(host, self.device)[2]
         draft_ids_t = self._input_ids[draft_index_t]
+        shift = None if rejected is None else rejected[rows_t]
         output = self.sampler(logits[last_t], metadata)
         verify = VerifyBatch(rows_t, draft_ids_t, num_drafts_t, positions_t, greedy_t, bool(is_greedy.all()))
         verified, num_verified = verify_drafts(logits, output.token_ids[rows_t], verify, metadata)
