@@ -75,3 +75,38 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 }
 """
 """C helpers for the kernels' sources (after stdint.h and string.h): bfloat16 <-> float32 as torch converts."""
+
+AMX_C = r"""
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_ready(void) {  /* Linux hands AMX's state to a process that asks (once) */
+    static int state = 0;  /* 0 unknown, 1 yes, -1 no */
+    int s;
+    _Pragma("omp atomic read")
+    s = state;
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+        _Pragma("omp atomic write")
+        state = s;
+    }
+    return s > 0;
+}
+
+/* This thread's tiles: all eight 16 rows of 64 bytes. */
+static inline void amx_configure(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+"""
+"""C helpers for AMX kernels (after immintrin.h, string.h, sys/syscall.h and unistd.h): the permission request
+and the one tile shape the kernels use."""

@@ -97,7 +97,9 @@ def test_many_rows_bfloat16_and_tables_without_blocks_stay_dense():
     assert not quantized_lm_head_applies(x, bf16_weight)
     logits = cpu_logits(x, bf16_weight, None)
     assert logits.dtype == torch.float32  # the sampler's argmax is ~9x faster over float32
-    torch.testing.assert_close(logits, cpu_linear(x, bf16_weight, None).float(), rtol=0, atol=0)
+    # The dense GEMM's logits, written in float32 by the AMX kernel (where the CPU has it), else oneDNN's converted
+    torch.testing.assert_close(logits, cpu_linear(x, bf16_weight, None, out_float32=True), rtol=0, atol=0)
+    torch.testing.assert_close(logits, cpu_linear(x, bf16_weight, None).float(), rtol=1e-2, atol=1e-2)
 
     plain = weight.clone()
     assert not hasattr(plain, "ggml_blocks") and not quantized_lm_head_applies(many[:1], plain)

@@ -259,22 +259,28 @@ static inline __attribute__((always_inline)) void attend(
                 if (lens[u] <= j0) continue;  /* past this token's last key */
                 const int nu = lens[u] - j0 < n ? (int)(lens[u] - j0) : n;
                 const char *qu = (const char *)query + u * query_step;
-                for (int64_t x = 0; x < nh; x++) {
-                    if (u == nq - 1)  /* prefetches over the heads of the token seeing every key: see `ahead` */
-                        for (int64_t j = x * next_n / nh; j < (x + 1) * next_n / nh; j++)
+                /* the next rows to prefetch spread over the heads: head x takes [x * next_n / nh, (x + 1) *
+                   next_n / nh), counted without a division (a division per head and tile showed) */
+                int64_t pf_next = 0, pf_acc = 0;
+                for (int64_t x = 0, kv = 0, in_group = 0; x < nh; x++) {
+                    if (u == nq - 1) {  /* prefetches over the heads of the token seeing every key: see `ahead` */
+                        const int64_t pf_first = pf_next;
+                        for (pf_acc += next_n; pf_acc >= nh; pf_acc -= nh) pf_next++;
+                        for (int64_t j = pf_first; j < pf_next; j++)
                             for (int64_t c = 0; c < width * elem; c += 64)
                                 __builtin_prefetch(next + (next_slots[j] * kv_row + first) * elem + c);
-                    if (x % groups == 0)  /* the rows of this kv head */
+                    }
+                    if (in_group == 0)  /* the rows of this kv head */
                         for (int j = 0; j < nu; j++)
-                            rows[j] = convert ? (const void *)(tile + j * width + x / groups * D)
-                                              : (const void *)(raw[j] + x / groups * D * elem);
+                            rows[j] = convert ? (const void *)(tile + j * width + kv * D)
+                                              : (const void *)(raw[j] + kv * D * elem);
                     const float *const *f32_rows = (const float *const *)rows;
                     float *s = scores + (u * nh + x) * padded + j0, *a = acc + (u * nh + x) * D;
                     if (!pass && bf16_dot)
                         dot_tile_bf16(s, (const uint16_t *)qu + (h0 + x) * D, rows, nu, D, scale);
                     else if (!pass && vec16) dot_tile_16(s, q + (u * nh + x) * D, f32_rows, nu, D, scale);
                     else if (!pass) dot_tile_any(s, q + (u * nh + x) * D, f32_rows, nu, D, scale);
-                    else if (fused && x % groups == 0) {  /* the kv head's query heads together */
+                    else if (fused && in_group == 0) {  /* the kv head's query heads together */
                         if (groups == 1) axpy_group_16(a, s, padded, rows, nu, D, 1, is_bf16);
                         else if (groups == 2) axpy_group_16(a, s, padded, rows, nu, D, 2, is_bf16);
                         else if (groups == 3) axpy_group_16(a, s, padded, rows, nu, D, 3, is_bf16);
@@ -282,6 +288,7 @@ static inline __attribute__((always_inline)) void attend(
                     } else if (fused) {}
                     else if (vec16) axpy_tile_16(a, s, f32_rows, nu, D);
                     else axpy_tile_any(a, s, f32_rows, nu, D);
+                    if (++in_group == groups) in_group = 0, kv++;
                 }
             }
         }

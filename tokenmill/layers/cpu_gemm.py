@@ -1,4 +1,6 @@
-"""Linear layers on the CPU through oneDNN, with each weight reordered once into oneDNN's blocked layout.
+"""Linear layers on the CPU through oneDNN, with each weight reordered once into oneDNN's blocked layout (bfloat16
+weights on CPUs with AMX: into layers.cpu_amx_gemm's tiles instead, which read faster at a decode step's rows and
+match oneDNN up to the CPU's 512-token budget).
 
 F.linear on the CPU calls MKL's sgemm, which on AMD CPUs takes a generic code path: on the 2-core EPYC
 development machine it reaches ~80 GFLOP/s in float32 where oneDNN's prepacked kernels reach ~190
@@ -16,6 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.cpu_amx_gemm import AMXWeight, amx_applies, amx_linear, pack_amx
+
 _PACKED_ATTR = "_tokenmill_onednn_weight"
 
 
@@ -29,17 +33,25 @@ def prepacked_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and x.shape[0] > 0 and not torch.is_grad_enabled() and _onednn_available())
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A float32 or bfloat16 weight [n, k] reordered for packed_linear (an opaque oneDNN tensor that needs no
-    other copy), or None where oneDNN cannot take it."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not _onednn_available():
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | AMXWeight | None:
+    """A float32 or bfloat16 weight [n, k] reordered for packed_linear (needs no other copy): for bfloat16 on CPUs
+    with AMX the AMX kernel's tiles (layers.cpu_amx_gemm), else oneDNN's opaque tensor; None where neither takes it."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    if amx_applies(weight):
+        return pack_amx(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if _onednn_available() else None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [m, k] (m > 0, the packed weight's dtype) @ weight.T + bias, from pack_weight's copy."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | AMXWeight, bias: torch.Tensor | None,
+                  out_float32: bool = False) -> torch.Tensor:
+    """x [m, k] (m > 0, the packed weight's dtype) @ weight.T + bias, from pack_weight's copy; in float32 where
+    `out_float32` (written so by the AMX kernel, converted after oneDNN's)."""
+    if isinstance(packed, AMXWeight):
+        y = amx_linear(x, packed, torch.float32 if out_float32 else x.dtype)
+        return y if bias is None else y + bias
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y.float() if out_float32 else y
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -51,15 +63,19 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias, as F.linear; check prepacked_linear_applies() first."""
+def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     out_float32: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias, as F.linear (in float32 where `out_float32`); check prepacked_linear_applies() first."""
     if x.dim() != 2:
-        return prepacked_linear(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], -1)
-    return packed_linear(x, _packed(weight), bias)
+        y = prepacked_linear(x.reshape(-1, x.shape[-1]), weight, bias, out_float32)
+        return y.reshape(*x.shape[:-1], -1)
+    return packed_linear(x, _packed(weight), bias, out_float32)
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, through prepacked oneDNN weights where that applies."""
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               out_float32: bool = False) -> torch.Tensor:
+    """F.linear, through prepacked weights where that applies; in float32 where `out_float32`."""
     if prepacked_linear_applies(x, weight):
-        return prepacked_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return prepacked_linear(x, weight, bias, out_float32)
+    y = F.linear(x, weight, bias)
+    return y.float() if out_float32 else y

@@ -253,8 +253,9 @@ def _gguf_form_on_cpu(hf_config: PretrainedConfig, model_class: type[nn.Module],
                     DENSE_COPY_MAX_BYTES / 1e6)
         return alone
     logger.info("GGUF in %s on the CPU: linear layers keep their GGML blocks for steps of up to %d rows and a "
-                "dense %s copy (%.0f MB, limit %.0f MB) for more rows (gguf_dequantize=True keeps the dense weights "
-                "alone, quantization='gguf' the blocks alone)", name, few_rows(dtype), name, dense_bytes / 1e6,
+                "dense %s copy (%.0f MB, limit %.0f MB; in bfloat16 on CPUs with AMX, Q4_0 and Q4_1 layers keep their "
+                "blocks repacked for the AMX kernel instead) for more rows (gguf_dequantize=True keeps the dense "
+                "weights alone, quantization='gguf' the blocks alone)", name, few_rows(dtype), name, dense_bytes / 1e6,
                 DENSE_COPY_MAX_BYTES / 1e6)
     return "blocks and dense"
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import triton_available
+from tokenmill.sample.cpu_argmax import argmax_applies, argmax_rows
 from tokenmill.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -141,6 +142,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     kernel: it spreads a few rows over the whole GPU, where torch's reduction of a row runs in one block (H200: an
     EAGLE-3 head's 32,000-token row 10.7 us)."""
     if logits.device.type == "cpu":
+        if argmax_applies(logits):  # one C pass (sample.cpu_argmax)
+            return argmax_rows(logits)
         return torch.max(logits, dim=-1).indices
     if logits.device.type == "cuda" and triton_available():
         return kernel_argmax(logits, None)

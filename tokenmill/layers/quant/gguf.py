@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.cpu_amx_gemm import amx_q4_applies, pack_amx_q4
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear
 from tokenmill.layers.quant.base import QuantConfig, QuantMethod
 from tokenmill.layers.quant.gguf_cpu import (
@@ -196,7 +197,13 @@ class GGUFLinearMethod(QuantMethod):
         layer.gguf_one_run = (first[0], first[3]) if len(runs) == 1 and first[0] != DENSE else None
         # The same values the dequantized model holds, in oneDNN's layout only (None where oneDNN cannot).
         layer.dense_copy = None
-        if self.dense_copy:
+        one_run = layer.gguf_one_run
+        if (self.dense_copy and layer.params_dtype == torch.bfloat16 and one_run is not None
+                and amx_q4_applies(one_run[1], one_run[0], layer.input_size)):
+            # With AMX, 4-bit blocks repacked for the AMX kernel stand in for the copy: the same bfloat16 values
+            # decoded in L1/L2, a third of the copy's bytes from memory (layers.cpu_amx_gemm)
+            layer.dense_copy = pack_amx_q4(one_run[1], one_run[0], layer.input_size)
+        elif self.dense_copy:
             dense = [self._dense_run(layer, i, layer.params_dtype) for i in range(len(runs))]
             layer.dense_copy = pack_weight(dense[0] if len(dense) == 1 else torch.cat(dense))
 
@@ -301,7 +308,8 @@ class GGUFConfig(QuantConfig):
 
     def describe(self) -> str:
         copy = (f", and a dense copy of the linear weights for steps of more than {FEW_ROWS} rows "
-                f"({FEW_ROWS_FLOAT32} in float32)"
+                f"({FEW_ROWS_FLOAT32} in float32; on CPUs with AMX, Q4_0 and Q4_1 layers keep their blocks repacked "
+                "for the AMX kernel instead)"
                 if self.dense_copy else "")
         return (f"gguf (linear weights and MoE experts kept in their GGML types, multiplied by the CPU kernel{copy}; "
                 "embeddings, LM head, routers and norms dense)")

@@ -1,6 +1,8 @@
 """The bfloat16 part of the GGUF CPU kernel's C source (layers.quant.gguf_cpu compiles both as one library):
 AVX512_BF16 dot products, and AMX tiles where Linux grants them, for Q4_0, Q4_1 and Q8_0 blocks."""
 
+from tokenmill.cpu_compile import AMX_C
+
 BF16_SOURCE = r"""
 /* ---- bfloat16 activations (Q4_0, Q4_1, Q8_0), AVX512_BF16 ----------------------------------------------
    Every output is y[i][j] = reduce_add(acc), acc = 0, then for each chunk of 32 weights in order
@@ -117,25 +119,7 @@ static void bf16_fused_any(int type, const uint8_t *w, int64_t row_bytes, const 
    activations laid out once in pairs (columns past M zero), and every tile has the one shape, whatever M:
    an output's products and sums do not depend on its neighbours, so a row's result does not depend on
    how many rows come with it. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static int amx_ready(void) {  /* Linux hands AMX's state to a process that asks (once) */
-    static int state = 0;  /* 0 unknown, 1 yes, -1 no */
-    int s;
-    _Pragma("omp atomic read")
-    s = state;
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
-        _Pragma("omp atomic write")
-        state = s;
-    }
-    return s > 0;
-}
-
+""" + AMX_C + r"""
 #define AMX_X_BYTES (512 * 1024)  /* activation rows per chunk: this many bytes of their pairs (in L2); each
                                      weight tile is decoded once per chunk */
 
@@ -217,14 +201,7 @@ static int amx_gemm(float *y, const uint16_t *x, const uint8_t *w, int64_t M, in
         }
         _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1 && tiles > 1)")
         {
-            tile_config cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int t = 0; t < 8; t++) {
-                cfg.rows[t] = 16;
-                cfg.colsb[t] = 64;
-            }
-            _tile_loadconfig(&cfg);
+            amx_configure();
             uint16_t *wt = aligned_alloc(64, (size_t)(32 * K * 2));
             float c[4][16][16] __attribute__((aligned(64)));
             if (wt == NULL) {
