@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kernels import triton_available
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.sampler import apply_min_p, apply_top_k_top_p, greedy_ids
 
@@ -34,12 +35,24 @@ class VerifyBatch:
     all_greedy: bool  # known on the host: no device sync to find out
 
 
+def plain_greedy(metadata: SamplingMetadata) -> bool:
+    """Whether every row takes the argmax of its logits as they are (no mask, penalties, processors or logprobs):
+    then a position's verdict and the sampler's token there are one argmax."""
+    return (metadata.all_greedy and metadata.logit_mask is None and metadata.output_counts is None
+            and not metadata.logits_processors and metadata.max_num_logprobs is None)
+
+
 def verify_drafts(
-    logits: torch.Tensor, bonus_token_ids: torch.Tensor, batch: VerifyBatch, metadata: SamplingMetadata
+    logits: torch.Tensor, bonus_token_ids: torch.Tensor, batch: VerifyBatch, metadata: SamplingMetadata,
+    position_argmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [positions, vocab]; `bonus_token_ids` [r] the sampler's tokens at each row's last position.
+    """logits [positions, vocab]; `bonus_token_ids` [r] the sampler's tokens at each row's last position;
+    `position_argmax` [positions]: every position's argmax, where the caller took it already (plain_greedy).
     Returns the emitted tokens [r, k + 1] (padded with -1) and how many each row emits [r]."""
     num_rows, k = batch.draft_token_ids.shape
+    if position_argmax is not None:
+        assert plain_greedy(metadata)
+        return _emitted(batch, position_argmax[batch.logit_positions.reshape(-1)], None, bonus_token_ids)
     target = logits[batch.logit_positions.reshape(-1)]  # [r * k, vocab]
     # Greedy rows without a mask take the argmax in the logits' dtype: the same token as in float32.
     if metadata.logit_mask is not None or not batch.all_greedy:
@@ -49,25 +62,41 @@ def verify_drafts(
         target = target + metadata.logit_mask[per_position]
     drafts = batch.draft_token_ids.reshape(-1)
     argmax = greedy_ids(target)
-    accepted = drafts == argmax
-    recovered = argmax
+    accepted, recovered = None, argmax  # None: the greedy verdicts, drafts == argmax
     if not batch.all_greedy:
         greedy = batch.is_greedy.repeat_interleave(k)
         probs = processed_probs(target, metadata, per_position)
         uniforms = torch.rand(num_rows * k, device=target.device)
         noise = torch.empty_like(target).exponential_()
         draft_probs = probs.gather(1, drafts.unsqueeze(1)).squeeze(1)
-        accepted = torch.where(greedy, accepted, uniforms < draft_probs)
+        accepted = torch.where(greedy, drafts == argmax, uniforms < draft_probs)
         # The residual of a one-hot draft: the target without the drafted token.
         residual = probs.scatter(1, drafts.unsqueeze(1), 0.0)
         residual_draw = (residual / noise).argmax(dim=-1)
         recovered = torch.where(greedy, argmax, residual_draw)
-    positions = torch.arange(k, device=logits.device)
+    return _emitted(batch, recovered, accepted, bonus_token_ids)
+
+
+def _emitted(batch: VerifyBatch, recovered: torch.Tensor, accepted: torch.Tensor | None,
+             bonus_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each row emits from its drafts' verdicts (`accepted` [r * k]; None: greedy, a draft stands where it
+    equals `recovered`, the target's token at its position [r * k])."""
+    num_rows, k = batch.draft_token_ids.shape
+    if recovered.device.type == "cuda" and triton_available():
+        from tokenmill.kernels.draft_acceptance import MAX_DRAFTS, accept_drafts
+
+        if k <= MAX_DRAFTS:  # one launch
+            return accept_drafts(batch.draft_token_ids.contiguous(), recovered.contiguous(),
+                                 None if accepted is None else accepted.contiguous(), batch.num_drafts.contiguous(),
+                                 bonus_token_ids.contiguous())
+    if accepted is None:
+        accepted = batch.draft_token_ids.reshape(-1) == recovered
+    positions = torch.arange(k, device=recovered.device)
     valid = positions[None, :] < batch.num_drafts[:, None]
     rejected = ~accepted.reshape(num_rows, k) & valid
     # Accepted drafts before the first rejection (all of them when none is rejected).
     num_accepted = torch.where(rejected.any(dim=1), rejected.int().argmax(dim=1), batch.num_drafts)
-    out = torch.full((num_rows, k + 1), -1, dtype=torch.int64, device=logits.device)
+    out = torch.full((num_rows, k + 1), -1, dtype=torch.int64, device=recovered.device)
     out[:, :k] = torch.where(positions[None, :] < num_accepted[:, None], batch.draft_token_ids, -1)
     all_accepted = num_accepted == batch.num_drafts
     last = torch.where(all_accepted, bonus_token_ids,
