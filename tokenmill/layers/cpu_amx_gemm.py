@@ -11,8 +11,8 @@ the tiles' order, so the result differs from oneDNN's only by the order of the f
 
 Served where the CPU has AMX (and Linux grants it) and the weight is bfloat16 with K a multiple of 32 (elsewhere
 layers.cpu_gemm's oneDNN path), for every row count: against oneDNN on the 2-core Xeon, per default-model step of
-30 layers, 1.3x at 5-64 rows, level from 128 to 512 (the CPU's token budget), 0.7-0.9x at 2,048 rows, where
-oneDNN's blocking reuses weight tiles over more rows (BENCHMARKS.md, issue 23).
+30 layers, 1.3x at 5-16 rows, 1.1-1.3x at 33-64, level from 128 to 512 (the CPU's token budget), 0.7-0.9x at
+2,048 rows, where oneDNN's blocking reuses weight tiles over more rows (BENCHMARKS.md, issue 23).
 
 GGUF Q4_0 and Q4_1 weights are also read kept 4-bit (amx_pack_q4): each thread decodes its strip of 32 features
 into bfloat16 tiles in L1/L2 and multiplies those, a third of the bytes from memory for ~0.4 instructions a weight

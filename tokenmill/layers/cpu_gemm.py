@@ -54,7 +54,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor | AMXWeight, bias: torch
     return y.float() if out_float32 else y
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
+def _packed(weight: torch.Tensor) -> torch.Tensor | AMXWeight:
     cached = getattr(weight, _PACKED_ATTR, None)
     if cached is not None and cached[0] == weight._version:
         return cached[1]

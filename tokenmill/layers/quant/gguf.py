@@ -195,7 +195,7 @@ class GGUFLinearMethod(QuantMethod):
         # short path for a decode's few rows.
         first = layer.gguf_run_weights[0]
         layer.gguf_one_run = (first[0], first[3]) if len(runs) == 1 and first[0] != DENSE else None
-        # The same values the dequantized model holds, in oneDNN's layout only (None where oneDNN cannot).
+        # The same values the dequantized model holds, packed for layers.cpu_gemm (None where it cannot take them).
         layer.dense_copy = None
         one_run = layer.gguf_one_run
         if (self.dense_copy and layer.params_dtype == torch.bfloat16 and one_run is not None
