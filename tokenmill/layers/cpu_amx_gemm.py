@@ -167,7 +167,8 @@ int amx_linear(void *y, const uint16_t *x, const uint16_t *wp, int64_t M, int64_
 /* ---- GGUF Q4_0 / Q4_1 blocks, kept 4-bit: a third of the bytes the bfloat16 weights stream ----
    Repacked at load into the B tiles' order: per strip of 32 features and step of 32 inputs, two halves of 16
    features, each Q4_HALF_BYTES: the 16 features' fp16 scales d, their fp16 minimums m (Q4_0: zero), then 16 rows
-   of 16 bytes, row p byte n holding feature n's inputs 2p (low nibble) and 2p + 1 (high). A thread decodes its
+   of 16 bytes, row p byte j holding input 2p + j % 2 of feature j / 2 (low nibble) and of feature 8 + j / 2 (high):
+   the two nibble halves, widened to float32, are then the tile row's two halves in order. A thread decodes its
    strip into a buffer of bfloat16 B tiles, w = (q - 8) * d for Q4_0 and q * d + m for Q4_1 in float32 rounded to
    bfloat16 once (the values the GGUF kernel's dense bfloat16 copy holds, bit for bit), then multiplies as above. */
 #define Q4_0 2
@@ -193,7 +194,8 @@ int amx_pack_q4(uint8_t *dst, const uint8_t *w, int64_t N, int64_t K, int64_t ro
                     if (type == Q4_1) memcpy(half + 32 + 2 * n, block + 2, 2);
                     const uint8_t *qs = block + (type == Q4_0 ? 2 : 4);
                     for (int p = 0; p < 16; p++)
-                        half[64 + p * 16 + n] = (uint8_t)(q4_nibble(qs, 2 * p) | q4_nibble(qs, 2 * p + 1) << 4);
+                        for (int e = 0; e < 2; e++)  /* n < 8: the low nibbles; the others the high ones */
+                            half[64 + p * 16 + n % 8 * 2 + e] |= (uint8_t)(q4_nibble(qs, 2 * p + e) << (n / 8 * 4));
                 }
             }
     return 0;
@@ -203,8 +205,9 @@ int amx_pack_q4(uint8_t *dst, const uint8_t *w, int64_t N, int64_t K, int64_t ro
 static inline void decode_q4_strip(uint16_t *buf, const uint8_t *wq, int64_t s, int64_t strips, int64_t steps,
                                    int type) {
     const __m512i low = _mm512_set1_epi32(0xf), offset = _mm512_set1_epi32(type == Q4_0 ? 8 : 0);
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* lane j of a row's low half: feature j / 2; of its high half: feature 8 + j / 2 */
+    const __m512i first_eight = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i last_eight = _mm512_add_epi32(first_eight, _mm512_set1_epi32(8));
     const uint8_t *src = wq + s * steps * 2 * Q4_HALF_BYTES;
     const int64_t strip_bytes = steps * 2 * Q4_HALF_BYTES;
     for (int64_t t = 0; t < steps * 2; t++) {
@@ -213,14 +216,17 @@ static inline void decode_q4_strip(uint16_t *buf, const uint8_t *wq, int64_t s, 
             for (int l = 0; l < Q4_HALF_BYTES; l += 64) _mm_prefetch((const char *)half + strip_bytes + l, _MM_HINT_T0);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)half));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + 32)));
+        const __m512 d_lo = _mm512_permutexvar_ps(first_eight, d), d_hi = _mm512_permutexvar_ps(last_eight, d);
+        const __m512 m_lo = _mm512_permutexvar_ps(first_eight, m), m_hi = _mm512_permutexvar_ps(last_eight, m);
         uint16_t *tile = buf + t * 512;
         for (int p = 0; p < 16; p++) {
             const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(half + 64 + p * 16)));
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, low), offset));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), offset));
-            const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_mul_ps(hi, d), m),
-                                                      _mm512_add_ps(_mm512_mul_ps(lo, d), m));
-            _mm512_store_si512(tile + p * 32, _mm512_permutexvar_epi16(interleave, (__m512i)both));
+            /* words 0-15 from the low half (features 0-7), 16-31 from the high: the tile row's order */
+            const __m512bh row = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_mul_ps(hi, d_hi), m_hi),
+                                                     _mm512_add_ps(_mm512_mul_ps(lo, d_lo), m_lo));
+            _mm512_store_si512(tile + p * 32, (__m512i)row);
         }
     }
 }
