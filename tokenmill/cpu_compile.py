@@ -27,6 +27,15 @@ def cpu_signature() -> str:
         return platform.processor()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (as /proc/cpuinfo names them); empty where /proc/cpuinfo cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def _build(path: str, source_text: str, flags: list[str]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:

@@ -28,10 +28,18 @@ import subprocess
 from typing import NamedTuple
 
 import torch
+from gguf import GGMLQuantizationType
 
-from tokenmill.cpu_compile import AMX_C, build_error_message, compile_library
+from tokenmill.cpu_compile import AMX_C, build_error_message, compile_library, cpu_flags
 
 logger = logging.getLogger(__name__)
+
+# GGML types the kernel reads kept quantized, and a dense weight's marker (as layers.quant.gguf's DENSE)
+Q4_0, Q4_1 = int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1)
+Q4_TYPES = (Q4_0, Q4_1)
+DENSE = -1
+Q4_HALF_BYTES = 320
+"""Bytes of 16 features x 32 inputs in amx_pack_q4's form: 16 fp16 scales, 16 fp16 minimums, 256 nibble bytes."""
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -171,9 +179,9 @@ int amx_linear(void *y, const uint16_t *x, const uint16_t *wp, int64_t M, int64_
    the two nibble halves, widened to float32, are then the tile row's two halves in order. A thread decodes its
    strip into a buffer of bfloat16 B tiles, w = (q - 8) * d for Q4_0 and q * d + m for Q4_1 in float32 rounded to
    bfloat16 once (the values the GGUF kernel's dense bfloat16 copy holds, bit for bit), then multiplies as above. */
-#define Q4_0 2
-#define Q4_1 3
-#define Q4_HALF_BYTES 320
+#define Q4_0 """ + str(Q4_0) + r"""
+#define Q4_1 """ + str(Q4_1) + r"""
+#define Q4_HALF_BYTES """ + str(Q4_HALF_BYTES) + r"""
 
 static inline uint8_t q4_nibble(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 0xf : qs[i - 16] >> 4; }
 
@@ -270,7 +278,7 @@ int amx_supported(void) { return amx_ready(); }
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The library where the compiler builds it for this CPU and the CPU has AMX that Linux grants, else None."""
-    if "amx_bf16" not in _cpu_flags():
+    if "amx_bf16" not in cpu_flags():
         return None
     try:
         lib = compile_library("amx_gemm", _SOURCE)
@@ -291,18 +299,6 @@ def load_kernel() -> ctypes.CDLL | None:
     return lib if lib.amx_supported() else None
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-# GGML types the kernel reads kept quantized (their block layouts: layers.quant.gguf)
-Q4_0, Q4_1 = 2, 3
-Q4_TYPES = (Q4_0, Q4_1)
-DENSE = -1
 
 
 class AMXWeight(NamedTuple):
@@ -344,7 +340,7 @@ def pack_amx_q4(blocks: torch.Tensor, ggml_type: int, in_features: int) -> AMXWe
     weight); check amx_q4_applies() first."""
     n = blocks.shape[0]
     blocks = blocks.contiguous()
-    packed = torch.empty((n + 31) // 32 * (in_features // 32) * 2 * 320, dtype=torch.uint8)
+    packed = torch.empty((n + 31) // 32 * (in_features // 32) * 2 * Q4_HALF_BYTES, dtype=torch.uint8)
     status = load_kernel().amx_pack_q4(packed.data_ptr(), blocks.data_ptr(), n, in_features, blocks.shape[1],
                                        ggml_type, torch.get_num_threads())
     assert status == 0, "amx_q4_applies admits the type and the row length"

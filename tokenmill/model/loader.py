@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from tokenmill.config import ModelConfig
+from tokenmill.cpu_compile import cpu_flags
 from tokenmill.layers.quant import (
     check_moe_experts,
     process_weights_after_loading,
@@ -101,15 +102,6 @@ def _gguf_config(path: str) -> PretrainedConfig:
 # products, AMX's tiles. Without them bfloat16 is converted to float32 and back around every op, which on
 # the CPU is several times slower than float32 itself.
 _CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags; empty where /proc/cpuinfo cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
 
 
 def cpu_auto_dtype(flags: set[str]) -> tuple[torch.dtype, str]:

@@ -51,7 +51,6 @@ def verify_drafts(
     Returns the emitted tokens [r, k + 1] (padded with -1) and how many each row emits [r]."""
     num_rows, k = batch.draft_token_ids.shape
     if position_argmax is not None:
-        assert plain_greedy(metadata)
         return _emitted(batch, position_argmax[batch.logit_positions.reshape(-1)], None, bonus_token_ids)
     target = logits[batch.logit_positions.reshape(-1)]  # [r * k, vocab]
     # Greedy rows without a mask take the argmax in the logits' dtype: the same token as in float32.
