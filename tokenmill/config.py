@@ -148,7 +148,10 @@ class ParallelConfig:
     chosen by load and by the prompt prefix it likely holds in its cache. The server only (`serve`)."""
     enable_expert_parallel: bool = False
     """Mixture-of-experts layers: each tensor-parallel rank holds whole routed experts (1/tp of them) instead
-    of a 1/tp slice of every expert; attention and shared experts stay tensor-parallel. No effect at tp 1."""
+    of a 1/tp slice of every expert; attention and shared experts stay tensor-parallel. With data_parallel_size
+    > 1 and one rank per replica, the replicas share out the experts instead (1/dp each): each MoE layer sends
+    a replica's tokens to their experts' replicas and back (all-to-all), the engine cores stepping together
+    (no CUDA graphs; a failed replica stops them all)."""
     nnodes: int = 1
     """Nodes the ranks span over a torch.distributed rendezvous (no Ray): each runs world_size / nnodes ranks;
     node 0 also runs the engine and the server, the others only their ranks (`serve --node-rank N`)."""

@@ -8,6 +8,10 @@ must exist before the model is.
 Rank layout for tp x pp ranks: global rank r is tensor-parallel rank r % tp of pipeline stage
 pp - 1 - r // tp. Rank 0, the driver in the engine core's process, is thus on the last stage: it
 samples and holds each step's whole output (logprobs, prompt logprobs) without a copy between processes.
+
+Expert parallelism across data-parallel replicas (one rank each) is a world of its own instead: each
+engine-core process joins it as its replica's index (`init_replica_experts`), and the MoE layers send
+tokens to the replica holding their experts and back (layers.moe_all_to_all).
 """
 
 from __future__ import annotations
@@ -51,8 +55,19 @@ class PipelineStage:
         return (self.num_stages - 1 - stage) * self.tp_size + self.rank % self.tp_size
 
 
+@dataclass(frozen=True)
+class ReplicaExperts:
+    """The data-parallel replicas whose MoE layers share out the routed experts: replica `rank` of `size`
+    holds a contiguous range of them. size 1: each replica holds every expert (or no such world)."""
+    rank: int = 0
+    size: int = 1
+    host_group: Any = None
+    """A gloo group over the replicas for the host's per-step agreement (None: the world, gloo itself)."""
+
+
 _TP_GROUP = TensorParallelGroup()
 _PP_STAGE = PipelineStage()
+_REPLICA_EXPERTS = ReplicaExperts()
 
 
 _EXPERT_PARALLEL = False
@@ -67,6 +82,24 @@ def set_expert_parallel(enabled: bool) -> None:
 
 def expert_parallel_enabled() -> bool:
     return _EXPERT_PARALLEL
+
+
+def get_replica_experts() -> ReplicaExperts:
+    return _REPLICA_EXPERTS
+
+
+def init_replica_experts(rank: int, size: int, init_method: str, device: torch.device,
+                         timeout_s: float = 600.0) -> None:
+    """Join this engine-core process to the world of `size` data-parallel replicas as `rank` (each replica
+    one rank: tensor_parallel_size 1), before its model is built: the MoE layers read it then."""
+    global _REPLICA_EXPERTS
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    _REPLICA_EXPERTS = ReplicaExperts(rank, size, host_group)
+    _check_group(size, None, device)
 
 
 def get_tp_rank() -> int:
@@ -131,11 +164,12 @@ def _check_group(size: int, group: Any, device: torch.device) -> None:
 
 
 def destroy_distributed() -> None:
-    global _TP_GROUP, _PP_STAGE
+    global _TP_GROUP, _PP_STAGE, _REPLICA_EXPERTS
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_GROUP = TensorParallelGroup()
     _PP_STAGE = PipelineStage()
+    _REPLICA_EXPERTS = ReplicaExperts()
 
 
 def abort_distributed() -> None:

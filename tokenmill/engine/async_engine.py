@@ -14,13 +14,19 @@ whole model; the DataParallelBalancer sends each request to one, by load and by 
 likely holds in its cache, and aborts go where their request went. When a core fails (a step raised,
 or the process died) the streams of its requests end with EngineDeadError at once and a new core
 process with the same configuration is started (core_replica.py); the other replicas serve on. The
-engine is unhealthy only while no replica can serve.
+engine is unhealthy only while no replica can serve. Replicas that share out a mixture-of-experts model's
+experts (enable_expert_parallel: engine.replica_lockstep) step together instead, so the failure of one stops
+them all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -30,6 +36,8 @@ from tokenmill.engine.core_replica import CoreReplica, EngineDeadError
 from tokenmill.engine.dp_balancer import DataParallelBalancer, ReplicaLoad
 from tokenmill.engine.frontend import load_frontend
 from tokenmill.engine.input_processor import PromptType
+from tokenmill.engine.replica_lockstep import ReplicaRendezvous, replicas_share_experts
+from tokenmill.model.loader import load_hf_config
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import EngineCoreOutputs, ProfileReply, SchedulerStats
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -59,17 +67,32 @@ class AsyncEngine:
         num_replicas = config.parallel_config.data_parallel_size
         devices = replica_cuda_devices(config)  # before any process starts: too few GPUs fail at once
         self.replicas: list[CoreReplica] = []
+        self._shutting_down = False
+        self._rendezvous_dir: str | None = None
+        """The private folder where replicas that share the experts meet (None: they do not)."""
+        if num_replicas > 1 and replicas_share_experts(config, load_hf_config(config.model_config)):
+            self._rendezvous_dir = tempfile.mkdtemp(prefix="tokenmill-replicas-")
+            if config.device_config.device != "cpu" and not config.device_config.enforce_eager:
+                # The exchanges' sizes change every step and are read on the host: no CUDA graph can hold them.
+                logger.info("enable_expert_parallel over data-parallel replicas: CUDA graphs are off")
+                config = dataclasses.replace(
+                    config, device_config=dataclasses.replace(config.device_config, enforce_eager=True))
         try:
             # The cores load the weights while this process loads the tokenizer.
             for index in range(num_replicas):
                 name = "the engine core" if num_replicas == 1 else f"the replica-{index} engine core"
-                self.replicas.append(CoreReplica(index, config, self, devices[index], name))
+                rendezvous = None
+                if self._rendezvous_dir is not None:
+                    rendezvous = ReplicaRendezvous(index, num_replicas,
+                                                   f"file://{os.path.join(self._rendezvous_dir, 'world')}")
+                self.replicas.append(CoreReplica(index, config, self, devices[index], name, rendezvous))
             self.frontend = frontend = load_frontend(config.model_config)
             for replica in self.replicas:
                 replica.wait_ready()
         except BaseException:
             for replica in self.replicas:
                 replica.shutdown()
+            self._remove_rendezvous()
             raise
         self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len
         self.tokenizer = frontend.tokenizer
@@ -248,6 +271,9 @@ class AsyncEngine:
         # Empty stats: the replica's gauges drop to zero, and its next core counts from zero.
         self._record(self.output_processor.abort_requests(ids), SchedulerStats(), replica.index)
         self.balancer.forget(replica.index)
+        if not replica.restartable and not self._shutting_down:  # the others wait for it in their next exchange
+            for other in self.replicas:
+                other.stop(f"{replica.name} failed")
 
     def _record(self, outputs: list[RequestOutput], stats: SchedulerStats | None, engine_index: int) -> None:
         if self.stat_logger is not None and (outputs or stats is not None):
@@ -258,8 +284,14 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         """Stop the core processes; idempotent. Open streams end with EngineDeadError."""
+        self._shutting_down = True
         if len(self.replicas) > 1:
             for replica in self.replicas:
                 replica.core.request_stop()  # all at once: each takes a moment to exit
         for replica in self.replicas:
             replica.shutdown()
+        self._remove_rendezvous()
+
+    def _remove_rendezvous(self) -> None:
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)

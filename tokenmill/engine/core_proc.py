@@ -10,6 +10,7 @@ requests at once and starts a new core (it also notices an exit that sent nothin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -26,6 +27,7 @@ from tokenmill.engine.codec import RequestKind, decode_request, encode_outputs
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.core_profiler import handle_profile_command
 from tokenmill.engine.heap_freeze import freeze_startup_heap
+from tokenmill.engine.replica_lockstep import IDLE_POLL_S, ReplicaLockstep, ReplicaRendezvous
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineRequest
 from tokenmill.request import FinishReason
 
@@ -37,9 +39,11 @@ _SEND_LINGER_MS = 1000
 
 
 def run_engine_core(
-    config: EngineConfig, input_address: str, output_address: str, ready: Connection, parent_pid: int
+    config: EngineConfig, input_address: str, output_address: str, ready: Connection, parent_pid: int,
+    replica_experts: ReplicaRendezvous | None = None,
 ) -> None:
-    """Entry point of the engine-core process."""
+    """Entry point of the engine-core process. `replica_experts`: this data-parallel replica's place in the
+    world of replicas that share out the MoE experts (engine.replica_lockstep)."""
     # Ctrl-C reaches the whole process group; the frontend owns it and stops us with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -50,7 +54,11 @@ def run_engine_core(
 
         hf_config = load_hf_config(config.model_config)
         max_model_len = resolve_max_model_len(config.model_config.max_model_len, hf_config)
-        proc = EngineCoreProc(EngineCore.from_config(config, hf_config, max_model_len), input_address, output_address)
+        if replica_experts is not None:  # before the model: its MoE layers take their experts from it
+            replica_experts.join(config)
+        core = EngineCore.from_config(config, hf_config, max_model_len)
+        proc = EngineCoreProc(core, input_address, output_address,
+                              ReplicaLockstep(core) if replica_experts is not None else None)
     except BaseException:
         # The frontend stops us with SIGTERM once it reads the error: we are leaving anyway, and the signal's
         # SystemExit raised inside the interpreter's exit would print a stray traceback.
@@ -79,8 +87,10 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, input_address: str, output_address: str) -> None:
+    def __init__(self, core: EngineCore, input_address: str, output_address: str,
+                 lockstep: ReplicaLockstep | None = None) -> None:
         self.core = core
+        self.lockstep = lockstep
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
         self.context = zmq.Context()
@@ -107,13 +117,28 @@ class EngineCoreProc:
             self.close()
 
     def run_busy_loop(self) -> None:
+        if self.lockstep is not None:
+            self._run_lockstep_loop()
         while True:
             self._handle_inputs(block=not self.core.has_requests())
             if self.core.has_requests():
                 self.outputs.put(self.core.step())
 
-    def _handle_inputs(self, block: bool) -> None:
-        messages = [self.inputs.get()] if block else []
+    def _run_lockstep_loop(self) -> None:
+        """With the other replicas' cores (engine.replica_lockstep): a turn each, together, forever."""
+        busy = False
+        while True:
+            self._handle_inputs(block=not busy, timeout=IDLE_POLL_S)
+            busy = self.lockstep.anyone_busy()
+            if busy and (outputs := self.lockstep.step()) is not None:
+                self.outputs.put(outputs)
+
+    def _handle_inputs(self, block: bool, timeout: float | None = None) -> None:
+        """Take every message waiting; `block`: wait for one first (at most `timeout` seconds)."""
+        messages = []
+        if block:
+            with contextlib.suppress(queue.Empty):
+                messages.append(self.inputs.get(timeout=timeout))
         while True:
             try:
                 messages.append(self.inputs.get_nowait())

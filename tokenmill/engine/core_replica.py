@@ -4,7 +4,8 @@ It receives the core's outputs (handing them to its owner, the AsyncEngine), wat
 when the core fails (a step raised, or the process died) it marks itself dead, has the owner fail the
 requests it held, and starts a new core process with the same configuration; once that is ready it
 serves again. Only a core that cannot start again leaves the replica dead. Replicas fail and restart
-independently of one another.
+independently of one another, except those that share out a model's experts (engine.replica_lockstep): they
+step together, so one that fails stops them all, for good.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import CoreProcessClient
+from tokenmill.engine.replica_lockstep import ReplicaRendezvous
 from tokenmill.protocol import EngineCoreOutputs, ProfileCommand, ProfileReply, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -38,15 +40,17 @@ class ReplicaOwner(Protocol):
 
 class CoreReplica:
     def __init__(self, index: int, config: EngineConfig, owner: ReplicaOwner, cuda_devices: str | None = None,
-                 name: str = "the engine core") -> None:
-        """Starts the core process; wait_ready() waits for it, start() (in the serving loop) attaches to it."""
+                 name: str = "the engine core", replica_experts: ReplicaRendezvous | None = None) -> None:
+        """Starts the core process; wait_ready() waits for it, start() (in the serving loop) attaches to it.
+        `replica_experts`: the replicas share out the experts (its core joins them there; no restarts)."""
         self.index = index
         self.config = config
         self.owner = owner
         self.cuda_devices = cuda_devices
         self.name = name
         """How logs and errors name it ("the engine core", or "engine core 1 of 2")."""
-        self.core = CoreProcessClient(config, cuda_devices)
+        self.restartable = replica_experts is None
+        self.core = CoreProcessClient(config, cuda_devices, replica_experts)
         self.last_stats: SchedulerStats | None = None
         self.dead_reason: str | None = None
         self.num_restarts = 0
@@ -121,6 +125,9 @@ class CoreReplica:
         """Fail what the core held and start a new one; a second report of the same failure is ignored."""
         if core is not self.core or self.dead_reason is not None or self._shut_down:
             return
+        if not self.restartable:
+            self.stop(reason)
+            return
         self._fail(f"{reason}; restarting it")
         self._restart_task = asyncio.create_task(self._restart(core), name=f"engine-restart-{self.index}")
 
@@ -173,6 +180,17 @@ class CoreReplica:
         self._profile_calls.clear()
         if self._output_task is not None and not self._output_task.done():
             self._output_task.cancel()
+
+    def stop(self, reason: str) -> None:
+        """Fail what the replica holds and stop its core for good, in the background (replicas that step together
+        go together: the owner stops the others); nothing if it is already dead or shut down."""
+        if self.dead_reason is not None or self._shut_down:
+            return
+        self._shut_down = True
+        self._fail(f"{reason}; the data-parallel replicas that share the experts step together and are not "
+                   f"restarted: restart the server")
+        asyncio.get_running_loop().remove_reader(self.core.proc.sentinel)
+        asyncio.get_running_loop().run_in_executor(None, self.core.shutdown)
 
     def shutdown(self) -> None:
         """Stop the core process; idempotent. Its open requests end with EngineDeadError."""

@@ -9,8 +9,11 @@ experts instead, a contiguous range of them (expert_range), and loads only those
 rank alike (the activations are replicated), each rank computes only its own experts' assignments (the others
 become expert -1 with weight 0, which both experts paths skip) and the same all-reduce sums the ranks' parts.
 Fewer, larger GEMMs per rank and no slicing of the intermediate size; the shared experts stay sliced.
-An all-to-all dispatch (ranks holding different tokens) would only pay with data-parallel attention, which
-the engine does not have: every rank already holds every token.
+Across data-parallel replicas (enable_expert_parallel with data_parallel_size > 1 and one rank per replica:
+parallel_state.ReplicaExperts), each replica holds a contiguous range of the experts too, but its tokens are its
+own: they go to the replicas holding their experts and back by all-to-all (layers.moe_all_to_all), once the
+engine cores step in lockstep; the passes before that (memory profiling, warm-up) compute only the replica's
+own experts' assignments, whose values nobody reads.
 Experts are 16-bit, or e4m3 under an fp8 quantization config (layers.quant.fp8_moe: block-quantized FP8
 checkpoints, or online per-row), or a GGUF file's GGML blocks on the CPU (layers.quant.gguf_moe); other
 quantized experts are refused by layers.quant.
@@ -26,10 +29,17 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import expert_parallel_enabled, get_tp_rank, get_tp_size, tp_all_reduce
+from tokenmill.distributed.parallel_state import (
+    expert_parallel_enabled,
+    get_replica_experts,
+    get_tp_rank,
+    get_tp_size,
+    tp_all_reduce,
+)
 from tokenmill.kernels import use_triton
 from tokenmill.layers.linear import ReplicatedLinear
-from tokenmill.layers.moe_routing import fused_experts_torch, select_experts
+from tokenmill.layers.moe_all_to_all import ExpertExchange
+from tokenmill.layers.moe_routing import expert_range, fused_experts_torch, routed_experts_of, select_experts
 
 # Hugging Face's per-expert checkpoint tensors: <prefix>.experts.<e>.<projection>.weight
 # (and, FP8 block checkpoints, .weight_scale_inv)
@@ -44,22 +54,6 @@ class MoERouter(ReplicatedLinear):
     shared_expert_gate). Never quantized: the routing decision is sensitive and the layer is tiny."""
 
     quantizable = False
-
-
-def expert_range(num_experts: int, rank: int, num_ranks: int) -> tuple[int, int]:
-    """(first expert, number of experts) that `rank` holds under expert parallelism: contiguous ranges, the
-    first num_experts % num_ranks ranks one expert more than the others."""
-    if num_experts < num_ranks:
-        raise ValueError(f"expert parallelism over {num_ranks} ranks needs at least {num_ranks} routed experts; "
-                         f"the model has {num_experts} (turn enable_expert_parallel off to slice each expert)")
-    base, extra = divmod(num_experts, num_ranks)
-    return rank * base + min(rank, extra), base + (rank < extra)
-
-
-def routed_experts_of(hf_config) -> int:
-    """The routed experts of a mixture-of-experts config (Qwen-MoE, Mixtral, DeepSeek names); 0 if dense."""
-    names = ("num_experts", "num_local_experts", "n_routed_experts")
-    return next((value for name in names if (value := getattr(hf_config, name, None))), 0)
 
 
 def check_expert_parallel(hf_config, parallel_config) -> None:
@@ -93,8 +87,15 @@ class FusedMoE(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"MoE routing picks {top_k} of {num_experts} experts")
-        self.expert_parallel = expert_parallel_enabled() and self.tp_size > 1
-        if self.expert_parallel:  # whole experts [first_expert, first_expert + num_local_experts) on this rank
+        replicas = get_replica_experts()
+        self.exchange: ExpertExchange | None = None
+        """Across data-parallel replicas: the all-to-all of this replica's tokens (None: every token is here)."""
+        self.expert_parallel = expert_parallel_enabled() and (self.tp_size > 1 or replicas.size > 1)
+        if self.expert_parallel and replicas.size > 1:  # whole experts of this replica, its tokens exchanged
+            self.first_expert, self.num_local_experts = expert_range(num_experts, replicas.rank, replicas.size)
+            self.exchange = ExpertExchange(num_experts, replicas.size)
+            self.shard_rank, num_shards = 0, 1
+        elif self.expert_parallel:  # whole experts [first_expert, first_expert + num_local_experts) on this rank
             self.first_expert, self.num_local_experts = expert_range(num_experts, self.tp_rank, self.tp_size)
             self.shard_rank, num_shards = 0, 1
         else:  # every expert, a slice of each
@@ -104,6 +105,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"the experts' intermediate size {intermediate_size} is not divisible by "
                              f"tensor-parallel size {self.tp_size}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size = hidden_size
         self.scoring, self.routed_scaling_factor = scoring, routed_scaling_factor
         self.num_expert_group, self.topk_group = num_expert_group, topk_group
         self.checkpoint_names = checkpoint_names
@@ -190,17 +192,30 @@ class FusedMoE(nn.Module):
             router_logits, self.top_k, self.renormalize, self.scoring, correction_bias,
             self.num_expert_group, self.topk_group, self.routed_scaling_factor,
         )
+        if self.exchange is not None and ExpertExchange.live:
+            return self.exchange.run(hidden_states, topk_weights, topk_ids, self._local_experts_forward)
         if self.expert_parallel:
             topk_weights, topk_ids = self.local_assignments(topk_weights, topk_ids)
+        return tp_all_reduce(self._local_experts_forward(hidden_states, topk_weights, topk_ids))
+
+    def exchange_without_tokens(self, dtype: torch.dtype) -> None:
+        """This layer's part of an exchange in which this replica has no tokens (replica lockstep); `dtype`: the
+        model's activations'."""
+        device = next(self.parameters()).device
+        self.exchange.run(torch.empty(0, self.hidden_size, dtype=dtype, device=device),
+                          torch.empty(0, self.top_k, device=device),
+                          torch.empty(0, self.top_k, dtype=torch.int64, device=device), self._local_experts_forward)
+
+    def _local_experts_forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                               topk_ids: torch.Tensor) -> torch.Tensor:
+        """Rows through this rank's experts (local ids; -1 for none), summed with their weights: [T, H]."""
         kernel = fused_experts_kernel() if use_triton(hidden_states) else None
         if self.quant_method is not None:
-            out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids, kernel)
-        elif kernel is not None:
-            out = kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                         skip_negative_ids=self.expert_parallel)  # [T, H]
-        else:
-            out = fused_experts_torch(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        return tp_all_reduce(out)
+            return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids, kernel)
+        if kernel is not None:
+            return kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                          skip_negative_ids=self.expert_parallel)  # [T, H]
+        return fused_experts_torch(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     def local_assignments(self, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,22 @@ import torch
 import torch.nn.functional as F
 
 
+def expert_range(num_experts: int, rank: int, num_ranks: int) -> tuple[int, int]:
+    """(first expert, number of experts) that `rank` holds under expert parallelism: contiguous ranges, the
+    first num_experts % num_ranks ranks one expert more than the others."""
+    if num_experts < num_ranks:
+        raise ValueError(f"expert parallelism over {num_ranks} ranks needs at least {num_ranks} routed experts; "
+                         f"the model has {num_experts} (turn enable_expert_parallel off to slice each expert)")
+    base, extra = divmod(num_experts, num_ranks)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def routed_experts_of(hf_config) -> int:
+    """The routed experts of a mixture-of-experts config (Qwen-MoE, Mixtral, DeepSeek names); 0 if dense."""
+    names = ("num_experts", "num_local_experts", "n_routed_experts")
+    return next((value for name in names if (value := getattr(hf_config, name, None))), 0)
+
+
 def select_experts(
     router_logits: torch.Tensor,
     top_k: int,
@@ -116,7 +132,7 @@ def run_experts(
         start += count
         slot_out[slots] = expert_mlp(expert, hidden_states[tokens]).to(slot_out.dtype)
     weighted = slot_out * weights.reshape(-1, 1)
-    return weighted.view(num_tokens, top_k, -1).sum(dim=1)
+    return weighted.view(num_tokens, top_k, out_features).sum(dim=1)
 
 
 def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_block: int) -> torch.Tensor:

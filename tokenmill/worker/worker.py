@@ -16,6 +16,7 @@ from tokenmill.kernels.kv_fp8 import is_fp8
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.mla import LatentAttention
+from tokenmill.layers.moe import FusedMoE
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
@@ -113,6 +114,8 @@ class Worker:
         logger.info("loaded %s (%s) on %s in %.1f s", type(self.model).__name__, self.dtype, self.device,
                     time.perf_counter() - start)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # In the order the forward pass calls them (data-parallel replicas exchange tokens layer by layer).
+        self.moe_exchanges = [m for m in self.model.modules() if isinstance(m, FusedMoE) and m.exchange is not None]
         self.attn_backend = get_attention_backend(config.device_config.attention_backend, self.device)
         speculative = config.speculative_config
         self.draft_model = None
@@ -368,6 +371,13 @@ class Worker:
         if self.kv_pool_warmer is not None:
             self.kv_pool_warmer.note_blocks(highest_new_block(scheduler_output))
         return self.model_runner.execute_model(scheduler_output)
+
+    @torch.inference_mode()
+    def exchange_experts_without_tokens(self) -> None:
+        """A step of the replica lockstep with no tokens of this replica's: every MoE layer's exchange still
+        runs, the other replicas' rows through this one's experts."""
+        for layer in self.moe_exchanges:
+            layer.exchange_without_tokens(self.dtype)
 
     @torch.inference_mode()
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

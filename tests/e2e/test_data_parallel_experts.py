@@ -1,0 +1,149 @@
+"""Expert parallelism across data-parallel replicas, through the real server: `tokenmill serve -dp 2
+--enable-expert-parallel` on a tiny seeded random Qwen3-MoE (float32, SmolLM2's tokenizer so that prompts are
+text). Each replica holds half of the routed experts; every MoE layer sends each token to the replica holding
+its experts and back (all-to-all over gloo), the two engine cores stepping in lockstep.
+
+Greedy text must be the one-process offline engine's for requests spread over both replicas at once, with async
+scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-gram drafts and n = 2 on; a
+replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
+served; killing one replica's core stops both (their requests end with engine_dead, no hang, no restart). What
+cannot go with it yet is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import RemoteServer, cmdline, descendants
+from test_data_parallel import finished, wait_for
+
+from tokenmill.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-moe"
+MAX_MODEL_LEN = 64
+SERVER_ARGS = ("--served-model-name", MODEL, "-dp", "2", "--enable-expert-parallel", "--dtype", "float32",
+               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16", "--num-gpu-blocks-override",
+               "6", "--async-scheduling", "--speculative-config",
+               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}')
+PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,", "Once upon a time",
+           "def main():", "The weather today", "Water boils at", "My favourite colour"]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, smollm2_tokenizer) -> str:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = smollm2_tokenizer
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                            num_experts_per_tok=3, moe_intermediate_size=32, max_position_embeddings=MAX_MODEL_LEN,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            initializer_range=0.2)  # peaked logits: no greedy step is a near tie
+    folder = tmp_path_factory.mktemp("tiny-moe")
+    Qwen3MoeForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_moe):
+    """The one-process engine's greedy texts: 24 tokens per prompt, and 12 for the short ones."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(tiny_moe, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    texts = {}
+    for max_tokens in (24, 12):
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                               use_tqdm=False)
+        texts[max_tokens] = [output.outputs[0].text for output in outputs]
+    return texts
+
+
+@pytest.fixture(scope="module")
+def server(tiny_moe):
+    server = RemoteServer(tiny_moe, *SERVER_ARGS)
+    yield server
+    server.stop()
+
+
+def preemptions(server: RemoteServer) -> float:
+    text = httpx.get(server.url("/metrics"), timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "tokenmill:num_preemptions_total")
+
+
+def complete(server: RemoteServer, prompt: str, max_tokens: int, n: int = 1) -> list[str]:
+    response = server.openai_client().completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, n=n,
+                                                         temperature=0.0, extra_body={"ignore_eos": True})
+    return [choice.text for choice in response.choices]
+
+
+def test_greedy_text_across_both_replicas_is_the_one_process_engines(server, reference):
+    before = finished(server)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        texts = list(pool.map(lambda p: complete(server, p, 24, n=2), PROMPTS))
+    assert texts == [[text, text] for text in reference[24]]
+    after = finished(server)
+    assert all(after[e] > before[e] for e in ("0", "1")), (before, after)  # both replicas had requests
+    assert preemptions(server) > 0  # 8 x 2 samples of ~30 tokens: more than 2 x 6 blocks hold
+
+
+def test_one_replica_busy_while_the_other_idles(server, reference):
+    """One request at a time (the balancer alternates on idle replicas): each step, the idle replica's core
+    exchanges every layer without tokens of its own, serving the busy one's rows for its experts."""
+    for prompt, expected in zip(PROMPTS[:4], reference[12][:4]):
+        assert complete(server, prompt, 12) == [expected]
+
+
+def test_killing_one_replica_stops_both_and_says_so(tiny_moe):
+    server = RemoteServer(tiny_moe, *SERVER_ARGS)
+    try:
+        assert complete(server, PROMPTS[0], 4)
+        cores = [pid for pid in descendants(server.proc.pid) if "spawn_main" in cmdline(pid)]
+        assert len(cores) == 2
+        body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 50, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", server.url("/v1/completions"), json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(cores[0], signal.SIGKILL)
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "error" in events[-1] or events[-1]["choices"][0]["finish_reason"] == "length"
+        wait_for(lambda: httpx.get(server.url("/health")).status_code != 200, "the server to report its engine dead")
+        wait_for(lambda: not [p for p in descendants(server.proc.pid) if "spawn_main" in cmdline(p)],
+                 "both cores to exit", timeout=20)
+        assert "are not restarted: restart the server" in server.log_tail(100_000)
+    finally:
+        server.stop()
+
+
+def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
+    from tokenmill.engine.replica_lockstep import replicas_share_experts
+    from tokenmill.model.loader import load_hf_config
+
+    def config(**kwargs) -> EngineConfig:
+        return EngineConfig.from_kwargs(tiny_moe, data_parallel_size=2, enable_expert_parallel=True, **kwargs)
+
+    hf_config = load_hf_config(config().model_config)
+    assert replicas_share_experts(config(), hf_config)
+    assert replicas_share_experts(config(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                             "prompt_lookup_max": 2}), hf_config)
+    # Several ranks per replica: experts within each replica's tensor-parallel ranks, as before.
+    assert not replicas_share_experts(config(tensor_parallel_size=2), hf_config)
+    with pytest.raises(ValueError, match="speculative method 'draft_model' cannot go with enable_expert_parallel "
+                                         "over 2 data-parallel replicas yet"):
+        replicas_share_experts(config(speculative_config={"method": "draft_model", "model": tiny_moe,
+                                                          "num_speculative_tokens": 2}), hf_config)
+    hf_config.num_experts = 1
+    with pytest.raises(ValueError, match="expert parallelism over 2 ranks needs at least 2 routed experts"):
+        replicas_share_experts(config(), hf_config)

@@ -1,0 +1,80 @@
+"""Routed experts spread over data-parallel replicas: each token's assignments go to the replicas that hold
+their experts and the experts' outputs come back, by all-to-all (torch.distributed, any backend).
+
+Every replica runs its own batch, so its tokens are its own; a layer's exchange is four all-to-alls: the
+assignment counts per destination, then the assigned rows, their experts' local ids, and back the rows'
+outputs. Each side learns the other's counts from the first, so no buffer is padded to a worst case. The
+replicas must therefore call every MoE layer together, in the same order: the engine cores step in
+lockstep (engine.replica_lockstep), and a replica with nothing to run calls each layer with no tokens
+(`ExpertExchange.run` on empty inputs), still computing and returning the rows the others send it.
+
+The combine rounds as layers.moe_routing.run_experts does (each (token, slot) row scaled by its weight, then
+a token's slots summed in slot order), so one replica's arithmetic per row is the one-process engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.layers.moe_routing import expert_range
+
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(rows [R, H], weights [R, 1], local expert ids [R, 1]) -> each row through its expert, times its weight."""
+
+
+class ExpertExchange:
+    """The dispatch and combine of a layer whose experts `num_replicas` replicas share out, replica r holding
+    expert_range(num_experts, r, num_replicas)'s."""
+
+    live = False
+    """Set once the engine cores step in lockstep; before (memory profiling, warm-up) each replica's layers
+    compute only their own experts' assignments."""
+    num_passes = 0
+    """Layers exchanged in this process so far (all instances): the lockstep's proof that a step ran its layers."""
+
+    def __init__(self, num_experts: int, num_replicas: int, group=None) -> None:
+        self.num_replicas, self.group = num_replicas, group
+        ranges = [expert_range(num_experts, r, num_replicas) for r in range(num_replicas)]
+        self.first_expert = torch.tensor([first for first, _ in ranges])
+        """Per replica: the global id of its first expert (a global id less it is the holder's local id)."""
+        self.holder = torch.repeat_interleave(torch.arange(num_replicas), torch.tensor([n for _, n in ranges]))
+        """Per global expert id: the replica that holds it."""
+
+    def run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            experts: ExpertsFn) -> torch.Tensor:
+        """hidden [T, H] of this replica's tokens, their routing [T, K] (global ids) -> the layer's output [T, H]."""
+        ExpertExchange.num_passes += 1
+        if self.holder.device != topk_ids.device:
+            self.holder, self.first_expert = self.holder.to(topk_ids.device), self.first_expert.to(topk_ids.device)
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)
+        dest = self.holder[flat_ids]
+        order = dest.argsort(stable=True)  # the assignments grouped by destination
+        token_of = order // top_k
+        send_counts = torch.bincount(dest, minlength=self.num_replicas)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        received = sum(recv_splits)
+        sorted_dest = dest[order]
+        local_ids = flat_ids[order] - self.first_expert[sorted_dest]
+        rows = self._exchange(hidden.index_select(0, token_of), received, recv_splits, send_splits)
+        ids = self._exchange(local_ids, received, recv_splits, send_splits)
+        if received:
+            done = experts(rows, torch.ones(received, 1, dtype=topk_weights.dtype, device=rows.device), ids[:, None])
+        else:
+            done = rows
+        back = self._exchange(done.to(hidden.dtype), num_tokens * top_k, send_splits, recv_splits)
+        slot_out = torch.empty_like(back)
+        slot_out[order] = back
+        weighted = slot_out * topk_weights.to(hidden.dtype).reshape(-1, 1)
+        return weighted.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1)
+
+    def _exchange(self, send: torch.Tensor, num_received: int, recv_splits: list[int],
+                  send_splits: list[int]) -> torch.Tensor:
+        out = send.new_empty((num_received, *send.shape[1:]))
+        dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
+        return out
