@@ -151,7 +151,7 @@ class ParallelConfig:
     of a 1/tp slice of every expert; attention and shared experts stay tensor-parallel. With data_parallel_size
     > 1 and one rank per replica, the replicas share out the experts instead (1/dp each): each MoE layer sends
     a replica's tokens to their experts' replicas and back (all-to-all), the engine cores stepping together
-    (no CUDA graphs; a failed replica stops them all)."""
+    (no CUDA graphs; a failed replica stops them all, and they restart together)."""
     nnodes: int = 1
     """Nodes the ranks span over a torch.distributed rendezvous (no Ray): each runs world_size / nnodes ranks;
     node 0 also runs the engine and the server, the others only their ranks (`serve --node-rank N`)."""

@@ -6,8 +6,8 @@ its experts and back (all-to-all over gloo), the two engine cores stepping in lo
 Greedy text must be the one-process offline engine's for requests spread over both replicas at once, with async
 scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-gram drafts and n = 2 on; a
 replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
-served; killing one replica's core stops both (their requests end with engine_dead, no hang, no restart). What
-cannot go with it yet is refused at start-up.
+served; killing one replica's core stops both (their requests end with engine_dead, no hang) and both start
+again together, serving the same text. What cannot go with it yet is refused at start-up.
 """
 
 from __future__ import annotations
@@ -105,11 +105,11 @@ def test_one_replica_busy_while_the_other_idles(server, reference):
         assert complete(server, prompt, 12) == [expected]
 
 
-def test_killing_one_replica_stops_both_and_says_so(tiny_moe):
+def test_killing_one_replica_stops_both_and_they_restart_together(tiny_moe, reference):
     server = RemoteServer(tiny_moe, *SERVER_ARGS)
     try:
-        assert complete(server, PROMPTS[0], 4)
-        cores = [pid for pid in descendants(server.proc.pid) if "spawn_main" in cmdline(pid)]
+        assert complete(server, PROMPTS[0], 12) == [reference[12][0]]
+        cores = engine_cores(server)
         assert len(cores) == 2
         body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 50, "temperature": 0.0, "ignore_eos": True,
                 "stream": True}
@@ -119,12 +119,25 @@ def test_killing_one_replica_stops_both_and_says_so(tiny_moe):
             os.kill(cores[0], signal.SIGKILL)
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert "error" in events[-1] or events[-1]["choices"][0]["finish_reason"] == "length"
-        wait_for(lambda: httpx.get(server.url("/health")).status_code != 200, "the server to report its engine dead")
-        wait_for(lambda: not [p for p in descendants(server.proc.pid) if "spawn_main" in cmdline(p)],
-                 "both cores to exit", timeout=20)
-        assert "are not restarted: restart the server" in server.log_tail(100_000)
+        # Both cores go (the other waited for the dead one's exchanges), and two new ones start together.
+        wait_for(lambda: len(new := engine_cores(server)) == 2 and not set(new) & set(cores), "two new cores", 90)
+        wait_for(lambda: httpx.get(server.url("/health")).status_code == 200, "the engine to serve again", 90)
+        texts = wait_for(lambda: _try_complete(server), "a completion after the restart", 60)
+        assert texts == [reference[12][2]]
+        assert "step together: restarting them all" in server.log_tail(100_000)
     finally:
         server.stop()
+
+
+def _try_complete(server: RemoteServer) -> list[str] | None:
+    try:
+        return complete(server, PROMPTS[2], 12)
+    except Exception:  # the replicas may still be joining
+        return None
+
+
+def engine_cores(server: RemoteServer) -> list[int]:
+    return [pid for pid in descendants(server.proc.pid) if "spawn_main" in cmdline(pid)]
 
 
 def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):

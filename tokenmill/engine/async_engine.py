@@ -15,8 +15,8 @@ likely holds in its cache, and aborts go where their request went. When a core f
 or the process died) the streams of its requests end with EngineDeadError at once and a new core
 process with the same configuration is started (core_replica.py); the other replicas serve on. The
 engine is unhealthy only while no replica can serve. Replicas that share out a mixture-of-experts model's
-experts (enable_expert_parallel: engine.replica_lockstep) step together instead, so the failure of one stops
-them all.
+experts (enable_expert_parallel: engine.replica_lockstep) step together instead: the failure of one stops them
+all, and they start again together.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class AsyncEngine:
         devices = replica_cuda_devices(config)  # before any process starts: too few GPUs fail at once
         self.replicas: list[CoreReplica] = []
         self._shutting_down = False
+        self._lockstep_restart: asyncio.Task | None = None
         self._rendezvous_dir: str | None = None
         """The private folder where replicas that share the experts meet (None: they do not)."""
         if num_replicas > 1 and replicas_share_experts(config, load_hf_config(config.model_config)):
@@ -81,10 +82,7 @@ class AsyncEngine:
             # The cores load the weights while this process loads the tokenizer.
             for index in range(num_replicas):
                 name = "the engine core" if num_replicas == 1 else f"the replica-{index} engine core"
-                rendezvous = None
-                if self._rendezvous_dir is not None:
-                    rendezvous = ReplicaRendezvous(index, num_replicas,
-                                                   f"file://{os.path.join(self._rendezvous_dir, 'world')}")
+                rendezvous = None if self._rendezvous_dir is None else self._rendezvous(0)[index]
                 self.replicas.append(CoreReplica(index, config, self, devices[index], name, rendezvous))
             self.frontend = frontend = load_frontend(config.model_config)
             for replica in self.replicas:
@@ -271,9 +269,17 @@ class AsyncEngine:
         # Empty stats: the replica's gauges drop to zero, and its next core counts from zero.
         self._record(self.output_processor.abort_requests(ids), SchedulerStats(), replica.index)
         self.balancer.forget(replica.index)
-        if not replica.restartable and not self._shutting_down:  # the others wait for it in their next exchange
+        if not replica.restartable and not self._shutting_down and self._lockstep_restart is None:
+            # The others wait for it in their next exchange: all stop, and start again together.
+            self._lockstep_restart = asyncio.create_task(self._restart_lockstep(), name="engine-restart-replicas")
             for other in self.replicas:
                 other.stop(f"{replica.name} failed")
+
+    async def _restart_lockstep(self) -> None:
+        try:
+            await CoreReplica.restart_together(self.replicas, self._rendezvous)
+        finally:
+            self._lockstep_restart = None
 
     def _record(self, outputs: list[RequestOutput], stats: SchedulerStats | None, engine_index: int) -> None:
         if self.stat_logger is not None and (outputs or stats is not None):
@@ -285,12 +291,20 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Stop the core processes; idempotent. Open streams end with EngineDeadError."""
         self._shutting_down = True
+        if self._lockstep_restart is not None:
+            self._lockstep_restart.cancel()
         if len(self.replicas) > 1:
             for replica in self.replicas:
                 replica.core.request_stop()  # all at once: each takes a moment to exit
         for replica in self.replicas:
             replica.shutdown()
         self._remove_rendezvous()
+
+    def _rendezvous(self, start: int) -> list[ReplicaRendezvous]:
+        """Where the replicas that share the experts meet at their `start`-th start (0: the first)."""
+        init_method = f"file://{os.path.join(self._rendezvous_dir, f'world-{start}')}"
+        num_replicas = self.config.parallel_config.data_parallel_size
+        return [ReplicaRendezvous(index, num_replicas, init_method) for index in range(num_replicas)]
 
     def _remove_rendezvous(self) -> None:
         if self._rendezvous_dir is not None:

@@ -5,7 +5,7 @@ when the core fails (a step raised, or the process died) it marks itself dead, h
 requests it held, and starts a new core process with the same configuration; once that is ready it
 serves again. Only a core that cannot start again leaves the replica dead. Replicas fail and restart
 independently of one another, except those that share out a model's experts (engine.replica_lockstep): they
-step together, so one that fails stops them all, for good.
+step together, so one that fails stops them all, and they start again together (restart_together).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
@@ -125,7 +126,7 @@ class CoreReplica:
         """Fail what the core held and start a new one; a second report of the same failure is ignored."""
         if core is not self.core or self.dead_reason is not None or self._shut_down:
             return
-        if not self.restartable:
+        if not self.restartable:  # the owner restarts it with the others
             self.stop(reason)
             return
         self._fail(f"{reason}; restarting it")
@@ -138,24 +139,32 @@ class CoreReplica:
         for attempt, delay in enumerate(RESTART_DELAYS_S, start=1):
             await asyncio.sleep(delay)
             try:
-                core = await asyncio.to_thread(self._start_core)
+                core = await asyncio.to_thread(self.start_core)
             except Exception as e:
                 logger.error("%s: restart %d of %d failed: %s", self.name, attempt, len(RESTART_DELAYS_S), e)
                 continue
             if self._shut_down:
                 core.shutdown()
                 return
-            self.core, self.last_stats, self.dead_reason = core, None, None
-            self.num_restarts += 1
-            self._attach(core)
-            logger.warning("%s restarted; serving again", self.name)
+            self.resume(core)
             return
+        self.give_up()
+
+    def resume(self, core: CoreProcessClient) -> None:
+        """Serve again from `core`, a new process started by start_core."""
+        self.core, self.last_stats, self.dead_reason = core, None, None
+        self.num_restarts += 1
+        self._attach(core)
+        logger.warning("%s restarted; serving again", self.name)
+
+    def give_up(self) -> None:
         self.dead_reason = f"{self.name} failed and could not be restarted: see the log; restart the server"
         logger.error(self.dead_reason)
 
-    def _start_core(self) -> CoreProcessClient:
-        """A new core process, ready (runs in a thread: loading the model takes seconds)."""
-        core = self._starting = CoreProcessClient(self.config, self.cuda_devices)
+    def start_core(self, replica_experts: ReplicaRendezvous | None = None) -> CoreProcessClient:
+        """A new core process, ready (runs in a thread: loading the model takes seconds); `replica_experts`: where
+        it meets the replicas it shares the experts with this time."""
+        core = self._starting = CoreProcessClient(self.config, self.cuda_devices, replica_experts)
         try:
             core.wait_ready()
             if self._shut_down:  # the server stopped meanwhile: nobody would stop this one
@@ -166,6 +175,37 @@ class CoreReplica:
         finally:
             self._starting = None
         return core
+
+    @staticmethod
+    async def restart_together(replicas: list[CoreReplica], places: Callable[[int], list[ReplicaRendezvous]]) -> None:
+        """Restart replicas that step together, all stopped (CoreReplica.stop), as one: attempt k meets at places(k),
+        a new rendezvous, and a core that fails to start ends the others' attempt at once (they would wait for it)."""
+        await asyncio.gather(*(asyncio.to_thread(replica.core.shutdown) for replica in replicas))
+        for attempt, delay in enumerate(RESTART_DELAYS_S, start=1):
+            await asyncio.sleep(delay)
+            starts = [asyncio.create_task(asyncio.to_thread(replica.start_core, place))
+                      for replica, place in zip(replicas, places(attempt))]
+            _, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+            while pending:  # one failed: the others would wait for it in the rendezvous
+                for replica in replicas:
+                    if replica._starting is not None:
+                        replica._starting.shutdown()  # its wait_ready() fails at once
+                _, pending = await asyncio.wait(pending, timeout=0.5)
+            errors = [task.exception() for task in starts if task.exception() is not None]
+            if errors or any(replica._shut_down for replica in replicas):
+                for task in starts:
+                    if task.exception() is None:
+                        task.result().shutdown()
+                if not errors:
+                    return  # the server is stopping
+                logger.error("data-parallel replicas: restart %d of %d failed: %s", attempt, len(RESTART_DELAYS_S),
+                             errors[0])
+                continue
+            for replica, task in zip(replicas, starts):
+                replica.resume(task.result())
+            return
+        for replica in replicas:
+            replica.give_up()
 
     def _fail(self, reason: str, expected: bool = False) -> None:
         """Mark the replica dead and have the owner end every request it held."""
@@ -182,15 +222,12 @@ class CoreReplica:
             self._output_task.cancel()
 
     def stop(self, reason: str) -> None:
-        """Fail what the replica holds and stop its core for good, in the background (replicas that step together
-        go together: the owner stops the others); nothing if it is already dead or shut down."""
+        """Fail what the replica holds and stop its core (replicas that step together stop and restart together:
+        the owner does both); nothing if it is already dead or shut down."""
         if self.dead_reason is not None or self._shut_down:
             return
-        self._shut_down = True
-        self._fail(f"{reason}; the data-parallel replicas that share the experts step together and are not "
-                   f"restarted: restart the server")
+        self._fail(f"{reason}; the data-parallel replicas that share the experts step together: restarting them all")
         asyncio.get_running_loop().remove_reader(self.core.proc.sentinel)
-        asyncio.get_running_loop().run_in_executor(None, self.core.shutdown)
 
     def shutdown(self) -> None:
         """Stop the core process; idempotent. Its open requests end with EngineDeadError."""
@@ -203,3 +240,4 @@ class CoreReplica:
             self._output_task.get_loop().remove_reader(self.core.proc.sentinel)
             self._fail("the engine was shut down", expected=True)
         self.core.shutdown()
+
