@@ -6,14 +6,16 @@ its experts and back (all-to-all over gloo), the two engine cores stepping in lo
 Greedy text must be the one-process offline engine's for requests spread over both replicas at once, with async
 scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-gram drafts and n = 2 on; a
 replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
-served; killing one replica's core stops both (their requests end with engine_dead, no hang) and both start
-again together, serving the same text. What cannot go with it yet is refused at start-up.
+served; constrained requests (regex, choice) match; killing one replica's core stops both (their requests end
+with engine_dead, no hang) and both start again together, serving the same text. What cannot go with it yet is
+refused at start-up.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -103,6 +105,28 @@ def test_one_replica_busy_while_the_other_idles(server, reference):
     exchanges every layer without tokens of its own, serving the busy one's rows for its experts."""
     for prompt, expected in zip(PROMPTS[:4], reference[12][:4]):
         assert complete(server, prompt, 12) == [expected]
+
+
+def test_structured_outputs_while_the_grammars_compile(server):
+    """Requests waiting for their grammar hold no forward pass of their replica: it exchanges without tokens
+    meanwhile. A random model's text under regexes and choices (each spec new, so each compiles): it matches, on
+    both replicas."""
+    before = finished(server)
+
+    def constrained(i: int) -> tuple[str, str]:
+        pattern = f"(yes|no)-[0-9]{{{i + 1}}}"
+        spec = {"regex": pattern} if i % 2 else {"choice": [f"red{i}", f"green{i}", f"blue{i}"]}
+        response = server.openai_client().completions.create(
+            model=MODEL, prompt=PROMPTS[i], max_tokens=30, temperature=0.0, extra_body={"structured_outputs": spec})
+        assert response.choices[0].finish_reason == "stop"
+        expected = pattern if i % 2 else f"(red|green|blue){i}"
+        return expected, response.choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        for expected, text in pool.map(constrained, range(4)):
+            assert re.fullmatch(expected, text), (expected, text)
+    after = finished(server)
+    assert all(after[e] > before[e] for e in ("0", "1")), (before, after)
 
 
 def test_killing_one_replica_stops_both_and_they_restart_together(tiny_moe, reference):
