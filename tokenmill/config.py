@@ -127,6 +127,17 @@ per rank of this node with --nnodes) | ray (a Ray actor per rank, placed by Ray 
 
 
 @dataclass(frozen=True)
+class ReplicaWorld:
+    """Where the ranks of data-parallel replicas that share out a model's experts meet (the server sets it in
+    each replica's config; engine.replica_lockstep): replica `replica` of `num_replicas`, its rank r being global
+    rank replica * tensor_parallel_size + r of one torch.distributed world."""
+    replica: int
+    num_replicas: int
+    init_method: str
+    """torch.distributed's init_method: a file in the server's private folder."""
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over devices, with vLLM's argument names."""
 
@@ -149,9 +160,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     """Mixture-of-experts layers: each tensor-parallel rank holds whole routed experts (1/tp of them) instead
     of a 1/tp slice of every expert; attention and shared experts stay tensor-parallel. With data_parallel_size
-    > 1 and one rank per replica, the replicas share out the experts instead (1/dp each): each MoE layer sends
-    a replica's tokens to their experts' replicas and back (all-to-all), the engine cores stepping together
-    (no CUDA graphs; a failed replica stops them all, and they restart together)."""
+    > 1 (and one pipeline stage) every rank of every replica holds 1/(dp x tp) of the experts instead: each MoE
+    layer sends a replica's tokens to their experts' ranks and back (all-to-all), the engine cores stepping
+    together (no CUDA graphs; a failed replica stops them all, and they restart together)."""
     nnodes: int = 1
     """Nodes the ranks span over a torch.distributed rendezvous (no Ray): each runs world_size / nnodes ranks;
     node 0 also runs the engine and the server, the others only their ranks (`serve --node-rank N`)."""
@@ -163,6 +174,8 @@ class ParallelConfig:
     """Node 0's rendezvous port (torch.distributed's store; the other channels' ports are published there)."""
     headless: bool = False
     """Run only this node's ranks, no engine or server: vLLM's flag, implied by node_rank > 0."""
+    replica_world: ReplicaWorld | None = None
+    """Set by the server when the data-parallel replicas share out the experts (enable_expert_parallel); not a flag."""
 
     def __post_init__(self) -> None:
         if type(self.enable_expert_parallel) is not bool:

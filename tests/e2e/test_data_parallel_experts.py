@@ -1,14 +1,14 @@
 """Expert parallelism across data-parallel replicas, through the real server: `tokenmill serve -dp 2
 --enable-expert-parallel` on a tiny seeded random Qwen3-MoE (float32, SmolLM2's tokenizer so that prompts are
-text). Each replica holds half of the routed experts; every MoE layer sends each token to the replica holding
-its experts and back (all-to-all over gloo), the two engine cores stepping in lockstep.
+text). Each replica holds half of the routed experts (a quarter per rank with -tp 2); every MoE layer sends each
+token to the rank holding its experts and back (all-to-all over gloo), the two engine cores stepping in lockstep.
 
 Greedy text must be the one-process offline engine's for requests spread over both replicas at once, with async
 scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-gram drafts and n = 2 on; a
 replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
 served; constrained requests (regex, choice) match; killing one replica's core stops both (their requests end
-with engine_dead, no hang) and both start again together, serving the same text. What cannot go with it yet is
-refused at start-up.
+with engine_dead, no hang) and both start again together, serving the same text. Two replicas of two
+tensor-parallel ranks give the same text too. What cannot go with it yet is refused at start-up.
 """
 
 from __future__ import annotations
@@ -164,6 +164,19 @@ def engine_cores(server: RemoteServer) -> list[int]:
     return [pid for pid in descendants(server.proc.pid) if "spawn_main" in cmdline(pid)]
 
 
+def test_replicas_of_two_tensor_parallel_ranks_share_the_experts_over_four(tiny_moe, reference):
+    """-dp 2 -tp 2: each of the four ranks holds 2 of the 8 experts; a replica's two ranks each send half of its
+    tokens and gather the other half's outputs. Greedy text: the one-process engine's."""
+    server = RemoteServer(tiny_moe, *SERVER_ARGS, "-tp", "2")
+    try:
+        assert len(engine_cores(server)) == 2
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS[:4]))
+        assert texts == [[text] for text in reference[12][:4]]
+    finally:
+        server.stop()
+
+
 def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
     from tokenmill.engine.replica_lockstep import replicas_share_experts
     from tokenmill.model.loader import load_hf_config
@@ -175,12 +188,13 @@ def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
     assert replicas_share_experts(config(), hf_config)
     assert replicas_share_experts(config(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                              "prompt_lookup_max": 2}), hf_config)
-    # Several ranks per replica: experts within each replica's tensor-parallel ranks, as before.
-    assert not replicas_share_experts(config(tensor_parallel_size=2), hf_config)
+    assert replicas_share_experts(config(tensor_parallel_size=2), hf_config)  # over dp x tp = 4 ranks
+    # Pipeline stages: experts within each replica's tensor-parallel ranks, as before.
+    assert not replicas_share_experts(config(pipeline_parallel_size=2), hf_config)
     with pytest.raises(ValueError, match="speculative method 'draft_model' cannot go with enable_expert_parallel "
                                          "over 2 data-parallel replicas yet"):
         replicas_share_experts(config(speculative_config={"method": "draft_model", "model": tiny_moe,
                                                           "num_speculative_tokens": 2}), hf_config)
-    hf_config.num_experts = 1
-    with pytest.raises(ValueError, match="expert parallelism over 2 ranks needs at least 2 routed experts"):
-        replicas_share_experts(config(), hf_config)
+    hf_config.num_experts = 3
+    with pytest.raises(ValueError, match="expert parallelism over 4 ranks needs at least 4 routed experts"):
+        replicas_share_experts(config(tensor_parallel_size=2), hf_config)

@@ -5,8 +5,9 @@ Two ranks give transformers' greedy tokens in float32 (Qwen3-MoE top-3 of 8, Mix
 grouped sigmoid routing with a shared expert that stays sliced), with async scheduling, chunked prefill and
 ngram drafts on; rank 0 holds half the experts, and rank 1 (built in this process as rank 1 of 2) loads
 exactly the other half. At the layer level, an uneven split (6 experts over 4 ranks) sums to the one-rank
-output, and across data-parallel replicas (three processes, gloo: each its own tokens, one with none) the
-all-to-all exchange gives each replica the one-process layer's output for its tokens. Too few experts for the
+output, and across data-parallel replicas (processes over gloo: each replica its own tokens, one with none; also
+two replicas of two tensor-parallel ranks) the all-to-all exchange gives each rank the one-process layer's
+output for its replica's tokens. Too few experts for the
 ranks is refused at start-up.
 """
 
@@ -16,7 +17,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing
 from transformers import Qwen3MoeConfig
 
@@ -139,55 +139,60 @@ def test_uneven_expert_split_sums_to_the_one_rank_layer(monkeypatch, per_expert)
     torch.testing.assert_close(sum(partials), expected, rtol=1e-12, atol=1e-12)
 
 
-REPLICA_TOKENS = (5, 0, 9)
-"""Tokens of each data-parallel replica in the exchange test: the second has none (a lockstep step without work)."""
-
-
-def _replica_case(num_experts: int = 7, top_k: int = 3, hidden: int = 16, inter: int = 12):
+def _replica_case(replica_tokens: tuple[int, ...], num_experts: int = 7, top_k: int = 3, hidden: int = 16,
+                  inter: int = 12):
     """Every replica's inputs (seeded: each process makes the same): experts, and per replica tokens and logits."""
     g = torch.Generator().manual_seed(1)
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g, dtype=torch.float64)
     down = torch.randn(num_experts, hidden, inter, generator=g, dtype=torch.float64)
-    xs = [torch.randn(n, hidden, generator=g, dtype=torch.float64) for n in REPLICA_TOKENS]
-    logits = [torch.randn(n, num_experts, generator=g, dtype=torch.float64) for n in REPLICA_TOKENS]
+    xs = [torch.randn(n, hidden, generator=g, dtype=torch.float64) for n in replica_tokens]
+    logits = [torch.randn(n, num_experts, generator=g, dtype=torch.float64) for n in replica_tokens]
     return (num_experts, top_k, hidden, inter), gate_up, down, xs, logits
 
 
-def _replica_process(rank: int, init_file: str, out_file: str) -> None:
-    """One replica of len(REPLICA_TOKENS): its share of the experts, its own tokens exchanged with the others."""
-    size = len(REPLICA_TOKENS)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+def _replica_process(rank: int, replica_tokens: tuple[int, ...], tp_size: int, init_file: str,
+                     out_file: str) -> None:
+    """Global rank `rank` of len(replica_tokens) replicas of tp_size ranks: its share of the experts, its replica's
+    tokens (the same on each of the replica's ranks) exchanged with every other rank."""
+    replica, tp_rank = divmod(rank, tp_size)
+    parallel_state.init_replica_world(replica, len(replica_tokens), f"file://{init_file}", tp_rank, tp_size,
+                                      torch.device("cpu"))
     torch.set_default_dtype(torch.float64)
-    parallel_state._REPLICA_EXPERTS = parallel_state.ReplicaExperts(rank, size)
     parallel_state.set_expert_parallel(True)
-    shape, gate_up, down, xs, logits = _replica_case()
+    shape, gate_up, down, xs, logits = _replica_case(replica_tokens)
     layer = _layer(*shape)
     _load(layer, gate_up, down, per_expert=True)
-    first, count = expert_range(shape[0], rank, size)
+    first, count = expert_range(shape[0], rank, len(replica_tokens) * tp_size)
     assert layer.exchange is not None and (layer.first_expert, layer.num_local_experts) == (first, count)
     assert torch.equal(layer.w2_weight, down[first : first + count])
     ExpertExchange.live = True
-    if xs[rank].shape[0]:
-        out = layer(xs[rank], logits[rank])
-    else:  # the others' rows still go through this replica's experts
+    if xs[replica].shape[0]:
+        out = layer(xs[replica], logits[replica])
+    else:  # the others' rows still go through this rank's experts
         layer.exchange_without_tokens(torch.float64)
         out = torch.empty(0, shape[2])
     torch.save(out, f"{out_file}.{rank}")
-    dist.destroy_process_group()
+    parallel_state.destroy_distributed()
 
 
 @pytest.mark.slow
-def test_replicas_exchanging_tokens_give_the_one_process_layer(tmp_path):
-    """Three replica processes (gloo), 7 experts top-3 held 3 / 2 / 2: every replica's output for its own tokens
-    equals the one-process layer's (float64), the replica without tokens taking part in the exchange."""
-    torch.multiprocessing.spawn(_replica_process, args=(str(tmp_path / "init"), str(tmp_path / "out")),
-                                nprocs=len(REPLICA_TOKENS))
-    shape, gate_up, down, xs, logits = _replica_case()
+@pytest.mark.parametrize(("replica_tokens", "tp_size"), [((5, 0, 9), 1), ((5, 1), 2)],
+                         ids=["3-replicas", "2-replicas-x-2-ranks"])
+def test_replicas_exchanging_tokens_give_the_one_process_layer(tmp_path, replica_tokens, tp_size):
+    """Replica processes over gloo, 7 experts top-3 spread over every rank (3 replicas: 3 / 2 / 2, one replica
+    with no tokens; 2 replicas of 2 tensor-parallel ranks: 2 / 2 / 2 / 1, each rank sending its half of its
+    replica's tokens, one rank none): every rank's output for its replica's tokens equals the one-process layer's
+    (float64)."""
+    world_size = len(replica_tokens) * tp_size
+    torch.multiprocessing.spawn(_replica_process, nprocs=world_size,
+                                args=(replica_tokens, tp_size, str(tmp_path / "init"), str(tmp_path / "out")))
+    shape, gate_up, down, xs, logits = _replica_case(replica_tokens)
     torch.set_default_dtype(torch.float64)
     try:
         whole = _layer(*shape)
         _load(whole, gate_up, down, per_expert=True)
-        for rank, (x, logit) in enumerate(zip(xs, logits)):
+        for rank in range(world_size):
+            x, logit = xs[rank // tp_size], logits[rank // tp_size]
             out = torch.load(tmp_path / f"out.{rank}")
             assert out.shape == x.shape
             torch.testing.assert_close(out, whole(x, logit), rtol=1e-12, atol=1e-12)

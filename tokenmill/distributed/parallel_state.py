@@ -9,9 +9,10 @@ Rank layout for tp x pp ranks: global rank r is tensor-parallel rank r % tp of p
 pp - 1 - r // tp. Rank 0, the driver in the engine core's process, is thus on the last stage: it
 samples and holds each step's whole output (logprobs, prompt logprobs) without a copy between processes.
 
-Expert parallelism across data-parallel replicas (one rank each) is a world of its own instead: each
-engine-core process joins it as its replica's index (`init_replica_experts`), and the MoE layers send
-tokens to the replica holding their experts and back (layers.moe_all_to_all).
+Data-parallel replicas that share out a model's experts (config.ReplicaWorld) make one world instead:
+replica d's tensor-parallel rank r is global rank d * tp + r (`init_replica_world`), each replica's ranks a
+tensor-parallel group, and the MoE layers send tokens to the rank holding their experts and back
+(layers.moe_all_to_all).
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ class PipelineStage:
 
 @dataclass(frozen=True)
 class ReplicaExperts:
-    """The data-parallel replicas whose MoE layers share out the routed experts: replica `rank` of `size`
-    holds a contiguous range of them. size 1: each replica holds every expert (or no such world)."""
+    """The ranks of data-parallel replicas whose MoE layers share out the routed experts: global rank `rank` of
+    `size` (all ranks of all replicas) holds a contiguous range of them. size 1: no such world."""
     rank: int = 0
     size: int = 1
     host_group: Any = None
-    """A gloo group over the replicas for the host's per-step agreement (None: the world, gloo itself)."""
+    """A gloo group over the replicas' drivers (rank 0 of each) for the engine cores' per-step agreement."""
 
 
 _TP_GROUP = TensorParallelGroup()
@@ -88,18 +89,29 @@ def get_replica_experts() -> ReplicaExperts:
     return _REPLICA_EXPERTS
 
 
-def init_replica_experts(rank: int, size: int, init_method: str, device: torch.device,
-                         timeout_s: float = 600.0) -> None:
-    """Join this engine-core process to the world of `size` data-parallel replicas as `rank` (each replica
-    one rank: tensor_parallel_size 1), before its model is built: the MoE layers read it then."""
-    global _REPLICA_EXPERTS
+def init_replica_world(replica: int, num_replicas: int, init_method: str, tp_rank: int, tp_size: int,
+                       device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the world of every rank of `num_replicas` data-parallel replicas of `tp_size` ranks each, as
+    tensor-parallel rank `tp_rank` of replica `replica` (every rank of every replica calls it), before the
+    model is built: its layers read the groups then."""
+    global _TP_GROUP, _PP_STAGE, _REPLICA_EXPERTS
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+    world_size, rank = num_replicas * tp_size, replica * tp_size + tp_rank
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-    _REPLICA_EXPERTS = ReplicaExperts(rank, size, host_group)
-    _check_group(size, None, device)
+    tp_group = None
+    for first in range(0, world_size, tp_size):  # every rank makes every group, in the same order
+        group = dist.new_group(list(range(first, first + tp_size)))
+        if first <= rank < first + tp_size:
+            tp_group = group
+    host_group = dist.new_group(list(range(0, world_size, tp_size)), backend="gloo")
+    _TP_GROUP = TensorParallelGroup(tp_rank, tp_size, backend, tp_group)
+    _PP_STAGE = PipelineStage(0, 1, rank, tp_size)
+    _REPLICA_EXPERTS = ReplicaExperts(rank, world_size, host_group)
+    _check_group(world_size, None, device)
+    if tp_size > 1:
+        _check_group(tp_size, tp_group, device)
 
 
 def get_tp_rank() -> int:
@@ -186,14 +198,23 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's `x` [n, m] along the last dimension, in rank order -> [n, world_size * m]."""
+def tp_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` [n, ...] stacked in rank order -> [world_size * n, ...]."""
     world_size = _TP_GROUP.world_size
     if world_size == 1:
         return x
     # One output tensor (not a list): a single NCCL call, which CUDA graphs capture.
     out = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x.contiguous(), group=_TP_GROUP.group)
+    return out
+
+
+def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's `x` [n, m] along the last dimension, in rank order -> [n, world_size * m]."""
+    world_size = _TP_GROUP.world_size
+    if world_size == 1:
+        return x
+    out = tp_gather_rows(x)
     return out.view(world_size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], world_size * x.shape[-1])
 
 

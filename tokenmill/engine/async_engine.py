@@ -22,7 +22,6 @@ all, and they start again together.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import shutil
@@ -36,7 +35,7 @@ from tokenmill.engine.core_replica import CoreReplica, EngineDeadError
 from tokenmill.engine.dp_balancer import DataParallelBalancer, ReplicaLoad
 from tokenmill.engine.frontend import load_frontend
 from tokenmill.engine.input_processor import PromptType
-from tokenmill.engine.replica_lockstep import ReplicaRendezvous, replicas_share_experts
+from tokenmill.engine.replica_lockstep import replica_configs, replicas_share_experts
 from tokenmill.model.loader import load_hf_config
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import EngineCoreOutputs, ProfileReply, SchedulerStats
@@ -71,19 +70,17 @@ class AsyncEngine:
         self._lockstep_restart: asyncio.Task | None = None
         self._rendezvous_dir: str | None = None
         """The private folder where replicas that share the experts meet (None: they do not)."""
+        configs = [config] * num_replicas
         if num_replicas > 1 and replicas_share_experts(config, load_hf_config(config.model_config)):
             self._rendezvous_dir = tempfile.mkdtemp(prefix="tokenmill-replicas-")
+            configs = self._replica_configs(0)
             if config.device_config.device != "cpu" and not config.device_config.enforce_eager:
-                # The exchanges' sizes change every step and are read on the host: no CUDA graph can hold them.
                 logger.info("enable_expert_parallel over data-parallel replicas: CUDA graphs are off")
-                config = dataclasses.replace(
-                    config, device_config=dataclasses.replace(config.device_config, enforce_eager=True))
         try:
             # The cores load the weights while this process loads the tokenizer.
             for index in range(num_replicas):
                 name = "the engine core" if num_replicas == 1 else f"the replica-{index} engine core"
-                rendezvous = None if self._rendezvous_dir is None else self._rendezvous(0)[index]
-                self.replicas.append(CoreReplica(index, config, self, devices[index], name, rendezvous))
+                self.replicas.append(CoreReplica(index, configs[index], self, devices[index], name))
             self.frontend = frontend = load_frontend(config.model_config)
             for replica in self.replicas:
                 replica.wait_ready()
@@ -277,7 +274,7 @@ class AsyncEngine:
 
     async def _restart_lockstep(self) -> None:
         try:
-            await CoreReplica.restart_together(self.replicas, self._rendezvous)
+            await CoreReplica.restart_together(self.replicas, self._replica_configs)
         finally:
             self._lockstep_restart = None
 
@@ -300,11 +297,10 @@ class AsyncEngine:
             replica.shutdown()
         self._remove_rendezvous()
 
-    def _rendezvous(self, start: int) -> list[ReplicaRendezvous]:
-        """Where the replicas that share the experts meet at their `start`-th start (0: the first)."""
-        init_method = f"file://{os.path.join(self._rendezvous_dir, f'world-{start}')}"
-        num_replicas = self.config.parallel_config.data_parallel_size
-        return [ReplicaRendezvous(index, num_replicas, init_method) for index in range(num_replicas)]
+    def _replica_configs(self, start: int) -> list[EngineConfig]:
+        """The configs of replicas that share the experts at their `start`-th start (0: the first): a new
+        rendezvous each time."""
+        return replica_configs(self.config, f"file://{os.path.join(self._rendezvous_dir, f'world-{start}')}")
 
     def _remove_rendezvous(self) -> None:
         if self._rendezvous_dir is not None:

@@ -25,7 +25,6 @@ import zmq.asyncio
 from tokenmill.config import EngineConfig
 from tokenmill.engine.codec import decode_outputs, encode_abort, encode_add, encode_profile
 from tokenmill.engine.core_proc import run_engine_core
-from tokenmill.engine.replica_lockstep import ReplicaRendezvous
 from tokenmill.protocol import EngineCoreOutputs, EngineRequest, ProfileCommand
 
 logger = logging.getLogger(__name__)
@@ -87,10 +86,8 @@ def _child_environ(name: str, value: str | None) -> Iterator[None]:
 
 
 class CoreProcessClient:
-    def __init__(self, config: EngineConfig, cuda_devices: str | None = None,
-                 replica_experts: ReplicaRendezvous | None = None) -> None:
-        """`cuda_devices`: the child's CUDA_VISIBLE_DEVICES (a data-parallel replica's GPUs); None: inherited.
-        `replica_experts`: where the replica joins the others it shares the MoE experts with."""
+    def __init__(self, config: EngineConfig, cuda_devices: str | None = None) -> None:
+        """`cuda_devices`: the child's CUDA_VISIBLE_DEVICES (a data-parallel replica's GPUs); None: inherited."""
         self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
         input_address = f"ipc://{os.path.join(self._tmpdir, 'input')}"
         self._output_address = f"ipc://{os.path.join(self._tmpdir, 'output')}"
@@ -108,7 +105,7 @@ class CoreProcessClient:
         self._ready, child_end = mp.Pipe(duplex=False)
         self.proc = mp.Process(
             target=run_engine_core,
-            args=(config, input_address, self._output_address, child_end, os.getpid(), replica_experts),
+            args=(config, input_address, self._output_address, child_end, os.getpid()),
             name="tokenmill-engine-core",
             daemon=True,
         )

@@ -27,7 +27,7 @@ from tokenmill.engine.codec import RequestKind, decode_request, encode_outputs
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.core_profiler import handle_profile_command
 from tokenmill.engine.heap_freeze import freeze_startup_heap
-from tokenmill.engine.replica_lockstep import IDLE_POLL_S, ReplicaLockstep, ReplicaRendezvous
+from tokenmill.engine.replica_lockstep import IDLE_POLL_S, ReplicaLockstep
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineRequest
 from tokenmill.request import FinishReason
 
@@ -39,11 +39,9 @@ _SEND_LINGER_MS = 1000
 
 
 def run_engine_core(
-    config: EngineConfig, input_address: str, output_address: str, ready: Connection, parent_pid: int,
-    replica_experts: ReplicaRendezvous | None = None,
+    config: EngineConfig, input_address: str, output_address: str, ready: Connection, parent_pid: int
 ) -> None:
-    """Entry point of the engine-core process. `replica_experts`: this data-parallel replica's place in the
-    world of replicas that share out the MoE experts (engine.replica_lockstep)."""
+    """Entry point of the engine-core process."""
     # Ctrl-C reaches the whole process group; the frontend owns it and stops us with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -54,11 +52,10 @@ def run_engine_core(
 
         hf_config = load_hf_config(config.model_config)
         max_model_len = resolve_max_model_len(config.model_config.max_model_len, hf_config)
-        if replica_experts is not None:  # before the model: its MoE layers take their experts from it
-            replica_experts.join(config)
         core = EngineCore.from_config(config, hf_config, max_model_len)
-        proc = EngineCoreProc(core, input_address, output_address,
-                              ReplicaLockstep(core) if replica_experts is not None else None)
+        # Replicas that share out the experts step together (engine.replica_lockstep).
+        lockstep = ReplicaLockstep(core) if config.parallel_config.replica_world is not None else None
+        proc = EngineCoreProc(core, input_address, output_address, lockstep)
     except BaseException:
         # The frontend stops us with SIGTERM once it reads the error: we are leaving anyway, and the signal's
         # SystemExit raised inside the interpreter's exit would print a stray traceback.

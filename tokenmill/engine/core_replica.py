@@ -18,7 +18,6 @@ from typing import Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import CoreProcessClient
-from tokenmill.engine.replica_lockstep import ReplicaRendezvous
 from tokenmill.protocol import EngineCoreOutputs, ProfileCommand, ProfileReply, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -41,17 +40,17 @@ class ReplicaOwner(Protocol):
 
 class CoreReplica:
     def __init__(self, index: int, config: EngineConfig, owner: ReplicaOwner, cuda_devices: str | None = None,
-                 name: str = "the engine core", replica_experts: ReplicaRendezvous | None = None) -> None:
-        """Starts the core process; wait_ready() waits for it, start() (in the serving loop) attaches to it.
-        `replica_experts`: the replicas share out the experts (its core joins them there; no restarts)."""
+                 name: str = "the engine core") -> None:
+        """Starts the core process; wait_ready() waits for it, start() (in the serving loop) attaches to it."""
         self.index = index
         self.config = config
         self.owner = owner
         self.cuda_devices = cuda_devices
         self.name = name
         """How logs and errors name it ("the engine core", or "engine core 1 of 2")."""
-        self.restartable = replica_experts is None
-        self.core = CoreProcessClient(config, cuda_devices, replica_experts)
+        self.restartable = config.parallel_config.replica_world is None
+        """False for replicas that share out the experts: they restart together (restart_together)."""
+        self.core = CoreProcessClient(config, cuda_devices)
         self.last_stats: SchedulerStats | None = None
         self.dead_reason: str | None = None
         self.num_restarts = 0
@@ -161,10 +160,9 @@ class CoreReplica:
         self.dead_reason = f"{self.name} failed and could not be restarted: see the log; restart the server"
         logger.error(self.dead_reason)
 
-    def start_core(self, replica_experts: ReplicaRendezvous | None = None) -> CoreProcessClient:
-        """A new core process, ready (runs in a thread: loading the model takes seconds); `replica_experts`: where
-        it meets the replicas it shares the experts with this time."""
-        core = self._starting = CoreProcessClient(self.config, self.cuda_devices, replica_experts)
+    def start_core(self) -> CoreProcessClient:
+        """A new core process, ready (runs in a thread: loading the model takes seconds)."""
+        core = self._starting = CoreProcessClient(self.config, self.cuda_devices)
         try:
             core.wait_ready()
             if self._shut_down:  # the server stopped meanwhile: nobody would stop this one
@@ -177,14 +175,16 @@ class CoreReplica:
         return core
 
     @staticmethod
-    async def restart_together(replicas: list[CoreReplica], places: Callable[[int], list[ReplicaRendezvous]]) -> None:
-        """Restart replicas that step together, all stopped (CoreReplica.stop), as one: attempt k meets at places(k),
-        a new rendezvous, and a core that fails to start ends the others' attempt at once (they would wait for it)."""
+    async def restart_together(replicas: list[CoreReplica], configs: Callable[[int], list[EngineConfig]]) -> None:
+        """Restart replicas that step together, all stopped (CoreReplica.stop), as one: attempt k starts them from
+        configs(k) (a new rendezvous), and a core that fails to start ends the others' attempt at once (they would
+        wait for it)."""
         await asyncio.gather(*(asyncio.to_thread(replica.core.shutdown) for replica in replicas))
         for attempt, delay in enumerate(RESTART_DELAYS_S, start=1):
             await asyncio.sleep(delay)
-            starts = [asyncio.create_task(asyncio.to_thread(replica.start_core, place))
-                      for replica, place in zip(replicas, places(attempt))]
+            for replica, config in zip(replicas, configs(attempt)):
+                replica.config = config
+            starts = [asyncio.create_task(asyncio.to_thread(replica.start_core)) for replica in replicas]
             _, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
             while pending:  # one failed: the others would wait for it in the rendezvous
                 for replica in replicas:

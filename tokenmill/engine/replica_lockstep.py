@@ -1,23 +1,23 @@
 """The engine cores of data-parallel replicas whose MoE layers share out the experts step together.
 
-Each MoE layer exchanges its tokens with every replica (layers.moe_all_to_all), so every core must run the
-same number of forward passes: at each turn of its loop, every core says whether it has requests (an
-all-reduce over the replicas); if any has, each core steps, and a core that had nothing to run (or whose
-step launched no forward pass) exchanges each layer without tokens of its own, its experts still serving the
-others'. While none has work the cores take turns every IDLE_POLL_S, waiting on their inputs in between, so a
-request arriving at an idle engine waits at most that long for the others to join.
+Each MoE layer exchanges its tokens with every rank of every replica (layers.moe_all_to_all), so every core
+must run the same number of forward passes: at each turn of its loop, every core says whether it has requests
+(an all-reduce over the replicas' drivers); if any has, each core steps, and a core that had nothing to run (or
+whose step launched no forward pass) has its ranks exchange each layer without tokens of their own, their
+experts still serving the others'. While none has work the cores take turns every IDLE_POLL_S, waiting on
+their inputs in between, so a request arriving at an idle engine waits at most that long for the others to join.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tokenmill.config import EngineConfig
-from tokenmill.distributed.parallel_state import get_replica_experts, init_replica_experts
+from tokenmill.config import EngineConfig, ReplicaWorld
+from tokenmill.distributed.parallel_state import get_replica_experts
 from tokenmill.layers.moe_all_to_all import ExpertExchange
 from tokenmill.layers.moe_routing import expert_range, routed_experts_of
 from tokenmill.protocol import EngineCoreOutputs
@@ -30,41 +30,34 @@ IDLE_POLL_S = 0.01
 
 def replicas_share_experts(config: EngineConfig, hf_config) -> bool:
     """Whether the data-parallel replicas share out the routed experts (and so step in lockstep):
-    enable_expert_parallel over several replicas of one rank each, on a mixture-of-experts model. Refuses at
-    start-up what cannot go with it yet."""
+    enable_expert_parallel over several replicas (of one pipeline stage), on a mixture-of-experts model. Refuses
+    at start-up what cannot go with it yet."""
     parallel = config.parallel_config
     num_experts = routed_experts_of(hf_config)
     if not (parallel.enable_expert_parallel and parallel.data_parallel_size > 1 and num_experts):
         return False
-    if parallel.world_size > 1:
-        logger.info("expert parallelism within each replica's %d ranks; sharing the experts out over the replicas "
-                    "takes one rank per replica (tensor and pipeline parallel size 1) for now", parallel.world_size)
+    if parallel.pipeline_parallel_size > 1:
+        logger.info("expert parallelism within each replica's tensor-parallel ranks; sharing the experts out over "
+                    "the replicas takes one pipeline stage for now")
         return False
     speculative = config.speculative_config
     if speculative is not None and speculative.method != "ngram":
         raise ValueError(f"speculative method {speculative.method!r} cannot go with enable_expert_parallel over "
                          f"{parallel.data_parallel_size} data-parallel replicas yet (its drafter's forward passes "
                          f"would not run in step across the replicas): use 'ngram', or one of the two alone")
-    expert_range(num_experts, 0, parallel.data_parallel_size)  # raises if a replica would hold no expert
+    expert_range(num_experts, 0, parallel.data_parallel_size * parallel.tensor_parallel_size)  # a rank without any
     return True
 
 
-@dataclass(frozen=True)
-class ReplicaRendezvous:
-    """Where a replica's engine-core process joins the others (the frontend gives each its rank)."""
-    rank: int
-    size: int
-    init_method: str
-    """torch.distributed's init_method: a file of the frontend's private folder."""
-
-    def join(self, config: EngineConfig) -> None:
-        from tokenmill.worker.worker import resolve_device
-
-        device = resolve_device(config.device_config.device)
-        if device.type == "cuda":  # the replica's one GPU (its process sees only its own)
-            device = torch.device("cuda", 0)
-            torch.cuda.set_device(device)
-        init_replica_experts(self.rank, self.size, self.init_method, device)
+def replica_configs(config: EngineConfig, init_method: str) -> list[EngineConfig]:
+    """Each data-parallel replica's config when they share out the experts: its place in their world, and no CUDA
+    graphs (an exchange's sizes change every step and are read on the host)."""
+    parallel, device = config.parallel_config, config.device_config
+    return [dataclasses.replace(
+        config, device_config=dataclasses.replace(device, enforce_eager=True),
+        parallel_config=dataclasses.replace(
+            parallel, replica_world=ReplicaWorld(replica, parallel.data_parallel_size, init_method)))
+        for replica in range(parallel.data_parallel_size)]
 
 
 class ReplicaLockstep:
@@ -73,7 +66,7 @@ class ReplicaLockstep:
         self.core = core
         self.group = get_replica_experts().host_group
         self._flag = torch.zeros(1, dtype=torch.int32)
-        ExpertExchange.live = True
+        core.executor.start_expert_exchanges()
 
     def anyone_busy(self) -> bool:
         """Whether any replica has requests (every core calls it once a turn, together)."""

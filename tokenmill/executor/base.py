@@ -60,6 +60,15 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop the other ranks' processes (if any); idempotent."""
 
+    # Replicas that share out the experts (engine.replica_lockstep), on every rank:
+    @abstractmethod
+    def start_expert_exchanges(self) -> None:
+        """From now on the MoE layers exchange tokens with the other replicas' ranks (the cores step together)."""
+
+    @abstractmethod
+    def exchange_experts_without_tokens(self) -> None:
+        """A lockstep step without tokens of this replica's."""
+
 
 class RankGroupExecutor(Executor):
     """An executor of several ranks: every set-up call runs on all of them (collective_rpc), rank 0's answer first."""
@@ -79,6 +88,12 @@ class RankGroupExecutor(Executor):
 
     def measure_prefill_cost(self) -> StepCost:
         return self.collective_rpc("measure_prefill_cost")[0]
+
+    def start_expert_exchanges(self) -> None:
+        self.collective_rpc("start_expert_exchanges")
+
+    def exchange_experts_without_tokens(self) -> None:
+        self.collective_rpc("exchange_experts_without_tokens")
 
     def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
         # Every rank must mask alike, since every rank samples (and must sample the same tokens): the others

@@ -41,8 +41,10 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output):  # replaced per instance by the worker's bound method
         return self.driver_worker.execute_model(scheduler_output)
 
+    def start_expert_exchanges(self) -> None:
+        self.driver_worker.start_expert_exchanges()
+
     def exchange_experts_without_tokens(self) -> None:
-        """The replica lockstep's step without tokens of this replica's (engine.replica_lockstep)."""
         self.driver_worker.exchange_experts_without_tokens()
 
     def shutdown(self) -> None:

@@ -9,11 +9,11 @@ experts instead, a contiguous range of them (expert_range), and loads only those
 rank alike (the activations are replicated), each rank computes only its own experts' assignments (the others
 become expert -1 with weight 0, which both experts paths skip) and the same all-reduce sums the ranks' parts.
 Fewer, larger GEMMs per rank and no slicing of the intermediate size; the shared experts stay sliced.
-Across data-parallel replicas (enable_expert_parallel with data_parallel_size > 1 and one rank per replica:
-parallel_state.ReplicaExperts), each replica holds a contiguous range of the experts too, but its tokens are its
-own: they go to the replicas holding their experts and back by all-to-all (layers.moe_all_to_all), once the
-engine cores step in lockstep; the passes before that (memory profiling, warm-up) compute only the replica's
-own experts' assignments, whose values nobody reads.
+Across data-parallel replicas (enable_expert_parallel with data_parallel_size > 1: parallel_state.ReplicaExperts)
+every rank of every replica holds a contiguous range of the experts, but a replica's tokens are its own: each of
+its tensor-parallel ranks sends a 1/tp share of them to the ranks holding their experts and back by all-to-all
+(layers.moe_all_to_all), and the shares are gathered, once the engine cores step in lockstep; the passes before
+that (memory profiling, warm-up) compute only the rank's own experts' assignments, whose values nobody reads.
 Experts are 16-bit, or e4m3 under an fp8 quantization config (layers.quant.fp8_moe: block-quantized FP8
 checkpoints, or online per-row), or a GGUF file's GGML blocks on the CPU (layers.quant.gguf_moe); other
 quantized experts are refused by layers.quant.
@@ -35,6 +35,7 @@ from tokenmill.distributed.parallel_state import (
     get_tp_rank,
     get_tp_size,
     tp_all_reduce,
+    tp_gather_rows,
 )
 from tokenmill.kernels import use_triton
 from tokenmill.layers.linear import ReplicatedLinear
@@ -193,10 +194,23 @@ class FusedMoE(nn.Module):
             self.num_expert_group, self.topk_group, self.routed_scaling_factor,
         )
         if self.exchange is not None and ExpertExchange.live:
-            return self.exchange.run(hidden_states, topk_weights, topk_ids, self._local_experts_forward)
+            return self._exchange_tokens(hidden_states, topk_weights, topk_ids)
         if self.expert_parallel:
             topk_weights, topk_ids = self.local_assignments(topk_weights, topk_ids)
         return tp_all_reduce(self._local_experts_forward(hidden_states, topk_weights, topk_ids))
+
+    def _exchange_tokens(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor) -> torch.Tensor:
+        """Across replicas: the tokens to their experts' ranks and back. A replica's tensor-parallel ranks hold the
+        same tokens: each sends its 1/tp share, and the shares' outputs are gathered."""
+        if self.tp_size == 1:
+            return self.exchange.run(hidden_states, topk_weights, topk_ids, self._local_experts_forward)
+        num_tokens = hidden_states.shape[0]
+        share = -(-num_tokens // self.tp_size)
+        mine = slice(self.tp_rank * share, (self.tp_rank + 1) * share)
+        out = self.exchange.run(hidden_states[mine], topk_weights[mine], topk_ids[mine], self._local_experts_forward)
+        out = nn.functional.pad(out, (0, 0, 0, share - out.shape[0]))  # equal shares for the gather
+        return tp_gather_rows(out)[:num_tokens]
 
     def exchange_without_tokens(self, dtype: torch.dtype) -> None:
         """This layer's part of an exchange in which this replica has no tokens (replica lockstep); `dtype`: the

@@ -11,12 +11,13 @@ from transformers import PretrainedConfig
 from tokenmill.attention.backend import get_attention_backend
 from tokenmill.attention.kv_quant import check_kv_cache_dtype, log_kv_scales, resolve_kv_cache_dtype
 from tokenmill.config import EngineConfig, check_device
-from tokenmill.distributed.parallel_state import init_distributed, set_expert_parallel
+from tokenmill.distributed.parallel_state import init_distributed, init_replica_world, set_expert_parallel
 from tokenmill.kernels.kv_fp8 import is_fp8
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.mla import LatentAttention
 from tokenmill.layers.moe import FusedMoE
+from tokenmill.layers.moe_all_to_all import ExpertExchange
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
@@ -86,17 +87,21 @@ class Worker:
         self.hf_config = hf_config
         self.max_model_len = max_model_len
         self.rank = rank
-        world_size = config.parallel_config.world_size
+        parallel = config.parallel_config
+        world_size, replicas = parallel.world_size, parallel.replica_world
         self.device = resolve_device(config.device_config.device)
-        if self.device.type == "cuda" and world_size > 1:
+        if self.device.type == "cuda" and (world_size > 1 or replicas is not None):
             if local_rank is None:
-                local_rank = rank % config.parallel_config.ranks_per_node
+                local_rank = rank % parallel.ranks_per_node
             self.device = torch.device("cuda", local_rank)  # one GPU per rank of this host
             torch.cuda.set_device(self.device)
-        if world_size > 1:
-            # Before the model: its layers take their shard's sizes from the group.
+        # Before the model: its layers take their shard's sizes (and experts) from the groups.
+        if replicas is not None:  # one world with the other replicas' ranks, which share the experts out
+            init_replica_world(replicas.replica, replicas.num_replicas, replicas.init_method, rank,
+                               parallel.tensor_parallel_size, self.device)
+        elif world_size > 1:
             init_distributed(rank, world_size, distributed_init_method, self.device,
-                             tp_size=config.parallel_config.tensor_parallel_size)
+                             tp_size=parallel.tensor_parallel_size)
         # The server's core process(es) and the offline LLM alike; data-parallel replicas share the cores too.
         self.cpu_threads = None
         if self.device.type == "cpu":
@@ -371,6 +376,10 @@ class Worker:
         if self.kv_pool_warmer is not None:
             self.kv_pool_warmer.note_blocks(highest_new_block(scheduler_output))
         return self.model_runner.execute_model(scheduler_output)
+
+    def start_expert_exchanges(self) -> None:
+        """Replicas that share out the experts: their start-up passes done, the MoE layers exchange tokens from now."""
+        ExpertExchange.live = True
 
     @torch.inference_mode()
     def exchange_experts_without_tokens(self) -> None:
