@@ -195,6 +195,35 @@ def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
                                          "over 2 data-parallel replicas yet"):
         replicas_share_experts(config(speculative_config={"method": "draft_model", "model": tiny_moe,
                                                           "num_speculative_tokens": 2}), hf_config)
+    with pytest.raises(ValueError, match="use distributed_executor_backend 'mp'"):
+        replicas_share_experts(config(tensor_parallel_size=2, distributed_executor_backend="ray"), hf_config)
     hf_config.num_experts = 3
     with pytest.raises(ValueError, match="expert parallelism over 4 ranks needs at least 4 routed experts"):
         replicas_share_experts(config(tensor_parallel_size=2), hf_config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dp", "tp"), [(2, 1), (2, 2)])
+def test_replicas_share_the_experts_on_gpus(tiny_moe, dp, tp):
+    """NCCL: the exchange on dp x tp GPUs (eager: the replicas run without CUDA graphs) gives the one-GPU engine's
+    greedy text (float32, no tf32)."""
+    import torch
+
+    from tokenmill import LLM, SamplingParams
+
+    if torch.cuda.device_count() < dp * tp or "CUDA_VISIBLE_DEVICES" in os.environ:
+        pytest.skip(f"needs {dp * tp} GPUs, all visible")
+    one_gpu = LLM(tiny_moe, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_space=0.5)
+    reference = [output.outputs[0].text for output in one_gpu.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+    one_gpu.engine.core.shutdown()
+    server = RemoteServer(tiny_moe, "--served-model-name", MODEL, "-dp", str(dp), "-tp", str(tp),
+                          "--enable-expert-parallel", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                          "--kv-cache-space", "0.5")
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS))
+        assert texts == [[text] for text in reference]
+        assert all(n > 0 for n in finished(server).values())
+    finally:
+        server.stop()

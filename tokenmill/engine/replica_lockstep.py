@@ -40,6 +40,9 @@ def replicas_share_experts(config: EngineConfig, hf_config) -> bool:
         logger.info("expert parallelism within each replica's tensor-parallel ranks; sharing the experts out over "
                     "the replicas takes one pipeline stage for now")
         return False
+    if parallel.distributed_executor_backend == "ray":  # its actors may sit on nodes the rendezvous file is not on
+        raise ValueError("enable_expert_parallel over data-parallel replicas meets the replicas' ranks on this host: "
+                         "use distributed_executor_backend 'mp' (the default here), not 'ray'")
     speculative = config.speculative_config
     if speculative is not None and speculative.method != "ngram":
         raise ValueError(f"speculative method {speculative.method!r} cannot go with enable_expert_parallel over "

@@ -1,15 +1,16 @@
-"""Routed experts spread over data-parallel replicas: each token's assignments go to the replicas that hold
+"""Routed experts spread over every rank of data-parallel replicas: each rank's tokens go to the ranks that hold
 their experts and the experts' outputs come back, by all-to-all (torch.distributed, any backend).
 
-Every replica runs its own batch, so its tokens are its own; a layer's exchange is four all-to-alls: the
-assignment counts per destination, then the assigned rows, their experts' local ids, and back the rows'
-outputs. Each side learns the other's counts from the first, so no buffer is padded to a worst case. The
-replicas must therefore call every MoE layer together, in the same order: the engine cores step in
-lockstep (engine.replica_lockstep), and a replica with nothing to run calls each layer with no tokens
-(`ExpertExchange.run` on empty inputs), still computing and returning the rows the others send it.
+Every replica runs its own batch, so its tokens are its own (a replica's tensor-parallel ranks each send a share
+of them: layers.moe.FusedMoE); a layer's exchange is four all-to-alls: the assignment counts per destination,
+then the assigned rows, their experts' local ids, and back the rows' outputs. Each side learns the other's
+counts from the first, so no buffer is padded to a worst case. Every rank must therefore call every MoE layer
+together, in the same order: the engine cores step in lockstep (engine.replica_lockstep), and a replica with
+nothing to run calls each layer with no tokens (`ExpertExchange.run` on empty inputs), still computing and
+returning the rows the others send it.
 
 The combine rounds as layers.moe_routing.run_experts does (each (token, slot) row scaled by its weight, then
-a token's slots summed in slot order), so one replica's arithmetic per row is the one-process engine's.
+a token's slots summed in slot order), so each row's arithmetic is the one-process engine's.
 """
 
 from __future__ import annotations
@@ -26,26 +27,26 @@ ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ExpertExchange:
-    """The dispatch and combine of a layer whose experts `num_replicas` replicas share out, replica r holding
-    expert_range(num_experts, r, num_replicas)'s."""
+    """The dispatch and combine of a layer whose experts `num_ranks` ranks (those of `group`, default the world)
+    share out, rank r holding expert_range(num_experts, r, num_ranks)'s."""
 
     live = False
-    """Set once the engine cores step in lockstep; before (memory profiling, warm-up) each replica's layers
-    compute only their own experts' assignments."""
+    """Set once the engine cores step in lockstep; before (memory profiling, warm-up) each rank's layers compute
+    only their own experts' assignments."""
     num_passes = 0
     """Layers exchanged in this process so far (all instances): the lockstep's proof that a step ran its layers."""
 
-    def __init__(self, num_experts: int, num_replicas: int, group=None) -> None:
-        self.num_replicas, self.group = num_replicas, group
-        ranges = [expert_range(num_experts, r, num_replicas) for r in range(num_replicas)]
+    def __init__(self, num_experts: int, num_ranks: int, group=None) -> None:
+        self.num_ranks, self.group = num_ranks, group
+        ranges = [expert_range(num_experts, r, num_ranks) for r in range(num_ranks)]
         self.first_expert = torch.tensor([first for first, _ in ranges])
-        """Per replica: the global id of its first expert (a global id less it is the holder's local id)."""
-        self.holder = torch.repeat_interleave(torch.arange(num_replicas), torch.tensor([n for _, n in ranges]))
-        """Per global expert id: the replica that holds it."""
+        """Per rank: the global id of its first expert (a global id less it is the holder's local id)."""
+        self.holder = torch.repeat_interleave(torch.arange(num_ranks), torch.tensor([n for _, n in ranges]))
+        """Per global expert id: the rank that holds it."""
 
     def run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             experts: ExpertsFn) -> torch.Tensor:
-        """hidden [T, H] of this replica's tokens, their routing [T, K] (global ids) -> the layer's output [T, H]."""
+        """hidden [T, H] of this rank's tokens, their routing [T, K] (global ids) -> the layer's output [T, H]."""
         ExpertExchange.num_passes += 1
         if self.holder.device != topk_ids.device:
             self.holder, self.first_expert = self.holder.to(topk_ids.device), self.first_expert.to(topk_ids.device)
@@ -54,7 +55,7 @@ class ExpertExchange:
         dest = self.holder[flat_ids]
         order = dest.argsort(stable=True)  # the assignments grouped by destination
         token_of = order // top_k
-        send_counts = torch.bincount(dest, minlength=self.num_replicas)
+        send_counts = torch.bincount(dest, minlength=self.num_ranks)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
