@@ -8,7 +8,8 @@ scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-
 replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
 served; constrained requests (regex, choice) match; killing one replica's core stops both (their requests end
 with engine_dead, no hang) and both start again together, serving the same text. Two replicas of two
-tensor-parallel ranks give the same text too. What cannot go with it yet is refused at start-up.
+tensor-parallel ranks, and a DeepSeek-V3-shaped model (latent attention, grouped routing, a shared expert), give
+the one-process text too. What cannot go with it yet is refused at start-up.
 """
 
 from __future__ import annotations
@@ -173,6 +174,42 @@ def test_replicas_of_two_tensor_parallel_ranks_share_the_experts_over_four(tiny_
         with ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS[:4]))
         assert texts == [[text] for text in reference[12][:4]]
+    finally:
+        server.stop()
+
+
+def test_deepseek_v3_replicas_share_the_experts(tmp_path, smollm2_tokenizer):
+    """DeepSeek-V3's shape (latent attention, a dense first layer, a shared expert, sigmoid scores with a correction
+    bias, top-2 of 8 within the best 2 of 4 groups): -dp 2 gives the one-process engine's greedy text."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tokenmill import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    tokenizer = smollm2_tokenizer
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        max_position_embeddings=MAX_MODEL_LEN, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, initializer_range=0.2, tie_word_embeddings=False)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # a correction bias that moves the choice of experts
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    reference = [output.outputs[0].text for output in llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+    llm.engine.core.shutdown()
+    server = RemoteServer(str(tmp_path), *SERVER_ARGS)
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS))
+        assert texts == [[text] for text in reference]
     finally:
         server.stop()
 
