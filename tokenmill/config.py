@@ -6,6 +6,7 @@ travel as their own objects (`KVCacheSpec`, `TokenizerInfo`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -435,6 +436,15 @@ class EngineConfig:
         built = {part: klass(**parts.get(part, {})) for part, klass in owners.items() if part != "model_config"}
         return cls(model_config=ModelConfig(model=model, **parts.get("model_config", {})), **built,
                    speculative_config=speculative)
+
+    def with_parts(self, **parts: Any) -> EngineConfig:
+        """A copy with some sub-configs replaced (derived from this one's, e.g. a data-parallel replica's place),
+        without the checks of a new config's arguments: once resolved, a config holds both a target_step_ms and
+        the token budget it caps, which a new one would refuse as given together."""
+        derived = copy.copy(self)
+        for name, value in parts.items():
+            object.__setattr__(derived, name, value)
+        return derived
 
     def __post_init__(self) -> None:
         target = self.scheduler_config.target_step_ms

@@ -214,6 +214,17 @@ def test_deepseek_v3_replicas_share_the_experts(tmp_path, smollm2_tokenizer):
         server.stop()
 
 
+def test_replica_configs_keep_the_servers_step_time_target(tiny_moe):
+    """`serve` sets target_step_ms when no budget is given; each replica's config keeps it (a new EngineConfig would
+    refuse the target with the budget it has resolved since)."""
+    from tokenmill.engine.replica_lockstep import replica_configs
+
+    config = EngineConfig.from_kwargs(tiny_moe, data_parallel_size=2, enable_expert_parallel=True, target_step_ms=20)
+    configs = replica_configs(config, "file:///unused")
+    assert [c.parallel_config.replica_world.replica for c in configs] == [0, 1]
+    assert all(c.scheduler_config == config.scheduler_config and c.device_config.enforce_eager for c in configs)
+
+
 def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
     from tokenmill.engine.replica_lockstep import replicas_share_experts
     from tokenmill.model.loader import load_hf_config

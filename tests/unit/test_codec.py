@@ -2,7 +2,15 @@
 
 import pytest
 
-from tokenmill.engine.codec import RequestKind, decode_outputs, decode_request, encode_abort, encode_add, encode_outputs
+from tokenmill.engine.codec import (
+    RequestKind,
+    decode_outputs,
+    decode_request,
+    encode_abort,
+    encode_add,
+    encode_outputs,
+    encode_wake,
+)
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineRequest, SchedulerStats
 from tokenmill.request import FinishReason
 from tokenmill.sampling_params import SamplingParams
@@ -20,6 +28,10 @@ def test_request_round_trip():
 
 def test_abort_round_trip():
     assert decode_request(encode_abort(["a", "b"])) == (RequestKind.ABORT, ["a", "b"])
+
+
+def test_wake_round_trip():
+    assert decode_request(encode_wake()) == (RequestKind.WAKE, None)
 
 
 def test_outputs_round_trip():

@@ -165,6 +165,10 @@ class AsyncEngine:
         except Exception:
             self.output_processor.abort_requests([request_id])
             raise
+        if self._rendezvous_dir is not None:  # idle replicas that step together: all take a turn now
+            for other in self.replicas:
+                if other.index != index and other.is_healthy:
+                    other.core.wake()
         self.balancer.record(index, hashes)
         self._routes[request_id] = (index, len(requests))
         self._open_seqs[index] += len(requests)

@@ -20,6 +20,8 @@ class RequestKind(bytes, enum.Enum):
     """payload: list of request ids"""
     PROFILE = b"P"
     """payload: ProfileCommand"""
+    WAKE = b"W"
+    """no payload: take a turn now (replicas that step together: another one got a request)"""
 
 
 def _enc_hook(obj: object) -> object:
@@ -51,9 +53,13 @@ def encode_profile(command: ProfileCommand) -> list[bytes]:
     return [RequestKind.PROFILE.value, _encoder.encode(command)]
 
 
-def decode_request(frames: list[bytes]) -> tuple[RequestKind, EngineRequest | list[str] | ProfileCommand]:
+def encode_wake() -> list[bytes]:
+    return [RequestKind.WAKE.value, b""]
+
+
+def decode_request(frames: list[bytes]) -> tuple[RequestKind, EngineRequest | list[str] | ProfileCommand | None]:
     kind, payload = RequestKind(frames[0]), frames[1]
-    return kind, _payload_decoders[kind].decode(payload)
+    return kind, None if kind == RequestKind.WAKE else _payload_decoders[kind].decode(payload)
 
 
 def encode_outputs(outputs: EngineCoreOutputs) -> bytes:

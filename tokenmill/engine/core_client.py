@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.codec import decode_outputs, encode_abort, encode_add, encode_profile
+from tokenmill.engine.codec import decode_outputs, encode_abort, encode_add, encode_profile, encode_wake
 from tokenmill.engine.core_proc import run_engine_core
 from tokenmill.protocol import EngineCoreOutputs, EngineRequest, ProfileCommand
 
@@ -147,6 +147,12 @@ class CoreProcessClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._input.send_multipart(encode_abort(request_ids), flags=zmq.NOBLOCK)
+
+    def wake(self) -> None:
+        """Have a core that steps with other replicas take its next turn now (engine.replica_lockstep); a hint, so
+        a core going away meanwhile is no error."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._input.send_multipart(encode_wake(), flags=zmq.NOBLOCK)
 
     def send_profile_command(self, command: ProfileCommand) -> None:
         """The reply comes back among the outputs (EngineCoreOutputs.profile_reply)."""

@@ -149,6 +149,8 @@ class EngineCoreProc:
             elif kind == RequestKind.ABORT:
                 self.core.abort_requests(payload)
                 aborted = True
+            elif kind == RequestKind.WAKE:
+                continue  # it cut the wait short: nothing else to do
             else:  # answered at once, in order with the outputs of the steps before it
                 self.outputs.put(EngineCoreOutputs(profile_reply=handle_profile_command(self.core, payload)))
         if rejected or aborted:

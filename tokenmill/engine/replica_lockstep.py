@@ -5,7 +5,8 @@ must run the same number of forward passes: at each turn of its loop, every core
 (an all-reduce over the replicas' drivers); if any has, each core steps, and a core that had nothing to run (or
 whose step launched no forward pass) has its ranks exchange each layer without tokens of their own, their
 experts still serving the others'. While none has work the cores take turns every IDLE_POLL_S, waiting on
-their inputs in between, so a request arriving at an idle engine waits at most that long for the others to join.
+their inputs in between; the frontend wakes the other replicas' cores when it sends one a request, so that they
+join its first turn at once (the periodic turn remains, so that no core waits for a wake that raced its turn).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def replica_configs(config: EngineConfig, init_method: str) -> list[EngineConfig
     """Each data-parallel replica's config when they share out the experts: its place in their world, and no CUDA
     graphs (an exchange's sizes change every step and are read on the host)."""
     parallel, device = config.parallel_config, config.device_config
-    return [dataclasses.replace(
-        config, device_config=dataclasses.replace(device, enforce_eager=True),
+    return [config.with_parts(
+        device_config=dataclasses.replace(device, enforce_eager=True),
         parallel_config=dataclasses.replace(
             parallel, replica_world=ReplicaWorld(replica, parallel.data_parallel_size, init_method)))
         for replica in range(parallel.data_parallel_size)]
