@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.parallel_state import get_replica_experts, is_distributed
+from tokenmill.distributed.parallel_state import is_distributed
 from tokenmill.executor.base import Executor
 from tokenmill.kv_cache.sizing import KVCacheSpec
 from tokenmill.scheduler.draft_budget import StepCost
@@ -15,7 +15,7 @@ from tokenmill.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
-        if is_distributed() and get_replica_experts().size == 1:  # (a replica's world of experts is this engine's)
+        if is_distributed():
             # The layers read the process-wide groups when built: this model would be sharded or staged.
             raise RuntimeError("a tensor- or pipeline-parallel engine is running in this process: shut it down "
                                "first")

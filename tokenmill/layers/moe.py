@@ -90,9 +90,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"MoE routing picks {top_k} of {num_experts} experts")
         replicas = get_replica_experts()
         self.exchange: ExpertExchange | None = None
-        """Across data-parallel replicas: the all-to-all of this replica's tokens (None: every token is here)."""
+        """Across data-parallel replicas: the all-to-all of this rank's share of its replica's tokens (None: every
+        token this rank computes is here)."""
         self.expert_parallel = expert_parallel_enabled() and (self.tp_size > 1 or replicas.size > 1)
-        if self.expert_parallel and replicas.size > 1:  # whole experts of this replica, its tokens exchanged
+        if self.expert_parallel and replicas.size > 1:  # whole experts, 1/(dp x tp) of them, its tokens exchanged
             self.first_expert, self.num_local_experts = expert_range(num_experts, replicas.rank, replicas.size)
             self.exchange = ExpertExchange(num_experts, replicas.size)
             self.shard_rank, num_shards = 0, 1
