@@ -8,8 +8,8 @@ scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-
 replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
 served; constrained requests (regex, choice) match; killing one replica's core stops both (their requests end
 with engine_dead, no hang) and both start again together, serving the same text. Two replicas of two
-tensor-parallel ranks, and a DeepSeek-V3-shaped model (latent attention, grouped routing, a shared expert), give
-the one-process text too. What cannot go with it yet is refused at start-up.
+tensor-parallel ranks, FP8 experts, and a DeepSeek-V3-shaped model (latent attention, grouped routing, a shared
+expert), give the one-process text too. What cannot go with it yet is refused at start-up.
 """
 
 from __future__ import annotations
@@ -174,6 +174,24 @@ def test_replicas_of_two_tensor_parallel_ranks_share_the_experts_over_four(tiny_
         with ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS[:4]))
         assert texts == [[text] for text in reference[12][:4]]
+    finally:
+        server.stop()
+
+
+def test_fp8_experts_shared_over_the_replicas(tiny_moe):
+    """--quantization fp8 (the experts e4m3, per-row scales, each rank quantizing its own): the one-process FP8
+    engine's greedy text."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(tiny_moe, dtype="float32", max_model_len=MAX_MODEL_LEN, quantization="fp8")
+    reference = [output.outputs[0].text for output in llm.generate(
+        PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+    llm.engine.core.shutdown()
+    server = RemoteServer(tiny_moe, *SERVER_ARGS, "--quantization", "fp8")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS[:4]))
+        assert texts == [[text] for text in reference]
     finally:
         server.stop()
 

@@ -74,7 +74,7 @@ class AsyncEngine:
         if num_replicas > 1 and replicas_share_experts(config, load_hf_config(config.model_config)):
             self._rendezvous_dir = tempfile.mkdtemp(prefix="tokenmill-replicas-")
             configs = self._replica_configs(0)
-            if config.device_config.device != "cpu" and not config.device_config.enforce_eager:
+            if devices[0] is not None and not config.device_config.enforce_eager:  # GPU replicas
                 logger.info("enable_expert_parallel over data-parallel replicas: CUDA graphs are off")
         try:
             # The cores load the weights while this process loads the tokenizer.

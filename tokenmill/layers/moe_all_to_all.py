@@ -39,9 +39,10 @@ class ExpertExchange:
     def __init__(self, num_experts: int, num_ranks: int, group=None) -> None:
         self.num_ranks, self.group = num_ranks, group
         ranges = [expert_range(num_experts, r, num_ranks) for r in range(num_ranks)]
-        self.first_expert = torch.tensor([first for first, _ in ranges])
+        # On the CPU whatever device the model is built under (meta, for quantized ones); moved at the first run.
+        self.first_expert = torch.tensor([first for first, _ in ranges], device="cpu")
         """Per rank: the global id of its first expert (a global id less it is the holder's local id)."""
-        self.holder = torch.repeat_interleave(torch.arange(num_ranks), torch.tensor([n for _, n in ranges]))
+        self.holder = torch.tensor([r for r, (_, n) in enumerate(ranges) for _ in range(n)], device="cpu")
         """Per global expert id: the rank that holds it."""
 
     def run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
