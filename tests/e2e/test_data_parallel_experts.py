@@ -63,7 +63,7 @@ def reference(tiny_moe):
     """The one-process engine's greedy texts: 24 tokens per prompt, and 12 for the short ones."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(tiny_moe, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    llm = LLM(tiny_moe, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_space=0.05)
     texts = {}
     for max_tokens in (24, 12):
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -183,7 +183,7 @@ def test_fp8_experts_shared_over_the_replicas(tiny_moe):
     engine's greedy text."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(tiny_moe, dtype="float32", max_model_len=MAX_MODEL_LEN, quantization="fp8")
+    llm = LLM(tiny_moe, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_space=0.05, quantization="fp8")
     reference = [output.outputs[0].text for output in llm.generate(
         PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
     llm.engine.core.shutdown()
@@ -219,7 +219,7 @@ def test_deepseek_v3_replicas_share_the_experts(tmp_path, smollm2_tokenizer):
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_space=0.05)
     reference = [output.outputs[0].text for output in llm.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
     llm.engine.core.shutdown()
