@@ -95,23 +95,11 @@ def init_replica_world(replica: int, num_replicas: int, init_method: str, tp_ran
     tensor-parallel rank `tp_rank` of replica `replica` (every rank of every replica calls it), before the
     model is built: its layers read the groups then."""
     global _TP_GROUP, _PP_STAGE, _REPLICA_EXPERTS
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if backend == "nccl" else {}
     world_size, rank = num_replicas * tp_size, replica * tp_size + tp_rank
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    tp_group = None
-    for first in range(0, world_size, tp_size):  # every rank makes every group, in the same order
-        group = dist.new_group(list(range(first, first + tp_size)))
-        if first <= rank < first + tp_size:
-            tp_group = group
-    host_group = dist.new_group(list(range(0, world_size, tp_size)), backend="gloo")
-    _TP_GROUP = TensorParallelGroup(tp_rank, tp_size, backend, tp_group)
+    _TP_GROUP = _join_world(rank, world_size, init_method, device, timeout_s, tp_size)
     _PP_STAGE = PipelineStage(0, 1, rank, tp_size)
-    _REPLICA_EXPERTS = ReplicaExperts(rank, world_size, host_group)
-    _check_group(world_size, None, device)
-    if tp_size > 1:
-        _check_group(tp_size, tp_group, device)
+    drivers = dist.new_group(list(range(0, world_size, tp_size)), backend="gloo")
+    _REPLICA_EXPERTS = ReplicaExperts(rank, world_size, drivers)
 
 
 def get_tp_rank() -> int:
@@ -148,24 +136,31 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     if world_size % tp_size:
         raise ValueError(f"world size {world_size} is not a multiple of tensor_parallel_size {tp_size}")
     num_stages = world_size // tp_size
+    _TP_GROUP = _join_world(rank, world_size, init_method, device, timeout_s, tp_size)
+    _PP_STAGE = PipelineStage(num_stages - 1 - rank // tp_size, num_stages, rank, tp_size)
+
+
+def _join_world(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float,
+                tp_size: int) -> TensorParallelGroup:
+    """torch.distributed's world, and this rank's tensor-parallel group: its block of tp_size consecutive ranks
+    (a pipeline stage, or a data-parallel replica; the world itself when it is one block)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     group = None
-    if num_stages > 1 and tp_size > 1:
+    if world_size > tp_size > 1:
         for first in range(0, world_size, tp_size):  # every rank makes every group, in the same order
-            stage_group = dist.new_group(list(range(first, first + tp_size)))
+            block_group = dist.new_group(list(range(first, first + tp_size)))
             if first <= rank < first + tp_size:
-                group = stage_group
-    _TP_GROUP = TensorParallelGroup(rank % tp_size, tp_size, backend, group)
-    _PP_STAGE = PipelineStage(num_stages - 1 - rank // tp_size, num_stages, rank, tp_size)
+                group = block_group
     # NCCL makes its communicator at the first collective, which must not happen inside a CUDA graph
-    # capture: one small all-reduce now (and one in the stage's group), so every captured all-reduce finds
+    # capture: one small all-reduce now (and one in the block's group), so every captured all-reduce finds
     # it ready.
     _check_group(world_size, None, device)
     if group is not None:
         _check_group(tp_size, group, device)
+    return TensorParallelGroup(rank % tp_size, tp_size, backend, group)
 
 
 def _check_group(size: int, group: Any, device: torch.device) -> None:

@@ -71,7 +71,8 @@ class AsyncEngine:
         self._rendezvous_dir: str | None = None
         """The private folder where replicas that share the experts meet (None: they do not)."""
         configs = [config] * num_replicas
-        if num_replicas > 1 and replicas_share_experts(config, load_hf_config(config.model_config)):
+        hf_config = load_hf_config(config.model_config) if num_replicas > 1 else None  # the frontend's too
+        if hf_config is not None and replicas_share_experts(config, hf_config):
             self._rendezvous_dir = tempfile.mkdtemp(prefix="tokenmill-replicas-")
             configs = self._replica_configs(0)
             if devices[0] is not None and not config.device_config.enforce_eager:  # GPU replicas
@@ -81,7 +82,7 @@ class AsyncEngine:
             for index in range(num_replicas):
                 name = "the engine core" if num_replicas == 1 else f"the replica-{index} engine core"
                 self.replicas.append(CoreReplica(index, configs[index], self, devices[index], name))
-            self.frontend = frontend = load_frontend(config.model_config)
+            self.frontend = frontend = load_frontend(config.model_config, hf_config)
             for replica in self.replicas:
                 replica.wait_ready()
         except BaseException:

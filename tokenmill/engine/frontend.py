@@ -60,8 +60,9 @@ class Frontend:
         return requests
 
 
-def load_frontend(model_config: ModelConfig) -> Frontend:
-    hf_config = load_hf_config(model_config)
+def load_frontend(model_config: ModelConfig, hf_config: PretrainedConfig | None = None) -> Frontend:
+    """`hf_config`: the model's, if the caller loaded it already."""
+    hf_config = load_hf_config(model_config) if hf_config is None else hf_config
     get_model_class(hf_config.architectures)  # fail fast: before the tokenizer and weights load
     max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
     tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config, hf_config)
