@@ -138,7 +138,9 @@ class GrammarCompiler:
                 tokenizer = self._load_tokenizer()
                 vocab_size = grammar_vocab_size(tokenizer, self._vocab_size)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-                self._compiler = xgr.GrammarCompiler(info)
+                # One thread per grammar: the pool compiles several at once, and xgrammar's own threads (8 by
+                # default) made no grammar faster here, only a burst slower (BENCHMARKS.md, structured outputs).
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
                 self.grammar_vocab_size = info.vocab_size
             compiler = self._compiler
             self.num_compiled += 1
