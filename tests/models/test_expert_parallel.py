@@ -139,63 +139,90 @@ def test_uneven_expert_split_sums_to_the_one_rank_layer(monkeypatch, per_expert)
     torch.testing.assert_close(sum(partials), expected, rtol=1e-12, atol=1e-12)
 
 
-def _replica_case(replica_tokens: tuple[int, ...], num_experts: int = 7, top_k: int = 3, hidden: int = 16,
-                  inter: int = 12):
-    """Every replica's inputs (seeded: each process makes the same): experts, and per replica tokens and logits."""
+def _replica_case(replica_tokens: tuple[int, ...], skewed: bool = False, num_experts: int = 7, top_k: int = 3,
+                  hidden: int = 16, inter: int = 12):
+    """Every replica's inputs (seeded: each process makes the same): experts, and per replica tokens and logits;
+    `skewed`: every token routed to the first rank's experts (0 to 2 of 7 over 3 ranks)."""
     g = torch.Generator().manual_seed(1)
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g, dtype=torch.float64)
     down = torch.randn(num_experts, hidden, inter, generator=g, dtype=torch.float64)
     xs = [torch.randn(n, hidden, generator=g, dtype=torch.float64) for n in replica_tokens]
     logits = [torch.randn(n, num_experts, generator=g, dtype=torch.float64) for n in replica_tokens]
+    if skewed:
+        logits = [logit + torch.tensor([20.0] * top_k + [0.0] * (num_experts - top_k), dtype=torch.float64)
+                  for logit in logits]
     return (num_experts, top_k, hidden, inter), gate_up, down, xs, logits
 
 
-def _replica_process(rank: int, replica_tokens: tuple[int, ...], tp_size: int, init_file: str,
-                     out_file: str) -> None:
+def _replica_process(rank: int, replica_tokens: tuple[int, ...], tp_size: int, tokens_per_step: int, skewed: bool,
+                     init_file: str, out_file: str) -> None:
     """Global rank `rank` of len(replica_tokens) replicas of tp_size ranks: its share of the experts, its replica's
-    tokens (the same on each of the replica's ranks) exchanged with every other rank."""
+    tokens (the same on each of the replica's ranks) exchanged with every other rank; the most rows its experts
+    computed at once saved beside its output."""
     replica, tp_rank = divmod(rank, tp_size)
     parallel_state.init_replica_world(replica, len(replica_tokens), f"file://{init_file}", tp_rank, tp_size,
                                       torch.device("cpu"))
     torch.set_default_dtype(torch.float64)
     parallel_state.set_expert_parallel(True)
-    shape, gate_up, down, xs, logits = _replica_case(replica_tokens)
+    shape, gate_up, down, xs, logits = _replica_case(replica_tokens, skewed)
     layer = _layer(*shape)
     _load(layer, gate_up, down, per_expert=True)
     first, count = expert_range(shape[0], rank, len(replica_tokens) * tp_size)
     assert layer.exchange is not None and (layer.first_expert, layer.num_local_experts) == (first, count)
     assert torch.equal(layer.w2_weight, down[first : first + count])
-    ExpertExchange.live = True
+    most_rows = [0]
+    experts = layer._local_experts_forward
+
+    def counted_experts(rows, weights, ids):
+        most_rows[0] = max(most_rows[0], rows.shape[0])
+        return experts(rows, weights, ids)
+
+    layer._local_experts_forward = counted_experts
+    ExpertExchange.live, ExpertExchange.tokens_per_step = True, tokens_per_step
     if xs[replica].shape[0]:
         out = layer(xs[replica], logits[replica])
     else:  # the others' rows still go through this rank's experts
         layer.exchange_without_tokens(torch.float64)
         out = torch.empty(0, shape[2])
-    torch.save(out, f"{out_file}.{rank}")
+    torch.save((out, most_rows[0]), f"{out_file}.{rank}")
     parallel_state.destroy_distributed()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("replica_tokens", "tp_size"), [((5, 0, 9), 1), ((5, 1), 2)],
-                         ids=["3-replicas", "2-replicas-x-2-ranks"])
-def test_replicas_exchanging_tokens_give_the_one_process_layer(tmp_path, replica_tokens, tp_size):
+@pytest.mark.parametrize(("replica_tokens", "tp_size", "tokens_per_step", "skewed"),
+                         [((5, 0, 9), 1, 0, False), ((5, 1), 2, 0, False), ((5, 0, 9), 1, 6, True),
+                          ((5, 1), 2, 4, False)],
+                         ids=["3-replicas", "2-replicas-x-2-ranks", "3-replicas-in-rounds-skewed",
+                              "2-replicas-x-2-ranks-in-rounds"])
+def test_replicas_exchanging_tokens_give_the_one_process_layer(tmp_path, replica_tokens, tp_size, tokens_per_step,
+                                                               skewed):
     """Replica processes over gloo, 7 experts top-3 spread over every rank (3 replicas: 3 / 2 / 2, one replica
     with no tokens; 2 replicas of 2 tensor-parallel ranks: 2 / 2 / 2 / 1, each rank sending its half of its
     replica's tokens, one rank none): every rank's output for its replica's tokens equals the one-process layer's
-    (float64)."""
+    (float64). With a step budget (`tokens_per_step`) the exchange goes in rounds (here 5, 3 and 0 of them on the
+    three replicas' ranks; 3 and 1 with tensor parallelism), and no rank's experts compute more rows at once than a
+    budget's worth of tokens make, even with every token routed to the first rank's experts (`skewed`: 14 x 3 rows
+    there in one round)."""
     world_size = len(replica_tokens) * tp_size
     torch.multiprocessing.spawn(_replica_process, nprocs=world_size,
-                                args=(replica_tokens, tp_size, str(tmp_path / "init"), str(tmp_path / "out")))
-    shape, gate_up, down, xs, logits = _replica_case(replica_tokens)
+                                args=(replica_tokens, tp_size, tokens_per_step, skewed, str(tmp_path / "init"),
+                                      str(tmp_path / "out")))
+    shape, gate_up, down, xs, logits = _replica_case(replica_tokens, skewed)
+    top_k = shape[1]
     torch.set_default_dtype(torch.float64)
     try:
         whole = _layer(*shape)
         _load(whole, gate_up, down, per_expert=True)
         for rank in range(world_size):
             x, logit = xs[rank // tp_size], logits[rank // tp_size]
-            out = torch.load(tmp_path / f"out.{rank}")
+            out, most_rows = torch.load(tmp_path / f"out.{rank}")
             assert out.shape == x.shape
             torch.testing.assert_close(out, whole(x, logit), rtol=1e-12, atol=1e-12)
+            if tokens_per_step:
+                assert most_rows <= tokens_per_step * top_k, (rank, most_rows)
+        if skewed:
+            # Rounds of 2 tokens a rank; two replicas have tokens: 2 x 2 x 3 rows reach rank 0's experts at once.
+            assert torch.load(tmp_path / "out.0")[1] == 12
     finally:
         torch.set_default_dtype(torch.float32)
 

@@ -4,7 +4,9 @@ their experts and the experts' outputs come back, by all-to-all (torch.distribut
 Every replica runs its own batch, so its tokens are its own (a replica's tensor-parallel ranks each send a share
 of them: layers.moe.FusedMoE); a layer's exchange is four all-to-alls: the assignment counts per destination,
 then the assigned rows, their experts' local ids, and back the rows' outputs. Each side learns the other's
-counts from the first, so no buffer is padded to a worst case. Every rank must therefore call every MoE layer
+counts from the first, so no buffer is padded to a worst case. A step with more tokens than the memory profile's
+pass took over all ranks is exchanged in rounds of that many (`tokens_per_step`), so that no rank's experts ever
+compute more rows than the profile made room for. Every rank must therefore call every MoE layer
 together, in the same order: the engine cores step in lockstep (engine.replica_lockstep), and a replica with
 nothing to run calls each layer with no tokens (`ExpertExchange.run` on empty inputs), still computing and
 returning the rows the others send it.
@@ -35,6 +37,11 @@ class ExpertExchange:
     only their own experts' assignments."""
     num_passes = 0
     """Layers exchanged in this process so far (all instances): the lockstep's proof that a step ran its layers."""
+    tokens_per_step = 0
+    """The step's token budget (max_num_batched_tokens), set with `live` (0: unbounded). One round of a layer's
+    exchange carries at most that many tokens over all its ranks, as many as the memory profile's forward pass
+    computed, so that a skewed routing (every token to one rank's experts) never has a rank compute more rows than
+    that pass's layer did: a step with more tokens takes more rounds, as many on every rank."""
 
     def __init__(self, num_experts: int, num_ranks: int, group=None) -> None:
         self.num_ranks, self.group = num_ranks, group
@@ -51,15 +58,35 @@ class ExpertExchange:
         ExpertExchange.num_passes += 1
         if self.holder.device != topk_ids.device:
             self.holder, self.first_expert = self.holder.to(topk_ids.device), self.first_expert.to(topk_ids.device)
+        num_tokens = hidden.shape[0]
+        per_round = max(1, ExpertExchange.tokens_per_step // self.num_ranks) if ExpertExchange.tokens_per_step \
+            else max(1, num_tokens)
+        outputs = []
+        rounds, start = 1, 0
+        while len(outputs) < rounds:
+            part = slice(start, start + per_round)  # empty once this rank's tokens are done
+            out, most = self._round(hidden[part], topk_weights[part], topk_ids[part], experts,
+                                    -(-num_tokens // per_round) if not outputs else 0)
+            rounds = max(rounds, most)
+            outputs.append(out)
+            start += per_round
+        return outputs[0] if rounds == 1 else torch.cat(outputs)
+
+    def _round(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertsFn,
+               rounds_needed: int) -> tuple[torch.Tensor, int]:
+        """One round of the exchange on these tokens; `rounds_needed`: this rank's rounds (said in the first
+        round, with the counts): returns the output and the most rounds any rank needs."""
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         dest = self.holder[flat_ids]
         order = dest.argsort(stable=True)  # the assignments grouped by destination
         token_of = order // top_k
         send_counts = torch.bincount(dest, minlength=self.num_ranks)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        announce = torch.stack([send_counts, torch.full_like(send_counts, rounds_needed)], dim=1)  # [R, 2]
+        heard = torch.empty_like(announce)
+        dist.all_to_all_single(heard, announce, group=self.group)
+        send_splits = send_counts.tolist()
+        recv_splits, rounds = heard[:, 0].tolist(), int(heard[:, 1].max())
         received = sum(recv_splits)
         sorted_dest = dest[order]
         local_ids = flat_ids[order] - self.first_expert[sorted_dest]
@@ -73,7 +100,7 @@ class ExpertExchange:
         slot_out = torch.empty_like(back)
         slot_out[order] = back
         weighted = slot_out * topk_weights.to(hidden.dtype).reshape(-1, 1)
-        return weighted.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1)
+        return weighted.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1), rounds
 
     def _exchange(self, send: torch.Tensor, num_received: int, recv_splits: list[int],
                   send_splits: list[int]) -> torch.Tensor:

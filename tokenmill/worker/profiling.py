@@ -15,11 +15,17 @@ if TYPE_CHECKING:
     from tokenmill.worker.worker import Worker
 
 
+def profiled_num_tokens(worker: Worker) -> int:
+    """The tokens of the profiled step: the largest step the scheduler may issue."""
+    sched = worker.config.scheduler_config
+    return min(sched.max_num_batched_tokens, sched.max_num_seqs * worker.max_model_len)
+
+
 def profile_peak_memory(worker: Worker) -> int:
     """Bytes needed at peak (weights, activations, sampler, non-torch allocations), KV pool excluded."""
     sched = worker.config.scheduler_config
     block_size = worker.config.cache_config.block_size
-    num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * worker.max_model_len)
+    num_tokens = profiled_num_tokens(worker)
     num_reqs = min(sched.max_num_seqs, num_tokens)
     lengths = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
     blocks_per_req = [-(-n // block_size) for n in lengths]

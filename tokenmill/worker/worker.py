@@ -378,7 +378,11 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
     def start_expert_exchanges(self) -> None:
-        """Replicas that share out the experts: their start-up passes done, the MoE layers exchange tokens from now."""
+        """Replicas that share out the experts: their start-up passes done, the MoE layers exchange tokens from now,
+        in rounds of at most the profiled step's tokens."""
+        from tokenmill.worker.profiling import profiled_num_tokens
+
+        ExpertExchange.tokens_per_step = profiled_num_tokens(self)
         ExpertExchange.live = True
 
     @torch.inference_mode()
