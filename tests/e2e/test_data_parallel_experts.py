@@ -9,7 +9,8 @@ replica left idle while the other works still exchanges every layer; a request r
 served; constrained requests (regex, choice) match; killing one replica's core stops both (their requests end
 with engine_dead, no hang) and both start again together, serving the same text. Two replicas of two
 tensor-parallel ranks, FP8 experts, and a DeepSeek-V3-shaped model (latent attention, grouped routing, a shared
-expert), give the one-process text too. What cannot go with it yet is refused at start-up.
+expert; and drafting with its MTP layer), give the one-process text too. What cannot go with it yet is refused at
+start-up.
 """
 
 from __future__ import annotations
@@ -196,16 +197,14 @@ def test_fp8_experts_shared_over_the_replicas(tiny_moe):
         server.stop()
 
 
-def test_deepseek_v3_replicas_share_the_experts(tmp_path, smollm2_tokenizer):
+def write_tiny_deepseek_v3(folder, tokenizer, mtp: bool = False):
     """DeepSeek-V3's shape (latent attention, a dense first layer, a shared expert, sigmoid scores with a correction
-    bias, top-2 of 8 within the best 2 of 4 groups): -dp 2 gives the one-process engine's greedy text."""
+    bias, top-2 of 8 within the best 2 of 4 groups), seeded; `mtp`: with an MTP layer (num_nextn_predict_layers 1)
+    made of its last decoder layer's tensors (experts included) and random norms, projection and LM head."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from tokenmill import LLM, SamplingParams
-
     torch.manual_seed(0)
-    tokenizer = smollm2_tokenizer
     config = DeepseekV3Config(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
@@ -217,17 +216,69 @@ def test_deepseek_v3_replicas_share_the_experts(tmp_path, smollm2_tokenizer):
     with torch.no_grad():  # a correction bias that moves the choice of experts
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_space=0.05)
-    reference = [output.outputs[0].text for output in llm.generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
-    llm.engine.core.shutdown()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if mtp:
+        from test_spec_decode_mtp import add_mtp_layer, checkpoint_tensors
+
+        config.num_nextn_predict_layers = 1
+        config.save_pretrained(folder)
+        hidden, last, prefix = config.hidden_size, f"model.layers.{config.num_hidden_layers - 1}.", \
+            f"model.layers.{config.num_hidden_layers}."
+        tensors = {prefix + name.removeprefix(last): t for name, t in checkpoint_tensors(folder).items()
+                   if name.startswith(last)}
+        generator = torch.Generator().manual_seed(4)
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{prefix}{norm}.weight"] = 1 + 0.2 * torch.randn(hidden, generator=generator)
+        tensors[f"{prefix}eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.2
+        tensors[f"{prefix}shared_head.head.weight"] = torch.randn(config.vocab_size, hidden, generator=generator) * 0.2
+        add_mtp_layer(folder, tensors)
+
+
+def one_process_greedy_text(folder: str, max_tokens: int = 12) -> list[str]:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(folder, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_space=0.05)
+    try:
+        return [output.outputs[0].text for output in llm.generate(
+            PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)]
+    finally:
+        llm.engine.core.shutdown()
+
+
+def test_deepseek_v3_replicas_share_the_experts(tmp_path, smollm2_tokenizer):
+    """DeepSeek-V3's shape: -dp 2 gives the one-process engine's greedy text."""
+    write_tiny_deepseek_v3(tmp_path, smollm2_tokenizer)
+    reference = one_process_greedy_text(str(tmp_path))
     server = RemoteServer(str(tmp_path), *SERVER_ARGS)
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS))
         assert texts == [[text] for text in reference]
+    finally:
+        server.stop()
+
+
+def test_mtp_drafts_keep_their_experts_within_each_replica(tmp_path, smollm2_tokenizer):
+    """DeepSeek-V3 with its MTP layer drafting (speculative method mtp), -dp 2: the target's experts are shared out
+    over both replicas, the MTP layer's stay whole in each (its passes run when its replica drafts, not in step
+    with the other's). Greedy text is the one-process engine's without speculation, on both replicas, and drafts
+    were verified."""
+    write_tiny_deepseek_v3(tmp_path, smollm2_tokenizer, mtp=True)
+    reference = one_process_greedy_text(str(tmp_path))
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    server = RemoteServer(str(tmp_path), *SERVER_ARGS[:-2], "--speculative-config", mtp)
+    try:
+        before = finished(server)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS))
+        assert texts == [[text] for text in reference]
+        after = finished(server)
+        assert all(after[e] > before[e] for e in ("0", "1")), (before, after)
+        metrics = httpx.get(server.url("/metrics"), timeout=10).text
+        drafted = sum(s.value for family in text_string_to_metric_families(metrics) for s in family.samples
+                      if s.name == "tokenmill:spec_decode_num_draft_tokens_total")
+        assert drafted > 0
     finally:
         server.stop()
 
@@ -257,10 +308,9 @@ def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
     assert replicas_share_experts(config(tensor_parallel_size=2), hf_config)  # over dp x tp = 4 ranks
     # Pipeline stages: experts within each replica's tensor-parallel ranks, as before.
     assert not replicas_share_experts(config(pipeline_parallel_size=2), hf_config)
-    with pytest.raises(ValueError, match="speculative method 'draft_model' cannot go with enable_expert_parallel "
-                                         "over 2 data-parallel replicas yet"):
-        replicas_share_experts(config(speculative_config={"method": "draft_model", "model": tiny_moe,
-                                                          "num_speculative_tokens": 2}), hf_config)
+    # A drafter's experts stay within its replica (a mixture-of-experts draft model's too).
+    assert replicas_share_experts(config(speculative_config={"method": "draft_model", "model": tiny_moe,
+                                                             "num_speculative_tokens": 2}), hf_config)
     with pytest.raises(ValueError, match="use distributed_executor_backend 'mp'"):
         replicas_share_experts(config(tensor_parallel_size=2, distributed_executor_backend="ray"), hf_config)
     hf_config.num_experts = 3

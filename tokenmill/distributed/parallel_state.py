@@ -17,7 +17,9 @@ tensor-parallel group, and the MoE layers send tokens to the rank holding their 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +89,19 @@ def expert_parallel_enabled() -> bool:
 
 def get_replica_experts() -> ReplicaExperts:
     return _REPLICA_EXPERTS
+
+
+@contextlib.contextmanager
+def experts_within_replica() -> Iterator[None]:
+    """MoE layers built inside keep their experts within this replica's ranks, as without replicas sharing them out:
+    a drafter's, whose forward passes run when its replica's step drafts, not in step with the other replicas."""
+    global _REPLICA_EXPERTS
+    shared = _REPLICA_EXPERTS
+    _REPLICA_EXPERTS = ReplicaExperts()
+    try:
+        yield
+    finally:
+        _REPLICA_EXPERTS = shared
 
 
 def init_replica_world(replica: int, num_replicas: int, init_method: str, tp_rank: int, tp_size: int,

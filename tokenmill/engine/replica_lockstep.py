@@ -44,11 +44,6 @@ def replicas_share_experts(config: EngineConfig, hf_config) -> bool:
     if parallel.distributed_executor_backend == "ray":  # its actors may sit on nodes the rendezvous file is not on
         raise ValueError("enable_expert_parallel over data-parallel replicas meets the replicas' ranks on this host: "
                          "use distributed_executor_backend 'mp' (the default here), not 'ray'")
-    speculative = config.speculative_config
-    if speculative is not None and speculative.method != "ngram":
-        raise ValueError(f"speculative method {speculative.method!r} cannot go with enable_expert_parallel over "
-                         f"{parallel.data_parallel_size} data-parallel replicas yet (its drafter's forward passes "
-                         f"would not run in step across the replicas): use 'ngram', or one of the two alone")
     expert_range(num_experts, 0, parallel.data_parallel_size * parallel.tensor_parallel_size)  # a rank without any
     return True
 

@@ -11,7 +11,12 @@ from transformers import PretrainedConfig
 from tokenmill.attention.backend import get_attention_backend
 from tokenmill.attention.kv_quant import check_kv_cache_dtype, log_kv_scales, resolve_kv_cache_dtype
 from tokenmill.config import EngineConfig, check_device
-from tokenmill.distributed.parallel_state import init_distributed, init_replica_world, set_expert_parallel
+from tokenmill.distributed.parallel_state import (
+    experts_within_replica,
+    init_distributed,
+    init_replica_world,
+    set_expert_parallel,
+)
 from tokenmill.kernels.kv_fp8 import is_fp8
 from tokenmill.kv_cache.sizing import GiB, KVCacheShape, KVCacheSpec, make_kv_cache_spec
 from tokenmill.layers.attention import Attention
@@ -125,13 +130,16 @@ class Worker:
         speculative = config.speculative_config
         self.draft_model = None
         self.draft_attn_layers: list[Attention] = []
+        # A drafter's experts (an MTP layer's, a mixture-of-experts draft model's) stay within the replica.
         if speculative is not None and speculative.method == "draft_model":
-            self.draft_model = load_draft_model(config, hf_config, self.device, self.dtype, max_model_len)
+            with experts_within_replica():
+                self.draft_model = load_draft_model(config, hf_config, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.draft_model)
         self.eagle_head = None
         if speculative is not None and speculative.method in ("eagle", "eagle3", "mtp"):
             load = {"eagle": load_eagle_head, "eagle3": load_eagle3_head, "mtp": load_mtp_head}[speculative.method]
-            self.eagle_head = load(config, hf_config, self.model, self.device, self.dtype, max_model_len)
+            with experts_within_replica():
+                self.eagle_head = load(config, hf_config, self.model, self.device, self.dtype, max_model_len)
             self.draft_attn_layers = attention_layers(self.eagle_head)
         self.token_tree = None
         if speculative is not None and speculative.speculative_token_tree is not None:
