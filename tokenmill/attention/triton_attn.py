@@ -21,6 +21,7 @@ from tokenmill.attention import mla_split
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, FixedShape
 from tokenmill.device_copy import pack_to_device
 from tokenmill.kernels.decode_attention import decode_attention
+from tokenmill.kernels.decode_placement import place_decode_rows
 from tokenmill.kernels.mla_cache import write_latent_cache
 from tokenmill.kernels.mla_decode import mla_decode_attention, mla_prefill_attention
 from tokenmill.kernels.prefill_attention import prefill_attention
@@ -160,18 +161,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def place_decodes(self, metadata: TritonAttentionMetadata, positions: torch.Tensor, block_size: int,
                       block_table: torch.Tensor | None = None, padded: bool = False) -> None:
-        num = len(positions)
-        if block_table is not None:
-            metadata.block_table[:num, : block_table.shape[1]].copy_(block_table)
-        at = positions.clamp(min=0) if padded else positions
-        blocks = metadata.block_table[:num].gather(1, (at // block_size).unsqueeze(1)).squeeze(1)
-        slots = blocks * block_size + at % block_size
-        if padded:  # padding: no context, no slot
-            metadata.seq_lens[:num].copy_(torch.where(positions < 0, 0, positions + 1))
-            metadata.slot_mapping[:num].copy_(torch.where(positions < 0, -1, slots))
-        else:
-            metadata.seq_lens[:num].copy_(positions + 1)
-            metadata.slot_mapping[:num].copy_(slots)
+        # One launch (kernels/decode_placement.py); a negative position (padding: `padded`) gets no context, no slot.
+        place_decode_rows(positions, metadata.block_table, metadata.seq_lens, metadata.slot_mapping, block_size,
+                      source_table=block_table)
 
     def copy_metadata(self, dst: TritonAttentionMetadata, src: TritonAttentionMetadata) -> None:
         """Copy a step's metadata into a captured graph's static metadata for the same batch shape."""
