@@ -479,9 +479,6 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.model_config.quantization!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
         spec = self.speculative_config
-        if spec is not None and spec.method == "mtp" and self.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding with MTP layers does not run tensor-parallel yet: use "
-                             "tensor_parallel_size 1, or another method")
         if (spec is not None and spec.method in ("draft_model", "eagle", "eagle3", "mtp")
                 and self.parallel_config.pipeline_parallel_size > 1):
             # The drafter needs the target's embedding and last hidden states, which live on different stages.

@@ -17,7 +17,7 @@ import torch
 from tests.e2e.test_spec_decode import ENGINES, _Model, always_draft, check_same_tokens_and_logprobs, run, workload
 from tests.e2e.test_spec_decode_eagle3 import proposer_of, record_proposals, rms_norm
 from tests.models.conftest import TINY_MODELS, build_tiny_model
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 
 SPEC = dataclasses.replace(TINY_MODELS["deepseek-v3"],
                            overrides={**TINY_MODELS["deepseek-v3"].overrides, "num_nextn_predict_layers": 1})
@@ -211,6 +211,34 @@ def test_a_random_mtp_layer_drafts_what_the_module_computes_and_changes_no_token
     assert len(proposals) == stats.num_drafts > 20, stats
 
 
+@pytest.mark.parametrize(("layer", "expert_parallel"),
+                         [("random_mtp", False), ("random_mtp", True), ("exact_mtp", False)])
+def test_an_mtp_layer_drafts_alike_on_two_tensor_parallel_ranks(request, layer, expert_parallel):
+    """TP = 2 (gloo): the MTP layer shards as the target's layers do (its latent attention's heads, its experts
+    sliced or, with expert parallelism, half of them whole on each rank), its own embedding and LM head by
+    vocabulary (the random layer's) or the target's shared (the exact layer's): the same tokens, drafts and
+    acceptances as one rank."""
+    target = request.getfixturevalue(layer)[0]
+    prompts = [{"prompt_token_ids": [5, 9, 13, 17, 21, 30][: 3 + i]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = []
+    for engine in ({"async_scheduling": True, "device": "cpu", "kv_cache_space": 0.01},
+                   {"async_scheduling": True, "device": "cpu", "kv_cache_space": 0.01, "tensor_parallel_size": 2,
+                    "enable_expert_parallel": expert_parallel}):
+        llm = mtp_llm(target, engine, k=2)
+        try:
+            # The exact layer's embedding and LM head equal the target's: shared, on each rank (its rows compared).
+            kept = {n.removeprefix(MTP) for n, _ in proposer_of(llm).model.named_parameters()} & {
+                "embed_tokens.weight", "shared_head.head.weight"}
+            assert kept == (set() if layer == "exact_mtp" else {"embed_tokens.weight", "shared_head.head.weight"})
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            spec = llm.engine.last_stats.spec_decoding
+            runs.append(([o.outputs[0].token_ids for o in outputs], spec.num_draft_tokens, spec.num_accepted_tokens))
+        finally:
+            llm.engine.core.shutdown()
+    assert runs[1] == runs[0] and runs[0][1] > 0
+
+
 def test_mtp_refuses_what_it_cannot_run(tiny_llama, random_mtp, tmp_path):
     from tokenmill.config import EngineConfig
 
@@ -221,10 +249,9 @@ def test_mtp_refuses_what_it_cannot_run(tiny_llama, random_mtp, tmp_path):
     build_tiny_model(SPEC, no_layer)  # the config names one MTP layer, the checkpoint has none
     with pytest.raises(ValueError, match=r"no tensors of its MTP layer \(model\.layers\.2\.\*\)"):
         mtp_llm(_Model(str(no_layer)), dict(kv_cache_space=0.01), k=2)
-    for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
-        with pytest.raises(ValueError, match="MTP layers does not run tensor-parallel|'mtp' does not run pipeline"):
-            EngineConfig.from_kwargs(target.path, **parallel, speculative_config={
-                "method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'mtp' does not run pipeline"):
+        EngineConfig.from_kwargs(target.path, pipeline_parallel_size=2, speculative_config={
+            "method": "mtp", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="leave out 'model'"):
         EngineConfig.from_kwargs(target.path, speculative_config={"method": "mtp", "model": target.path,
                                                                   "num_speculative_tokens": 2})

@@ -138,14 +138,17 @@ def _read(files: dict[str, str], names: list[str]) -> Iterator[tuple[str, torch.
 
 
 def _own_tensors(files: dict[str, str], prefix: str, target: DeepseekV2ForCausalLM) -> set[str]:
-    """The shareable tensors the checkpoint holds with values other than the target's (those the head keeps)."""
-    targets = {"embed_tokens.weight": target.model.embed_tokens.weight,
-               "shared_head.head.weight": target.lm_head.weight}
+    """The shareable tensors the checkpoint holds with values other than the target's (those the head keeps). Under
+    tensor parallelism each rank compares its own rows of the vocabulary (those its target module holds)."""
+    targets = {"embed_tokens.weight": target.model.embed_tokens, "shared_head.head.weight": target.lm_head}
     own = set()
     for name, tensor in _read(files, [prefix + n for n in SHAREABLE if prefix + n in files]):
         short = name.removeprefix(prefix)
-        mine = targets[short]
-        if tensor.shape != mine.shape or not torch.equal(tensor.to(mine.device, mine.dtype), mine):
+        module = targets[short]
+        mine = module.weight
+        rows = tensor[module.vocab_start : module.vocab_start + module.shard_size]
+        if (tensor.shape != (module.vocab_size, mine.shape[1])
+                or not torch.equal(rows.to(mine.device, mine.dtype), mine[: rows.shape[0]])):
             own.add(short)
     return own
 
