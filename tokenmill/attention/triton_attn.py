@@ -163,7 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
                       block_table: torch.Tensor | None = None, padded: bool = False) -> None:
         # One launch (kernels/decode_placement.py); a negative position (padding: `padded`) gets no context, no slot.
         place_decode_rows(positions, metadata.block_table, metadata.seq_lens, metadata.slot_mapping, block_size,
-                      source_table=block_table)
+                          source_table=block_table)
 
     def copy_metadata(self, dst: TritonAttentionMetadata, src: TritonAttentionMetadata) -> None:
         """Copy a step's metadata into a captured graph's static metadata for the same batch shape."""

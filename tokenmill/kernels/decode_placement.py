@@ -38,7 +38,7 @@ def _place_decodes_kernel(positions_ptr, table_ptr, table_stride, source_ptr, so
 
 
 def place_decode_rows(positions: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  slot_mapping: torch.Tensor, block_size: int, source_table: torch.Tensor | None = None) -> None:
+                      slot_mapping: torch.Tensor, block_size: int, source_table: torch.Tensor | None = None) -> None:
     """For each of the len(positions) rows: seq_lens = position + 1 and slot_mapping = its KV slot through
     `block_table` (0 and -1 for a negative position); `source_table` [rows, width], if given, is first copied
     into the rows' first `width` columns of `block_table`."""

@@ -59,17 +59,15 @@ class ExpertExchange:
         if self.holder.device != topk_ids.device:
             self.holder, self.first_expert = self.holder.to(topk_ids.device), self.first_expert.to(topk_ids.device)
         num_tokens = hidden.shape[0]
-        per_round = max(1, ExpertExchange.tokens_per_step // self.num_ranks) if ExpertExchange.tokens_per_step \
-            else max(1, num_tokens)
-        outputs = []
-        rounds, start = 1, 0
+        budget = ExpertExchange.tokens_per_step
+        per_round = max(1, budget // self.num_ranks if budget else num_tokens)
+        outputs, rounds = [], 1
         while len(outputs) < rounds:
-            part = slice(start, start + per_round)  # empty once this rank's tokens are done
+            part = slice(len(outputs) * per_round, (len(outputs) + 1) * per_round)  # empty past this rank's tokens
             out, most = self._round(hidden[part], topk_weights[part], topk_ids[part], experts,
-                                    -(-num_tokens // per_round) if not outputs else 0)
+                                    0 if outputs else -(-num_tokens // per_round))
             rounds = max(rounds, most)
             outputs.append(out)
-            start += per_round
         return outputs[0] if rounds == 1 else torch.cat(outputs)
 
     def _round(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertsFn,
