@@ -142,6 +142,38 @@ def test_gqa_and_mha_shapes(tmp_path, num_kv_heads):
     assert_matches_twin(quantized, dense)
 
 
+TP_LAYOUTS = [("gptq", 4, 32, False, True, 1), ("gptq", 4, 64, True, True, 0), ("gptq", 8, 32, False, True, 0),
+              ("awq", 4, 32, False, False, 1), ("ct", 4, 32, False, False, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,bits,group,sym,act_order,version", TP_LAYOUTS,
+                         ids=[f"{f}-int{b}-g{g}-{'sym' if s else 'asym'}{'-act' if a else ''}-v{v}"
+                              for f, b, g, s, a, v in TP_LAYOUTS])
+def test_two_tensor_parallel_ranks_mean_what_the_twin_means(tiny, fmt, bits, group, sym, act_order, version):
+    """TP = 2 (gloo): weights, scales and zero points sharded together. Under row parallelism an act-order rank's
+    slice of the inputs holds an uneven share of each group (here ~half of each): it keeps every group's scales and
+    pads each group's features to whole groups of 32 (w4a16.VIRTUAL_GROUP), the padding's weights at the zero
+    point, so o_proj and down_proj take more features than their slice has."""
+    from tokenmill.bench.quant_quality import compare, prompt_distributions
+
+    model, root = tiny
+    quantized, dense = write_int4(model, root / "tp", fmt, bits, group, sym, act_order, version=version)
+    twin = engine(dense)
+    expected = prompt_distributions(twin, TINY_TEXT)
+    twin.engine.core.shutdown()
+    llm = engine(quantized, tensor_parallel_size=2)
+    try:
+        layer = layers_of(llm)[0]
+        if act_order:
+            down = layer.mlp.down_proj  # rank 0's: 128 of the 256 intermediate features
+            assert down.input_perm.shape[0] > 128 and down.weight_scale.shape[1] == down.input_perm.shape[0] // 32
+        quality = compare(expected, prompt_distributions(llm, TINY_TEXT))
+    finally:
+        llm.engine.core.shutdown()
+    assert quality.top1_agreement >= 0.9 and quality.mean_kl < 1e-3, quality
+
+
 def test_int4_against_the_unquantized_model(tiny):
     """What round-to-nearest int4 costs (reported; GPTQ or AWQ calibration would do better). These random
     models with a 40x LM head turn small weight errors into large logit changes (measured: KL 0.56, top-1

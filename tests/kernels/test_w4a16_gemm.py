@@ -302,3 +302,32 @@ def test_dequant_int_gemm_under_a_cuda_graph():
     graph.replay()
     # A stale or shared-too-early scratch would give the other layer's weight: errors of order 1.
     assert cases.rel_error(static_y, forward(x)) < 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 100])
+@pytest.mark.parametrize("sym", [True, False])
+def test_uneven_act_order_groups_padded_to_whole_groups(rows, sym):
+    """A row-parallel rank's share of act-order groups (about half of each group of 128, here 1,024 of 2,048 input
+    features): the layer pads each group to whole groups of 32 (w4a16.VIRTUAL_GROUP) at the zero point and
+    gathers x into that order; through every kernel (the row counts) it matches the float64 product."""
+    from tokenmill.kernels.w4a16_gemm import int_weight_gemm
+    from tokenmill.layers.quant.w4a16 import IntWeights, _sort_groups
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator().manual_seed(rows)
+    n, k_full, k, group, bits = 256, 2048, 1024, 128, 4
+    g_idx = torch.empty(k_full, dtype=torch.int32)
+    g_idx[torch.randperm(k_full, generator=g)] = (torch.arange(k_full) // group).to(torch.int32)
+    g_idx = g_idx[:k]  # this rank's slice: an uneven share of every group
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = (torch.rand(n, k_full // group, generator=g) * 0.02 + 0.005).half()
+    zero = None if sym else torch.randint(0, 16, (n, k_full // group), generator=g).half()
+    at = g_idx.long()
+    w = (q.double() - (8 if zero is None else zero.double()[:, at])) * scale.double()[:, at]
+    sorted_w, perm = _sort_groups(IntWeights(q, scale, zero, g_idx), bits, "test")
+    assert perm.shape[0] > k and perm.shape[0] % 32 == 0
+    x = torch.randn(rows, k, generator=g, dtype=torch.float16)
+    out = int_weight_gemm(x.cuda().index_select(1, perm.cuda()), pack_int32(sorted_w.q, bits, dim=1).cuda(),
+                          sorted_w.scale.cuda(), None if sorted_w.zero is None else sorted_w.zero.cuda(), None, bits)
+    assert cases.rel_error(out.cpu(), x.double() @ w.T) < cases.TOLERANCE[torch.float16]

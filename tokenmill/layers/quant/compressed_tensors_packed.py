@@ -22,6 +22,8 @@ import torch
 from tokenmill.layers.quant.w4a16 import (
     IntWeightMethod,
     IntWeights,
+    act_order_keeps_all_groups,
+    all_groups_of,
     check_groups,
     per_part_loader,
     shared_rows,
@@ -42,11 +44,12 @@ class PackQuantizedLinearMethod(IntWeightMethod):
 
     def create_weights(self, layer: LinearBase) -> None:
         pack, group = 32 // self.bits, self.group_size
-        groups = check_groups(layer, group, pack, "compressed-tensors pack-quantized")
+        what = "compressed-tensors pack-quantized"
         n, k, parts = layer.output_size, layer.input_size, len(layer.partition_sizes)
-        if self.act_order and layer.tp_dim == 1 and layer.tp_size > 1:
-            raise ValueError("compressed-tensors actorder 'group' does not load with tensor parallelism yet")
-        scale_input, per_group = (None, k) if group <= 0 else (1, group)
+        all_groups = self.act_order and act_order_keeps_all_groups(layer, group)
+        groups = all_groups_of(layer, group, pack, what) if all_groups else check_groups(layer, group, pack, what)
+        # One per-channel scale column is every rank's, and so is every act-order group's under row parallelism.
+        scale_input, per_group = (None, k) if group <= 0 else (None if all_groups else 1, group)
         layer.weight_packed = layer.make_param(torch.empty(n, k // pack, dtype=torch.int32), output_dim=0,
                                                input_dim=1, input_block=pack)
         # float32 holds fp16 and bf16 scales exactly; the repack narrows them back (w4a16.narrow_exactly).

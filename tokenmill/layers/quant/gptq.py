@@ -26,6 +26,8 @@ from tokenmill.layers.quant.base import QuantConfig, QuantMethod
 from tokenmill.layers.quant.w4a16 import (
     IntWeightMethod,
     IntWeights,
+    act_order_keeps_all_groups,
+    all_groups_of,
     check_groups,
     per_part_loader,
     shared_rows,
@@ -47,13 +49,13 @@ class GptqLinearMethod(IntWeightMethod):
 
     def create_weights(self, layer: LinearBase) -> None:
         cfg, pack = self.config, 32 // self.bits
-        groups = check_groups(layer, cfg.group_size, pack, "gptq")
         n, k = layer.output_size, layer.input_size
-        if cfg.desc_act and cfg.group_size > 0 and layer.tp_dim == 1 and layer.tp_size > 1:
-            # A rank's slice of the inputs holds an uneven share of each act-order group.
-            raise ValueError("gptq act-order (desc_act) checkpoints do not load with tensor parallelism yet")
+        all_groups = cfg.desc_act and act_order_keeps_all_groups(layer, cfg.group_size)
+        groups = all_groups_of(layer, cfg.group_size, pack, "gptq") if all_groups else \
+            check_groups(layer, cfg.group_size, pack, "gptq")
         per_group = k if cfg.group_size <= 0 else cfg.group_size
-        scale_input = None if cfg.group_size <= 0 else 0  # one per-channel scale row is every rank's
+        # One per-channel scale row is every rank's, and so is every act-order group's under row parallelism.
+        scale_input = None if cfg.group_size <= 0 or all_groups else 0
         layer.qweight = layer.make_param(torch.empty(k // pack, n, dtype=torch.int32), output_dim=1, input_dim=0,
                                          input_block=pack)
         layer.qzeros = layer.make_param(torch.empty(groups, n // pack, dtype=torch.int32), output_dim=1,

@@ -10,10 +10,13 @@ path and one pair of kernels (kernels.w4a16_gemm) serve every format:
   bf16, as the checkpoint had them); one group spans the whole input for per-channel scales.
 - `weight_zero` [n, k / group] in the same dtype (small integers, exact there), or None: symmetric, the
   zero point is the midpoint 2^(b-1). The weight is (q - zero) * scale.
-- `input_perm` int32 [k] or None: GPTQ's act-order (`g_idx`) puts input features in groups by their
+- `input_perm` int32 [k'] or None: GPTQ's act-order (`g_idx`) puts input features in groups by their
   rank in the calibration, not by position. The repack sorts the input features by group, so the groups
   are contiguous again, and the activations are gathered in that order (x[:, input_perm]): the same
-  product, and the kernel never gathers a scale.
+  product, and the kernel never gathers a scale. Under row parallelism a rank's slice of the inputs holds an
+  uneven share of each act-order group (it keeps every group's scales: `act_order_keeps_all_groups`): each
+  group's features are then padded to whole groups of VIRTUAL_GROUP, the padding's weights at the zero point
+  (they add nothing), so k' >= k, and the layer gathers x into that order itself.
 
 The CPU path dequantizes the weight to the activations' dtype on every call and multiplies densely: it is
 the correctness path (and the kernels' reference), not a fast one, and it keeps the weight at 4 bits in
@@ -111,11 +114,11 @@ class IntWeightMethod(QuantMethod):
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        w = self.unpack(layer)
-        n, k = w.q.shape
-        q, perm = w.q, None
+        w, perm = self.unpack(layer), None
         if w.g_idx is not None:
-            q, perm = _sort_groups(q, w.g_idx.long(), w.scale.shape[1], type(layer).__name__)
+            w, perm = _sort_groups(w, self.bits, type(layer).__name__)
+        q = w.q
+        n, k = q.shape
         midpoint = 1 << (self.bits - 1)
         zero = w.zero
         if zero is not None and bool((zero == midpoint).all()):  # load time: a sync is fine here
@@ -134,7 +137,10 @@ class IntWeightMethod(QuantMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        args = (layer.weight_packed, layer.weight_scale, layer.weight_zero, layer.input_perm, layer.weight_bits)
+        perm = layer.input_perm
+        if perm is not None and perm.shape[0] != x2.shape[1]:  # padded act-order groups: the kernels take x as is
+            x2, perm = x2.index_select(1, perm), None
+        args = (layer.weight_packed, layer.weight_scale, layer.weight_zero, perm, layer.weight_bits)
         if use_triton(x2) and x2.dtype in (torch.bfloat16, torch.float16):
             from tokenmill.kernels.w4a16_gemm import int_weight_gemm
 
@@ -159,19 +165,47 @@ def _frozen(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t, requires_grad=False)
 
 
-def _sort_groups(q: torch.Tensor, g_idx: torch.Tensor, groups: int,
-                 what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Act-order: input features sorted by group, so that group j is features [j * size, (j + 1) * size)."""
+VIRTUAL_GROUP = 32
+"""Features per scale where an act-order rank's groups are uneven (4 int4 words: the GEMV's widest unit)."""
+
+
+def act_order_keeps_all_groups(layer: LinearBase, group_size: int) -> bool:
+    """Whether an act-order layer's rank keeps the scales (and zero points) of every group, not of a slice: under
+    row parallelism its slice of the inputs holds some features of every group."""
+    return group_size > 0 and layer.tp_dim == 1 and layer.tp_size > 1
+
+
+def _sort_groups(w: IntWeights, bits: int, what: str) -> tuple[IntWeights, torch.Tensor | None]:
+    """Act-order: input features sorted by group, so that group j is features [j * size, (j + 1) * size) where every
+    group has `size` features here; else each group padded to whole groups of VIRTUAL_GROUP (zero-point weights).
+    Returns the weights in that order and the input features' order (None: as they are)."""
+    q, g_idx, groups = w.q, w.g_idx.long(), w.scale.shape[1]
     k = q.shape[1]
+    if g_idx.min() < 0 or g_idx.max() >= groups:
+        raise ValueError(f"{what}: g_idx names groups outside [0, {groups})")
     perm = torch.argsort(g_idx, stable=True)
-    size = k // groups
-    expected = torch.arange(k, device=g_idx.device) // size
-    if not torch.equal(g_idx[perm], expected):
-        raise ValueError(f"{what}: g_idx does not give each of its {groups} groups {size} input features; "
-                         "this act-order layout is not supported")
-    if torch.equal(perm, torch.arange(k, device=perm.device)):
-        return q, None  # g_idx in order (desc_act false, or per-channel): nothing to gather
-    return q[:, perm], perm
+    counts = torch.bincount(g_idx, minlength=groups)
+    if k % groups == 0 and bool((counts == k // groups).all()):
+        if torch.equal(perm, torch.arange(k, device=perm.device)):
+            return IntWeights(q, w.scale, w.zero), None  # g_idx in order (desc_act false, or per-channel)
+        return IntWeights(q[:, perm], w.scale, w.zero), perm
+    size = VIRTUAL_GROUP
+    padded = (counts + size - 1) // size * size
+    sorted_groups = g_idx[perm]
+    # Feature perm[i] goes to its group's padded run, at its rank among the group's features.
+    rank_in_group = torch.arange(k, device=q.device) - (torch.cumsum(counts, 0) - counts)[sorted_groups]
+    dest = (torch.cumsum(padded, 0) - padded)[sorted_groups] + rank_in_group
+    total = int(padded.sum())
+    virtual = torch.repeat_interleave(torch.arange(groups, device=q.device), padded // size)  # each one's group
+    scale = w.scale[:, virtual]
+    zero = None if w.zero is None else w.zero[:, virtual]
+    midpoint = 1 << (bits - 1)
+    at_zero = (torch.full_like(scale, midpoint) if zero is None else zero).round().to(q.dtype)
+    q_padded = at_zero.repeat_interleave(size, dim=1)  # the padding: (zero - zero) * scale = 0
+    q_padded[:, dest] = q[:, perm]
+    input_perm = torch.zeros(total, dtype=perm.dtype, device=perm.device)  # the padding reads feature 0 (times 0)
+    input_perm[dest] = perm
+    return IntWeights(q_padded, scale, zero), input_perm
 
 
 def per_part_loader(layer: LinearBase, input_dim: int | None = None) -> Callable:
@@ -200,6 +234,17 @@ def shared_rows(param: torch.Tensor, what: str) -> torch.Tensor:
     if not bool((param == param[0]).all()):
         raise ValueError(f"{what} differs between the parts of a fused layer, which share one input order")
     return param[0]
+
+
+def all_groups_of(layer: LinearBase, group_size: int, pack: int, what: str) -> int:
+    """The groups of the whole input (act_order_keeps_all_groups); raises where the shape does not split."""
+    k = layer.input_size * layer.tp_size
+    if layer.input_size % pack or any(size % pack for size in layer.partition_sizes):
+        raise ValueError(f"{what}: this rank's {layer.input_size} input features or its output parts "
+                         f"{layer.partition_sizes} do not pack into int32 words of {pack}")
+    if k % group_size:
+        raise ValueError(f"{what}: {k} input features do not split into groups of {group_size}")
+    return k // group_size
 
 
 def check_groups(layer: LinearBase, group_size: int, pack: int, what: str) -> int:
