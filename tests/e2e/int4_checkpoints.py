@@ -93,6 +93,21 @@ def ct_tensors(weight, bits, group, sym):
     return packed, dense
 
 
+def ct_act_order_tensors(weight, bits, group, sym, perm):
+    """compressed-tensors with `actorder: "group"`: round-to-nearest over the permuted groups (the library's
+    compressor quantizes without g_idx), packed by the library's pack_to_int32 (signed values, as its compressor
+    packs them), `weight_g_idx` beside."""
+    from compressed_tensors.compressors.pack_quantized.base import pack_to_int32
+
+    q, scale, zero, g_idx = rtn(weight, bits, group, sym, perm)
+    offset = 1 << (bits - 1)
+    tensors = {"weight_packed": pack_to_int32((q - offset).to(torch.int8), bits),
+               "weight_shape": torch.tensor(weight.shape), "weight_scale": scale, "weight_g_idx": g_idx}
+    if not sym:
+        tensors["weight_zero_point"] = pack_to_int32((zero - offset).to(torch.int8), bits, packed_dim=0).contiguous()
+    return tensors, dequantize(q, scale, zero, g_idx)
+
+
 def ct_scheme(bits, group, sym):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -137,6 +152,8 @@ def write_int4(model, path: Path, fmt: str, bits: int = 4, group: int = 128, sym
             tensors, deq = gptq_tensors(tensor, bits, group, sym, perms.get(_input_key(name)), version)
         elif fmt == "awq":
             tensors, deq = awq_tensors(tensor, group)
+        elif act_order:
+            tensors, deq = ct_act_order_tensors(tensor, bits, group, sym, perms[_input_key(name)])
         else:
             tensors, deq = ct_tensors(tensor, bits, group, sym)
         quantized.update({f"{prefix}.{k}": v for k, v in tensors.items()})
@@ -156,6 +173,8 @@ def write_int4(model, path: Path, fmt: str, bits: int = 4, group: int = 128, sym
         config = QuantizationConfig(config_groups={"group_0": ct_scheme(bits, group, sym)[1]}, format="pack-quantized",
                                     quantization_status="compressed",
                                     ignore=["lm_head", *(f"re:.*{s}" for s in skip)]).model_dump()
+        if act_order:  # as llm-compressor wrote it (today's compressed-tensors no longer makes "group" itself)
+            config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     name = f"{fmt}-int{bits}-g{group}-{'sym' if sym else 'asym'}{'-act' if act_order else ''}-v{version}"
     return _save(model, path / name, quantized, config), _save(model, path / f"{name}-dense", dense, None)
 

@@ -73,6 +73,7 @@ LAYOUTS = [
     ("ct", 4, 128, True, False, 1),
     ("ct", 4, 32, False, False, 1),
     ("ct", 8, 0, True, False, 1),
+    ("ct", 4, 32, False, True, 1),
 ]
 
 
@@ -143,7 +144,7 @@ def test_gqa_and_mha_shapes(tmp_path, num_kv_heads):
 
 
 TP_LAYOUTS = [("gptq", 4, 32, False, True, 1), ("gptq", 4, 64, True, True, 0), ("gptq", 8, 32, False, True, 0),
-              ("awq", 4, 32, False, False, 1), ("ct", 4, 32, False, False, 1)]
+              ("awq", 4, 32, False, False, 1), ("ct", 4, 32, False, False, 1), ("ct", 4, 64, False, True, 1)]
 
 
 @pytest.mark.slow
