@@ -269,3 +269,29 @@ def test_constrained_requests_draft_trees_and_verify_exactly(smollm2_path, smoll
     assert not llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
     # Nodes past an accepted stop token may be accepted too (its mask allows all): never handed to the grammar.
     assert "refused" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("async_scheduling", [False], ids=["sync"])
+def test_requests_left_no_token_beside_drafting_ones_end_with_error_alone(smollm2_path, smollm2_llm,
+                                                                          async_scheduling):
+    """Requests that cannot draft (a grammar with bans; bad_words) share verifying steps with one that drafts. Their
+    one position was not checked for a token left there (the draw emitted token 0, outside their bans and grammar)."""
+    copy = [{"role": "user", "content": "Repeat after me: one two three one two three one two three"}]
+    zero = smollm2_llm.get_tokenizer().encode("0", add_special_tokens=False)  # "00" is [zero, zero]
+    paris = smollm2_llm.get_tokenizer().encode("Paris", add_special_tokens=False)
+    params = [SamplingParams(temperature=0, max_tokens=30),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=CHOICES),
+                             allowed_token_ids=paris),
+              SamplingParams(temperature=0, max_tokens=20, allowed_token_ids=zero, bad_words=["00"], ignore_eos=True)]
+    expected = smollm2_llm.chat(copy, params[0], use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32", gguf_dequantize=True,
+              async_scheduling=async_scheduling,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    from test_spec_decode import always_draft
+
+    always_draft(llm)
+    free, constrained, banned = (out.outputs[0] for out in llm.chat([copy, ASK, ASK], params, use_tqdm=False))
+    assert free.token_ids == expected
+    assert (constrained.finish_reason, constrained.token_ids) == ("error", paris)
+    assert (banned.finish_reason, banned.token_ids) == ("error", zero)
+    assert llm.engine.last_stats.spec_decoding.num_accepted_tokens > 0

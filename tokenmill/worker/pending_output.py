@@ -81,8 +81,11 @@ class PendingOutput:
         self.verified = token_ids if isinstance(token_ids, VerifiedTokens) else None
         if self.verified is not None:
             self.wait_for_tokens()  # read right here (the next step waits for a verifying step's anyway)
+            emitted = self.verified.token_ids
+            if none_left is not None:  # such a row verified nothing: its one token is column 0 (only the host's -1)
+                emitted = torch.where(none_left.unsqueeze(1), -1, emitted)
             # One copy: the counts as column 0, the tokens after them.
-            token_ids = torch.cat([self.verified.num_emitted.unsqueeze(1), self.verified.token_ids], dim=1).flatten()
+            token_ids = torch.cat([self.verified.num_emitted.unsqueeze(1), emitted], dim=1).flatten()
         elif none_left is not None:
             token_ids = torch.where(none_left, -1, token_ids)
         if token_ids.is_cuda:
