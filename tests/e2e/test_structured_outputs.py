@@ -271,11 +271,13 @@ def test_constrained_requests_draft_trees_and_verify_exactly(smollm2_path, smoll
     assert "refused" not in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("async_scheduling", [False], ids=["sync"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_requests_left_no_token_beside_drafting_ones_end_with_error_alone(smollm2_path, smollm2_llm,
                                                                           async_scheduling):
     """Requests that cannot draft (a grammar with bans; bad_words) share verifying steps with one that drafts. Their
-    one position was not checked for a token left there (the draw emitted token 0, outside their bans and grammar)."""
+    one position was not checked for a token left there (the draw emitted token 0, outside their bans and grammar);
+    and the -1 that marks such a row reached the next step's inputs on the host (an IndexError that failed the
+    engine; a device assert on a GPU)."""
     copy = [{"role": "user", "content": "Repeat after me: one two three one two three one two three"}]
     zero = smollm2_llm.get_tokenizer().encode("0", add_special_tokens=False)  # "00" is [zero, zero]
     paris = smollm2_llm.get_tokenizer().encode("Paris", add_special_tokens=False)

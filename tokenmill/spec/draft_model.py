@@ -89,7 +89,7 @@ class DraftModelProposer:
         positions = np.repeat(start, num_new) + np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1],
                                                                                            num_new)
         layout = self._layout(states, rows, token_rows, positions, query_start_loc, end.astype(np.int32))
-        input_ids = states.token_ids[token_rows, positions]
+        input_ids = states.input_ids(token_rows, positions)
         if len(positions) == len(rows):  # one token each (nothing accepted last time): a step graphs may replay
             return self._step(layout, input_ids, positions)[1]
         hidden = self._forward(layout, input_ids, positions)

@@ -159,7 +159,7 @@ class EagleProposer(DraftModelProposer):
             row_ids = np.array([r[0] for r in consume_rows], dtype=np.int64)
             layout = self._layout(states, row_ids, token_rows, pos, qsl, np.array(consume_end, dtype=np.int32))
             hidden = source[self._to_device(np.array(consume_src, dtype=np.int64))]
-            self._forward(layout, states.token_ids[token_rows, pos + 1], pos, hidden=hidden)
+            self._forward(layout, states.input_ids(token_rows, pos + 1), pos, hidden=hidden)
         if keep_dst:
             kept = source[self._to_device(np.array(keep_src, dtype=np.int64))]
             self.pending.view(base, -1)[self._to_device(np.array(keep_dst, dtype=np.int64))] = kept
@@ -283,7 +283,7 @@ class EagleProposer(DraftModelProposer):
         src = token_rows * self.window + positions - self.pending_start[token_rows]
         hidden = self.pending.view(-1, self.pending.shape[-1])[self._to_device(src)]
         layout = self._layout(states, rows, token_rows, positions, qsl, (lengths - 1).astype(np.int32))
-        input_ids = states.token_ids[token_rows, positions + 1]
+        input_ids = states.input_ids(token_rows, positions + 1)
         if len(positions) == len(rows):  # one position each (the usual pass after a verify step): graphs fit it
             hidden, tokens = self._step(layout, input_ids, positions, hidden)
         else:

@@ -76,7 +76,7 @@ def prepare_inputs(
     token_rows = np.repeat(rows, num_new)
     offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], num_new)
     positions = np.repeat(num_computed, num_new) + offsets
-    input_ids = states.token_ids[token_rows, positions]
+    input_ids = states.input_ids(token_rows, positions)
     num_known = states.num_tokens[rows] if num_ahead is None else states.num_tokens[rows] + num_ahead
     # The last step's tokens may still be on their way to the host: those inputs are read on the device.
     last_index = states.last_step_index[token_rows]

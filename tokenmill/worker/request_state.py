@@ -116,6 +116,12 @@ class RequestStates:
             self._append_blocks(self.row_of[cached.request_id], cached.new_block_ids)
         return added
 
+    def input_ids(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The tokens at `positions` of rows `token_rows`, as a model's input ids. A row whose constraints left no
+        token holds -1 there (sample/no_token.py) until its request ends; a step scheduled before that (async
+        scheduling) computes the row for nothing, but an embedding must not read -1: it reads token 0."""
+        return np.maximum(self.token_ids[token_rows, positions], 0)
+
     def output_token_ids(self, row: int) -> list[int]:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
 
