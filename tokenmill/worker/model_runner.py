@@ -223,8 +223,8 @@ class ModelRunner:
             self.grammar_rows.apply(logits)
         verifying = bool(batch.sampled_num_drafts.any())
         if verifying:
-            # The rows without drafts beside the verifying ones may be left no token (a grammar with bans, bad_words)
-            # as in any step; verifying rows are not: can_draft keeps those requests from drafting.
+            # Every row's sampled (last) position is checked for a token left, as in a step without drafts: the rows
+            # beside the verifying ones may have none (a grammar with bans, bad_words: they never draft).
             counts = 1 + batch.sampled_num_drafts
             none_left = rows_without_token(logits, metadata, logit_rows=np.cumsum(counts) - 1)
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,
