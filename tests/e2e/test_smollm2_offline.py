@@ -97,6 +97,25 @@ def test_stop_string_truncates_text_before_it(smollm2_llm, reference):
     assert (kept.text, kept.stop_reason) == (reference.text[: cut + len(stop)], stop)
 
 
+def test_no_stop_string_ends_the_output_before_min_tokens(smollm2_llm, reference):
+    """As vLLM: stop strings are looked for once the output has min_tokens tokens (before, the sample goes on)."""
+    decode = smollm2_llm.get_tokenizer().decode
+    ids = reference.token_ids
+    stop = decode(ids[1])  # met by the second token, and again later or not at all
+    early = generate_one(smollm2_llm, PROMPTS[0], greedy(stop=[stop]))
+    assert early.finish_reason == "stop" and len(early.token_ids) == 2
+    late = generate_one(smollm2_llm, PROMPTS[0], greedy(stop=[stop], min_tokens=4))
+    assert len(late.token_ids) >= 4 and late.token_ids[:4] == ids[:4]
+    assert late.text.startswith(decode(ids[:4]))
+
+
+def test_bad_words_leave_the_callers_params_as_they_were(smollm2_llm):
+    """The bad words' token ids are the engine's (its tokenizer's): the caller's SamplingParams keeps none."""
+    params = greedy(bad_words=[" Paris"])
+    out = generate_one(smollm2_llm, PROMPTS[0], params)
+    assert params.bad_words_token_ids == [] and "Paris" not in out.text
+
+
 def test_earliest_of_several_stop_strings_wins(smollm2_llm, reference):
     early, late = reference.text[9:15], reference.text[20:26]
     out = generate_one(smollm2_llm, PROMPTS[0], greedy(stop=[late, early]))

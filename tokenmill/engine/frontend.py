@@ -49,8 +49,8 @@ class Frontend:
         """Validate and tokenize, start tracking the outputs, and return the core request of each sample
         (one, or n / best_of of them). Raises ValueError for bad input before anything is tracked."""
         text, request = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
-        samples = self.output_processor.add_request(
-            request_id, text, request.prompt_token_ids, params, request.arrival_time, output_kind
+        samples = self.output_processor.add_request(  # the request's params: the caller's, completed (bad words)
+            request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time, output_kind
         )
         requests = [replace(request, request_id=sid, sampling_params=sparams) for sid, sparams in samples]
         if len(requests) > 1 and params.prompt_logprobs is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, TypedDict
 
@@ -60,7 +61,8 @@ class InputProcessor:
         if not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
         if params.bad_words and not params.bad_words_token_ids:
-            params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
+            # A copy: the caller's params may go to another engine, whose tokenizer gives other ids.
+            params = dataclasses.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -7,6 +7,7 @@ prompts share KV blocks through the prefix cache. This module gathers them back.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -135,7 +136,10 @@ class OutputProcessor:
             pieces = [text_ids] if len(text_ids) < 2 or not sample.params.stop else [[t] for t in text_ids]
             num_kept = len(out.new_token_ids)
             for i, piece in enumerate(pieces):
-                if sample.detokenizer is not None and self._update_text(sample, piece):
+                # As vLLM: no stop string ends a sample before it has min_tokens output tokens.
+                num_output = len(sample.token_ids) + (i + 1 if len(pieces) > 1 else num_kept)
+                stops = num_output >= sample.params.min_tokens
+                if sample.detokenizer is not None and self._update_text(sample, piece, stops):
                     to_abort.append(out.request_id)
                     num_kept = i + 1 if len(pieces) > 1 else num_kept
                     break
@@ -166,14 +170,14 @@ class OutputProcessor:
 
     # ---- per-sample updates ----------------------------------------------------------------
 
-    def _update_text(self, sample: SampleState, new_token_ids: list[int]) -> bool:
-        """Append decoded text; True when a stop string ended the sample."""
+    def _update_text(self, sample: SampleState, new_token_ids: list[int], stops: bool = True) -> bool:
+        """Append decoded text; True when a stop string ended the sample (looked for only if `stops`)."""
         assert sample.detokenizer is not None
         delta = sample.detokenizer.update(new_token_ids)
         sample.text += delta
         # Checked even when this token also ended the sample (max_tokens, stop token): a stop string
         # it completes must still cut the text.
-        if not delta or not sample.params.stop:
+        if not delta or not sample.params.stop or not stops:
             return False
         hit = find_stop_string(sample.text, len(delta), sample.params.stop)
         if hit is None:
@@ -234,7 +238,9 @@ class OutputProcessor:
     def _best(parent: ParentRequest) -> list[SampleState]:
         if parent.params.num_samples == parent.params.n:
             return parent.samples
-        ranked = sorted(parent.samples, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)
+        # A sample without a token (its constraints left none: "error") ranks last, not as a log-probability of 0.
+        ranked = sorted(parent.samples, reverse=True,
+                        key=lambda s: -math.inf if s.cumulative_logprob is None else s.cumulative_logprob)
         return ranked[: parent.params.n]
 
     def _completion(self, sample: SampleState, delta: bool) -> CompletionOutput:
