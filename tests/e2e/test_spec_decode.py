@@ -551,3 +551,13 @@ def check_same_tokens_and_logprobs(outputs, plain) -> None:
                 for token in g_pos:
                     assert g_pos[token].logprob == pytest.approx(w_pos[token].logprob, abs=1e-4)
                     assert g_pos[token].rank == w_pos[token].rank
+
+
+def test_ngram_drafting_for_sequences_shorter_than_the_lookup_keeps_the_engine_up(tiny_llama):
+    # The default lookup is 5 tokens; drafting for a 3-token sequence (a 2-token prompt's first draft, in a fresh
+    # engine) crashed the engine core: the lookup sliced from the sequence's end.
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", kv_cache_space=0.01,
+              speculative_config=SPEC)
+    prompts = [{"prompt_token_ids": [3, 3]}, {"prompt_token_ids": [5]}]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [12, 12]

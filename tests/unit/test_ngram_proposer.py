@@ -40,3 +40,11 @@ def test_no_match_and_short_sequences_give_no_drafts_per_row():
 def test_min_n_is_respected():
     assert propose(NgramProposer(3, 3), [[1, 2, 9, 2]], [2]) == [[]]
     assert propose(NgramProposer(1, 3), [[1, 2, 9, 2]], [2]) == [[9, 2]]
+
+
+def test_sequences_shorter_than_the_longest_suffix_give_no_drafts():
+    # The default lookup is 5 tokens; a 3-token sequence (a 1-token prompt and 2 outputs) crashed the engine.
+    assert propose(NgramProposer(5, 5), [[7, 7, 7]], [3]) == [[]]
+    assert propose(NgramProposer(2, 5), [[7, 7, 7], [1]], [3, 3]) == [[7], []]
+    for length in range(2, 9):  # the longest match ends just before the last token: one draft
+        assert propose(NgramProposer(5, 7), [[4] * length], [2]) == [[4] if length > 5 else []]

@@ -29,7 +29,9 @@ class NgramProposer:
         # An earlier occurrence ends at p < last, so the token after it is known.
         matches = (ends[None, :] < last[:, None]) & (max_drafts > 0)[:, None]
         best_end = np.full(num_rows, -1)
-        for m in range(1, self.max_n + 1):
+        # An m-token suffix with an earlier occurrence needs m + 1 tokens; longer m would also slice past the
+        # row's start (a negative end), so the longest sequence bounds m.
+        for m in range(1, min(self.max_n, width - 1) + 1):
             # Matches of the last m tokens: token p - (m - 1) equals the row's token last - (m - 1).
             back = last - (m - 1)
             if m > 1:
