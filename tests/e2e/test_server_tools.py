@@ -150,6 +150,19 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "requ
           "additionalProperties": False}
 
 
+def test_auto_leaves_the_eos_text_out(client):
+    """Under "auto" the text is decoded with special tokens (the parsers' markers may be ones), which put the
+    EOS's "<|im_end|>" at the end of every answer that stopped, whole and streamed."""
+    kwargs = dict(messages=[{"role": "user", "content": "Say hi"}], tools=TOOLS, max_tokens=MAX_TOKENS, **GREEDY)
+    [choice] = client.chat.completions.create(model=MODEL, **kwargs).choices
+    reasoning = choice.message.model_extra["reasoning_content"]
+    assert choice.finish_reason == "stop" and reasoning.strip()
+    assert "<|im_end|>" not in reasoning
+    streamed_reasoning: list[str] = []
+    streamed(client, reasoning=streamed_reasoning, **kwargs)
+    assert "".join(streamed_reasoning) == reasoning
+
+
 def test_constrained_output_thinks_first(client):
     """With a reasoning parser the schema applies after </think>: the reasoning is free (a grammar applied from
     the first token would leave no reasoning), the answer follows the schema (unconstrained it would not)."""

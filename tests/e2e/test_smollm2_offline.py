@@ -161,6 +161,12 @@ def test_eos_ends_with_stop_and_is_not_in_the_text(smollm2_llm):
     assert out.finish_reason == "stop" and out.token_ids[-1] == eos and eos not in out.token_ids[:-1]
     assert out.stop_reason is None  # EOS is not a stop_token_ids entry (vLLM reports None too)
     assert "<|im_end|>" not in out.text and out.text.strip()
+    # Nor with special tokens shown (as the server's tool parsers ask), unless include_stop_str_in_output.
+    for shown in (False, True):
+        [special] = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                     greedy(max_tokens=200, skip_special_tokens=False,
+                                            include_stop_str_in_output=shown), use_tqdm=False)
+        assert special.outputs[0].text == out.text + ("<|im_end|>" if shown else "")
     # ignore_eos runs past it, to max_tokens.
     n = len(out.token_ids)
     [longer] = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],

@@ -128,8 +128,9 @@ class OutputProcessor:
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None] + [self._to_logprob_dict(e) for e in out.new_prompt_logprobs]
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            # A stop token's own text is left out unless include_stop_str_in_output asks for it.
-            stopped_by_token = isinstance(out.stop_reason, int) and not sample.params.include_stop_str_in_output
+            # A stop token's own text is left out unless include_stop_str_in_output asks for it: EOS too (the core's
+            # "stop" is always a token's; stop strings are found here), whose text shows when special tokens do.
+            stopped_by_token = out.finish_reason == FinishReason.STOP and not sample.params.include_stop_str_in_output
             text_ids = out.new_token_ids[:-1] if stopped_by_token else out.new_token_ids
             # Several tokens in one step (accepted drafts): a stop string met by one of them ends the sample
             # there, so they are decoded one by one and the tokens after it are dropped.
