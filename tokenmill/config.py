@@ -306,6 +306,8 @@ class SpeculativeConfig:
                              f"head's path)" if self.model is None else
                              "only speculative methods 'draft_model', 'eagle' and 'eagle3' take a 'model'")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if 0 in (low, high):  # not "unset": a zero-length lookup is no lookup
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
         low, high = (low or high or 5), (high or low or 5)
         if not 1 <= low <= high:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")

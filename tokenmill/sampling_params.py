@@ -21,6 +21,9 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 LogitsProcessor = Callable[[list[int], "object"], "object"]
 """fn(output_token_ids, logits_row) -> logits_row. Runs in Python per request: the slow path."""
 
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The smallest normal float32 (torch.finfo(torch.float32).tiny)."""
+
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"
@@ -167,7 +170,9 @@ class SamplingParams:
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        # The penalty divides logits in float32: below its smallest normal number it is 0 there (every logit inf).
+        _check(self.repetition_penalty >= FLOAT32_TINY,
+               f"repetition_penalty must be positive (at least {FLOAT32_TINY:.3g}), got {self.repetition_penalty}")
         _check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,

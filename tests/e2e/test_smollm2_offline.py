@@ -196,10 +196,11 @@ def invalid_params(**fields) -> SamplingParams:
         ({"prompt_token_ids": [1, 10**6]}, greedy(), "prompt token ids"),
         ("Hi", invalid_params(temperature=-1.0), "temperature"),
         ("Hi", invalid_params(top_p=0.0), "top_p"),
+        ("Hi", invalid_params(repetition_penalty=1e-40), "repetition_penalty must be positive"),  # 0 in float32
         ("Hi", greedy(stop=["."], detokenize=False), "stop strings cannot be combined with detokenize=False"),
     ],
     ids=["empty-text", "empty-ids", "ids-too-long", "text-too-long", "id-out-of-vocab",
-         "negative-temperature", "zero-top-p", "stop-strings-without-text"],
+         "negative-temperature", "zero-top-p", "tiny-repetition-penalty", "stop-strings-without-text"],
 )
 def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match):
     scheduler = smollm2_llm.engine.core.scheduler

@@ -61,6 +61,8 @@ def test_bench_serve_builds_no_engine_and_has_no_such_flag(capsys):
      ['prompt_lookup_max must be an integer, got "4"']),
     ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
      ["prompt_lookup_min <= prompt_lookup_max"]),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 0}',  # not "unset"
+     ["need 1 <= prompt_lookup_min <= prompt_lookup_max, got None and 0"]),
 ])
 def test_a_bad_value_is_a_one_line_error(value, fragments, capsys):
     # Checked before the model is even looked for: no model path needed, nothing loaded.
