@@ -109,6 +109,16 @@ def test_import_tokenmill_needs_no_server_dependencies():
     assert out.strip() == "[]"
 
 
+def test_serve_starts_the_engine_core_before_the_heavy_imports():
+    """`tokenmill serve` starts the engine core process before it imports the server (cli/serve.start_core_ahead):
+    what it needs for that (the core's client, the port check) must not import torch or transformers, whose
+    seconds of import then run beside the core's."""
+    code = ("import sys, tokenmill.cli.serve, tokenmill.engine.core_client, tokenmill.server.startup; "
+            "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 # Help pages, errors, the Makefile and the first download: what a newcomer meets first.
 
 HELP_PAGES = {

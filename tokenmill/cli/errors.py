@@ -83,7 +83,7 @@ def _failed_startup(error: BaseException, args: argparse.Namespace) -> str | Non
         return f"the engine failed to start: {str(error).strip().splitlines()[-1]}"
     # Errors whose own message already says what is wrong: bad engine arguments (ValueError), a model
     # path that does not exist, a taken port, a failed download of the default model.
-    user_errors = (ValueError, FileNotFoundError, _loaded("tokenmill.server.launch", "CannotListenError"),
+    user_errors = (ValueError, FileNotFoundError, _loaded("tokenmill.server.startup", "CannotListenError"),
                    _loaded("tokenmill.default_model", "DownloadError"))
     return str(error) if isinstance(error, user_errors) else None
 

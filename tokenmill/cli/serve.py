@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 from tokenmill.cli.args import (
     add_dataclass_args,
@@ -64,11 +65,30 @@ def run(args: argparse.Namespace) -> int:
         from tokenmill.executor.headless import run_headless_node
 
         return run_headless_node(parallel)
-    from tokenmill.server.launch import check_port_free, run_server  # the server's dependencies load only here
+    from tokenmill.server.startup import check_port_free, exit_on_signal
 
     server_config = server_config_from_args(args)
     # Before the default model is resolved, which may mean downloading it (run_server checks again).
     check_port_free(server_config.host, server_config.port)
     engine_config = serving_engine_config(args)
-    run_server(engine_config, server_config, served_model_name(args, engine_config.model_config.model))
+    signal.signal(signal.SIGTERM, exit_on_signal)  # the core started below is stopped on the way out
+    core = start_core_ahead(engine_config)
+    try:
+        from tokenmill.server.launch import run_server  # the server's dependencies load while the core starts
+
+        run_server(engine_config, server_config, served_model_name(args, engine_config.model_config.model), core)
+    finally:
+        if core is not None:
+            core.shutdown()  # a no-op once the engine has shut it down
     return 0
+
+
+def start_core_ahead(engine_config: EngineConfig):
+    """One replica's engine core, started before the server's imports (torch, transformers, fastapi: seconds),
+    which then run beside the core's own imports and model load; None with several replicas (the engine starts
+    those, after reading the model's config)."""
+    if engine_config.parallel_config.data_parallel_size != 1:
+        return None
+    from tokenmill.engine.core_client import CoreProcessClient
+
+    return CoreProcessClient(engine_config)

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_client import replica_cuda_devices
+from tokenmill.engine.core_client import CoreProcessClient, replica_cuda_devices
 from tokenmill.engine.core_replica import CoreReplica, EngineDeadError
 from tokenmill.engine.dp_balancer import DataParallelBalancer, ReplicaLoad
 from tokenmill.engine.frontend import load_frontend
@@ -60,10 +60,16 @@ class ProfilerError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, stat_logger: StatLogger | None = None) -> None:
+    def __init__(self, config: EngineConfig, stat_logger: StatLogger | None = None,
+                 started_core: CoreProcessClient | None = None) -> None:
+        """`started_core`: the one replica's core process, already started with `config` (`tokenmill serve` starts it
+        before it imports the server); it is shut down with the engine, or here if the engine fails to start."""
         self.config = config
         self.stat_logger = stat_logger
         num_replicas = config.parallel_config.data_parallel_size
+        if started_core is not None and num_replicas != 1:
+            started_core.shutdown()
+            raise ValueError("a core started ahead serves one replica; let the engine start its replicas")
         devices = replica_cuda_devices(config)  # before any process starts: too few GPUs fail at once
         self.replicas: list[CoreReplica] = []
         self._shutting_down = False
@@ -81,13 +87,15 @@ class AsyncEngine:
             # The cores load the weights while this process loads the tokenizer.
             for index in range(num_replicas):
                 name = "the engine core" if num_replicas == 1 else f"the replica-{index} engine core"
-                self.replicas.append(CoreReplica(index, configs[index], self, devices[index], name))
+                self.replicas.append(CoreReplica(index, configs[index], self, devices[index], name, started_core))
             self.frontend = frontend = load_frontend(config.model_config, hf_config)
             for replica in self.replicas:
                 replica.wait_ready()
         except BaseException:
             for replica in self.replicas:
                 replica.shutdown()
+            if started_core is not None:
+                started_core.shutdown()  # a no-op once its replica has shut it down
             self._remove_rendezvous()
             raise
         self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len

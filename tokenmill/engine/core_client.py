@@ -3,6 +3,9 @@ requests, aborts and profiler commands, receive its outputs (asyncio), and stop 
 
 Sockets are IPC files in a private temporary folder, so nothing listens on the network.
 
+Importing this module is light (no torch, no transformers): `tokenmill serve` starts the core process before
+it imports the server, so that the core's imports and model load run while the frontend imports its own.
+
 With data parallelism each replica's process sees only its own GPUs (CUDA_VISIBLE_DEVICES), so its
 ranks find them at cuda:0 to cuda:tp-1, exactly as a lone engine core does.
 """
@@ -18,13 +21,11 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
-import torch
 import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.codec import decode_outputs, encode_abort, encode_add, encode_profile, encode_wake
-from tokenmill.engine.core_proc import run_engine_core
 from tokenmill.protocol import EngineCoreOutputs, EngineRequest, ProfileCommand
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ def replica_cuda_devices(config: EngineConfig) -> list[str | None]:
     num_replicas = parallel.data_parallel_size
     if num_replicas == 1 or config.device_config.device == "cpu":
         return [None] * num_replicas
+    import torch
+
     count = torch.cuda.device_count()  # creates no CUDA context in this (the frontend's) process
     if count == 0:  # CPU replicas (device auto); with device cuda each replica's worker says there is no GPU
         return [None] * num_replicas
@@ -85,6 +88,13 @@ def _child_environ(name: str, value: str | None) -> Iterator[None]:
                 os.environ[name] = previous
 
 
+def _run_engine_core(*args) -> None:
+    """The child's entry point, importable without the engine's dependencies (this module)."""
+    from tokenmill.engine.core_proc import run_engine_core
+
+    run_engine_core(*args)
+
+
 class CoreProcessClient:
     def __init__(self, config: EngineConfig, cuda_devices: str | None = None) -> None:
         """`cuda_devices`: the child's CUDA_VISIBLE_DEVICES (a data-parallel replica's GPUs); None: inherited."""
@@ -104,7 +114,7 @@ class CoreProcessClient:
         mp = multiprocessing.get_context("spawn")
         self._ready, child_end = mp.Pipe(duplex=False)
         self.proc = mp.Process(
-            target=run_engine_core,
+            target=_run_engine_core,
             args=(config, input_address, self._output_address, child_end, os.getpid()),
             name="tokenmill-engine-core",
             daemon=True,

@@ -40,8 +40,9 @@ class ReplicaOwner(Protocol):
 
 class CoreReplica:
     def __init__(self, index: int, config: EngineConfig, owner: ReplicaOwner, cuda_devices: str | None = None,
-                 name: str = "the engine core") -> None:
-        """Starts the core process; wait_ready() waits for it, start() (in the serving loop) attaches to it."""
+                 name: str = "the engine core", started: CoreProcessClient | None = None) -> None:
+        """Starts the core process (or takes `started`, one already started with `config`); wait_ready() waits for
+        it, start() (in the serving loop) attaches to it."""
         self.index = index
         self.config = config
         self.owner = owner
@@ -50,7 +51,7 @@ class CoreReplica:
         """How logs and errors name it ("the engine core", or "engine core 1 of 2")."""
         self.restartable = config.parallel_config.replica_world is None
         """False for replicas that share out the experts: they restart together (restart_together)."""
-        self.core = CoreProcessClient(config, cuda_devices)
+        self.core = started if started is not None else CoreProcessClient(config, cuda_devices)
         self.last_stats: SchedulerStats | None = None
         self.dead_reason: str | None = None
         self.num_restarts = 0

@@ -7,19 +7,19 @@ exits by itself if this process dies without that chance.
 
 from __future__ import annotations
 
-import errno
 import logging
 import signal
-import socket
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.core_client import CoreProcessClient
 from tokenmill.server.api_server import build_app
 from tokenmill.server.metrics import PrometheusStatLogger
 from tokenmill.server.profiling import prepare_profiler_dir
+from tokenmill.server.startup import check_port_free, exit_on_signal
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -28,40 +28,20 @@ KEEP_ALIVE_S = 10
 GRACEFUL_SHUTDOWN_S = 3
 
 
-class CannotListenError(OSError):
-    """host:port cannot be had (taken, not this machine's address, a privileged port): a message for the user."""
-
-
-def _exit_on_signal(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Fail in a moment rather than after the model has loaded: bind host:port the way uvicorn will
-    (SO_REUSEADDR, so a port left in TIME_WAIT counts as free), then let it go."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise CannotListenError(f"port {port} on {host} is already in use; pass --port") from None
-            reason = (e.strerror or str(e)).lower()
-            raise CannotListenError(f"cannot listen on {host} port {port}: {reason}; pass --host or --port") from None
-
-
-def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_name: str) -> None:
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_name: str,
+               started_core: CoreProcessClient | None = None) -> None:
+    """`started_core`: the engine core, already started with `engine_config` (one replica), which the engine adopts."""
     check_port_free(server_config.host, server_config.port)
     if server_config.profiler_dir is not None:
         prepare_profiler_dir(server_config.profiler_dir)
     # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C: the core is stopped on the way out.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     registry = CollectorRegistry()
     speculative = engine_config.speculative_config
     stat_logger = PrometheusStatLogger(model_name, registry,
                                        None if speculative is None else speculative.num_speculative_tokens,
                                        num_engines=engine_config.parallel_config.data_parallel_size)
-    engine = AsyncEngine(engine_config, stat_logger=stat_logger)
+    engine = AsyncEngine(engine_config, stat_logger=stat_logger, started_core=started_core)
     try:
         # Every data-parallel replica runs max_num_seqs sequences.
         max_num_seqs = engine_config.scheduler_config.max_num_seqs * engine_config.parallel_config.data_parallel_size
