@@ -102,6 +102,20 @@ def plain(tiny_llama):
     return outputs
 
 
+SHORT_PROMPTS = [{"prompt_token_ids": [5, 9, 13, 17, 21, 30][: 3 + i]} for i in range(3)]
+
+
+def tokens_drafts_and_acceptances(llm: LLM) -> tuple[list[list[int]], int, int]:
+    """Greedy tokens of SHORT_PROMPTS (10 each), draft tokens verified and accepted; the engine shut down after."""
+    try:
+        outputs = llm.generate(SHORT_PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                               use_tqdm=False)
+        spec = llm.engine.last_stats.spec_decoding
+        return [o.outputs[0].token_ids for o in outputs], spec.num_draft_tokens, spec.num_accepted_tokens
+    finally:
+        llm.engine.core.shutdown()
+
+
 def sequences_of(outputs) -> list[list[int]]:
     return [out.prompt_token_ids + c.token_ids for out in outputs for c in out.outputs]
 

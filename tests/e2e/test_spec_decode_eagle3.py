@@ -21,6 +21,7 @@ from tests.e2e.test_spec_decode import (
     always_draft,
     check_same_tokens_and_logprobs,
     run,
+    tokens_drafts_and_acceptances,
     workload,
 )
 from tokenmill import LLM, SamplingParams
@@ -395,19 +396,11 @@ def test_an_eagle3_head_drafts_alike_on_two_tensor_parallel_ranks(exact_target_a
     head's layer and its draft LM head shard as the target's: the same tokens, drafts and acceptances as one rank
     (with a draft tree, each rank moves its shard of the accepted path's KV)."""
     target, head, _ = exact_target_and_head
-    prompts = [{"prompt_token_ids": [5, 9, 13, 17, 21, 30][: 3 + i]} for i in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    runs = []
     # On the CPU wherever it runs: two ranks of gloo, also on a machine with one GPU
-    for engine in ({"async_scheduling": True, "device": "cpu"},
-                   {"async_scheduling": True, "tensor_parallel_size": 2, "device": "cpu"}):
-        llm = eagle3_llm(target, head, engine, 2 if tree is None else len(parse_token_tree(tree)[-1]), tree)
-        try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            spec = llm.engine.last_stats.spec_decoding
-            runs.append(([o.outputs[0].token_ids for o in outputs], spec.num_draft_tokens, spec.num_accepted_tokens))
-        finally:
-            llm.engine.core.shutdown()
+    runs = [tokens_drafts_and_acceptances(
+        eagle3_llm(target, head, engine, 2 if tree is None else len(parse_token_tree(tree)[-1]), tree))
+        for engine in ({"async_scheduling": True, "device": "cpu"},
+                       {"async_scheduling": True, "tensor_parallel_size": 2, "device": "cpu"})]
     assert runs[1] == runs[0] and runs[0][2] > 0
 
 

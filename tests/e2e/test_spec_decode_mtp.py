@@ -14,10 +14,18 @@ import json
 import pytest
 import torch
 
-from tests.e2e.test_spec_decode import ENGINES, _Model, always_draft, check_same_tokens_and_logprobs, run, workload
+from tests.e2e.test_spec_decode import (
+    ENGINES,
+    _Model,
+    always_draft,
+    check_same_tokens_and_logprobs,
+    run,
+    tokens_drafts_and_acceptances,
+    workload,
+)
 from tests.e2e.test_spec_decode_eagle3 import proposer_of, record_proposals, rms_norm
 from tests.models.conftest import TINY_MODELS, build_tiny_model
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 
 SPEC = dataclasses.replace(TINY_MODELS["deepseek-v3"],
                            overrides={**TINY_MODELS["deepseek-v3"].overrides, "num_nextn_predict_layers": 1})
@@ -219,23 +227,16 @@ def test_an_mtp_layer_drafts_alike_on_two_tensor_parallel_ranks(request, layer, 
     vocabulary (the random layer's) or the target's shared (the exact layer's): the same tokens, drafts and
     acceptances as one rank."""
     target = request.getfixturevalue(layer)[0]
-    prompts = [{"prompt_token_ids": [5, 9, 13, 17, 21, 30][: 3 + i]} for i in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = []
     for engine in ({"async_scheduling": True, "device": "cpu", "kv_cache_space": 0.01},
                    {"async_scheduling": True, "device": "cpu", "kv_cache_space": 0.01, "tensor_parallel_size": 2,
                     "enable_expert_parallel": expert_parallel}):
         llm = mtp_llm(target, engine, k=2)
-        try:
-            # The exact layer's embedding and LM head equal the target's: shared, on each rank (its rows compared).
-            kept = {n.removeprefix(MTP) for n, _ in proposer_of(llm).model.named_parameters()} & {
-                "embed_tokens.weight", "shared_head.head.weight"}
-            assert kept == (set() if layer == "exact_mtp" else {"embed_tokens.weight", "shared_head.head.weight"})
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            spec = llm.engine.last_stats.spec_decoding
-            runs.append(([o.outputs[0].token_ids for o in outputs], spec.num_draft_tokens, spec.num_accepted_tokens))
-        finally:
-            llm.engine.core.shutdown()
+        # The exact layer's embedding and LM head equal the target's: shared, on each rank (its rows compared).
+        kept = {n.removeprefix(MTP) for n, _ in proposer_of(llm).model.named_parameters()} & {
+            "embed_tokens.weight", "shared_head.head.weight"}
+        runs.append(tokens_drafts_and_acceptances(llm))
+        assert kept == (set() if layer == "exact_mtp" else {"embed_tokens.weight", "shared_head.head.weight"})
     assert runs[1] == runs[0] and runs[0][1] > 0
 
 
