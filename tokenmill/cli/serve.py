@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from typing import TYPE_CHECKING
 
 from tokenmill.cli.args import (
     add_dataclass_args,
@@ -14,6 +15,9 @@ from tokenmill.cli.args import (
     given_fields,
 )
 from tokenmill.config import EngineConfig, ParallelConfig, ServerConfig
+
+if TYPE_CHECKING:
+    from tokenmill.engine.core_client import CoreProcessClient
 
 PROFILER_DIR_ENV = "TOKENMILL_TORCH_PROFILER_DIR"
 """Where `serve` finds the profiler folder when --profiler-dir is not given (vLLM's VLLM_TORCH_PROFILER_DIR)."""
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_core_ahead(engine_config: EngineConfig):
+def start_core_ahead(engine_config: EngineConfig) -> CoreProcessClient | None:
     """One replica's engine core, started before the server's imports (torch, transformers, fastapi: seconds),
     which then run beside the core's own imports and model load; None with several replicas (the engine starts
     those, after reading the model's config)."""
