@@ -171,8 +171,6 @@ def test_a_draft_model_shards_over_the_ranks_and_keeps_the_greedy_tokens(tmp_pat
 def test_parallel_config_is_checked():
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM("unused", tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="MTP layers does not run tensor-parallel"):
-        LLM("unused", tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         LLM("unused", tensor_parallel_size=2, distributed_executor_backend="uni")
 
