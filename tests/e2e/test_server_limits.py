@@ -198,3 +198,37 @@ def test_sigterm_while_the_core_restarts_exits_cleanly(server):
     assert server.proc.wait(timeout=15) == 0
     time.sleep(0.5)
     assert not [pid for pid in [*children, *descendants(server.proc.pid)] if is_alive(pid)]
+
+
+def test_requests_still_running_past_the_shutdown_grace_get_a_503(smollm2_path):
+    """SIGTERM: uvicorn gives the open requests 3 s; those still running then get the OpenAI-format 503 ("the server
+    is shutting down"; a stream its error event, then [DONE]), not uvicorn's plain-text 500 for a cancelled task."""
+    server = RemoteServer(smollm2_path, "--load-format", "dummy", "--kv-cache-space", "0.1", "--max-model-len", "2048",
+                          api_key=API_KEY)
+    body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True}
+    results = {}
+
+    def full() -> None:
+        results["full"] = httpx.post(server.url("/v1/completions"), json=body, headers=server.headers, timeout=60)
+
+    def streamed() -> None:
+        with httpx.Client(timeout=60) as http, http.stream("POST", server.url("/v1/completions"),
+                                                           json={**body, "stream": True}, headers=server.headers) as s:
+            results["stream"] = [line for line in s.iter_lines() if line]
+
+    try:
+        threads = [threading.Thread(target=fn) for fn in (full, streamed)]
+        for thread in threads:
+            thread.start()
+        time.sleep(2)  # both generating (1,500 tokens each: tens of seconds on the CPU)
+        server.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=30)
+        assert server.proc.wait(timeout=15) == 0
+    finally:
+        server.stop()
+    error = results["full"].json()["error"]
+    assert results["full"].status_code == 503 and error["code"] == "engine_dead", results["full"].text
+    assert "the server is shutting down" in error["message"]
+    stream = results["stream"]
+    assert any('"code":"engine_dead"' in line for line in stream) and stream[-1] == "data: [DONE]"

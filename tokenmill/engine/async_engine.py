@@ -228,6 +228,14 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self._forget(request_id)
 
+    def end_all_requests(self, reason: str) -> None:
+        """End every open request now, its stream with EngineDeadError(reason) (the server's 503), and abort it in its
+        core: the server shutting down past its grace period."""
+        open_ids = list(self._streams)
+        for request_id in open_ids:
+            self._streams[request_id].put_nowait(EngineDeadError(reason))
+        self.abort(open_ids)
+
     def _forget(self, request_id: str) -> None:
         route = self._routes.pop(request_id, None)
         if route is not None:

@@ -7,6 +7,7 @@ exits by itself if this process dies without that chance.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 
@@ -26,6 +27,27 @@ logger = logging.getLogger(__name__)
 
 KEEP_ALIVE_S = 10
 GRACEFUL_SHUTDOWN_S = 3
+ENDED_BEFORE_CANCEL_S = 0.5
+"""How long before the grace period's end the requests still running are ended with a 503: time for their handlers
+to answer, before uvicorn cancels them (a cancelled task's answer is a plain-text 500)."""
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose requests still running near the end of the shutdown's grace period get the OpenAI-format
+    503 ("the server is shutting down": streams end with that error event) rather than uvicorn's plain-text 500."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        delay = max(0.0, self.config.timeout_graceful_shutdown - ENDED_BEFORE_CANCEL_S)
+        ending = asyncio.get_running_loop().call_later(delay, self.engine.end_all_requests,
+                                                         "the server is shutting down")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_name: str,
@@ -57,7 +79,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
             # request on a connection the server is closing at that moment, and the request fails.
             timeout_keep_alive=KEEP_ALIVE_S,
         )
-        server = uvicorn.Server(config)
+        server = GracefulServer(config, engine)
         # uvicorn re-raises the signal that stopped it once it is done; make that a no-op so the
         # cleanup below runs and the exit status is 0.
         for sig in (signal.SIGINT, signal.SIGTERM):
