@@ -181,6 +181,18 @@ def test_non_finite_numbers_are_refused(server, field, literal):
     assert error["param"].startswith(field)
 
 
+@pytest.mark.parametrize(("body", "says"), [
+    (b'{"prompt": "Hi \xff there", "max_tokens": 1}', "the body is not valid UTF-8: byte 0xff at position 15"),
+    (b'{"prompt": "Hi", "max_tokens": 1, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "the body's JSON nests too deeply"),
+])
+def test_an_unreadable_body_is_a_400_that_says_why(server, body, says):
+    # Before: FastAPI's "There was an error parsing the body", whatever was wrong.
+    error = assert_openai_error(post(server, "/v1/completions", None, content=body,
+                                     headers={"Content-Type": "application/json"}))
+    assert error["message"] == says, error
+
+
 # ---- lone UTF-16 surrogates ("\ud800" in JSON): a 400 naming the field, wherever they are -----------------
 
 SURROGATE = "\ud800"

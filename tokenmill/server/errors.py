@@ -76,7 +76,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        message = str(exc.detail)
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body": say which
+            message = _unparsable_body(exc.__cause__) or message
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
@@ -86,6 +89,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(500, f"internal server error: {exc!r}", code="internal_error")
+
+
+def _unparsable_body(cause: BaseException) -> str | None:
+    """What made a body unreadable, where FastAPI says only that it could not parse it."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at position {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "the body's JSON nests too deeply"
+    return None
 
 
 def _describe(error: dict) -> str:
