@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     # Before the default model is resolved, which may mean downloading it (run_server checks again).
     check_port_free(server_config.host, server_config.port)
     engine_config = serving_engine_config(args)
-    signal.signal(signal.SIGTERM, exit_on_signal)  # the core started below is stopped on the way out
+    # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C: the core started below stops on the way out.
+    signal.signal(signal.SIGTERM, exit_on_signal)
     core = start_core_ahead(engine_config)
     try:
         from tokenmill.server.launch import run_server  # the server's dependencies load while the core starts

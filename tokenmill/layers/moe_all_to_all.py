@@ -83,8 +83,9 @@ class ExpertExchange:
         announce = torch.stack([send_counts, torch.full_like(send_counts, rounds_needed)], dim=1)  # [R, 2]
         heard = torch.empty_like(announce)
         dist.all_to_all_single(heard, announce, group=self.group)
-        send_splits = send_counts.tolist()
-        recv_splits, rounds = heard[:, 0].tolist(), int(heard[:, 1].max())
+        counts = torch.cat([send_counts, heard.flatten()]).tolist()  # one read-back of both sides' counts
+        send_splits, recv_splits = counts[: self.num_ranks], counts[self.num_ranks :: 2]
+        rounds = max(counts[self.num_ranks + 1 :: 2])
         received = sum(recv_splits)
         sorted_dest = dest[order]
         local_ids = flat_ids[order] - self.first_expert[sorted_dest]

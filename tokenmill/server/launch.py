@@ -20,7 +20,7 @@ from tokenmill.engine.core_client import CoreProcessClient
 from tokenmill.server.api_server import build_app
 from tokenmill.server.metrics import PrometheusStatLogger
 from tokenmill.server.profiling import prepare_profiler_dir
-from tokenmill.server.startup import check_port_free, exit_on_signal
+from tokenmill.server.startup import check_port_free
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,6 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
     check_port_free(server_config.host, server_config.port)
     if server_config.profiler_dir is not None:
         prepare_profiler_dir(server_config.profiler_dir)
-    # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C: the core is stopped on the way out.
-    signal.signal(signal.SIGTERM, exit_on_signal)
     registry = CollectorRegistry()
     speculative = engine_config.speculative_config
     stat_logger = PrometheusStatLogger(model_name, registry,

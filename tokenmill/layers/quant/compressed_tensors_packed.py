@@ -23,7 +23,6 @@ from tokenmill.layers.quant.w4a16 import (
     IntWeightMethod,
     IntWeights,
     act_order_keeps_all_groups,
-    all_groups_of,
     check_groups,
     per_part_loader,
     shared_rows,
@@ -47,7 +46,7 @@ class PackQuantizedLinearMethod(IntWeightMethod):
         what = "compressed-tensors pack-quantized"
         n, k, parts = layer.output_size, layer.input_size, len(layer.partition_sizes)
         all_groups = self.act_order and act_order_keeps_all_groups(layer, group)
-        groups = all_groups_of(layer, group, pack, what) if all_groups else check_groups(layer, group, pack, what)
+        groups = check_groups(layer, group, pack, what, whole_input=all_groups)
         # One per-channel scale column is every rank's, and so is every act-order group's under row parallelism.
         scale_input, per_group = (None, k) if group <= 0 else (None if all_groups else 1, group)
         layer.weight_packed = layer.make_param(torch.empty(n, k // pack, dtype=torch.int32), output_dim=0,

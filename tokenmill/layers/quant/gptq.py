@@ -27,7 +27,6 @@ from tokenmill.layers.quant.w4a16 import (
     IntWeightMethod,
     IntWeights,
     act_order_keeps_all_groups,
-    all_groups_of,
     check_groups,
     per_part_loader,
     shared_rows,
@@ -51,8 +50,7 @@ class GptqLinearMethod(IntWeightMethod):
         cfg, pack = self.config, 32 // self.bits
         n, k = layer.output_size, layer.input_size
         all_groups = cfg.desc_act and act_order_keeps_all_groups(layer, cfg.group_size)
-        groups = all_groups_of(layer, cfg.group_size, pack, "gptq") if all_groups else \
-            check_groups(layer, cfg.group_size, pack, "gptq")
+        groups = check_groups(layer, cfg.group_size, pack, "gptq", whole_input=all_groups)
         per_group = k if cfg.group_size <= 0 else cfg.group_size
         # One per-channel scale row is every rank's, and so is every act-order group's under row parallelism.
         scale_input = None if cfg.group_size <= 0 or all_groups else 0

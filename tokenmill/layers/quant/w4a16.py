@@ -236,19 +236,9 @@ def shared_rows(param: torch.Tensor, what: str) -> torch.Tensor:
     return param[0]
 
 
-def all_groups_of(layer: LinearBase, group_size: int, pack: int, what: str) -> int:
-    """The groups of the whole input (act_order_keeps_all_groups); raises where the shape does not split."""
-    k = layer.input_size * layer.tp_size
-    if layer.input_size % pack or any(size % pack for size in layer.partition_sizes):
-        raise ValueError(f"{what}: this rank's {layer.input_size} input features or its output parts "
-                         f"{layer.partition_sizes} do not pack into int32 words of {pack}")
-    if k % group_size:
-        raise ValueError(f"{what}: {k} input features do not split into groups of {group_size}")
-    return k // group_size
-
-
-def check_groups(layer: LinearBase, group_size: int, pack: int, what: str) -> int:
-    """Groups of this rank's input (1 for per-channel, group_size <= 0); raises where the shape does not split."""
+def check_groups(layer: LinearBase, group_size: int, pack: int, what: str, whole_input: bool = False) -> int:
+    """Groups of this rank's input (1 for per-channel, group_size <= 0), or of the whole input with `whole_input`
+    (act_order_keeps_all_groups); raises where the shape does not split."""
     k = layer.input_size
     if k % pack:
         raise ValueError(f"{what}: {k} input features do not pack into int32 words of {pack}")
@@ -256,6 +246,9 @@ def check_groups(layer: LinearBase, group_size: int, pack: int, what: str) -> in
         raise ValueError(f"{what}: output parts {layer.partition_sizes} do not pack into int32 words of {pack}")
     if group_size <= 0:
         return 1
+    if whole_input:
+        k *= layer.tp_size
     if k % group_size:
-        raise ValueError(f"{what}: {k} input features (this rank's) do not split into groups of {group_size}")
+        whose = "the whole input's" if whole_input else "this rank's"
+        raise ValueError(f"{what}: {k} input features ({whose}) do not split into groups of {group_size}")
     return k // group_size
