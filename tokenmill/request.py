@@ -77,6 +77,9 @@ class Request:
     """The stop_token_ids entry that finished the request, if any (not set for EOS)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of this request's full blocks, kept by the KV-cache manager."""
+    can_sample: bool = True
+    """False while its next token may not be sampled yet (its grammar is compiling): the scheduler computes most of
+    its prompt meanwhile (scheduler/sampling_gate.py)."""
 
     @property
     def num_prompt_tokens(self) -> int:

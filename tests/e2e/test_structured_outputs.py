@@ -1,14 +1,19 @@
 """Structured outputs through the offline engine on the real default model: every output obeys its spec
 (JSON schemas checked with jsonschema), in every engine mode, with n > 1, logprobs and speculation."""
 
+import functools
 import json
+import os
 import re
+import signal
+import threading
 
 import jsonschema
 import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured import compiler as compiler_module
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
@@ -87,6 +92,57 @@ def test_a_spec_the_grammar_process_cannot_compile_fails_only_its_request(busy_l
     assert outs[1].outputs[0].finish_reason == "stop"
     check(SPECS[2], outs[1].outputs[0].text)
     assert busy_llm.engine.core.awaiting_grammar.compiler.num_compiled == 0
+
+
+@pytest.mark.parametrize("engine", ["smollm2_llm", "busy_llm"])
+def test_the_prompt_is_computed_while_its_grammar_compiles(engine, request, monkeypatch):
+    """A constrained request's prompt is scheduled at once, all but its tail (the blocks before its last token),
+    while its grammar compiles (held back here: the compile in the engine's pool blocked, or the grammar process
+    stopped); an unconstrained request beside it runs to its end meanwhile. Once the grammar is ready the request
+    samples the tokens that it samples when its grammar was compiled before it came (greedy). In the engine's
+    process (chunks of the whole budget, sync) and with a grammar process (16-token chunks, async scheduling)."""
+    llm = request.getfixturevalue(engine)
+    runner = llm.engine.core.executor.driver_worker.model_runner
+    held = threading.Event()
+    if engine == "smollm2_llm":
+        build = compiler_module.build_grammar
+        monkeypatch.setattr(compiler_module, "build_grammar", lambda params: held.wait(30) and build(params))
+        let_go = held.set
+    else:
+        pid = runner.grammar_rows._matchers.pid
+        os.kill(pid, signal.SIGSTOP)
+        let_go = functools.partial(os.kill, pid, signal.SIGCONT)
+    spec = StructuredOutputsParams(regex=rf"(yes|no), since [a-z ]{{3,{20 + len(engine)}}}\.")  # compiled nowhere yet
+    story = "Once upon a time a clockmaker lived at the edge of a forest and wound his clocks every morning. " * 3
+    prompt = story + "Did he wind them on Sundays? Answer yes or no, and why: "
+    gated = SamplingParams(temperature=0, max_tokens=30, structured_outputs=spec)
+    engine_ = llm.engine
+    try:
+        engine_.add_request("gated", prompt, gated)
+        engine_.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=4))
+        [sample_id] = engine_.output_processor.sample_ids("gated")
+        state = engine_.core.scheduler.requests[sample_id]
+        blocks_before_last = (state.num_prompt_tokens - 1) // 16 * 16
+        finished = {}
+        for _ in range(200):
+            finished.update((out.request_id, out) for out in engine_.step() if out.finished)
+            if "plain" in finished and state.num_computed_tokens == blocks_before_last:
+                break
+        assert "plain" in finished and "gated" not in finished
+        assert state.num_computed_tokens == blocks_before_last > 32 and not state.output_token_ids
+    except BaseException:
+        engine_.abort_request(["gated", "plain"])  # the shared engine stays idle for the other tests
+        raise
+    finally:
+        let_go()
+    for _ in range(500):
+        if not engine_.has_unfinished_requests():
+            break
+        finished.update((out.request_id, out) for out in engine_.step() if out.finished)
+    out = finished["gated"].outputs[0]
+    reference = llm.generate(prompt, gated, use_tqdm=False)[0].outputs[0]  # its grammar compiled by now
+    assert out.finish_reason == "stop" and out.token_ids == reference.token_ids
+    check(spec, out.text)
 
 
 def test_max_tokens_inside_the_structure_ends_with_length_and_logprobs_are_finite(smollm2_llm):

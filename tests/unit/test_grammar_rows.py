@@ -189,8 +189,8 @@ def test_a_padded_model_vocab_masks_as_xgrammar_compiled_at_the_model_vocab(setu
         states.num_prompt_tokens[row], states.num_tokens[row] = 3, 3 + len(output)
         states.sampling_params[row] = SamplingParams(structured_outputs=SPECS[row])
         grammar_rows.add(row, states, eos)
-    assert grammar_rows.grammar_vocab_size == len(tokenizer)
     rows = np.array(list(outputs))
+    assert grammar_rows.grammar_vocab_size is None  # the matchers are made at the rows' first sampling
     for step in range(2):
         if step == 1:
             for row, text in ((0, "Al"), (1, ","), (2, "Lon")):
@@ -199,6 +199,7 @@ def test_a_padded_model_vocab_masks_as_xgrammar_compiled_at_the_model_vocab(setu
                 states.token_ids[row, states.num_tokens[row]] = token
                 states.num_tokens[row] += 1
         constrained = grammar_rows.constrained(rows, states)
+        assert grammar_rows.grammar_vocab_size == len(tokenizer)
         logits = torch.randn(len(rows), width)
         expected = logits.clone()
         for i, row in enumerate(rows.tolist()):
@@ -340,13 +341,13 @@ def test_a_grammar_process_compiles_for_the_engine_core(setup, monkeypatch):
     states.num_prompt_tokens[0], states.num_tokens[0] = 3, 3 + len(output)
     states.sampling_params[0] = SamplingParams(structured_outputs=SPECS[1])
     grammar_rows.add(0, states, frozenset([tokenizer.eos_token_id]))
+    rows = np.array([0])
+    constrained = grammar_rows.constrained(rows, states)  # its first sampling: the matcher is made
     assert grammar_rows.grammar_vocab_size == len(tokenizer)
     logits = torch.randn(1, len(tokenizer))
     expected = logits.masked_fill(~reference(reference_compiler, tokenizer, SPECS[1], output, [], len(tokenizer)),
                                   float("-inf"))
-    rows = np.array([0])
-    grammar_rows.start(rows, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), states,
-                       grammar_rows.constrained(rows, states))
+    grammar_rows.start(rows, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), states, constrained)
     grammar_rows.apply(logits)
     assert torch.equal(logits, expected)
 

@@ -247,3 +247,80 @@ def test_a_follower_aborted_before_the_fork_never_runs():
     assert scheduled == {"0_r", "2_r"} and not s.forks.followers
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
 
+
+
+def gated(rid, num_prompt, **kwargs):
+    request = make_request(rid, num_prompt, **kwargs)
+    request.can_sample = False  # as the engine core adds a request whose grammar is compiling
+    return request
+
+
+def test_a_request_that_may_not_sample_computes_its_prompt_but_the_tail():
+    """The whole blocks before its last token (what a repeat of it would find in the prefix cache)."""
+    s = make_scheduler(budget=16)
+    s.add_request(gated("g", 41))
+    s.add_request(make_request("a", 5, max_tokens=3, first_token=100))
+    outs = [run_step(s) for _ in range(3)]
+    assert [o.num_scheduled_tokens.get("g") for o in outs] == [16, 16, 8]  # 10 blocks of 4
+    assert s.requests["g"].num_computed_tokens == 40 and not s.requests["g"].output_token_ids
+    out = run_step(s)  # only "a" decodes: "g"'s last token waits, and no stall is raised
+    assert "g" not in out.num_scheduled_tokens
+    drain_until = [run_step(s) for _ in range(2)]
+    assert all(not o.num_scheduled_tokens for o in drain_until[1:])
+    assert s.has_requests() and not s.has_work()
+    s.allow_sampling("g")
+    assert s.has_work()
+    out = run_step(s)
+    assert out.num_scheduled_tokens == {"g": 1} and s.requests["g"].output_token_ids == [7]
+    s.add_request(gated("h", 39, first_token=200))
+    for _ in range(3):
+        run_step(s)
+    assert s.requests["h"].num_computed_tokens == 36  # 39 tokens: 36 in blocks, 3 left with the last one
+    s.allow_sampling("h")
+    assert run_step(s).num_scheduled_tokens["h"] == 3
+    drain(s)
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks and s.gate.num_closed == 0
+
+
+def test_a_request_with_nothing_to_compute_before_it_may_sample_is_parked_outside_the_queue():
+    """A prompt found in the prefix cache, or one shorter than a block: parked holding no blocks, counted as
+    waiting, queued again once it may sample; aborted while parked, it leaves nothing behind."""
+    s = make_scheduler()
+    s.add_request(make_request("a", 13, max_tokens=1))
+    drain(s)
+    s.add_request(gated("cached", 13, max_tokens=2))  # 12 tokens from the cache: its last token is all that is left
+    s.add_request(gated("one", 4))
+    s.add_request(make_request("b", 6, first_token=50))
+    out = run_step(s)
+    assert out.num_scheduled_tokens == {"b": 6}  # the parked ones did not hold the queue up
+    assert set(s.gate.parked) == {"cached", "one"} and s.make_stats().num_waiting_reqs == 2
+    assert s.kv.get_block_ids("cached") == []
+    s.finish_requests(["one"], RequestStatus.FINISHED_ABORTED)
+    s.allow_sampling("cached")
+    out = run_step(s)
+    assert out.num_scheduled_tokens["cached"] == 1 and out.new_requests[-1].num_computed_tokens == 12
+    drain(s)
+    assert not s.gate.parked and s.gate.num_closed == 0
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_a_request_that_may_not_sample_may_be_preempted_and_its_forks_wait_for_it():
+    """Preempted before it may sample, it computes its prompt's blocks again; its samples (forks)
+    wait for their leader's whole prompt, so for its gate too."""
+    s = make_scheduler(num_blocks=6, budget=32, caching=False)
+    s.add_request(make_request("a", 8, max_tokens=12, first_token=60))  # grows from 2 blocks to 5
+    run_step(s)
+    prompt = list(range(1, 11))
+    s.add_request(Request("0_g", prompt, SamplingParams(max_tokens=4), can_sample=False))
+    s.add_request(Request("1_g", prompt, SamplingParams(max_tokens=4), fork_of="0_g", can_sample=False))
+    out = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "0_g": 8} and s.forks.followers  # the follower waits for the fork
+    while "a" in s.requests:
+        run_step(s)  # "a" needs the leader's blocks: the leader (the latest) is preempted
+    assert s.num_preemptions == 1
+    run_step(s)  # and comes back
+    assert s.requests["0_g"].num_computed_tokens == 8 and not s.requests["0_g"].output_token_ids
+    s.allow_sampling("0_g")
+    s.allow_sampling("1_g")
+    drain(s)
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks and s.gate.num_closed == 0

@@ -13,9 +13,10 @@ some wrong, some steps none) and verifies them against the same function: the em
 longest right prefix plus one token, and the KV of rejected drafts must be written again before anyone
 reads it.
 
-Random sequences of adds (shared prefixes, n > 1 forks, priorities, salts), aborts, stop-string stops
-and steps run on tiny pools, under FCFS and priority, with and without prefix caching, chunked prefill,
-async scheduling, speculative decoding and pipeline micro-batches (two or three steps in flight). After every
+Random sequences of adds (shared prefixes, n > 1 forks, priorities, salts, a grammar to wait for: the prompt
+computed but the first token held until its compile ends, which the script decides), compiles ending, aborts,
+stop-string stops and steps run on tiny pools, under FCFS and priority, with and without prefix caching, chunked
+prefill, async scheduling, speculative decoding and pipeline micro-batches (two or three steps in flight). After every
 step: waiting requests hold no blocks, the block reference counts add up, the limits hold; at the end every
 request finished exactly once with the right tokens, and every block is free. A step that schedules nothing
 while work waits raises SchedulerStalledError.
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,10 +39,11 @@ from tokenmill.kv_cache.block import KVCacheBlock
 from tokenmill.kv_cache.manager import KVCacheManager, cdiv
 from tokenmill.protocol import EngineRequest
 from tokenmill.request import FinishReason, RequestStatus
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.scheduler.draft_budget import DraftBudget
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.structured import waiting
 from tokenmill.worker.pending_output import ReadyOutput
 
 EOS = 0
@@ -211,11 +215,31 @@ def engine_configs(draw):
 actions = st.one_of(
     st.tuples(st.just("add"), st.integers(0, len(PREFIXES) - 1), st.integers(0, 8), st.integers(1, 3),
               st.integers(1, 12), st.integers(0, 3), st.integers(0, 2), st.sampled_from([None, "a", "b"]),
-              st.booleans()),
+              st.booleans(), st.booleans()),
+    st.tuples(st.just("compiled"), st.integers(0, 20)),
     st.tuples(st.just("abort"), st.integers(0, 20)),
     st.tuples(st.just("stop"), st.integers(0, 20)),
     st.tuples(st.just("step"), st.integers(1, 4)),
 )
+
+
+class ScriptedCompiles:
+    """Grammar compiles that end when the script says (the engine core's AwaitingGrammar submits each spec here)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Future] = []
+
+    def submit(self, spec) -> Future:
+        self.pending.append(Future())
+        return self.pending[-1]
+
+    def finish(self, index: int) -> None:
+        if self.pending:
+            self.pending.pop(index % len(self.pending)).set_result(None)
+
+
+GRAMMAR = StructuredOutputsParams(regex="[a-z]+")
+"""The spec of a request that waits for a compile (the fake runner never masks anything)."""
 
 
 class Driver:
@@ -235,15 +259,19 @@ class Driver:
         self.salts: dict[str, str | None] = {}
         self.runner = FakeRunner(config["block_size"], config["budget"], self.salts,
                                  lambda: self.kv.pool.cached_blocks.values())
-        self.core = EngineCore(self.scheduler, self.runner, config["async_scheduling"],
+        self.compiles = ScriptedCompiles()
+        self.core = EngineCore(self.scheduler, self.runner, config["async_scheduling"], self.compiles,
                                num_batches_in_flight=num_batches)
         self.expected: dict[str, Expected] = {}
         self.parents: list[list[str]] = []
+        self.compile_of: dict[str, Future] = {}
+        """Sample id -> the compile its first token waits for."""
         self.num_added = 0
 
-    def add(self, prefix, suffix_len, n, max_tokens, min_tokens, priority, salt, ignore_eos) -> None:
+    def add(self, prefix, suffix_len, n, max_tokens, min_tokens, priority, salt, ignore_eos, grammar) -> None:
         prompt = PREFIXES[prefix] + [40 + (self.num_added + i) % 9 for i in range(suffix_len)]
-        params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), ignore_eos=ignore_eos)
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), ignore_eos=ignore_eos,
+                                structured_outputs=GRAMMAR if grammar else None)
         self.add_prompt(prompt[: self.max_model_len - 1], n, params, priority, salt)
 
     def add_prompt(self, prompt: list[int], n: int, params: SamplingParams, priority=0, salt=None) -> None:
@@ -259,6 +287,8 @@ class Driver:
             fork_of = sample_ids[0] if sid != sample_ids[0] else None
             self.core.add_request(EngineRequest(sid, list(prompt), params, frozenset([EOS]), priority=priority,
                                                 cache_salt=salt, fork_of=fork_of))
+            if params.structured_outputs is not None:
+                self.compile_of[sid] = self.compiles.pending[-1]
         self.parents.append(sample_ids)
 
     def is_over(self, sample_id: str) -> bool:
@@ -278,13 +308,15 @@ class Driver:
         if not self.core.has_requests():
             return
         for output in self.core.step().outputs:
+            compile_ = self.compile_of.get(output.request_id)
+            assert compile_ is None or compile_.done() or not output.new_token_ids, "sampled before its grammar"
             self.expected[output.request_id].check(output.request_id, output.new_token_ids, output.finish_reason)
         self.check_invariants()
 
     def check_invariants(self) -> None:
         scheduler, kv = self.scheduler, self.kv
         held_back = [r for followers in scheduler.forks.followers.values() for r in followers]
-        for request in [*scheduler.waiting, *held_back]:
+        for request in [*scheduler.waiting, *held_back, *scheduler.gate.parked.values()]:
             assert kv.get_block_ids(request.request_id) == [], f"waiting {request.request_id} holds blocks"
         assert len(scheduler.running) <= scheduler.config.max_num_seqs
         references: dict[int, int] = {}
@@ -300,23 +332,32 @@ class Driver:
     def drain(self) -> None:
         limit = self.runner.num_steps + 40 * sum(len(e.prompt) + e.params.max_tokens for e in self.expected.values())
         while self.core.has_requests():
+            self.compiles.finish(0)
             self.step()
             assert self.runner.num_steps <= limit, "no progress: the requests never finish"
         for sid, expected in self.expected.items():
             assert expected.ended_by_caller or expected.finish_reason is not None, f"{sid} was lost"
         assert not self.scheduler.requests and not self.kv.req_to_blocks
         assert not self.scheduler.forks.followers and not self.scheduler.forks.leader_of
+        assert not self.scheduler.gate.parked and self.scheduler.gate.num_closed == 0
         assert self.kv.pool.num_free_blocks == self.kv.pool.num_blocks
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=engine_configs(), script=st.lists(actions, max_size=40))
 def test_random_workloads_keep_every_invariant(config, script):
-    driver = Driver(config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(waiting, "IDLE_WAIT_S", 0)  # an idle core waits for a compile only the script ends
+        run_script(Driver(config), script)
+
+
+def run_script(driver: Driver, script) -> None:
     for action in script:
         kind, *args = action
         if kind == "add":
             driver.add(*args)
+        elif kind == "compiled":
+            driver.compiles.finish(args[0])
         elif kind == "abort":
             driver.end(args[0], RequestStatus.FINISHED_ABORTED)
         elif kind == "stop":

@@ -110,8 +110,6 @@ class EngineCore:
         structured = request.sampling_params.structured_outputs
         if structured is not None and self.awaiting_grammar is None:
             raise ValueError("structured outputs need a tokenizer, and this engine has none")
-        if self.awaiting_grammar is not None and request.request_id in self.awaiting_grammar:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
         core_request = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -122,10 +120,11 @@ class EngineCore:
             cache_salt=request.cache_salt,
             fork_of=request.fork_of,
         )
+        # A structured request's prompt is computed while its grammar compiles; it samples once that is ready.
+        core_request.can_sample = structured is None
+        self.scheduler.add_request(core_request)
         if structured is not None:
             self.awaiting_grammar.add(core_request)
-        else:
-            self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str], status=RequestStatus.FINISHED_ABORTED) -> None:
         if self.awaiting_grammar is not None:
@@ -133,15 +132,16 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests() or bool(self._in_flight) or bool(self.awaiting_grammar)
+        return self.scheduler.has_requests() or bool(self._in_flight)
 
     def step(self) -> EngineCoreOutputs:
         failed = []
         if self.awaiting_grammar:
-            ready, failed = self.awaiting_grammar.take_ready(idle=not self.scheduler.has_requests()
+            ready, failed = self.awaiting_grammar.take_ready(idle=not self.scheduler.has_work()
                                                              and not self._in_flight)
             for request in ready:
-                self.scheduler.add_request(request)
+                self.scheduler.allow_sampling(request.request_id)
+            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
         outputs = self._step()
         if failed:  # the frontend fails the whole request (all its samples)
             outputs.outputs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in failed] + \
@@ -149,7 +149,7 @@ class EngineCore:
         return outputs
 
     def _step(self) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule() if self.scheduler.has_requests() else None
+        scheduler_output = self.scheduler.schedule() if self.scheduler.has_work() else None
         if self.profiler is None or scheduler_output is None:
             return self._run(scheduler_output)
         with self.profiler.step_region(scheduler_output):

@@ -38,6 +38,7 @@ from tokenmill.scheduler.output import (
     SchedulerOutput,
 )
 from tokenmill.scheduler.request_queue import make_request_queue
+from tokenmill.scheduler.sampling_gate import SamplingGate
 from tokenmill.scheduler.stop import check_stop, reaches_length
 
 
@@ -64,6 +65,7 @@ class Scheduler:
         self.finished_request_ids: set[str] = set()
         """Requests that left since the last schedule(); the worker must drop their state."""
         self.forks = PendingForks()
+        self.gate = SamplingGate(kv_cache_manager.block_size)
         self.draft_budget = draft_budget
         """None: no speculative decoding, no lookahead."""
         self.num_batches_in_flight = num_batches_in_flight
@@ -82,6 +84,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.gate.added(request)
         leader = self.requests.get(request.fork_of) if request.fork_of is not None else None
         if not self.forks.hold(request, leader):
             self.waiting.add(request)
@@ -94,12 +97,22 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif not self.forks.is_held(request):
+            elif not self.forks.is_held(request) and request.request_id not in self.gate.parked:
                 self.waiting.remove(request)
             self._finish(request, status)
 
+    def allow_sampling(self, request_id: str) -> None:
+        """A request's next token may be sampled from now on (its grammar compiled); unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is not None and (parked := self.gate.open(request)) is not None:
+            self.waiting.add(parked)
+
     def has_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.gate.parked)
+
+    def has_work(self) -> bool:
+        """Whether a step now would compute anything: not when every request waits to be allowed to sample."""
+        return self.has_requests() and not self.gate.all_waiting(self.running, len(self.waiting))
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -124,6 +137,10 @@ class Scheduler:
                 continue  # a micro-batch in flight computes its next token, or the step in flight its last one
             num_left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             num_new = min(num_left, budget)
+            if (room := self.gate.room(request, request.num_computed_tokens)) is not None:
+                if room <= 0:
+                    continue  # its prompt's tail waits until it may sample
+                num_new = min(num_new, room)
             num_drafts = (self._lookahead(request, num_new == num_left, budget - num_new, drafts_per_request)
                           if drafts_per_request else 0)
             num_slots = num_new + num_drafts + self._slots_ahead(request, num_new + num_drafts, num_drafts)
@@ -159,7 +176,15 @@ class Scheduler:
             num_new = request.num_tokens - computed.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_drafts = (self._lookahead(request, num_new <= budget, budget - num_new, drafts_per_request)
+            reaches_end = num_new <= budget
+            if (room := self.gate.room(request, computed.num_tokens)) is not None:
+                # (Without chunked prefill its prompt waits whole, as one step's.)
+                if room <= 0 or not self.config.enable_chunked_prefill:
+                    self.gate.parked[request.request_id] = self.waiting.pop()  # nothing to compute until it may sample
+                    continue
+                reaches_end = False
+                num_new = min(num_new, room)
+            num_drafts = (self._lookahead(request, reaches_end, budget - num_new, drafts_per_request)
                           if drafts_per_request else 0)
             num_new = min(num_new, budget)
             slots_ahead = self._slots_ahead(request, computed.num_tokens + num_new + num_drafts, num_drafts)
@@ -202,7 +227,7 @@ class Scheduler:
             num_lookahead_tokens=lookahead,
         )
         self.finished_request_ids = set()
-        if not num_scheduled and not any(self.steps_in_flight) and self.has_requests():
+        if not num_scheduled and not any(self.steps_in_flight) and self.has_requests() and not self.gate.num_closed:
             raise SchedulerStalledError(self._describe_stall())
         self.steps_in_flight.append(
             {request_id: (self.requests[request_id], lookahead.get(request_id, 0)) for request_id in num_scheduled})
@@ -373,6 +398,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        self.gate.forget(request)
         for follower in self.forks.release(request):
             self.waiting.add(follower)
         self.finished_request_ids.add(request.request_id)
@@ -383,7 +409,7 @@ class Scheduler:
         queue_times, self.queue_times = self.queue_times, []
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.gate.parked),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_cache_stats.queries,
             prefix_cache_hits=self.kv.prefix_cache_stats.hits,

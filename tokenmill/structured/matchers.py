@@ -108,6 +108,8 @@ class GrammarRows:
             # It compiles the compiler's grammars from now on, each once: in a one-process engine the compiler is
             # the engine core's, whose requests wait for the grammar process's compiles (compiler.py).
             self._matchers = GrammarProcess(compiler, tree_parent)
+        self._pending: dict[int, tuple[int, frozenset[int]]] = {}
+        """Rows added whose matcher is made at their first sampling: row -> (its generation then, stop tokens)."""
         # Per row, sized on first use (the rows' count is the request states'):
         self._active: np.ndarray | None = None  # [rows] bool: the row has a matcher
         self._generation: np.ndarray | None = None  # [rows] the row's generation when its matcher was made
@@ -149,6 +151,21 @@ class GrammarRows:
         return constrained
 
     def add(self, row: int, states: RequestStates, eos_token_ids: frozenset[int]) -> None:
+        """A request under a grammar took `row`. Its matcher is made when the row first samples: the engine core
+        has its prompt computed while the grammar compiles (scheduler/sampling_gate.py), and lets it sample only
+        once compiled; the compile is started here, for a rank of a multi-process engine that compiles its own."""
+        self.compiler.submit(states.sampling_params[row].structured_outputs)
+        self._pending[row] = (int(states.row_generation[row]), eos_token_ids)
+
+    def _make_matchers(self, rows: np.ndarray, states: RequestStates) -> None:
+        """The matchers of the pending rows among `rows` (a pending row since taken by another request is dropped)."""
+        sampling = set(rows.tolist())
+        for row in [row for row in self._pending if row in sampling]:
+            generation, eos_token_ids = self._pending.pop(row)
+            if generation == states.row_generation[row]:
+                self._make_matcher(row, states, eos_token_ids)
+
+    def _make_matcher(self, row: int, states: RequestStates, eos_token_ids: frozenset[int]) -> None:
         if self._active is None:
             num_rows = len(states.row_generation)
             self._active = np.zeros(num_rows, dtype=bool)
@@ -173,7 +190,10 @@ class GrammarRows:
         self._accepted[row] = 0
 
     def constrained(self, rows: np.ndarray, states: RequestStates) -> list[int]:
-        """Indices into `rows` of the rows under a grammar (a row reused by another request is dropped)."""
+        """Indices into `rows` of the rows under a grammar (a row reused by another request is dropped); the
+        matchers of rows sampling for the first time are made here."""
+        if self._pending:
+            self._make_matchers(rows, states)
         if self._active is None:
             return []
         active = self._active[rows]

@@ -1,4 +1,5 @@
-"""Requests whose grammar is compiling: held by the engine core until it is ready, so the batch never waits."""
+"""Requests whose grammar is compiling: the scheduler computes their prompt but holds their first sample until it is
+ready (scheduler/sampling_gate.py), so the batch never waits for a grammar and the prefill overlaps the compile."""
 
 from __future__ import annotations
 
@@ -21,9 +22,6 @@ class AwaitingGrammar:
 
     def __bool__(self) -> bool:
         return bool(self._requests)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
 
     def add(self, request: Request) -> None:
         self._requests[request.request_id] = (request, self.compiler.submit(request.sampling_params.structured_outputs))
