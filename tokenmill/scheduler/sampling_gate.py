@@ -43,12 +43,15 @@ class SamplingGate:
         self.num_closed -= 1
         return self.parked.pop(request.request_id, None)
 
-    def forget(self, request: Request) -> bool:
-        """A request ended: whether it was parked (then not in the queue)."""
+    def park(self, request: Request) -> None:
+        self.parked[request.request_id] = request
+
+    def forget(self, request: Request) -> None:
+        """A request ended (taken out of the queue, or parked)."""
         if not request.can_sample:
             request.can_sample = True
             self.num_closed -= 1
-        return self.parked.pop(request.request_id, None) is not None
+        self.parked.pop(request.request_id, None)
 
     def all_waiting(self, running: list[Request], num_queued: int) -> bool:
         """Whether every request is closed with nothing to compute: a step now would compute nothing."""

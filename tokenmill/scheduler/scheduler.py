@@ -180,7 +180,7 @@ class Scheduler:
             if (room := self.gate.room(request, computed.num_tokens)) is not None:
                 # (Without chunked prefill its prompt waits whole, as one step's.)
                 if room <= 0 or not self.config.enable_chunked_prefill:
-                    self.gate.parked[request.request_id] = self.waiting.pop()  # nothing to compute until it may sample
+                    self.gate.park(self.waiting.pop())  # nothing to compute until it may sample
                     continue
                 reaches_end = False
                 num_new = min(num_new, room)
