@@ -94,14 +94,17 @@ def test_a_spec_the_grammar_process_cannot_compile_fails_only_its_request(busy_l
     assert busy_llm.engine.core.awaiting_grammar.compiler.num_compiled == 0
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["computed-ahead", "waits"])
 @pytest.mark.parametrize("engine", ["smollm2_llm", "busy_llm"])
-def test_the_prompt_is_computed_while_its_grammar_compiles(engine, request, monkeypatch):
+def test_the_prompt_is_computed_while_its_grammar_compiles(engine, ahead, request, monkeypatch):
     """A constrained request's prompt is scheduled at once, all but its tail (the blocks before its last token),
     while its grammar compiles (held back here: the compile in the engine's pool blocked, or the grammar process
     stopped); an unconstrained request beside it runs to its end meanwhile. Once the grammar is ready the request
     samples the tokens that it samples when its grammar was compiled before it came (greedy). In the engine's
-    process (chunks of the whole budget, sync) and with a grammar process (16-token chunks, async scheduling)."""
+    process (chunks of the whole budget, sync) and with a grammar process (16-token chunks, async scheduling).
+    The GPU's way; on the CPU (`waits`, the engine's choice there) the prompt waits whole for its grammar."""
     llm = request.getfixturevalue(engine)
+    monkeypatch.setattr(llm.engine.core.scheduler.gate, "compute_ahead", ahead)
     runner = llm.engine.core.executor.driver_worker.model_runner
     held = threading.Event()
     if engine == "smollm2_llm":
@@ -112,7 +115,7 @@ def test_the_prompt_is_computed_while_its_grammar_compiles(engine, request, monk
         pid = runner.grammar_rows._matchers.pid
         os.kill(pid, signal.SIGSTOP)
         let_go = functools.partial(os.kill, pid, signal.SIGCONT)
-    spec = StructuredOutputsParams(regex=rf"(yes|no), since [a-z ]{{3,{20 + len(engine)}}}\.")  # compiled nowhere yet
+    spec = StructuredOutputsParams(regex=rf"(yes|no), since [a-z ]{{3,{20 + len(engine) + 9 * ahead}}}\.")  # new
     story = "Once upon a time a clockmaker lived at the edge of a forest and wound his clocks every morning. " * 3
     prompt = story + "Did he wind them on Sundays? Answer yes or no, and why: "
     gated = SamplingParams(temperature=0, max_tokens=30, structured_outputs=spec)
@@ -122,14 +125,15 @@ def test_the_prompt_is_computed_while_its_grammar_compiles(engine, request, monk
         engine_.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=4))
         [sample_id] = engine_.output_processor.sample_ids("gated")
         state = engine_.core.scheduler.requests[sample_id]
-        blocks_before_last = (state.num_prompt_tokens - 1) // 16 * 16
+        computed_ahead = (state.num_prompt_tokens - 1) // 16 * 16 if ahead else 0
         finished = {}
         for _ in range(200):
             finished.update((out.request_id, out) for out in engine_.step() if out.finished)
-            if "plain" in finished and state.num_computed_tokens == blocks_before_last:
+            if "plain" in finished and state.num_computed_tokens == computed_ahead:
                 break
         assert "plain" in finished and "gated" not in finished
-        assert state.num_computed_tokens == blocks_before_last > 32 and not state.output_token_ids
+        assert state.num_computed_tokens == computed_ahead and not state.output_token_ids
+        assert computed_ahead > 32 or not ahead
     except BaseException:
         engine_.abort_request(["gated", "plain"])  # the shared engine stays idle for the other tests
         raise

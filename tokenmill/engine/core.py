@@ -91,8 +91,9 @@ class EngineCore:
                                        spec.disable_by_batch_size, executor.max_verify_tokens, spec.tree_level_sizes,
                                        spec.num_speculative_tokens - 1 if spec.drafts_after_verify else 0)
         num_batches = config.parallel_config.num_batches_in_flight
+        # A prompt is computed while its grammar compiles where the compile has cores the forward pass leaves free.
         scheduler = Scheduler(_scheduler_config(config, executor), kv_cache_manager, max_model_len, draft_budget,
-                              num_batches)
+                              num_batches, compute_before_sampling=executor.device.type == "cuda")
         async_scheduling = config.scheduler_config.async_scheduling
         if async_scheduling is None:
             async_scheduling = executor.device.type == "cuda"

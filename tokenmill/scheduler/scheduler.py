@@ -49,7 +49,10 @@ class SchedulerStalledError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 draft_budget: DraftBudget | None = None, num_batches_in_flight: int = 1) -> None:
+                 draft_budget: DraftBudget | None = None, num_batches_in_flight: int = 1,
+                 compute_before_sampling: bool = True) -> None:
+        """`compute_before_sampling`: a request that may not sample yet has its prompt computed meanwhile
+        (scheduler/sampling_gate.py); False: it waits whole."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # A prompt longer than one step's budget could then never be scheduled.
             raise ValueError(
@@ -65,7 +68,7 @@ class Scheduler:
         self.finished_request_ids: set[str] = set()
         """Requests that left since the last schedule(); the worker must drop their state."""
         self.forks = PendingForks()
-        self.gate = SamplingGate(kv_cache_manager.block_size)
+        self.gate = SamplingGate(kv_cache_manager.block_size, compute_before_sampling)
         self.draft_budget = draft_budget
         """None: no speculative decoding, no lookahead."""
         self.num_batches_in_flight = num_batches_in_flight
