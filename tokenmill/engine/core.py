@@ -120,9 +120,8 @@ class EngineCore:
             priority=request.priority,
             cache_salt=request.cache_salt,
             fork_of=request.fork_of,
+            can_sample=structured is None,  # a structured request samples once its grammar is compiled
         )
-        # A structured request's prompt is computed while its grammar compiles; it samples once that is ready.
-        core_request.can_sample = structured is None
         self.scheduler.add_request(core_request)
         if structured is not None:
             self.awaiting_grammar.add(core_request)
