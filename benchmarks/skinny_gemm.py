@@ -1,24 +1,34 @@
-"""Decode GEMMs of Llama-3.1-8B at 1 and 8 rows (GPU): cuBLAS (torch.mm) against the Triton skinny GEMM.
+"""Decode GEMMs of Llama-3.1-8B at 1, 8 and 16 rows (GPU): cuBLAS (torch.mm) against the Triton skinny GEMM.
 
 Each case is 32 layers' worth of one projection, every layer its own weight (so nothing is served from
 L2), launched back to back in a CUDA graph; the time is per launch, the rate the weight bytes over it.
-Checks each config's result against torch first.
+Checks each config's result against torch first. The configs include splits of K (kernels.split_k).
+With --out DIR the best per (shape, rows) go to DIR/skinny_gemm_<device>.json, the table the engine reads
+from tokenmill/kernels/configs.
 
-    PYTHONPATH=. python3 benchmarks/skinny_gemm.py
+    PYTHONPATH=. python3 benchmarks/skinny_gemm.py [--out tokenmill/kernels/configs]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+from pathlib import Path
 
 import torch
+import triton
 
+from tokenmill.kernels import skinny_gemm as skinny_gemm_module
+from tokenmill.kernels.fused_moe import config_path
 from tokenmill.kernels.precompile import precompile
-from tokenmill.kernels.skinny_gemm import skinny_gemm
+from tokenmill.kernels.skinny_gemm import TUNED_ROWS, skinny_gemm, tuned_key
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
-CONFIGS = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
+# 8 warps never won the first sweep (2026-11-30): 4 warps, and K in up to 4 splits.
+CONFIGS = [(bn, bk, 4, s, splits) for bn, bk, s, splits in itertools.product((16, 32, 64), (128, 256, 512), (3, 5),
+                                                                             (1, 2, 3, 4))
            if bn * bk <= 32 * 512]
 
 
@@ -42,15 +52,20 @@ def time_graph(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+UNSWEPT = {"qkv": (32, 256, 4, 5), "o": (32, 256, 4, 5), "gate_up": (64, 256, 4, 3), "down": (32, 512, 4, 5)}
+"""kernels.skinny_gemm's tiles by shape before this sweep (one split)."""
+
+
 def chain(weights, best_configs, rows_list) -> None:
     """The 4 projections of 32 layers as a decode step runs them: each GEMM reads the previous one's output.
     (Tried on 2026-11-30 and dropped: programmatic dependent launch, alone or with an L2 prefetch of the
     first weights before the wait, made this chain slower: 3.77-4.88 ms against 3.67 at one row.)"""
     for rows in rows_list:
-        _chain(rows, weights, {name: best_configs[rows, name] for name in SHAPES})
+        _chain(rows, weights, {name: best_configs[rows, name][0] for name in SHAPES},
+               {name: best_configs[rows, name][1] for name in SHAPES})
 
 
-def _chain(rows: int, weights, configs) -> None:
+def _chain(rows: int, weights, configs, unsplit) -> None:
     x0 = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
 
     def run(mm):
@@ -64,7 +79,9 @@ def _chain(rows: int, weights, configs) -> None:
     variants = {
         "cuBLAS": lambda x, w, name: torch.mm(x, w.T),
         "skinny, best config per shape": lambda x, w, name: skinny_gemm(x, w, configs[name]),
+        "skinny, best config per shape without splits": lambda x, w, name: skinny_gemm(x, w, unsplit[name]),
         "skinny, the engine's configs": lambda x, w, name: skinny_gemm(x, w),
+        "skinny, the engine's configs before the split sweep": lambda x, w, name: skinny_gemm(x, w, UNSWEPT[name]),
     }
     ref = run(variants["cuBLAS"]).float()
     for label, mm in variants.items():
@@ -80,9 +97,12 @@ def _chain(rows: int, weights, configs) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, help="write the best tiles to DIR/skinny_gemm_<device>.json")
+    args = parser.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
-    rows_list = (1, 8)
+    rows_list = TUNED_ROWS
     weights = {name: [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(LAYERS)]
                for name, (n, k) in SHAPES.items()}
     inputs = {(rows, k): torch.randn(rows, k, device=device, dtype=torch.bfloat16)
@@ -99,7 +119,7 @@ def main() -> None:
         ref = (x.double() @ ws[0].double().T)
         gbytes = n * k * 2 / 1e9
         cublas = time_graph(lambda x=x, ws=ws: [torch.mm(x, w.T) for w in ws]) / LAYERS
-        best = None
+        timed = []
         for config in CONFIGS:
             try:
                 err = ((skinny_gemm(x, ws[0], config).double() - ref).norm() / ref.norm()).item()
@@ -107,19 +127,27 @@ def main() -> None:
                 print(f"  {config}: {type(e).__name__}")
                 continue
             assert err < 1e-2, (name, rows, config, err)
-            t = time_graph(lambda x=x, ws=ws, c=config: [skinny_gemm(x, w, c) for w in ws]) / LAYERS
-            if best is None or t < best[0]:
-                best = (t, config)
-        results.append((rows, name, cublas, best))
-        print(f"rows {rows} {name:8s} cuBLAS {cublas * 1e3:7.2f} us ({gbytes / cublas:5.2f} TB/s)   "
-              f"triton {best[0] * 1e3:7.2f} us ({gbytes / best[0]:5.2f} TB/s) {best[1]}", flush=True)
-    best_configs = {(rows, name): best[1] for rows, name, _, best in results}
-    chain(weights, best_configs, rows_list)
+            timed.append((time_graph(lambda x=x, ws=ws, c=config: [skinny_gemm(x, w, c) for w in ws]) / LAYERS,
+                          config))
+        best, unsplit = min(timed), min(t for t in timed if t[1][4] == 1)
+        results.append((rows, name, cublas, best, unsplit))
+        print(f"rows {rows:2d} {name:8s} cuBLAS {cublas * 1e3:7.2f} us ({gbytes / cublas:5.2f} TB/s)   "
+              f"triton {best[0] * 1e3:7.2f} us ({gbytes / best[0]:5.2f} TB/s) {best[1]}   without splits "
+              f"{unsplit[0] * 1e3:7.2f} us {unsplit[1]}", flush=True)
+    if args.out is not None:
+        path = config_path(torch.cuda.get_device_name(), args.out, kind="skinny_gemm")
+        table = {tuned_key(*SHAPES[name], rows): list(best[1]) for rows, name, _, best, _ in results}
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+                                    "configs": dict(sorted(table.items()))}, indent=1) + "\n")
+        print(f"wrote {path}", flush=True)
+        skinny_gemm_module._tuned.cache_clear()
+    chain(weights, {(rows, name): (best[1], unsplit[1]) for rows, name, _, best, unsplit in results}, rows_list)
     for rows in rows_list:
         c = sum(r[2] for r in results if r[0] == rows) * LAYERS
         t = sum(r[3][0] for r in results if r[0] == rows) * LAYERS
+        u = sum(r[4][0] for r in results if r[0] == rows) * LAYERS
         print(f"== skinny GEMM, rows {rows}: 32 layers of the 4 projections: cuBLAS {c:.3f} ms, "
-              f"triton (best config per shape) {t:.3f} ms")
+              f"triton (best config per shape) {t:.3f} ms, without splits {u:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ value. The totals over the four projections say whether int_weight_gemm's choice
 call is timed inside a CUDA graph of 10 calls, as the engine replays it (eagerly, a call whose GPU work is shorter
 than its Python launch path would time the host).
 --dequant-sweep: dequantize_int_weight's (BLOCK_N, BLOCK_K, warps) on gate_up.
+
+--graph-sweep [--out DIR]: the GEMV's tiles with splits of K (kernels.split_k) at 1 and 4 rows, int4 group 128
+symmetric (W1's GPTQ checkpoint), each config timed as 32 layers' distinct weights launched back to back in a CUDA
+graph (as a decode step runs them: no weight served from L2); the best per (shape, rows) to
+DIR/int_gemv_<device>.json, the table the engine reads from tokenmill/kernels/configs; then the four projections
+of 32 layers chained, with the old tiles, the best without splits and the best.
 """
 
 from __future__ import annotations
@@ -21,18 +27,24 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
+from pathlib import Path
 
 import torch
 import triton
 
 from tokenmill.kernels.dequant_scratch import dequant_scratch, reserve_dequant_scratch
+from tokenmill.kernels.fused_moe import config_path
+from tokenmill.kernels.precompile import precompile
 from tokenmill.kernels.skinny_gemm import skinny_gemm, skinny_gemm_applies
 from tokenmill.kernels.w4a16_gemm import (
     GEMV_MAX_ROWS,
+    GEMV_TUNED_ROWS,
     SKINNY_MAX_ROWS,
     dequant_int_gemm,
     dequantize_int_weight,
     gemv_int,
+    gemv_key,
     int_weight_gemm,
     skinny_int_gemm,
 )
@@ -145,6 +157,75 @@ def large_rows(args) -> None:
             print(f"dequantize gate_up {config}: {t:.1f} us, {bytes_moved / t / 1e6:.2f} TB/s", flush=True)
 
 
+SPLITS = (1, 2, 4, 8)
+LAYERS = 32
+
+
+def graph_sweep(args) -> None:
+    from skinny_gemm import time_graph  # benchmarks/: 32 launches captured in one graph, ms per replay
+
+    bits, group = 4, 128
+    weights = {name: [make_weight(n, k, bits, group, False, False)[:3] for _ in range(LAYERS)]
+               for name, (n, k) in SHAPES.items()}
+    configs = {rows: [(*c[:4], splits) for c in gemv_configs(rows) for splits in SPLITS] for rows in GEMV_TUNED_ROWS}
+    inputs = {(rows, k): torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+              for rows in GEMV_TUNED_ROWS for k in {k for _, k in SHAPES.values()}}
+
+    def every_variant() -> None:
+        for rows in GEMV_TUNED_ROWS:
+            for name, (_, k) in SHAPES.items():
+                for config in configs[rows]:
+                    gemv_int(inputs[rows, k], *weights[name][0], None, bits, config=config)
+
+    print(f"compiling {precompile(every_variant, torch.device('cuda'))} variants", flush=True)
+    best = {}
+    for rows in GEMV_TUNED_ROWS:
+        for name, (n, k) in SHAPES.items():
+            x, ws = inputs[rows, k], weights[name]
+            q, scale, _ = ws[0]
+            ref = x.double() @ dequantize_int(q, scale, None, bits, torch.float64).T
+            timed = []
+            for config in configs[rows]:
+                out = gemv_int(x, *ws[0], None, bits, config=config)
+                assert max_error(out, ref) < 2e-2, (name, rows, config, max_error(out, ref))
+                timed.append((time_graph(lambda c=config, x=x, ws=ws: [gemv_int(x, *w, None, bits, config=c)
+                                                                        for w in ws]) / LAYERS * 1e3, config))
+            top, unsplit = min(timed), min(t for t in timed if t[1][4] == 1)
+            best[rows, name] = (top[1], unsplit[1])
+            floor = n * k * bits / 8 / 4.25e6
+            print(f"rows {rows} {name:8s} best {top[0]:6.1f} us {top[1]}   without splits {unsplit[0]:6.1f} us "
+                  f"{unsplit[1]}   (the weight at 4.25 TB/s: {floor:.1f} us)", flush=True)
+    if args.out is not None:
+        path = config_path(torch.cuda.get_device_name(), args.out, kind="int_gemv")
+        table = {gemv_key(*SHAPES[name], rows, bits, group): list(c[0]) for (rows, name), c in best.items()}
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+                                    "configs": dict(sorted(table.items()))}, indent=1) + "\n")
+        print(f"wrote {path}", flush=True)
+    for rows in GEMV_TUNED_ROWS:
+        x0 = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+
+        def chain(pick, rows=rows, x0=x0):
+            x = x0
+            for layer in range(LAYERS):
+                for name, (_, k) in SHAPES.items():
+                    x = gemv_int(x[:, :k], *weights[name][layer], None, bits, config=pick(name, rows))
+            return x
+
+        old = {name: _gemv_config_before_the_split_sweep(n, k, rows) for name, (n, k) in SHAPES.items()}
+        for label, pick in (("tiles before the split sweep", lambda name, rows, old=old: old[name]),
+                            ("best without splits", lambda name, rows: best[rows, name][1]),
+                            ("best", lambda name, rows: best[rows, name][0])):
+            print(f"== GEMV chain, rows {rows}, 32 layers x 4 projections, {label}: "
+                  f"{time_graph(lambda pick=pick: chain(pick)):.3f} ms", flush=True)
+
+
+def _gemv_config_before_the_split_sweep(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+    """The engine's tiles for int4 g128 from the sixth session's sweep (kernels.w4a16_gemm._TUNED_GEMV)."""
+    from tokenmill.kernels.w4a16_gemm import _TUNED_GEMV
+
+    return _TUNED_GEMV[n, k, rows <= 2, 4, 128]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
@@ -155,7 +236,12 @@ def main() -> None:
     parser.add_argument("--act-order", action="store_true")
     parser.add_argument("--dequant-sweep", action="store_true")
     parser.add_argument("--rows", default="1,4,16,256,2048", help="row counts, comma-separated (without --large-rows)")
+    parser.add_argument("--graph-sweep", action="store_true")
+    parser.add_argument("--out", type=Path, help="--graph-sweep: write the best tiles to DIR/int_gemv_<device>.json")
     args = parser.parse_args()
+    if args.graph_sweep:
+        graph_sweep(args)
+        return
     if args.large_rows:
         large_rows(args)
         return

@@ -126,7 +126,8 @@ def test_silu_and_mul(device, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, pytest.param(5, marks=interpret), 16])
-@pytest.mark.parametrize("config", [None, (32, 128, 4, 2)], ids=["tuned", "small_tiles"])
+@pytest.mark.parametrize("config", [None, (32, 128, 4, 2), (32, 128, 4, 2, 3), (64, 256, 4, 3, 4)],
+                         ids=["tuned", "small_tiles", "3_splits", "4_splits"])
 def test_skinny_gemm(device, dtype, rows, config):
     from tokenmill.kernels.skinny_gemm import skinny_gemm, skinny_gemm_ref
 

@@ -159,6 +159,13 @@ def test_scale_step_layouts(device, dtype, rows, group, config):
     pytest.param(4, 128, True, False, 4, (8, 1024, 2, 1)),
     pytest.param(4, 64, True, True, 4, None),
     pytest.param(3, 32, False, False, 8, None),
+    # K split over programs (kernels.split_k): 4 steps in 3 splits (the last one empty), one step a split with
+    # act-order int8 steps inside a group; on the GPU the swept shapes' kind of split.
+    pytest.param(3, 64, False, False, 4, (4, 64, 1, 1, 3), marks=interpret),
+    pytest.param(1, 128, True, True, 8, (8, 64, 2, 1, 4), marks=interpret),
+    pytest.param(2, 0, False, False, 4, (2, 64, 1, 1, 2), marks=interpret),
+    pytest.param(1, 128, False, False, 4, (4, 1024, 1, 1, 4)),
+    pytest.param(4, 32, True, True, 4, (8, 512, 2, 1, 3)),
 ])
 def test_gemv(device, dtype, rows, group, sym, act_order, bits, config):
     from tokenmill.kernels.w4a16_gemm import gemv_int
@@ -331,3 +338,29 @@ def test_uneven_act_order_groups_padded_to_whole_groups(rows, sym):
     out = int_weight_gemm(x.cuda().index_select(1, perm.cuda()), pack_int32(sorted_w.q, bits, dim=1).cuda(),
                           sorted_w.scale.cuda(), None if sorted_w.zero is None else sorted_w.zero.cuda(), None, bits)
     assert cases.rel_error(out.cpu(), x.double() @ w.T) < cases.TOLERANCE[torch.float16]
+
+
+def test_split_k_in_a_cuda_graph_gives_the_eager_result_bit_for_bit():
+    """Split-K GEMVs (kernels.split_k) replayed from a CUDA graph, twice, and back to back on one arrival buffer:
+    each launch leaves its counters at zero for the next, and the partials add in split order, so every replay
+    equals the eager call exactly."""
+    from tokenmill.kernels.skinny_gemm import skinny_gemm
+    from tokenmill.kernels.w4a16_gemm import gemv_int
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    (x, packed, scale, zero, perm), _ = make_case(2, 4096, 4096, 128, 4, False, False, torch.bfloat16, "cuda")
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 4096**-0.5
+
+    def both():
+        return (gemv_int(x, packed, scale, zero, perm, 4, config=(4, 1024, 1, 1, 4)),
+                skinny_gemm(x, weight, (32, 256, 4, 3, 3)))
+
+    eager = both()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = both()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(eager, replayed))

@@ -1,18 +1,26 @@
-"""Skinny GEMM for decode: y = x @ W.T with few rows in x (a batch of 1-16 tokens), no split-K.
+"""Skinny GEMM for decode: y = x @ W.T with few rows in x (a batch of 1-16 tokens), in one launch.
 
 At a few rows a linear layer only streams its weight. cuBLAS splits K for many of these shapes and adds a
-reduction kernel per GEMM; here each program owns BLOCK_N output columns and walks all of K, its weight
+reduction kernel per GEMM; here each program owns BLOCK_N output columns and walks its part of K, its weight
 tiles software-pipelined, so one launch writes the result. On the H200, the four projections of 32
 Llama-3.1-8B layers run in 3.67 ms against cuBLAS's 3.82 at one row (benchmarks/skinny_gemm.py).
+
+A weight with few column tiles (o_proj: 128 programs of 32 columns for 132 SMs) leaves each SM one program and
+few bytes in flight; K may then be split over programs, added in the same launch (kernels.split_k).
 """
 
 from __future__ import annotations
+
+import functools
+import json
 
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.fused_moe import CONFIG_DIR, config_path
+from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers
 
 MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cost the same weight read
 
@@ -20,26 +28,34 @@ MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cos
 # The row count changes with the batch: one compiled variant for all of them.
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, num_rows, n, k, stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr, num_rows, n, k, k_per_split, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    tile = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < num_rows
     n_mask = offs_n < n
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
+    k_end = tl.minimum(k, k_start + k_per_split)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, k, BLOCK_K):
-        k_mask = offs_k < k - start
+    for start in range(k_start, k_end, BLOCK_K):
+        k_mask = offs_k < k_end - start
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if SPLITS == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        finish_split(acc, out_ptrs, part_ptr + offs_m[:, None] * n + offs_n[None, :], num_rows * n, mask,
+                     arrivals_ptr + tile, SPLITS)
 
 
 def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -50,29 +66,62 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.shape[0] >= 4096 and weight.shape[1] >= 4096)
 
 
-def _config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from the sweep of benchmarks/skinny_gemm.py on the H200."""
+SkinnyConfig = tuple[int, int, int, int, int]
+"""(BLOCK_N, BLOCK_K, num_warps, num_stages, splits of K)."""
+
+
+def tuned_key(n: int, k: int, rows: int) -> str:
+    """The tiles table's key: the shape and a row count of TUNED_ROWS."""
+    return f"{n}x{k},rows={rows}"
+
+
+TUNED_ROWS = (1, 8, 16)
+"""The row counts benchmarks/skinny_gemm.py tunes; a batch takes the tiles of the first count at or above it."""
+
+
+@functools.cache
+def _tuned(device_index: int) -> dict[str, SkinnyConfig]:
+    """kernels/configs/skinny_gemm_<device>.json, as `benchmarks/skinny_gemm.py --out` writes it; {} without."""
+    path = config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR, kind="skinny_gemm")
+    if not path.exists():
+        return {}
+    return {key: tuple(map(int, tiles)) for key, tiles in json.loads(path.read_text())["configs"].items()}
+
+
+def _config(n: int, k: int, rows: int, device: torch.device) -> SkinnyConfig:
+    """The device's swept tiles for the shape, else the first sweep's choice by shape (one split)."""
+    tuned = None
+    if device.type == "cuda":  # (not under Triton's interpreter)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tuned = _tuned(index).get(tuned_key(n, k, next(r for r in TUNED_ROWS if r >= rows)))
+    if tuned is not None:
+        return tuned
     if k >= 8192:
-        return 32, 512, 4, 5
+        return 32, 512, 4, 5, 1
     if n >= 16384:
-        return 64, 256, 4, 3
-    return 32, 256, 4, 5
+        return 64, 256, 4, 3, 1
+    return 32, 256, 4, 5, 1
 
 
 def skinny_gemm(
     x: torch.Tensor,  # [num_rows <= MAX_ROWS, k], bf16/fp16, last stride 1
     weight: torch.Tensor,  # [n, k], contiguous
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int] | SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T; config = (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the tuned choice."""
+    """x @ weight.T; config = (BLOCK_N, BLOCK_K, num_warps, num_stages[, splits]) overrides the tuned choice."""
     num_rows, k = x.shape
     n = weight.shape[0]
     assert num_rows <= MAX_ROWS and weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or _config(n, k)
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    block_n, block_k, num_warps, num_stages, *rest = config or _config(n, k, num_rows, x.device)
+    splits = min(rest[0] if rest else 1, triton.cdiv(k, block_k))
+    tiles = triton.cdiv(n, block_n)
+    partials, arrivals = split_buffers(x.device, splits, num_rows, n, tiles)
+    _skinny_gemm_kernel[(tiles, splits)](
+        x, weight, out, partials, arrivals, num_rows, n, k, k_per_split(k, splits, block_k),
+        x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

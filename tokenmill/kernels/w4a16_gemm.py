@@ -8,7 +8,8 @@ its weight tile as int32 words, shifts each feature's bits out, and scales by it
 memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's is transient, shared by all layers).
 
 Two fused kernels, and a dequantization for larger row counts (int_weight_gemm chooses by the row count):
-- `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns, every word
+- `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns (and K, or a
+  split of it: kernels.split_k, where the device's swept tiles table says so), every word
   unpacked once for all the rows (one and per weight into a float's bits, no int-to-float conversion, no fma)
   and kept in its packed shape ([units of 1-4 words, groups, words, slots, columns], x loaded to match: no
   change of layout, no shared memory in the loop), the zero point and the scale applied per unit to the sums
@@ -29,12 +30,17 @@ The references are layers.quant.w4a16.dequantize_int / int_linear_torch (the CPU
 
 from __future__ import annotations
 
+import functools
+import json
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.dequant_scratch import dequant_scratch
+from tokenmill.kernels.fused_moe import CONFIG_DIR, config_path
+from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers
 
 SKINNY_MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cost the same weight read
 
@@ -191,20 +197,28 @@ def _gemv_row(acc, f, z, x_ptr, cols, x_mask, s, x_offset, GROUP: tl.constexpr, 
 
 
 @triton.jit
-def _gemv_store(out_ptr, acc, s_end, offs_n, n_mask, GROUP: tl.constexpr):
+def _gemv_store(out_ptr, acc, s_end, offs_n, n_mask, part_ptr, arrival_ptr, split_stride, GROUP: tl.constexpr,
+                SPLITS: tl.constexpr):
+    """One row's outputs from its accumulator; with SPLITS, this program's part of them (kernels.split_k), part_ptr
+    the row's partials of split 0."""
     out = tl.sum(tl.sum(acc, axis=0), axis=0)
     if GROUP == 0:
         out = out * s_end
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if SPLITS == 1:
+        tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        finish_split(out, out_ptr + offs_n, part_ptr + offs_n, split_stride, n_mask, arrival_ptr, SPLITS)
 
 
 @triton.jit(do_not_specialize=["no_bits"])  # its value (0) would let the compiler fold it
 def _gemv_int_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, n, k, stride_xm, stride_wn, stride_sn, stride_om, no_bits,
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, arrivals_ptr, n, k, k_per_split, stride_xm, stride_wn,
+    stride_sn, stride_om, no_bits,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, H: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    # A row or a few on the CUDA cores, each program owning BLOCK_N output columns and walking all of K.
+    # A row or a few on the CUDA cores, each program owning BLOCK_N output columns and walking all of K (or its
+    # split's part of it: kernels.split_k).
     # The words stay in their packed shape from load to sum, [W units, G groups, H words, P slots, BLOCK_N
     # columns] (a unit: H consecutive words, 1, 2 or 4: _gemv_unit): feature ((g * W + w) * H + h) * P + p of
     # the step is slot p of word (g * W + w) * H + h, and x is loaded in that shape, [W, G, H, P, 1]. Both loads
@@ -269,13 +283,16 @@ def _gemv_int_kernel(
     acc1 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc2 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc3 = tl.zeros([W, G, BLOCK_N], tl.float32)
+    # This program's part of K (all of it without splits; kernels.split_k), in whole steps.
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k, k_start + k_per_split)
     # The next step's words are loaded before this step's math (registers, not a shared-memory pipeline):
     # two steps of weight bytes in flight per program.
-    words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, 0, k, k > 0, P, SUB, GROUP,
-                                   HAS_ZERO, EVEN_K)
-    for start in range(0, k, BLOCK_K):
+    words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, k_start, k, k_start < k_end, P, SUB,
+                                   GROUP, HAS_ZERO, EVEN_K)
+    for start in range(k_start, k_end, BLOCK_K):
         next_words, next_s, next_z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start + BLOCK_K,
-                                                      k, start + BLOCK_K < k, P, SUB, GROUP, HAS_ZERO, EVEN_K)
+                                                      k, start + BLOCK_K < k_end, P, SUB, GROUP, HAS_ZERO, EVEN_K)
         if GROUP != 0 and HAS_ZERO:
             zw = z
         elif GROUP != 0:
@@ -301,13 +318,19 @@ def _gemv_int_kernel(
             acc3 = _gemv_row(acc3, f, zw, x_ptr + 3 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO,
                              F_OFFSET)
         words, s, z = next_words, next_s, next_z
-    _gemv_store(out_ptr, acc0, s_end, offs_n, n_mask, GROUP)
+    # Split partials [SPLITS, ROWS, n]; an arrival counter per column tile and row.
+    arrival = arrivals_ptr + tl.program_id(0) * ROWS
+    split_stride = ROWS * n
+    _gemv_store(out_ptr, acc0, s_end, offs_n, n_mask, part_ptr, arrival, split_stride, GROUP, SPLITS)
     if ROWS > 1:
-        _gemv_store(out_ptr + stride_om, acc1, s_end, offs_n, n_mask, GROUP)
+        _gemv_store(out_ptr + stride_om, acc1, s_end, offs_n, n_mask, part_ptr + n, arrival + 1, split_stride, GROUP,
+                    SPLITS)
     if ROWS > 2:
-        _gemv_store(out_ptr + 2 * stride_om, acc2, s_end, offs_n, n_mask, GROUP)
+        _gemv_store(out_ptr + 2 * stride_om, acc2, s_end, offs_n, n_mask, part_ptr + 2 * n, arrival + 2, split_stride,
+                    GROUP, SPLITS)
     if ROWS > 3:
-        _gemv_store(out_ptr + 3 * stride_om, acc3, s_end, offs_n, n_mask, GROUP)
+        _gemv_store(out_ptr + 3 * stride_om, acc3, s_end, offs_n, n_mask, part_ptr + 3 * n, arrival + 3, split_stride,
+                    GROUP, SPLITS)
 
 
 def _block_k(group: int, widest: int, narrowest: int) -> int:
@@ -360,6 +383,9 @@ def skinny_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.T
 
 GEMV_MAX_ROWS = 4
 
+GemvConfig = tuple[int, int, int, int, int]
+"""(BLOCK_N, BLOCK_K, num_warps, num_stages, splits of K: kernels.split_k)."""
+
 
 _TUNED_GEMV = {
     # (n, k, rows <= 2, bits, group): the best of `benchmarks/w4a16_gemm.py --rows 1,4 --sweep` on the H200
@@ -372,23 +398,47 @@ _TUNED_GEMV = {
 }
 
 
-def _gemv_config(n: int, k: int, bits: int, group: int, rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 2 warps, each thread loading a unit of 4 words per column and
-    step (16 bytes; 2 from 3 rows, for the registers), which keeps the words' and x's layouts one
-    (_gemv_unit). 8 columns per program (~126 registers at 1-2 rows, ~170 at 3-4) only where that still
-    makes 8 programs per SM of an H100/H200 (132 SMs), else 4, 2 for small n: whole waves, and bytes in flight
-    on every SM. From the AOT compile for sm_90 (main-loop instructions per weight); the shapes in _TUNED_GEMV
-    were swept on the H200 (benchmarks/w4a16_gemm.py --sweep)."""
+def gemv_key(n: int, k: int, rows: int, bits: int, group: int) -> str:
+    """The swept tiles table's key: the shape, a row count of GEMV_TUNED_ROWS, the bits and the group size."""
+    return f"{n}x{k},rows={rows},int{bits},g{group}"
+
+
+GEMV_TUNED_ROWS = (1, 4)
+"""The row counts benchmarks/w4a16_gemm.py sweeps: 1 stands for 1-2 rows, 4 for 3-4."""
+
+
+@functools.cache
+def _swept_gemv(device_index: int) -> dict[str, GemvConfig]:
+    """kernels/configs/int_gemv_<device>.json, as `benchmarks/w4a16_gemm.py --sweep --out` writes it; {} without."""
+    path = config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR, kind="int_gemv")
+    if not path.exists():
+        return {}
+    return {key: tuple(map(int, tiles)) for key, tiles in json.loads(path.read_text())["configs"].items()}
+
+
+def _gemv_config(n: int, k: int, bits: int, group: int, rows: int, device: torch.device) -> GemvConfig:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, splits): the device's swept tiles for the shape, else
+    _TUNED_GEMV's, else 2 warps, each thread loading a unit of 4 words per column and step (16 bytes; 2 from 3
+    rows, for the registers), which keeps the words' and x's layouts one (_gemv_unit). 8 columns per program
+    (~126 registers at 1-2 rows, ~170 at 3-4) only where that still makes 8 programs per SM of an H100/H200 (132
+    SMs), else 4, 2 for small n: whole waves, and bytes in flight on every SM. From the AOT compile for sm_90
+    (main-loop instructions per weight)."""
+    swept = None
+    if device.type == "cuda":  # (not under Triton's interpreter)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        swept = _swept_gemv(index).get(gemv_key(n, k, 1 if rows <= 2 else 4, bits, group))
+    if swept is not None:
+        return swept
     tuned = _TUNED_GEMV.get((n, k, rows <= 2, bits, group))
     if tuned is not None:
-        return tuned
+        return (*tuned, 1)
     block_k = (8192 if rows <= 2 else 4096) // bits
     while group and block_k % group and group % block_k:
         block_k //= 2  # whole groups per step, or steps inside one group
     block_n = 8 if triton.cdiv(n, 8) >= 8 * 132 else 4
     if triton.cdiv(n, block_n) < 2 * 132:
         block_n = 2
-    return block_n, block_k, 2, 1
+    return block_n, block_k, 2, 1, 1
 
 
 def _gemv_unit(bits: int, group: int, block_k: int, num_warps: int) -> int:
@@ -403,11 +453,12 @@ def _gemv_unit(bits: int, group: int, block_k: int, num_warps: int) -> int:
 
 
 def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-             perm: torch.Tensor | None, bits: int, config: tuple[int, int, int, int] | None = None,
+             perm: torch.Tensor | None, bits: int, config: tuple[int, ...] | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows <= 4, k] (bf16/fp16) @ dequant(weight).T on the CUDA cores, into `out` [rows, n] if given (rows of a
-    larger output); config = (BLOCK_N, BLOCK_K, num_warps, num_stages), powers of 2. BLOCK_K must be a multiple of
-    the group size or divide it; steps that divide k keep the weight loads unmasked along k."""
+    larger output); config = (BLOCK_N, BLOCK_K, num_warps, num_stages[, splits]), powers of 2 but the splits.
+    BLOCK_K must be a multiple of the group size or divide it; steps that divide k keep the weight loads unmasked
+    along k."""
     rows, n, k = _check(x, weight_packed, scale, zero, perm, bits)
     assert rows <= GEMV_MAX_ROWS
     if out is None:
@@ -416,15 +467,19 @@ def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, 
     if rows == 0:
         return out
     group = _group_of(k, scale)
-    block_n, block_k, num_warps, num_stages = config or _gemv_config(n, k, bits, group, rows)
+    block_n, block_k, num_warps, num_stages, *rest = config or _gemv_config(n, k, bits, group, rows, x.device)
     assert group == 0 or block_k % group == 0 or group % block_k == 0, (group, block_k)
+    splits = min(rest[0] if rest else 1, triton.cdiv(k, block_k))
+    tiles = triton.cdiv(n, block_n)
+    partials, arrivals = split_buffers(x.device, splits, rows, n, tiles * rows)
     words_per_unit = _gemv_unit(bits, group, block_k, num_warps)
-    _gemv_int_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_int_kernel[(tiles, splits)](
         x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
-        out, n, k, x.stride(0), weight_packed.stride(0), scale.stride(0), out.stride(0), 0,
+        out, partials, arrivals, n, k, k_per_split(k, splits, block_k), x.stride(0), weight_packed.stride(0),
+        scale.stride(0), out.stride(0), 0,
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None, ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, H=words_per_unit, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, H=words_per_unit, SPLITS=splits,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

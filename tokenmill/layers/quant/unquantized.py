@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias; decode batches of a few tokens on CUDA take the skinny GEMM (no split-K), the
+    """x @ weight.T + bias; decode batches of a few tokens on CUDA take the skinny GEMM (one launch), the
     CPU takes oneDNN with prepacked weights (layers.cpu_gemm)."""
     if x.device.type == "cpu":
         return cpu_linear(x, weight, bias)

@@ -1,0 +1,52 @@
+"""Split-K for the decode GEMVs (kernels.skinny_gemm, kernels.w4a16_gemm): K walked by several programs per tile of
+output columns, their partial sums added in the same launch.
+
+A skinny weight (a few thousand columns) gives too few programs, or too long a walk over K each, for the SMs to
+keep enough weight bytes in flight: the DRAM latency is paid on every step. With `SPLITS` programs per column tile
+(the grid's second axis), each stores its float32 partial sums and counts itself in on its tile's arrival counter
+(kernels.arrivals); the last to arrive adds the partials in split order, so the sum does not depend on which
+program came last, and writes the output. No second launch, no zero-filled buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.arrivals import arrival_counters
+
+
+@triton.jit
+def finish_split(acc, out_ptrs, part_ptrs, split_stride, mask, arrival_ptr, SPLITS: tl.constexpr):
+    """acc: this program's partial sums (float32) of the output elements out_ptrs (mask); part_ptrs: where split 0
+    keeps them in the partials buffer, split s at s * split_stride further."""
+    tl.store(part_ptrs + tl.program_id(1) * split_stride, acc, mask=mask)
+    # The barrier puts every warp's stores before the atomic, whose release (acq_rel, gpu scope) publishes them;
+    # the last arrival's acquire makes them all visible to it (its loads are .cg: from L2, not a stale L1).
+    tl.debug_barrier()
+    if tl.atomic_add(arrival_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        for split in tl.static_range(1, SPLITS):
+            total += tl.load(part_ptrs + split * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        tl.store(arrival_ptr, 0)  # every split has arrived: the counter is ready for the next launch
+
+
+def split_buffers(device: torch.device, splits: int, rows: int, n: int,
+                  counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials [splits, rows, n] float32, `counters` arrival counters); with one split, placeholders the kernel
+    does not read."""
+    if splits == 1:
+        placeholder = torch.empty(0, dtype=torch.float32, device=device)
+        return placeholder, placeholder
+    return (torch.empty((splits, rows, n), dtype=torch.float32, device=device), arrival_counters(device, counters))
+
+
+def k_per_split(k: int, splits: int, block_k: int) -> int:
+    """Each split's share of K in whole BLOCK_K steps (the last split takes what is left)."""
+    return triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process
