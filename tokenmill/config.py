@@ -135,7 +135,8 @@ class ReplicaWorld:
     replica: int
     num_replicas: int
     init_method: str
-    """torch.distributed's init_method: a file in the server's private folder."""
+    """torch.distributed's init_method: a file in the server's private folder, or a TCP store on the server's node
+    when the replicas' ranks are Ray actors."""
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-
 replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
 served; constrained requests (regex, choice) match; killing one replica's core stops both (their requests end
 with engine_dead, no hang) and both start again together, serving the same text. Two replicas of two
-tensor-parallel ranks, FP8 experts, and a DeepSeek-V3-shaped model (latent attention, grouped routing, a shared
-expert; and drafting with its MTP layer), give the one-process text too. What cannot go with it yet is refused at
-start-up.
+tensor-parallel ranks (also with the second ranks as Ray actors), FP8 experts, and a DeepSeek-V3-shaped model
+(latent attention, grouped routing, a shared expert; and drafting with its MTP layer), give the one-process text
+too. What cannot go with it yet is refused at start-up.
 """
 
 from __future__ import annotations
@@ -179,6 +179,52 @@ def test_replicas_of_two_tensor_parallel_ranks_share_the_experts_over_four(tiny_
         server.stop()
 
 
+@pytest.fixture
+def ray_cluster(monkeypatch):
+    """A one-node Ray cluster as a user starts one (`ray start --head`), with 4 logical CPUs for dp 2 x tp 2 ranks,
+    joined through RAY_ADDRESS. Its files in a folder of its own (the address Ray remembers for `ray.init()` is
+    not this machine's /tmp/ray one, which would outlive it), without token authentication (which RAY_ADDRESS
+    does not carry), and stopped with the `ray start --block` process that runs it (`ray stop` would stop every
+    Ray instance on the machine)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    ray = pytest.importorskip("ray")
+    from tokenmill.executor.ray_executor import free_port
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    folder = tempfile.mkdtemp(prefix="tmray")  # short: Ray's socket paths live under it
+    port = free_port()
+    head = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
+                             f"--port={port}", f"--temp-dir={folder}", "--num-cpus=4", "--include-dashboard=false",
+                             "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    monkeypatch.setenv("RAY_ADDRESS", f"{ray.util.get_node_ip_address()}:{port}")
+    deadline = time.monotonic() + 60
+    while subprocess.run([sys.executable, "-c", "import ray; ray.init()"], capture_output=True).returncode:
+        assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
+        time.sleep(1)
+    yield
+    head.terminate()
+    head.wait(30)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_replicas_whose_ranks_are_ray_actors_share_the_experts(tiny_moe, reference, ray_cluster):
+    """-dp 2 -tp 2 --distributed-executor-backend ray on a running Ray cluster: each replica's second rank is a Ray
+    actor, the four ranks meet at a TCP store on this node, and the greedy text is the one-process engine's."""
+    server = RemoteServer(tiny_moe, *SERVER_ARGS, "-tp", "2", "--distributed-executor-backend", "ray")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS[:4]))
+        assert texts == [[text] for text in reference[12][:4]]
+        assert server.log_tail(10**6).count("2 ranks ready on Ray") == 2
+    finally:
+        server.stop()
+
+
 def test_fp8_experts_shared_over_the_replicas(tiny_moe):
     """--quantization fp8 (the experts e4m3, per-row scales, each rank quantizing its own): the one-process FP8
     engine's greedy text."""
@@ -289,9 +335,24 @@ def test_replica_configs_keep_the_servers_step_time_target(tiny_moe):
     from tokenmill.engine.replica_lockstep import replica_configs
 
     config = EngineConfig.from_kwargs(tiny_moe, data_parallel_size=2, enable_expert_parallel=True, target_step_ms=20)
-    configs = replica_configs(config, "file:///unused")
+    configs = replica_configs(config, "/private", 3)
     assert [c.parallel_config.replica_world.replica for c in configs] == [0, 1]
     assert all(c.scheduler_config == config.scheduler_config and c.device_config.enforce_eager for c in configs)
+    assert {c.parallel_config.replica_world.init_method for c in configs} == {"file:///private/world-3"}
+
+
+def test_replicas_with_ray_actors_meet_at_a_tcp_store_on_this_node(tiny_moe):
+    """With the ray backend a replica's other ranks are Ray actors, maybe on other nodes: the replicas' world meets
+    at this node's address (not in a file of this host's), and every replica's ranks run on Ray alike."""
+    pytest.importorskip("ray")
+    from tokenmill.engine.replica_lockstep import replica_configs
+
+    config = EngineConfig.from_kwargs(tiny_moe, data_parallel_size=2, tensor_parallel_size=2,
+                                      enable_expert_parallel=True, distributed_executor_backend="ray")
+    first, again = replica_configs(config, "/private", 0), replica_configs(config, "/private", 1)
+    (place,) = {c.parallel_config.replica_world.init_method for c in first}
+    assert re.fullmatch(r"tcp://[\d.]+:\d+", place) and place != again[0].parallel_config.replica_world.init_method
+    assert {c.parallel_config.distributed_executor_backend for c in first} == {"ray"}
 
 
 def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
@@ -311,8 +372,7 @@ def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
     # A drafter's experts stay within its replica (a mixture-of-experts draft model's too).
     assert replicas_share_experts(config(speculative_config={"method": "draft_model", "model": tiny_moe,
                                                              "num_speculative_tokens": 2}), hf_config)
-    with pytest.raises(ValueError, match="use distributed_executor_backend 'mp'"):
-        replicas_share_experts(config(tensor_parallel_size=2, distributed_executor_backend="ray"), hf_config)
+    assert replicas_share_experts(config(tensor_parallel_size=2, distributed_executor_backend="ray"), hf_config)
     hf_config.num_experts = 3
     with pytest.raises(ValueError, match="expert parallelism over 4 ranks needs at least 4 routed experts"):
         replicas_share_experts(config(tensor_parallel_size=2), hf_config)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -321,7 +320,7 @@ class AsyncEngine:
     def _replica_configs(self, start: int) -> list[EngineConfig]:
         """The configs of replicas that share the experts at their `start`-th start (0: the first): a new
         rendezvous each time."""
-        return replica_configs(self.config, f"file://{os.path.join(self._rendezvous_dir, f'world-{start}')}")
+        return replica_configs(self.config, self._rendezvous_dir, start)
 
     def _remove_rendezvous(self) -> None:
         if self._rendezvous_dir is not None:

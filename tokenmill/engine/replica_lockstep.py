@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineConfig, ReplicaWorld
 from tokenmill.distributed.parallel_state import get_replica_experts
+from tokenmill.executor.base import choose_backend, ray_executor_module
 from tokenmill.layers.moe_all_to_all import ExpertExchange
 from tokenmill.layers.moe_routing import expert_range, routed_experts_of
 from tokenmill.protocol import EngineCoreOutputs
@@ -41,21 +43,27 @@ def replicas_share_experts(config: EngineConfig, hf_config) -> bool:
         logger.info("expert parallelism within each replica's tensor-parallel ranks; sharing the experts out over "
                     "the replicas takes one pipeline stage for now")
         return False
-    if parallel.distributed_executor_backend == "ray":  # its actors may sit on nodes the rendezvous file is not on
-        raise ValueError("enable_expert_parallel over data-parallel replicas meets the replicas' ranks on this host: "
-                         "use distributed_executor_backend 'mp' (the default here), not 'ray'")
     expert_range(num_experts, 0, parallel.data_parallel_size * parallel.tensor_parallel_size)  # a rank without any
     return True
 
 
-def replica_configs(config: EngineConfig, init_method: str) -> list[EngineConfig]:
-    """Each data-parallel replica's config when they share out the experts: its place in their world, and no CUDA
-    graphs (an exchange's sizes change every step and are read on the host)."""
+def replica_configs(config: EngineConfig, folder: str, start: int) -> list[EngineConfig]:
+    """Each data-parallel replica's config when they share out the experts, for their `start`-th start (0: the
+    first): its place in their world, which meets somewhere new at each start; the backend of its ranks, chosen
+    here once for all the replicas; and no CUDA graphs (an exchange's sizes change every step and are read on the
+    host). The ranks meet in a file of the server's private `folder` when they all run on this host, and at a TCP
+    store on this node (replica 0's driver serves it) when some are Ray actors, which may be on other nodes."""
     parallel, device = config.parallel_config, config.device_config
+    backend = choose_backend(config)
+    if backend == "ray":
+        init_method = ray_executor_module().tcp_rendezvous()
+    else:
+        init_method = f"file://{os.path.join(folder, f'world-{start}')}"
     return [config.with_parts(
         device_config=dataclasses.replace(device, enforce_eager=True),
         parallel_config=dataclasses.replace(
-            parallel, replica_world=ReplicaWorld(replica, parallel.data_parallel_size, init_method)))
+            parallel, distributed_executor_backend=backend,
+            replica_world=ReplicaWorld(replica, parallel.data_parallel_size, init_method)))
         for replica in range(parallel.data_parallel_size)]
 
 

@@ -139,16 +139,21 @@ def make_executor(config: EngineConfig, hf_config: PretrainedConfig, max_model_l
 
         return MultiprocExecutor(config, hf_config, max_model_len)
     if backend == "ray":
-        try:
-            from tokenmill.executor.ray_executor import RayExecutor
-        except ImportError as e:
-            if (e.name or "").split(".")[0] != "ray":
-                raise
-            raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'tokenmill[ray]'") from None
-        return RayExecutor(config, hf_config, max_model_len)
+        return ray_executor_module().RayExecutor(config, hf_config, max_model_len)
     from tokenmill.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config, hf_config, max_model_len)
+
+
+def ray_executor_module():
+    """tokenmill.executor.ray_executor, or a ValueError saying how to install Ray."""
+    try:
+        from tokenmill.executor import ray_executor
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "ray":
+            raise
+        raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'tokenmill[ray]'") from None
+    return ray_executor
 
 
 def choose_backend(config: EngineConfig) -> str:

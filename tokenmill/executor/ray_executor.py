@@ -78,6 +78,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def tcp_rendezvous() -> str:
+    """A torch.distributed rendezvous that ranks on any of the cluster's nodes reach: this node's address (the
+    process that meets there first, here, serves the store) and a free port."""
+    return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+
+
 class RayExecutor(RankGroupExecutor):
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
         self.world_size = config.parallel_config.world_size
@@ -103,9 +109,8 @@ class RayExecutor(RankGroupExecutor):
     def _start(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
         on_gpu = self._on_gpu
         resource = "GPU" if on_gpu else "CPU"
-        address = ray.util.get_node_ip_address()
         bundles = [{resource: 1.0} for _ in range(self.world_size)]
-        bundles[0][f"node:{address}"] = 0.001  # the driver's rank runs here, in this process
+        bundles[0][f"node:{ray.util.get_node_ip_address()}"] = 0.001  # the driver's rank runs here, in this process
         self._group = placement_group(bundles, strategy="PACK")
         if not self._group.wait(PLACEMENT_TIMEOUT_S):
             raise RuntimeError(f"the Ray cluster did not give {self.world_size} free {resource}s (one on this node) "
@@ -121,7 +126,7 @@ class RayExecutor(RankGroupExecutor):
         self._places = dict(zip(self._actors, self._get([actor.where.remote() for actor in self._actors.values()])))
         self._watched = {actor.wait_for_failure.remote(): rank for rank, actor in self._actors.items()}
         threading.Thread(target=self._watch, daemon=True, name="ray-watchdog").start()
-        init_method = f"tcp://{address}:{free_port()}"
+        init_method = tcp_rendezvous()
         started = [actor.start.remote(config, hf_config, max_model_len, rank, init_method, 0 if on_gpu else None)
                    for rank, actor in self._actors.items()]
         self.driver_worker = Worker(config, hf_config, max_model_len, rank=0, distributed_init_method=init_method,
