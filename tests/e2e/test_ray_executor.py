@@ -58,3 +58,30 @@ def test_a_killed_actor_ends_the_engine_with_a_clear_error(ray_case):
     assert time.monotonic() - start < 10
     llm.engine.core.shutdown()
     assert not ray.is_initialized()  # the executor started Ray, and stopped it
+
+
+def test_a_ray_cluster_that_no_longer_answers_is_not_waited_for(monkeypatch):
+    """A head that died without `ray stop` leaves its address behind, and `ray.init(address="auto")` then waits on
+    it for minutes. A dead RAY_ADDRESS is said at once; a dead remembered cluster is passed over: none to join (the
+    backend's automatic choice), or a local instance started instead."""
+    from ray._private import services
+
+    from tokenmill.executor.ray_executor import connect_ray, free_port, ray_cluster_running
+
+    if ray.is_initialized():
+        pytest.skip("a Ray instance is already connected in this process")
+    dead = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    monkeypatch.setenv("RAY_ADDRESS", dead)
+    assert not ray_cluster_running()
+    with pytest.raises(RuntimeError, match=f"no Ray cluster answers at RAY_ADDRESS {dead}: start it"):
+        connect_ray()
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: dead)  # what `ray start` wrote down
+    assert not ray_cluster_running()
+    assert time.monotonic() - start < 10 and not ray.is_initialized()
+    try:
+        assert connect_ray()  # a local instance, started here
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()

@@ -53,23 +53,55 @@ def connect_ray() -> bool:
     """Join the running Ray cluster, or start a local instance; True when this call started one."""
     if ray.is_initialized():
         return False
-    try:
-        ray.init(address="auto")
-        return False
-    except ConnectionError:
-        ray.init(include_dashboard=False)
+    address = _cluster_address()
+    if address is not None and not _answers(address):
+        if os.environ.get("RAY_ADDRESS"):
+            raise RuntimeError(f"no Ray cluster answers at RAY_ADDRESS {address}: start it (`ray start --head`), "
+                               f"or unset RAY_ADDRESS to run on a Ray instance of this node's own")
+        logger.warning("the Ray cluster last started on this node (%s) does not answer: starting a local Ray instance "
+                       "(`ray stop` makes Ray forget the old one)", address)
+        address = None
+    if address is None:
+        ray.init(address="local", include_dashboard=False)
         return True
+    ray.init(address="auto")  # (not the address itself: "auto" also finds the cluster's authentication token)
+    return False
 
 
 def ray_cluster_running() -> bool:
     """Whether this process joined a Ray cluster, or could join one running on this node (and now has)."""
     if ray.is_initialized():
         return True
-    try:
-        ray.init(address="auto")
-    except ConnectionError:
+    address = _cluster_address()
+    if address is None or not _answers(address):
         return False
+    ray.init(address="auto")
     return True
+
+
+def _cluster_address() -> str | None:
+    """The address `ray.init(address="auto")` would join (RAY_ADDRESS, else the cluster `ray start` last started on
+    this node, else a Ray instance running here), or None. Ray would wait minutes on one that no longer answers (a
+    head that died without `ray stop` leaves its address behind), so it is asked first (_answers)."""
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        return get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        return None
+
+
+def _answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether something listens at host:port (a Ray Client address's too); True for what does not parse: Ray
+    reports those itself."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except ValueError:
+        return True
+    except OSError:
+        return False
 
 
 def free_port() -> int:
