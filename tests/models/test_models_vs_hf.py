@@ -33,6 +33,8 @@ ENGINE_SETTINGS = {
                                  "speculative_config": NGRAM, "async_scheduling": True},
     # Two ranks in processes of their own (gloo), their layers sliced: every architecture shards.
     "tensor-parallel": {"tensor_parallel_size": 2, "max_num_batched_tokens": 16, "async_scheduling": True},
+    # Two stages, each building and loading only its layers, two micro-batches in flight: every architecture splits.
+    "pipeline-parallel": {"pipeline_parallel_size": 2, "max_num_batched_tokens": 16},
 }
 
 
@@ -51,7 +53,7 @@ def test_greedy_tokens_match_hf(references, model_name: str, setting: str):
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
     finally:
-        if "tensor" in setting:
+        if "parallel" in setting:
             llm.engine.core.shutdown()  # one multi-process engine per process at a time
     assert [out.outputs[0].token_ids for out in outputs] == ref.expected
     stats = llm.engine.last_stats
