@@ -33,8 +33,9 @@ ENGINE_SETTINGS = {
                                  "speculative_config": NGRAM, "async_scheduling": True},
     # Two ranks in processes of their own (gloo), their layers sliced: every architecture shards.
     "tensor-parallel": {"tensor_parallel_size": 2, "max_num_batched_tokens": 16, "async_scheduling": True},
-    # Two stages, each building and loading only its layers, two micro-batches in flight: every architecture splits.
-    "pipeline-parallel": {"pipeline_parallel_size": 2, "max_num_batched_tokens": 16},
+    # Two stages of two ranks, each stage building and loading only its layers, sliced, two micro-batches in flight:
+    # every architecture splits both ways (two stages alone: tests/e2e/test_pipeline_parallel.py).
+    "tensor-pipeline-parallel": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "max_num_batched_tokens": 16},
 }
 
 
