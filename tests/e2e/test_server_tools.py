@@ -108,6 +108,18 @@ def test_required(plain_client, parallel):
     assert all(call_id.startswith("call_") for call_id, _, _ in streamed_calls)
 
 
+def test_required_cut_by_max_tokens_answers_what_its_stream_sent(plain_client):
+    """A forced call cut by max_tokens: the whole response has the call begun, with its arguments so far, as the
+    stream sent it (before: the raw JSON as content, while the stream had sent a tool call)."""
+    kwargs = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=12, **GREEDY)
+    [choice] = plain_client.chat.completions.create(model=MODEL, **kwargs).choices
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    content, streamed_calls, finish = streamed(plain_client, **kwargs)
+    assert (content, finish) == (None, "length") and streamed_calls
+    assert [(call.function.name, call.function.arguments) for call in choice.message.tool_calls] == \
+        [(name, arguments) for _, name, arguments in streamed_calls]
+
+
 def test_named(plain_client):
     client = plain_client
     kwargs = dict(messages=[{"role": "user", "content": "What time is it in Tokyo?"}], tools=TOOLS,

@@ -58,3 +58,29 @@ def test_a_call_cut_before_its_name_stays_text():
     stream = ChoiceText(plan, None)
     assert stream.feed('[{"na') == {}
     assert stream.finish() == {"content": '[{"na'}
+
+
+def assembled(stream: ChoiceText, text: str) -> dict:
+    """The message a client builds from the stream of `text` in one-character deltas."""
+    content, calls = "", {}
+    for delta in [stream.feed(ch) for ch in text] + [stream.finish()]:
+        content += delta.get("content", "")
+        for entry in delta.get("tool_calls", []):
+            call = calls.setdefault(entry["index"], ["", ""])
+            call[0] += entry["function"].get("name", "")
+            call[1] += entry["function"]["arguments"]
+    return {"content": content or None, "tool_calls": list(calls.values()) or None}
+
+
+@pytest.mark.parametrize("text,named", [(NAMED, "get_weather"), (REQUIRED, None)])
+def test_a_response_cut_by_max_tokens_holds_what_its_stream_sent(text, named):
+    """Cut anywhere (finish_reason "length"), the whole response has the calls the stream began, with their
+    arguments so far (before: the JSON text as content, while the stream had sent tool_calls)."""
+    plan = ToolPlan([], "forced", named=named, parallel=True, constraint=None)
+    for end in range(1, len(text)):
+        whole = ChoiceText(plan, None)
+        message = whole.full(text[:end])
+        calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])]
+        stream = ChoiceText(plan, None)
+        assert {"content": message["content"], "tool_calls": calls or None} == assembled(stream, text[:end]), end
+        assert whole.finish_reason("length") == stream.finish_reason("length") == "length"

@@ -188,8 +188,15 @@ class ChoiceText:
             reasoning, message["content"] = self.reasoning_cls.split(text)
             message["reasoning_content"] = reasoning
         if plan.mode == "forced":
-            calls = forced_calls(message["content"] or "", plan.named)
-            if calls is not None:
+            text = message["content"] or ""
+            calls = forced_calls(text, plan.named)
+            if calls is None:  # cut by max_tokens: the calls begun so far, as far as a stream sends them
+                calls = []
+                for call in scan(text, plan.named is not None):
+                    if call.name is None:
+                        break
+                    calls.append(ToolCall(make_tool_call_id(), call.name, call.arguments))
+            if calls:
                 self.called = True
                 message.update(content=None, tool_calls=[call.to_openai() for call in calls])
             return message
