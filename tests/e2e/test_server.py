@@ -230,6 +230,27 @@ def test_logprobs_wire_format(client):
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_bytes_join_into_characters_split_across_tokens(client, stream):
+    """An emoji is several byte-level tokens, each with the text "\ufffd"; their `bytes` are the token's own bytes,
+    which join into the emoji, as OpenAI documents the field (before: every such token had the bytes of "\ufffd")."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Reply with emojis only: 😀 😁 😂 🤣"}],
+                  max_tokens=8, logprobs=True, top_logprobs=3, **GREEDY)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        [choice] = client.chat.completions.create(**kwargs).choices
+        text, entries = choice.message.content, choice.logprobs.content
+    assert any(e.token == "\ufffd" for e in entries), entries  # some character spans tokens
+    joined = b"".join(bytes(e.bytes) for e in entries)
+    assert joined.decode("utf-8", "ignore") == text and "\ufffd" not in text  # "ignore": a character cut at the end
+    for entry in entries:
+        for top in entry.top_logprobs:
+            assert top.token != "\ufffd" or bytes(top.bytes) != "\ufffd".encode()
+
+
 def test_tokenize_detokenize_roundtrip(server, smollm2_tokenizer):
     text = "Hello, tokenmill!"
     tokens = post(server, "/tokenize", {"prompt": text}).json()

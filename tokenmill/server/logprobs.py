@@ -57,19 +57,23 @@ class CompletionLogprobs:
         return out
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, decode: Decode) -> dict:
-    """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, decode: Decode,
+                  vocab_bytes: list[bytes] | None = None) -> dict:
+    """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}. vocab_bytes: each token id's
+    own bytes (ServerState.vocab_bytes); None: the UTF-8 of its text."""
     content = []
     for token_id, entry in zip(token_ids, entries):
         chosen = entry.get(token_id)
         content.append({
-            **_chat_entry(token_id, chosen, decode),
-            "top_logprobs": [_chat_entry(t, lp, decode) for t, lp in _top(entry, num_top)],
+            **_chat_entry(token_id, chosen, decode, vocab_bytes),
+            "top_logprobs": [_chat_entry(t, lp, decode, vocab_bytes) for t, lp in _top(entry, num_top)],
         })
     return {"content": content}
 
 
-def _chat_entry(token_id: int, logprob: Logprob | None, decode: Decode) -> dict:
+def _chat_entry(token_id: int, logprob: Logprob | None, decode: Decode, vocab_bytes: list[bytes] | None) -> dict:
     text = _token_text(token_id, logprob, decode)
-    return {"token": text, "logprob": _wire(logprob.logprob) if logprob is not None else None,
-            "bytes": list(text.encode("utf-8"))}
+    # A token holding part of a character (an emoji's first bytes) has the text "\ufffd": its bytes are what
+    # lets a client join such tokens back into the character, as OpenAI documents the field.
+    raw = vocab_bytes[token_id] if vocab_bytes is not None and token_id < len(vocab_bytes) else text.encode("utf-8")
+    return {"token": text, "logprob": _wire(logprob.logprob) if logprob is not None else None, "bytes": list(raw)}

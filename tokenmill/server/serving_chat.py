@@ -95,11 +95,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 structured_outputs=None if constraint is None else constraint.params,
                                 # Tool-call markers ([TOOL_CALLS], <tool_call>) may be special tokens.
                                 skip_special_tokens=False if plan.mode == "auto" else None)
+    vocab_bytes = await state.vocab_bytes() if req.logprobs else None  # before the request is added: nothing to undo
     state.check_capacity(params.num_samples)
     request_id = make_request_id("chatcmpl")
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
     [stream] = state.add_requests(request_id, [prompt], [params], req.priority, req.cache_salt)
-    responder = ChatResponder(state, req, request_id, len(token_ids), plan, reasoning)
+    responder = ChatResponder(state, req, request_id, len(token_ids), plan, reasoning, vocab_bytes)
     if req.stream:
         return SSEResponse(responder.stream(stream))
     _, choices = await cancel_on_disconnect(raw, collect(stream, params))
@@ -110,7 +111,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 class ChatResponder:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, num_prompt: int,
-                 plan: ToolPlan | None = None, reasoning=None) -> None:
+                 plan: ToolPlan | None = None, reasoning=None, vocab_bytes: list[bytes] | None = None) -> None:
         self.req, self.request_id, self.num_prompt = req, request_id, num_prompt
         self.plan = plan if plan is not None else ToolPlan(None)
         self.reasoning = reasoning
@@ -118,12 +119,13 @@ class ChatResponder:
         """No tools to parse and no reasoning to split: the text goes out as it came."""
         self.model_name = state.model_name
         self.decode = state.decode_token
+        self.vocab_bytes = vocab_bytes
         self.created = int(time.time())
 
     def _logprobs(self, token_ids: list[int], entries) -> dict | None:
         if not self.req.logprobs or entries is None:
             return None
-        return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0, self.decode)
+        return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0, self.decode, self.vocab_bytes)
 
     def full(self, choices: list) -> dict:
         body = []
