@@ -110,6 +110,18 @@ INVALID = [  # (id, extra_body, param, words in the message)
      "response_format", ["structural tag", "trigger"]),
     ("response_format_structural_tag_empty", {"response_format": {"type": "structural_tag"}}, "response_format",
      ["format", "structures"]),
+    # xgrammar builds these without the vocabulary, then fails to compile them in the engine: before, the request
+    # was aborted there, a 200 with empty content and finish_reason "abort".
+    ("structural_tag_token_past_the_vocabulary", {"response_format": {"type": "structural_tag", "format": {
+        "type": "sequence", "elements": [{"type": "const_string", "value": "A"}, {"type": "token", "token": 49152}]}}},
+     "response_format", ["token id 49152", "vocabulary"]),
+    ("structural_tag_excluding_a_token_past_the_vocabulary", {"structured_outputs": {"structural_tag": {
+        "type": "structural_tag", "format": {"type": "any_tokens", "exclude_tokens": [2, 10**6]}}}},
+     "structured_outputs", ["token id 1000000", "vocabulary"]),
+    ("structural_tag_excluding_no_token", {"structured_outputs": {"structural_tag": {
+        "type": "structural_tag", "format": {"type": "exclude_token"}}}}, "structured_outputs", ["exclude_tokens"]),
+    ("grammar_token_past_the_vocabulary", {"structured_outputs": {"grammar": 'root ::= "[" Token(99999) "]"'}},
+     "structured_outputs", ["token id 99999"]),
     ("unknown_structured_outputs_option", {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}},
      "structured_outputs", ["whitespace_pattern"]),
     ("guided_whitespace_pattern", {"guided_json": PERSON, "guided_whitespace_pattern": r"[\n ]*"},
@@ -128,7 +140,7 @@ def test_invalid_chat_requests_are_400s(client, extra, param, words):
 
 
 @pytest.mark.parametrize("name", ["response_format_schema", "guided_regex", "structured_outputs_grammar",
-                                  "two_guided", "structural_tag"])
+                                  "two_guided", "structural_tag", "grammar_token_past_the_vocabulary"])
 def test_invalid_completion_requests_are_400s(client, name):
     [(extra, param, words)] = [c[1:] for c in INVALID if c[0] == name]
     expect_400(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body=extra),
@@ -247,6 +259,21 @@ def test_chat_structural_tags(client):
         assert parts, text
         for part in parts:
             jsonschema.validate(json.loads(part), PERSON)
+
+
+def test_structural_tag_tokens_in_the_vocabulary(client, smollm2_tokenizer):
+    """Token formats by id: the last id of the vocabulary is one, an exclusion leaves the others."""
+    last = len(smollm2_tokenizer) - 1
+    [paris] = smollm2_tokenizer.encode(" Paris")
+    fmt = {"type": "sequence", "elements": [{"type": "token", "token": paris}, {"type": "exclude_token",
+                                                                              "exclude_tokens": [last]}]}
+    response = client.chat.completions.create(model=MODEL, messages=ASK_PHONE, max_tokens=5, **GREEDY,
+                                              response_format={"type": "structural_tag", "format": fmt})
+    assert response.choices[0].message.content.startswith(" Paris") and response.choices[0].finish_reason == "stop"
+    fmt = {"type": "token", "token": last}
+    assert client.chat.completions.create(model=MODEL, messages=ASK_PHONE, max_tokens=5, **GREEDY,
+                                          response_format={"type": "structural_tag", "format": fmt},
+                                          ).choices[0].finish_reason == "stop"
 
 
 PERSON_PROMPT = "Here is a person described as JSON with a name and an age:"

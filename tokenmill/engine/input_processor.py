@@ -10,8 +10,9 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.tokenizer import TokenizerInfo
 from tokenmill.protocol import EngineRequest
-from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 from tokenmill.structured.grammar import validate as validate_structured_outputs
+from tokenmill.structured.vocab import grammar_vocab_size
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -31,6 +32,9 @@ class InputProcessor:
         self.tokenizer_info = tokenizer_info
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # The ids grammars compile against (structured/vocab.py). Read now: later, the tokenizer may be busy on
+        # another thread.
+        self.grammar_vocab_size = grammar_vocab_size(tokenizer, vocab_size) if tokenizer is not None else vocab_size
 
     def tokenize_prompt(self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None,
                         ) -> tuple[str | None, list[int]]:
@@ -97,7 +101,7 @@ class InputProcessor:
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer, and this engine has none")
-            validate_structured_outputs(params.structured_outputs)
+            self.check_structured_outputs(params.structured_outputs)
             refuse_past_the_structure(params)
         num = len(token_ids)
         if num >= self.max_model_len:
@@ -105,6 +109,14 @@ class InputProcessor:
                 f"the prompt has {num} tokens, but the model's context length (max_model_len) is "
                 f"{self.max_model_len}, which leaves no room for output"
             )
+
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """ValueError for a spec that would not compile: its grammar does not build, or it names a token id past the
+        vocabulary the grammars are compiled against (a structural tag's token format, an EBNF Token())."""
+        token_ids = validate_structured_outputs(spec)
+        if past := [t for t in token_ids or () if t >= self.grammar_vocab_size]:
+            raise ValueError(f"the structured outputs name the token id {past[0]}, past the vocabulary "
+                             f"(ids in [0, {self.grammar_vocab_size}))")
 
     def _check_token_ids(self, token_ids: list[int], what: str) -> None:
         if any(t < 0 or t >= self.vocab_size for t in token_ids):

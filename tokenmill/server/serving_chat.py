@@ -82,7 +82,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if plan.constraint is not None:
         constraint = plan.constraint
     if constraint is not None:
-        await state.grammar_checker.check(constraint)
+        await state.grammar_checker.check(constraint, state.engine.input_processor)
     text, token_ids = await render_messages(state, req)
     reasoning = reasoning_parser_of(state.config, constrained, text)
     if constrained:  # the model may think first: the constraint starts after its reasoning

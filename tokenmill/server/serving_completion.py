@@ -60,7 +60,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                           f"one request may start at most {MAX_SEQUENCES}", param="n")
     constraint = constraint_of(req)
     if constraint is not None:
-        await state.grammar_checker.check(constraint)
+        await state.grammar_checker.check(constraint, state.engine.input_processor)
     prompts = await state.tokenize(tokenize_prompts, engine.input_processor, prompts,
                                    text_chars=sum(len(p.get("prompt", "")) for p in prompts))
     want_prompt_logprobs = req.echo and req.logprobs is not None

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_protocol import SamplingRequest
-from tokenmill.structured.grammar import validate
 
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -82,9 +82,10 @@ class GrammarChecker:
     def __init__(self) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
-    async def check(self, constraint: Constraint) -> None:
+    async def check(self, constraint: Constraint, input_processor: InputProcessor) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, validate, constraint.params)
+            await asyncio.get_running_loop().run_in_executor(self.executor, input_processor.check_structured_outputs,
+                                                             constraint.params)
         except ValueError as e:
             raise bad_request(f"{e}{constraint.note}", param=constraint.param) from e
 

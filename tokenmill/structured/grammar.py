@@ -99,23 +99,47 @@ def _json_string_characters_fixed(grammar):
 MAX_REMEMBERED = 1024
 """Specs that built, remembered by digest: clients send the same schema with every request, and building its
 grammar again (~1 ms for a JSON schema) would be most of the cost of adding such a request."""
-_passed: OrderedDict[bytes, None] = OrderedDict()
+_passed: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
 _passed_lock = threading.Lock()
 
 
-def validate(params: StructuredOutputsParams) -> None:
-    """ValueError naming what is wrong with the spec (its grammar is built, once per distinct spec)."""
+def validate(params: StructuredOutputsParams) -> tuple[int, ...]:
+    """ValueError naming what is wrong with the spec (its grammar is built, once per distinct spec); else the
+    token ids its grammar names, which the caller checks against the vocabulary (the build does not know it)."""
     kind, text = params.key  # the JSON text of a schema: not free for a large one either
     digest = hashlib.sha256(f"{kind}\0{text}\0{params.reasoning_end}".encode("utf-8", "surrogatepass")).digest()
     with _passed_lock:
         if digest in _passed:
             _passed.move_to_end(digest)
-            return
-    build_grammar(params)
+            return _passed[digest]
+    grammar = build_grammar(params)
+    token_ids = _token_ids(grammar, kind) if kind in (STRUCTURAL_TAG, "grammar") else ()
     with _passed_lock:
-        _passed[digest] = None
+        _passed[digest] = token_ids
         if len(_passed) > MAX_REMEMBERED:
             _passed.popitem(last=False)
+    return token_ids
+
+
+# A built grammar's text: its string literals and character classes (skipped: their text may look like anything),
+# and its Token(ids) and ExcludeToken(ids), which structural tags' token formats and EBNF grammars may hold.
+_TOKEN_REFS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\b(Exclude)?Token\(([^)]*)\)')
+
+
+def _token_ids(grammar, kind: str) -> tuple[int, ...]:
+    """The ids a grammar's Token() and ExcludeToken() name. xgrammar builds these without the vocabulary, and then
+    fails to compile one with an id past it, or an ExcludeToken() of no id (an exclude_token or any_tokens format
+    without exclude_tokens): in the engine, where the request could only be aborted."""
+    ids: list[int] = []
+    for match in _TOKEN_REFS.finditer(str(grammar)):
+        if match.group(2) is None:  # a string or a character class
+            continue
+        found = [int(n) for n in match.group(2).replace(",", " ").split()]
+        if not found:
+            raise ValueError(f"invalid {_NAMES[kind]}: an exclude_token or any_tokens format needs at least one "
+                             "token id in exclude_tokens (ExcludeToken() needs one)")
+        ids += found
+    return tuple(ids)
 
 
 # xgrammar's C++ messages start with "[time] /path/file.cc:line: ": not for the user.
