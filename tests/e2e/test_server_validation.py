@@ -77,7 +77,7 @@ def test_openapi_publishes_the_bounds(server):
     bias = member(fields["logit_bias"], "object")
     assert (bias["additionalProperties"]["minimum"], bias["additionalProperties"]["maximum"]) == (-100, 100)
     assert member(fields["stop_token_ids"], "array")["items"]["exclusiveMaximum"] == TOKEN_ID_END
-    assert member(fields["stop"], "string")["minLength"] == 1
+    assert member(fields["stop"], "string")["minLength"] == 1 and member(fields["stop"], "array")["maxItems"] == 1024
     assert "prompt" in completion["required"]
     assert [form.get("maxItems") for form in fields["prompt"]["oneOf"]] == [None, 256, None, 256]
     assert member(chat_request["properties"]["top_logprobs"], "integer")["maximum"] == 20
@@ -95,6 +95,7 @@ def test_openapi_publishes_the_bounds(server):
 
 # ---- each bound: just inside is served, just past is a 400 ----------------------------------------
 
+STOPS = [f"zq{i}" for i in range(1025)]
 BOUNDS = [  # (name, request at the bound, request just past it)
     ("n_min", completion(n=1), completion(n=0)),
     ("n_max", completion(n=128), completion(n=129)),
@@ -123,6 +124,8 @@ BOUNDS = [  # (name, request at the bound, request just past it)
     ("logit_bias_max", completion(logit_bias={"1": 100}), completion(logit_bias={"1": 100.000001})),
     ("logit_bias_key", completion(logit_bias={"0": 1}), completion(logit_bias={"-1": 1})),
     ("stop_length", completion(stop=["a"]), completion(stop=[""])),
+    ("stop_strings", completion(stop=STOPS[:1024]), completion(stop=STOPS)),
+    ("chat_stop_strings", chat(stop=STOPS[:1024]), chat(stop=STOPS)),
     ("allowed_token_ids_length", completion(allowed_token_ids=[1]), completion(allowed_token_ids=[])),
     ("prompts", completion(prompt=["Hi"] * 256), completion(prompt=["Hi"] * 257)),
     ("prompts_times_n", completion(prompt=["Hi"] * 8, n=128), completion(prompt=["Hi"] * 9, n=114)),

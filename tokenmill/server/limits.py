@@ -17,6 +17,11 @@ MAX_SEQUENCES = 1024
 """Most sequences one request may start (prompts times best_of, or n): past it a request is refused
 with 400 rather than left to the overload check, which could never admit it."""
 
+MAX_STOP_STRINGS = 1024
+"""Most strings in `stop` (OpenAI allows 4). Every new token of every sample is searched for each of them, on the
+server's event loop: 200,000 (2 MB of JSON) held every other stream up to 2 s and slowed them 4x, the body limit's
+worth of them would for minutes; 1024 cost ~0.25 ms a sample a token."""
+
 TOKEN_ID_END = 2**31
 """Token ids lie in [0, TOKEN_ID_END); the engine checks them against the vocabulary."""
 MAX_TOKEN_COUNT = 2**31 - 1

@@ -24,6 +24,7 @@ from tokenmill.server.limits import (
     MAX_N,
     MAX_PROMPTS,
     MAX_SEQUENCES,
+    MAX_STOP_STRINGS,
     MAX_TOKEN_COUNT,
     TOKEN_ID_END,
 )
@@ -245,7 +246,7 @@ class SamplingRequest(RequestBody):
     """Samples generated per prompt, of which the n most likely are returned (not streamable if > n)."""
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Int64 | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
