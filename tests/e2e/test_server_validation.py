@@ -78,6 +78,7 @@ def test_openapi_publishes_the_bounds(server):
     assert (bias["additionalProperties"]["minimum"], bias["additionalProperties"]["maximum"]) == (-100, 100)
     assert member(fields["stop_token_ids"], "array")["items"]["exclusiveMaximum"] == TOKEN_ID_END
     assert member(fields["stop"], "string")["minLength"] == 1 and member(fields["stop"], "array")["maxItems"] == 1024
+    assert member(fields["bad_words"], "array")["maxItems"] == 1024
     assert "prompt" in completion["required"]
     assert [form.get("maxItems") for form in fields["prompt"]["oneOf"]] == [None, 256, None, 256]
     assert member(chat_request["properties"]["top_logprobs"], "integer")["maximum"] == 20
@@ -126,6 +127,7 @@ BOUNDS = [  # (name, request at the bound, request just past it)
     ("stop_length", completion(stop=["a"]), completion(stop=[""])),
     ("stop_strings", completion(stop=STOPS[:1024]), completion(stop=STOPS)),
     ("chat_stop_strings", chat(stop=STOPS[:1024]), chat(stop=STOPS)),
+    ("bad_words", completion(bad_words=STOPS[:1024]), completion(bad_words=STOPS)),
     ("allowed_token_ids_length", completion(allowed_token_ids=[1]), completion(allowed_token_ids=[])),
     ("prompts", completion(prompt=["Hi"] * 256), completion(prompt=["Hi"] * 257)),
     ("prompts_times_n", completion(prompt=["Hi"] * 8, n=128), completion(prompt=["Hi"] * 9, n=114)),

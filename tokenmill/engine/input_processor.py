@@ -137,13 +137,12 @@ class InputProcessor:
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it would appear mid-text and at the start of text (they tokenize differently)."""
         assert self.tokenizer is not None
-        sequences = []
+        sequences: dict[tuple[int, ...], None] = {}  # in order, each once (a list's `in` made this quadratic)
         for word in words:
             for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
+                if ids := self.tokenizer.encode(variant, add_special_tokens=False):
+                    sequences[tuple(ids)] = None
+        return [list(ids) for ids in sequences]
 
 
 def refuse_past_the_structure(params: SamplingParams) -> None:

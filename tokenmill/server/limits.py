@@ -22,6 +22,10 @@ MAX_STOP_STRINGS = 1024
 server's event loop: 200,000 (2 MB of JSON) held every other stream up to 2 s and slowed them 4x, the body limit's
 worth of them would for minutes; 1024 cost ~0.25 ms a sample a token."""
 
+MAX_BAD_WORDS = 1024
+"""Most strings in `bad_words`: each is tokenized (twice) on the server's event loop when the request arrives, and
+checked against every sample's output at every step; 50,000 held every other stream for over a minute."""
+
 TOKEN_ID_END = 2**31
 """Token ids lie in [0, TOKEN_ID_END); the engine checks them against the vocabulary."""
 MAX_TOKEN_COUNT = 2**31 - 1

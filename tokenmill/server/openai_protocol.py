@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 from tokenmill.server.limits import (
     INT64_MAX,
     INT64_MIN,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
@@ -266,7 +267,7 @@ class SamplingRequest(RequestBody):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
-    bad_words: list[str] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     priority: Int64 = 0
     """Lower runs first, with --scheduling-policy priority."""
     cache_salt: str | None = None
