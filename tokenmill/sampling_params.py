@@ -7,6 +7,7 @@ documented in tokenmill/sample/sampler.py.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -147,7 +148,10 @@ class SamplingParams:
         _check(self.stop is None or isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
                f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Each id once, in order: a client may send the body limit's worth of repeats, and every step reads them.
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
@@ -202,6 +206,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @functools.cached_property
+    def stop_token_id_set(self) -> frozenset[int]:
+        """stop_token_ids for the check of every sampled token (a list's `in` would read a long one each time)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def bans_tokens(self) -> bool:

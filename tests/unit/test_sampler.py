@@ -220,6 +220,37 @@ def test_a_repeated_batch_reuses_its_metadata_until_a_row_changes():
     assert state.build_metadata(rows, states).top_p is not seeded.top_p
 
 
+def test_a_rows_fixed_mask_is_built_once_and_replaced_with_its_row():
+    """allowed_token_ids and logit_bias give the same mask every step: built when the request arrives (ids given
+    twice count once), copied each step beside the step's bans (min_tokens: the stop ids); a plain request taking
+    the row has none."""
+    from tokenmill.sample.state import SamplingState
+    from tokenmill.worker.request_state import RequestStates
+
+    state, states = SamplingState(2, VOCAB, CPU), RequestStates(2, 16, 4)
+
+    def add(row, params):
+        states.sampling_params[row] = params
+        state.add_request(row, params, frozenset(), [1, 2], 2)
+
+    params = SamplingParams(allowed_token_ids=[3, 5, 3, 7], logit_bias={5: 1.5, 9: -2.0}, stop_token_ids=[7, 7],
+                            min_tokens=1)
+    assert params.allowed_token_ids == [3, 5, 7] and params.stop_token_ids == [7] and 7 in params.stop_token_id_set
+    add(0, params)
+    add(1, SamplingParams())
+    expected = torch.full((VOCAB,), float("-inf"))
+    expected[[3, 5, 7]] = 0.0
+    expected[5], expected[9] = 1.5, float("-inf")  # (-inf + -2: still banned)
+    rows = np.array([0, 1])
+    for _ in range(2):
+        mask = state.build_metadata(rows, states).logit_mask
+        banned = expected.clone()
+        banned[7] = float("-inf")  # the stop id, before min_tokens
+        assert torch.equal(mask[0], banned) and not mask[1].any()
+    add(0, SamplingParams())
+    assert state.build_metadata(rows, states).logit_mask is None
+
+
 def test_reused_metadata_draws_fresh_keys_as_a_fresh_build_would():
     from tokenmill.sample.metadata import with_fresh_seeds
 

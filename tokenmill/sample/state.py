@@ -32,6 +32,10 @@ class SamplingState:
         self.output_counts: torch.Tensor | None = None  # [max_num_reqs, vocab] int32
         self.seen_mask: torch.Tensor | None = None  # [max_num_reqs, vocab] bool: in the prompt or the output
         self._seeded_generators: dict[int, torch.Generator] = {}
+        self._fixed_masks: dict[int, torch.Tensor] = {}
+        """Row -> its logit mask from allowed_token_ids and logit_bias ([vocab] float32, on the host): the same every
+        step, so built once when the request arrives (from a list of up to the vocabulary's ids) and copied after.
+        Replaced when the row is reused: at most max_num_reqs of them."""
         self._last: tuple[bytes, SamplingMetadata] | None = None
         """The last reusable batch's rows (as bytes) and metadata; None after any row changed."""
 
@@ -48,6 +52,9 @@ class SamplingState:
         # Grammars are not here: the model runner masks their rows (structured/matchers.py) and waits for their
         # tokens itself, and their metadata is a plain row's (so an unchanged batch reuses it).
         self.needs_output_ids[row] = bool(params.bad_words_token_ids or params.logits_processors)
+        self._fixed_masks.pop(row, None)
+        if params.allowed_token_ids is not None or params.logit_bias:
+            self._fixed_masks[row] = self._fixed_mask(params)
         if not params.has_penalties:
             return
         if self.output_counts is None:
@@ -83,7 +90,7 @@ class SamplingState:
         return metadata
 
     def _build_metadata(self, rows: np.ndarray, states: RequestStates) -> SamplingMetadata:
-        masked: dict[int, tuple[SamplingParams, list[int]]] = {}
+        masked: dict[int, tuple[int, list[int]]] = {}
         processors: dict[int, tuple[list, list[int]]] = {}
         generators: dict[int, torch.Generator] = {}
         row_seeds: dict[int, int] = {}
@@ -98,8 +105,8 @@ class SamplingState:
                 generators[i] = self._seeded_generator(i, row_seeds[i])
             output_ids = states.output_token_ids(row) if self.needs_output_ids[row] else []
             banned = self._banned_tokens(p, row, num_output, output_ids)
-            if banned or p.allowed_token_ids is not None or p.logit_bias:
-                masked[i] = (p, banned)
+            if banned or row in self._fixed_masks:
+                masked[i] = (row, banned)
             if p.logits_processors:
                 processors[i] = (p.logits_processors, output_ids)
         columns = self.columns.take(rows)
@@ -111,7 +118,8 @@ class SamplingState:
             logit_mask=self._make_mask(len(rows), masked), penalty_tensors=penalties,
             logits_processors=processors, row_seeds=row_seeds,
         )
-        banning = [i for i, (p, banned) in masked.items() if banned or p.bans_tokens]
+        banning = [i for i, (row, banned) in masked.items()
+                   if banned or states.sampling_params[row].bans_tokens]
         metadata.banning_rows = np.array(banning, dtype=np.int64) if banning else None
         return metadata
 
@@ -132,17 +140,25 @@ class SamplingState:
                 banned += self.eos_token_ids[row]
         return banned
 
-    def _make_mask(self, num_rows: int, masked: dict[int, tuple[SamplingParams, list[int]]]) -> torch.Tensor | None:
+    def _make_mask(self, num_rows: int, masked: dict[int, tuple[int, list[int]]]) -> torch.Tensor | None:
+        """masked: batch index -> (its row, the tokens it may not sample this step)."""
         if not masked:
             return None
         mask = torch.zeros(num_rows, self.vocab_size, dtype=torch.float32)
-        for i, (p, banned) in masked.items():
-            if p.allowed_token_ids is not None:
-                mask[i].fill_(float("-inf"))
-                mask[i, p.allowed_token_ids] = 0.0
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
-                mask[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
+        for i, (row, banned) in masked.items():
+            fixed = self._fixed_masks.get(row)
+            if fixed is not None:
+                mask[i] = fixed
             if banned:
                 mask[i, banned] = float("-inf")
         return mask.to(self.device, non_blocking=True)
+
+    def _fixed_mask(self, p: SamplingParams) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.float32)
+        if p.allowed_token_ids is not None:
+            mask.fill_(float("-inf"))
+            mask[p.allowed_token_ids] = 0.0
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            mask.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
+        return mask

@@ -13,7 +13,7 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens:
         last = request.output_token_ids[-1]
-        if last in params.stop_token_ids:
+        if last in params.stop_token_id_set:
             request.stop_token_id = last  # reported as stop_reason; EOS leaves it None, as in vLLM
             return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and last in request.eos_token_ids:
