@@ -17,6 +17,9 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
   engine       the engine tests whose mechanisms differ on the GPU (async scheduling, forked samples)
   sampler      benchmarks/sampler_overhead.py: the sampler's share of a decode step at batch 256
   skinny       benchmarks/skinny_gemm.py: Llama-8B decode GEMMs at 1 and 8 rows, cuBLAS against Triton
+  gemv-tables  the decode GEMVs' tiles with splits of K swept, written where the engine reads them
+               (tokenmill/kernels/configs: skinny_gemm_<device>.json, int_gemv_<device>.json); run W1 and
+               W1-int4 before (without the tables) and after in the same call
   steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
   anatomy8b, anatomy06b
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
@@ -47,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
 LLAMA_8B = str(ROOT / "benchmarks/models/llama-3.1-8b")
+LLAMA_8B_INT4 = str(ROOT / "benchmarks/models/llama-3.1-8b-gptq-int4")  # its config with GPTQ int4 g128 (issue 19)
 QWEN3_06B = str(ROOT / "benchmarks/models/qwen3-0.6b")
 DUMMY = ["--load-format", "dummy"]
 
@@ -62,6 +66,7 @@ WORKLOADS = {
 }
 # Quantized variants (issue 19): the same commands with one engine flag more.
 WORKLOADS["W1-fp8"] = [*WORKLOADS["W1"], "--quantization", "fp8"]
+WORKLOADS["W1-int4"] = [arg if arg != LLAMA_8B else LLAMA_8B_INT4 for arg in WORKLOADS["W1"]]
 WORKLOADS["W4-fp8"] = [*WORKLOADS["W4"], "--quantization", "fp8"]
 WORKLOADS["W3-fp8kv"] = [*WORKLOADS["W3"], "--kv-cache-dtype", "fp8"]
 WORKLOADS["W3-int8kv"] = [*WORKLOADS["W3"], "--kv-cache-dtype", "int8"]
@@ -451,8 +456,8 @@ def main() -> int:
     start = time.perf_counter()
     timeouts = {"W1": 120, "W2": 100, "W3": 100, "W4": 180}
     timeouts.update({f"{name}-{variant}": timeouts[name] for name, variant in
-                     (("W1", "fp8"), ("W4", "fp8"), ("W3", "fp8kv"), ("W3", "int8kv"),
-                                                             ("W1", "mp"), ("W3", "mp"))})
+                     (("W1", "fp8"), ("W1", "int4"), ("W4", "fp8"), ("W3", "fp8kv"), ("W3", "int8kv"),
+                      ("W1", "mp"), ("W3", "mp"))})
     for sec in args.sections.split(","):
         elapsed = time.perf_counter() - start
         if elapsed > args.budget_s:
@@ -474,6 +479,10 @@ def main() -> int:
                 run_script("benchmarks/sampler_overhead.py", 180, "--profile")
             elif sec == "skinny":
                 run_script("benchmarks/skinny_gemm.py", 240)
+            elif sec == "gemv-tables":
+                configs = str(ROOT / "tokenmill/kernels/configs")
+                run_script("benchmarks/skinny_gemm.py", 240, "--out", configs)
+                run_script("benchmarks/w4a16_gemm.py", 200, "--graph-sweep", "--out", configs)
             elif sec == "steps":
                 run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":
