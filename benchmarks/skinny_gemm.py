@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import triton
 
-from tokenmill.kernels import skinny_gemm as skinny_gemm_module
 from tokenmill.kernels.fused_moe import config_path
 from tokenmill.kernels.precompile import precompile
 from tokenmill.kernels.skinny_gemm import TUNED_ROWS, skinny_gemm, tuned_key
+from tokenmill.kernels.tile_tables import forget_tables
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
@@ -140,7 +140,7 @@ def main() -> None:
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
                                     "configs": dict(sorted(table.items()))}, indent=1) + "\n")
         print(f"wrote {path}", flush=True)
-        skinny_gemm_module._tuned.cache_clear()
+        forget_tables()
     chain(weights, {(rows, name): (best[1], unsplit[1]) for rows, name, _, best, unsplit in results}, rows_list)
     for rows in rows_list:
         c = sum(r[2] for r in results if r[0] == rows) * LAYERS

@@ -13,16 +13,13 @@ which also holds the pure-torch references (the CPU path).
 
 from __future__ import annotations
 
-import functools
-import json
-
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.fp8_quant import fp8_quantize
-from tokenmill.kernels.fused_moe import CONFIG_DIR, config_path
+from tokenmill.kernels.tile_tables import swept_tiles
 
 FP8 = torch.float8_e4m3fn
 SKINNY_MAX_ROWS = 16
@@ -167,20 +164,11 @@ def gemv_key(n: int, k: int, rows: int) -> str:
     return f"{n}x{k},rows={rows}"
 
 
-@functools.cache
-def _tuned_gemv(device_index: int) -> dict[str, tuple[int, int, int, int]]:
-    """kernels/configs/fp8_gemv_<device>.json, as benchmarks/fp8_gemm.py --gemv-only --out writes it; {} without."""
-    path = config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR, kind="fp8_gemv")
-    if not path.exists():
-        return {}
-    return {key: tuple(map(int, tiles)) for key, tiles in json.loads(path.read_text())["configs"].items()}
-
-
 def _gemv_config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the device's swept tiles for the shape, else the first sweep's
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the device's swept tiles for the shape
+    (kernels/configs/fp8_gemv_<device>.json, from `benchmarks/fp8_gemm.py --gemv-only --out`), else the first sweep's
     choice by n alone (2026-12-02: 1.46x the skinny kernel over Llama-3.1-8B's four projections at one row)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    tuned = _tuned_gemv(index).get(gemv_key(n, k, rows)) if device.type == "cuda" else None
+    tuned = swept_tiles("fp8_gemv", device, gemv_key(n, k, rows))
     if tuned is not None:
         return tuned
     return (32, 512, 8, 3) if n >= 16384 else (16, 1024, 8, 3)

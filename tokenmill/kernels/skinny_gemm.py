@@ -11,16 +11,13 @@ few bytes in flight; K may then be split over programs, added in the same launch
 
 from __future__ import annotations
 
-import functools
-import json
-
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
-from tokenmill.kernels.fused_moe import CONFIG_DIR, config_path
 from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers
+from tokenmill.kernels.tile_tables import swept_tiles
 
 MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cost the same weight read
 
@@ -79,21 +76,10 @@ TUNED_ROWS = (1, 8, 16)
 """The row counts benchmarks/skinny_gemm.py tunes; a batch takes the tiles of the first count at or above it."""
 
 
-@functools.cache
-def _tuned(device_index: int) -> dict[str, SkinnyConfig]:
-    """kernels/configs/skinny_gemm_<device>.json, as `benchmarks/skinny_gemm.py --out` writes it; {} without."""
-    path = config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR, kind="skinny_gemm")
-    if not path.exists():
-        return {}
-    return {key: tuple(map(int, tiles)) for key, tiles in json.loads(path.read_text())["configs"].items()}
-
-
 def _config(n: int, k: int, rows: int, device: torch.device) -> SkinnyConfig:
-    """The device's swept tiles for the shape, else the first sweep's choice by shape (one split)."""
-    tuned = None
-    if device.type == "cuda":  # (not under Triton's interpreter)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        tuned = _tuned(index).get(tuned_key(n, k, next(r for r in TUNED_ROWS if r >= rows)))
+    """The device's swept tiles for the shape (kernels/configs/skinny_gemm_<device>.json, from
+    `benchmarks/skinny_gemm.py --out`), else the first sweep's choice by shape (one split)."""
+    tuned = swept_tiles("skinny_gemm", device, tuned_key(n, k, next(r for r in TUNED_ROWS if r >= rows)))
     if tuned is not None:
         return tuned
     if k >= 8192:

@@ -30,17 +30,14 @@ The references are layers.quant.w4a16.dequantize_int / int_linear_torch (the CPU
 
 from __future__ import annotations
 
-import functools
-import json
-
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.dequant_scratch import dequant_scratch
-from tokenmill.kernels.fused_moe import CONFIG_DIR, config_path
 from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers
+from tokenmill.kernels.tile_tables import swept_tiles
 
 SKINNY_MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cost the same weight read
 
@@ -407,26 +404,15 @@ GEMV_TUNED_ROWS = (1, 4)
 """The row counts benchmarks/w4a16_gemm.py sweeps: 1 stands for 1-2 rows, 4 for 3-4."""
 
 
-@functools.cache
-def _swept_gemv(device_index: int) -> dict[str, GemvConfig]:
-    """kernels/configs/int_gemv_<device>.json, as `benchmarks/w4a16_gemm.py --sweep --out` writes it; {} without."""
-    path = config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR, kind="int_gemv")
-    if not path.exists():
-        return {}
-    return {key: tuple(map(int, tiles)) for key, tiles in json.loads(path.read_text())["configs"].items()}
-
-
 def _gemv_config(n: int, k: int, bits: int, group: int, rows: int, device: torch.device) -> GemvConfig:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, splits): the device's swept tiles for the shape, else
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, splits): the device's swept tiles for the shape
+    (kernels/configs/int_gemv_<device>.json, from `benchmarks/w4a16_gemm.py --graph-sweep --out`), else
     _TUNED_GEMV's, else 2 warps, each thread loading a unit of 4 words per column and step (16 bytes; 2 from 3
     rows, for the registers), which keeps the words' and x's layouts one (_gemv_unit). 8 columns per program
     (~126 registers at 1-2 rows, ~170 at 3-4) only where that still makes 8 programs per SM of an H100/H200 (132
     SMs), else 4, 2 for small n: whole waves, and bytes in flight on every SM. From the AOT compile for sm_90
     (main-loop instructions per weight)."""
-    swept = None
-    if device.type == "cuda":  # (not under Triton's interpreter)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        swept = _swept_gemv(index).get(gemv_key(n, k, 1 if rows <= 2 else 4, bits, group))
+    swept = swept_tiles("int_gemv", device, gemv_key(n, k, 1 if rows <= 2 else 4, bits, group))
     if swept is not None:
         return swept
     tuned = _TUNED_GEMV.get((n, k, rows <= 2, bits, group))
