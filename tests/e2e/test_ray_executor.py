@@ -85,3 +85,22 @@ def test_a_ray_cluster_that_no_longer_answers_is_not_waited_for(monkeypatch):
         assert ray.is_initialized()
     finally:
         ray.shutdown()
+
+
+def test_a_cluster_address_answers_in_either_address_family():
+    """The check before joining reads host:port as Ray writes it, an IPv6 host in brackets too."""
+    import socket
+
+    from tokenmill.executor.ray_executor import _answers
+
+    for family, host, written in ((socket.AF_INET, "127.0.0.1", "127.0.0.1"), (socket.AF_INET6, "::1", "[::1]")):
+        try:
+            listener = socket.socket(family)
+            listener.bind((host, 0))
+        except OSError:
+            continue  # no IPv6 on this machine
+        with listener:
+            listener.listen()
+            port = listener.getsockname()[1]
+            assert _answers(f"{written}:{port}") and _answers(f"ray://{written}:{port}")
+        assert not _answers(f"{written}:{port}")  # closed now

@@ -96,7 +96,7 @@ def _answers(address: str, timeout_s: float = 2.0) -> bool:
     reports those itself."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):  # [IPv6]:port too
             return True
     except ValueError:
         return True
