@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
-from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers
+from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers, split_range
 from tokenmill.kernels.tile_tables import swept_tiles
 
 MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cost the same weight read
@@ -25,7 +25,7 @@ MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cos
 # The row count changes with the batch: one compiled variant for all of them.
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr, num_rows, n, k, k_per_split, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, out_ptr, num_rows, n, k, stride_xm, stride_wn, stride_om, part_ptr, arrivals_ptr, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -34,8 +34,7 @@ def _skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < num_rows
     n_mask = offs_n < n
-    k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
-    k_end = tl.minimum(k, k_start + k_per_split)
+    k_start, k_end = split_range(k, k_per_split, SPLITS)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -104,8 +103,8 @@ def skinny_gemm(
     tiles = triton.cdiv(n, block_n)
     partials, arrivals = split_buffers(x.device, splits, num_rows, n, tiles)
     _skinny_gemm_kernel[(tiles, splits)](
-        x, weight, out, partials, arrivals, num_rows, n, k, k_per_split(k, splits, block_k),
-        x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, out, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), partials, arrivals,
+        k_per_split(k, splits, block_k),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, num_warps=num_warps,
         num_stages=num_stages,
     )

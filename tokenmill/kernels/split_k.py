@@ -19,6 +19,17 @@ from tokenmill.kernels.arrivals import arrival_counters
 
 
 @triton.jit
+def split_range(k, k_per_split, SPLITS: tl.constexpr):
+    """[start, end) of K for this program: whole BLOCK_K steps (k_per_split), the last split what is left. One split
+    keeps the bounds constant (0, k), as the kernels had them before splits (the AOT compile: a few instructions
+    fewer in their main loops)."""
+    if SPLITS == 1:
+        return 0, k
+    start = tl.program_id(1) * k_per_split
+    return start, tl.minimum(k, start + k_per_split)
+
+
+@triton.jit
 def finish_split(acc, out_ptrs, part_ptrs, split_stride, mask, arrival_ptr, SPLITS: tl.constexpr):
     """acc: this program's partial sums (float32) of the output elements out_ptrs (mask); part_ptrs: where split 0
     keeps them in the partials buffer, split s at s * split_stride further."""

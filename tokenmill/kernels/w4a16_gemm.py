@@ -36,7 +36,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.dequant_scratch import dequant_scratch
-from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers
+from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers, split_range
 from tokenmill.kernels.tile_tables import swept_tiles
 
 SKINNY_MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cost the same weight read
@@ -280,9 +280,7 @@ def _gemv_int_kernel(
     acc1 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc2 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc3 = tl.zeros([W, G, BLOCK_N], tl.float32)
-    # This program's part of K (all of it without splits; kernels.split_k), in whole steps.
-    k_start = tl.program_id(1) * k_per_split
-    k_end = tl.minimum(k, k_start + k_per_split)
+    k_start, k_end = split_range(k, k_per_split, SPLITS)  # this program's part of K (kernels.split_k)
     # The next step's words are loaded before this step's math (registers, not a shared-memory pipeline):
     # two steps of weight bytes in flight per program.
     words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, k_start, k, k_start < k_end, P, SUB,
