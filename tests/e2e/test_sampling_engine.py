@@ -116,6 +116,8 @@ def test_min_tokens_masks_eos_and_logit_bias_and_allowed_tokens(tiny, llm):
 @pytest.mark.parametrize("fields, match", [
     (dict(allowed_token_ids=[5, 6], logit_bias={5: float("-inf"), 6: float("-inf")}), "bans all of"),
     (dict(allowed_token_ids=[7, 255], stop_token_ids=[7], min_tokens=2), "all stop or EOS tokens"),  # EOS 255
+    (dict(logit_bias=dict.fromkeys(range(256), float("-inf"))), "bans every token"),
+    (dict(logit_bias=dict.fromkeys(range(255), float("-inf")), min_tokens=1), "every token but stop and EOS"),
     (dict(stop=["."]), "stop strings need a tokenizer"),
     (dict(logprobs=257), "logprobs must be at most the vocabulary size"),  # vocabulary: 256
     (dict(prompt_logprobs=257), "prompt_logprobs must be at most the vocabulary size"),

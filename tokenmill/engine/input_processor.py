@@ -90,7 +90,7 @@ class InputProcessor:
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), "
                                  f"got {getattr(params, name)}")
-        if params.allowed_token_ids is not None:
+        if params.allowed_token_ids is not None or params.logit_bias:
             self._check_an_allowed_token_is_left(params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none: use stop_token_ids")
@@ -126,13 +126,18 @@ class InputProcessor:
         """A row whose every logit is masked has no token to sample (the draw would return one outside every
         constraint): refuse the requests where that is known before they start."""
         banned = {t for t, bias in (params.logit_bias or {}).items() if bias == float("-inf")}
-        left = set(params.allowed_token_ids) - banned
-        if not left:
-            raise ValueError("logit_bias of -inf cannot be combined with allowed_token_ids that it bans all of")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer_info.eos_token_ids))
+        if params.allowed_token_ids is None and len(banned) + len(stops) < self.vocab_size:
+            return  # tokens enough are left (the usual case: no set of the whole vocabulary built)
+        left = set(params.allowed_token_ids or range(self.vocab_size)) - banned
+        if not left:
+            raise ValueError("logit_bias of -inf bans every token" if params.allowed_token_ids is None else
+                             "logit_bias of -inf cannot be combined with allowed_token_ids that it bans all of")
         if params.min_tokens and left <= stops:
             raise ValueError("min_tokens cannot be combined with allowed_token_ids that are all stop or EOS tokens: "
-                             "min_tokens masks them")
+                             "min_tokens masks them" if params.allowed_token_ids is not None else
+                             "min_tokens cannot be combined with a logit_bias of -inf on every token but stop and EOS "
+                             "tokens: min_tokens masks them")
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it would appear mid-text and at the start of text (they tokenize differently)."""
