@@ -480,9 +480,11 @@ def main() -> int:
             elif sec == "skinny":
                 run_script("benchmarks/skinny_gemm.py", 240)
             elif sec == "gemv-tables":
-                configs = str(ROOT / "tokenmill/kernels/configs")
-                run_script("benchmarks/skinny_gemm.py", 240, "--out", configs)
-                run_script("benchmarks/w4a16_gemm.py", 200, "--graph-sweep", "--out", configs)
+                configs = ROOT / "tokenmill/kernels/configs"
+                run_script("benchmarks/skinny_gemm.py", 240, "--out", str(configs))
+                run_script("benchmarks/w4a16_gemm.py", 200, "--graph-sweep", "--out", str(configs))
+                for table in [*configs.glob("skinny_gemm_*.json"), *configs.glob("int_gemv_*.json")]:
+                    (out_dir / table.name).write_bytes(table.read_bytes())  # to commit
             elif sec == "steps":
                 run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":
