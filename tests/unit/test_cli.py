@@ -277,6 +277,11 @@ def config_json_cut_short(folder):
     return ["Hi"]
 
 
+def tokenizer_a_file(folder):
+    (folder / "tokenizer.json").write_text("{}")
+    return ["Hi", "--tokenizer", str(folder / "tokenizer.json")]  # the folder is what transformers reads
+
+
 @pytest.mark.parametrize(("argv", "fragments"), [
     (["Hi", "--max-model-len", "1000"], ["max_model_len=1000 exceeds", "pass --max-model-len 64 or less"]),
     (["Hi"], ["model folder", "has no tokenizer files", "--tokenizer"]),
@@ -286,8 +291,9 @@ def config_json_cut_short(folder):
     (["Hi", ""], ["prompt 2 of 2 is empty"]),
     (no_config_json, ["has no config.json"]),
     (config_json_cut_short, ["config.json is not valid JSON: Expecting"]),
+    (tokenizer_a_file, ["tokenizer.json' is a file: pass the folder that holds tokenizer.json"]),
 ], ids=["max-model-len", "no-tokenizer", "tokenizer-path", "chat-template", "skip-tokenizer-init", "empty-prompt",
-        "no-config-json", "config-json-cut-short"])
+        "no-config-json", "config-json-cut-short", "tokenizer-a-file"])
 def test_a_model_folder_that_will_not_do_is_a_one_line_error(model_folder, argv, fragments, capsys):
     from tokenmill.cli import main
 

@@ -45,6 +45,9 @@ def _check_tokenizer_folder(path: str, given: bool) -> None:
         if given and (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1):
             raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
         return
+    if os.path.isfile(path):  # a GGUF went the other way; transformers would take the file for a Hub repo id
+        raise FileNotFoundError(f"tokenizer path {path!r} is a file: pass the folder that holds tokenizer.json "
+                                f"(and tokenizer_config.json), or a .gguf file")
     if os.path.isdir(path) and not any(name.startswith(("tokenizer", "vocab", "spiece", "tekken"))
                                        or name.endswith((".model", ".tiktoken")) for name in os.listdir(path)):
         where = "--tokenizer folder" if given else "model folder"
