@@ -113,3 +113,10 @@ def test_a_gguf_of_an_unknown_family_lists_the_supported_ones(tmp_path):
     write_gguf(path, "rwkv9")
     with pytest.raises(ValueError, match="architecture rwkv9 is not supported.* Supported: .*LlamaForCausalLM"):
         load_hf_config(ModelConfig(model=str(path)))
+
+
+def test_a_quantization_config_without_its_method_is_refused(checkpoint, tmp_path):
+    # It used to load as a dense model: a quantized checkpoint's tensors then fail to load, or run as garbage.
+    folder = broken_copy(checkpoint, tmp_path, config_changes={"quantization_config": {"bits": 4, "group_size": 128}})
+    with pytest.raises(ValueError, match="quantization_config has no quant_method .*bits, group_size.*gptq"):
+        load(folder)

@@ -35,6 +35,12 @@ def resolve_quant_config(requested: str | None, checkpoint: dict[str, Any] | Non
     if checkpoint is not None and not isinstance(checkpoint, dict):
         checkpoint = checkpoint.to_dict()  # a transformers QuantizationConfig object
     method = (checkpoint or {}).get("quant_method")
+    if checkpoint and not method:
+        # Quantized, but not saying how: loaded dense, its packed tensors would fail to load or, if named like
+        # dense ones, run as garbage. (vLLM refuses it too.)
+        raise ValueError(f"the checkpoint's quantization_config has no quant_method (it has "
+                         f"{', '.join(map(str, checkpoint))}): add the method its tensors are in, one of "
+                         f"{', '.join(QUANT_CONFIGS)}, to config.json")
     if method:
         method = str(method).lower()
         if requested not in (None, method):
