@@ -120,3 +120,16 @@ def test_a_quantization_config_without_its_method_is_refused(checkpoint, tmp_pat
     folder = broken_copy(checkpoint, tmp_path, config_changes={"quantization_config": {"bits": 4, "group_size": 128}})
     with pytest.raises(ValueError, match="quantization_config has no quant_method .*bits, group_size.*gptq"):
         load(folder)
+
+
+@pytest.mark.parametrize("quantization_config", [
+    {"quant_method": "compressed-tensors", "config_groups": 5},
+    {"quant_method": "compressed-tensors", "config_groups": {"group_0": "Linear"}},
+    {"quant_method": "gptq", "bits": 4, "group_size": None},
+    {"quant_method": "gptq", "bits": 4, "group_size": 128, "modules_to_not_convert": 5},
+])
+def test_a_quantization_config_value_of_the_wrong_type_is_named(checkpoint, tmp_path, quantization_config):
+    folder = broken_copy(checkpoint, tmp_path, config_changes={"quantization_config": quantization_config})
+    method = quantization_config["quant_method"]
+    with pytest.raises(ValueError, match=f"the checkpoint's {method} quantization_config has a value of the wrong"):
+        load(folder)

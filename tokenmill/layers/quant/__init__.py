@@ -49,7 +49,13 @@ def resolve_quant_config(requested: str | None, checkpoint: dict[str, Any] | Non
         if method not in QUANT_CONFIGS:
             raise ValueError(f"the checkpoint is quantized with {method!r}, which tokenmill does not load "
                              f"(supported: {', '.join(QUANT_CONFIGS)})")
-        return QUANT_CONFIGS[method].from_checkpoint(checkpoint)
+        try:
+            return QUANT_CONFIGS[method].from_checkpoint(checkpoint)
+        except (AttributeError, TypeError, KeyError) as e:
+            # The parsers read config.json as its writers spell it; a value of another type (a number where a
+            # mapping or list belongs) fails inside them, which would be a traceback about their code.
+            raise ValueError(f"the checkpoint's {method} quantization_config has a value of the wrong type "
+                             f"({type(e).__name__}: {e}): check it against the {method} format") from None
     if requested is None:
         return None
     if requested not in QUANT_CONFIGS:
