@@ -133,3 +133,17 @@ def test_a_quantization_config_value_of_the_wrong_type_is_named(checkpoint, tmp_
     method = quantization_config["quant_method"]
     with pytest.raises(ValueError, match=f"the checkpoint's {method} quantization_config has a value of the wrong"):
         load(folder)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    # transformers' own error was a paragraph on upgrading transformers.
+    ({"model_type": "foo", "architectures": ["FooForCausalLM"]},
+     r"config.json: model_type 'foo' is not supported; supported architectures: .*LlamaForCausalLM"),
+    ([1, 2], r"config.json is not a JSON object of model settings"),
+])
+def test_a_config_of_no_model_transformers_knows_is_one_line(checkpoint, tmp_path, config, message):
+    folder = broken_copy(checkpoint, tmp_path)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message) as refused:
+        load_hf_config(ModelConfig(model=str(folder)))
+    assert "\n" not in str(refused.value)

@@ -52,13 +52,28 @@ def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
                                 f"(config.json and *.safetensors) or a .gguf file")
     try:
         with open(config_file) as f:
-            json.load(f)
+            raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # transformers says only "not a valid JSON file"
         raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    _check_model_type(raw, config_file)
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
     if not getattr(config, "architectures", None):
         _name_architecture_from_model_type(config, config_file)
     return config
+
+
+def _check_model_type(raw: object, config_file: str) -> None:
+    """A model_type transformers does not know, said in a line: transformers' own error is a paragraph
+    about upgrading it, though tokenmill could not load such a model anyway. (A model with its own code,
+    `auto_map`, is left to transformers and --trust-remote-code.)"""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} is not a JSON object of model settings: is it a model's config.json?")
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING and "auto_map" not in raw:
+        raise ValueError(f"{config_file}: model_type {model_type!r} is not supported; supported architectures: "
+                         f"{', '.join(supported_architectures())}")
 
 
 def _name_architecture_from_model_type(config: PretrainedConfig, config_file: str) -> None:
