@@ -99,6 +99,15 @@ def test_an_engine_that_fails_to_start_reports_it_in_one_line(tmp_path, tiny_lla
     assert_short_error(result, "the engine failed to start", "awq")
 
 
+def test_serve_refuses_a_chat_template_that_is_no_jinja(tmp_path, smollm2_path):
+    """It used to start, then answer every chat request with a 400 blaming the request."""
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for message in messages %}{{ message.content }\n")
+    result = tokenmill("serve", smollm2_path, "--chat-template", str(template), "--port", str(free_port()))
+    result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True) if not line.startswith("INFO"))
+    assert_short_error(result, f"chat template file '{template}' is not valid Jinja: unexpected '}}' (line 1)")
+
+
 @pytest.fixture(scope="module")
 def server(shared_server):
     return shared_server

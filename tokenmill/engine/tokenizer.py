@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import jinja2
 from transformers import (
     AutoTokenizer,
     GenerationConfig,
@@ -35,7 +36,22 @@ def load_tokenizer(model_config: ModelConfig, hf_config: PretrainedConfig | None
     if model_config.chat_template is not None:
         with open(model_config.chat_template) as f:
             tokenizer.chat_template = f.read()
+        _check_template_syntax(tokenizer, model_config.chat_template)
     return tokenizer
+
+
+def _check_template_syntax(tokenizer: PreTrainedTokenizerBase, template_file: str) -> None:
+    """A --chat-template file that is no valid Jinja, refused at start-up: else the server starts and answers
+    every chat request with a 400 blaming the request. Rendered once through transformers (whose Jinja
+    extensions the template may use); errors the template raises on purpose depend on the conversation, so
+    only a syntax error counts."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template file {template_file!r} is not valid Jinja: {e.message} "
+                         f"(line {e.lineno})") from None
+    except Exception:  # a template may refuse this conversation, which is no syntax error
+        pass
 
 
 def _check_tokenizer_folder(path: str, given: bool) -> None:
