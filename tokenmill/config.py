@@ -470,6 +470,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.model_config.max_model_len}")
         if cache.kv_cache_space is not None and cache.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space must be a positive number of GiB, got {cache.kv_cache_space}")
+        if cache.num_gpu_blocks_override is not None and cache.num_gpu_blocks_override <= 0:
+            raise ValueError(f"num_gpu_blocks_override must be a positive number of blocks, got "
+                             f"{cache.num_gpu_blocks_override}")
         if sched.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {sched.policy!r}")
         if self.model_config.dtype not in DTYPES:

@@ -81,8 +81,10 @@ def test_serve_reports_an_unsupported_architecture_in_one_line(tmp_path):
     assert_short_error(result, "GPT2LMHeadModel", "not supported")
 
 
-@pytest.mark.parametrize("flag, value, message", [("--max-model-len", "0", "max_model_len must be positive"),
-                                                  ("--kv-cache-space", "-1", "kv_cache_space must be a positive")])
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-model-len", "0", "max_model_len must be positive"),
+    ("--kv-cache-space", "-1", "kv_cache_space must be a positive"),
+    ("--num-gpu-blocks-override", "0", "num_gpu_blocks_override must be a positive number of blocks, got 0")])
 def test_serve_refuses_a_bad_size_at_once(tmp_path, flag, value, message):
     result = tokenmill("serve", str(tmp_path / "any.gguf"), flag, value, "--port", str(free_port()),
                        timeout=QUICK_FAILURE_S)
@@ -97,6 +99,15 @@ def test_an_engine_that_fails_to_start_reports_it_in_one_line(tmp_path, tiny_lla
     # Past the start-up's own INFO lines (the engine got that far), the error alone.
     result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True) if not line.startswith("INFO"))
     assert_short_error(result, "the engine failed to start", "awq")
+
+
+def test_a_pool_too_small_names_the_block_override_that_sized_it(tiny_llama):
+    """Not the memory settings, which the override makes moot."""
+    result = tokenmill("serve", tiny_llama.path, "--load-format", "dummy", "--skip-tokenizer-init",
+                       "--num-gpu-blocks-override", "2", "--port", str(free_port()))
+    result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True) if not line.startswith("INFO"))
+    assert_short_error(result, "the KV cache holds 32 tokens (2 blocks of 16), fewer than max_model_len=256: give "
+                               "the pool more memory (num_gpu_blocks_override) or lower max_model_len")
 
 
 def test_serve_refuses_a_chat_template_that_is_no_jinja(tmp_path, smollm2_path):

@@ -36,14 +36,15 @@ class KVCacheSpec:
         return self.num_tokens / max_model_len
 
 
-def make_kv_cache_spec(shape: KVCacheShape, available_bytes: int, max_model_len: int) -> KVCacheSpec:
+def make_kv_cache_spec(shape: KVCacheShape, available_bytes: int, max_model_len: int,
+                       sized_by: str = "kv_cache_space / gpu_memory_utilization") -> KVCacheSpec:
+    """`sized_by`: the setting that gave `available_bytes`, which the error of a pool too small names."""
     num_blocks = int(available_bytes // shape.bytes_per_block)
     spec = KVCacheSpec(shape, num_blocks)
     if spec.num_tokens < max_model_len:
         raise ValueError(
             f"the KV cache holds {spec.num_tokens} tokens ({num_blocks} blocks of {shape.block_size}), fewer than "
-            f"max_model_len={max_model_len}: give the pool more memory (kv_cache_space / "
-            f"gpu_memory_utilization) or lower max_model_len"
+            f"max_model_len={max_model_len}: give the pool more memory ({sized_by}) or lower max_model_len"
         )
     logger.info(
         "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency %.1fx at %d tokens per request",
