@@ -222,6 +222,36 @@ def test_ranks_exit_when_the_engine_process_is_killed(tmp_path):
     assert not any(map(is_running, pids))
 
 
+def test_sigterm_stops_an_offline_command_and_its_ranks(tiny_llama, tmp_path):
+    """`tokenmill bench latency -tp 2` (any offline command) stopped by SIGTERM: it used to die at once, leaving
+    its ranks to notice the orphaning and the ranks' socket folder behind in the temp folder."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    command = [sys.executable, "-m", "tokenmill.cli", "bench", "latency", "--model", tiny_llama.path,
+               "--skip-tokenizer-init", "-tp", "2", "--input-len", "8", "--output-len", "200", "--num-iters", "1000"]
+    bench = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                             env={**os.environ, "TMPDIR": str(temp)})
+    try:
+        for line in bench.stderr:  # generating once the ranks are up
+            if "ranks ready" in line:
+                break
+        ranks = [int(name) for name in os.listdir("/proc") if name.isdigit() and _parent(int(name)) == bench.pid]
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        bench.kill()
+    assert ranks and not any(map(is_running, ranks))  # the executor waits for its ranks as it stops
+    assert list(temp.iterdir()) == []
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def is_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from tokenmill.cli import bench, chat, generate, serve
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "takes_extra_args", False):
         args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra
+    from tokenmill.server.startup import exit_on_signal  # light: no server dependency
+
+    # SIGTERM unwinds like Ctrl-C (SystemExit), so that what a command started is stopped on the way out: an
+    # offline engine's ranks and their socket folder, a server's engine core (until uvicorn takes it over).
+    signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         return args.handler(args)
     except KeyboardInterrupt:

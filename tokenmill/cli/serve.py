@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 from typing import TYPE_CHECKING
 
 from tokenmill.cli.args import (
@@ -69,14 +68,13 @@ def run(args: argparse.Namespace) -> int:
         from tokenmill.executor.headless import run_headless_node
 
         return run_headless_node(parallel)
-    from tokenmill.server.startup import check_port_free, exit_on_signal
+    from tokenmill.server.startup import check_port_free
 
     server_config = server_config_from_args(args)
     # Before the default model is resolved, which may mean downloading it (run_server checks again).
     check_port_free(server_config.host, server_config.port)
     engine_config = serving_engine_config(args)
-    # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C: the core started below stops on the way out.
-    signal.signal(signal.SIGTERM, exit_on_signal)
+    # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C (cli.main): the core started below stops.
     core = start_core_ahead(engine_config)
     try:
         from tokenmill.server.launch import run_server  # the server's dependencies load while the core starts
