@@ -147,3 +147,11 @@ def test_a_config_of_no_model_transformers_knows_is_one_line(checkpoint, tmp_pat
     with pytest.raises(ValueError, match=message) as refused:
         load_hf_config(ModelConfig(model=str(folder)))
     assert "\n" not in str(refused.value)
+
+
+def test_a_quantization_config_that_is_no_object_is_one_line(checkpoint, tmp_path):
+    # transformers failed with an AttributeError traceback while printing the config.
+    folder = broken_copy(checkpoint, tmp_path, config_changes={"quantization_config": "gptq"})
+    with pytest.raises(ValueError, match="config.json: quantization_config must be a JSON object with a quant_method"
+                                         ", got 'gptq'"):
+        load_hf_config(ModelConfig(model=str(folder)))

@@ -55,17 +55,18 @@ def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
             raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # transformers says only "not a valid JSON file"
         raise ValueError(f"{config_file} is not valid JSON: {e}") from None
-    _check_model_type(raw, config_file)
+    _check_config_json(raw, config_file)
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
     if not getattr(config, "architectures", None):
         _name_architecture_from_model_type(config, config_file)
     return config
 
 
-def _check_model_type(raw: object, config_file: str) -> None:
-    """A model_type transformers does not know, said in a line: transformers' own error is a paragraph
-    about upgrading it, though tokenmill could not load such a model anyway. (A model with its own code,
-    `auto_map`, is left to transformers and --trust-remote-code.)"""
+def _check_config_json(raw: object, config_file: str) -> None:
+    """What transformers would fail on with a traceback or a paragraph, said in a line: a model_type it does
+    not know (its error is about upgrading it, though tokenmill could not load such a model anyway; a model
+    with its own code, `auto_map`, is left to transformers and --trust-remote-code), a quantization_config
+    that is no mapping (it fails printing the config)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if not isinstance(raw, dict):
@@ -74,6 +75,10 @@ def _check_model_type(raw: object, config_file: str) -> None:
     if isinstance(model_type, str) and model_type not in CONFIG_MAPPING and "auto_map" not in raw:
         raise ValueError(f"{config_file}: model_type {model_type!r} is not supported; supported architectures: "
                          f"{', '.join(supported_architectures())}")
+    quantization = raw.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise ValueError(f"{config_file}: quantization_config must be a JSON object with a quant_method, got "
+                         f"{quantization!r}")
 
 
 def _name_architecture_from_model_type(config: PretrainedConfig, config_file: str) -> None:
