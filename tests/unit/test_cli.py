@@ -245,6 +245,11 @@ def test_token_counts_take_vllms_suffixes(value, tokens):
     (["serve", "--bogus"], "tokenmill serve", "unrecognized arguments: --bogus"),
     (["bench", "serve", "--request-rate", "fast"], "tokenmill bench serve",
      "argument --request-rate: rates must be positive numbers or inf, got 'fast'"),
+    # These used to load the model, then fail on percentiles of no timings, or print rates of nothing.
+    (["bench", "latency", "--num-iters", "0"], "tokenmill bench latency", "argument --num-iters: must be at least 1, "
+                                                                         "got 0"),
+    (["bench", "throughput", "--num-prompts", "0"], "tokenmill bench throughput",
+     "argument --num-prompts: must be at least 1, got 0"),
 ])
 def test_a_bad_flag_is_two_lines_not_the_usage_of_every_flag(argv, command, error, capsys):
     from tokenmill.cli import main

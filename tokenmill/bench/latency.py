@@ -17,16 +17,16 @@ import time
 import numpy as np
 
 from tokenmill.bench import spec_decode
-from tokenmill.bench.offline import add_engine_args, make_llm, random_prompts, vocab_size_of
+from tokenmill.bench.offline import add_engine_args, at_least, make_llm, random_prompts, vocab_size_of
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--batch-size", type=int, default=8, help="prompts in the batch")
-    group.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    group.add_argument("--batch-size", type=at_least(1), default=8, help="prompts in the batch")
+    group.add_argument("--input-len", type=at_least(1), default=32, help="prompt tokens per request")
     group.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
-    group.add_argument("--num-iters", type=int, default=10, help="timed runs")
-    group.add_argument("--num-iters-warmup", type=int, default=2, help="untimed runs first")
+    group.add_argument("--num-iters", type=at_least(1), default=10, help="timed runs")
+    group.add_argument("--num-iters-warmup", type=at_least(0), default=2, help="untimed runs first")
     group.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     group.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompts")
     group.add_argument("--output-json", default=None, help="also write the results to this file")

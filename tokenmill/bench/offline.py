@@ -23,6 +23,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_all_engine_args(parser, model_positional=False)
 
 
+def at_least(minimum: int):
+    """An argparse type: a whole number of at least `minimum`, refused before the model loads (0 prompts or 0
+    timed runs would load it, then print rates of nothing or fail taking percentiles of no timings)."""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return whole_number
+
+
 def make_llm(args: argparse.Namespace):
     """An LLM from the engine flags, with no tokenizer (prompts are token ids); logs the start-up time."""
     from tokenmill import LLM

@@ -19,6 +19,7 @@ import numpy as np
 from tokenmill.bench import spec_decode
 from tokenmill.bench.offline import (
     add_engine_args,
+    at_least,
     draw_lengths,
     host_profile,
     make_llm,
@@ -29,9 +30,9 @@ from tokenmill.bench.offline import (
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--num-prompts", type=int, default=1000, help="requests to run")
-    group.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
-    group.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    group.add_argument("--num-prompts", type=at_least(1), default=1000, help="requests to run")
+    group.add_argument("--input-len", type=at_least(1), default=1024, help="prompt tokens per request")
+    group.add_argument("--output-len", type=at_least(1), default=128, help="generated tokens per request")
     group.add_argument("--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
                        help="draw prompt lengths uniformly from [LO, HI] instead")
     group.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
