@@ -155,3 +155,10 @@ def test_a_quantization_config_that_is_no_object_is_one_line(checkpoint, tmp_pat
     with pytest.raises(ValueError, match="config.json: quantization_config must be a JSON object with a quant_method"
                                          ", got 'gptq'"):
         load_hf_config(ModelConfig(model=str(folder)))
+
+
+def test_a_load_format_that_does_not_read_the_path_is_named(checkpoint):
+    # It used to hand the folder to the GGUF reader: an IsADirectoryError traceback.
+    model_config = ModelConfig(model=str(checkpoint), load_format="gguf")
+    with pytest.raises(ValueError, match=r"--load-format gguf does not read a model folder .*leave --load-format out"):
+        load_model(model_config, load_hf_config(model_config), torch.device("cpu"), torch.float32)

@@ -162,6 +162,12 @@ def load_model(
     load_format = model_config.load_format
     if load_format == "auto":
         load_format = "gguf" if is_gguf(model_config.model) else "safetensors"
+    elif (load_format == "gguf" and os.path.isdir(model_config.model)) or (
+            load_format == "safetensors" and model_config.model.endswith(".gguf")):
+        # Else the reader of the other format meets the path: a traceback reading a folder as a GGUF file.
+        given = "a model folder" if load_format == "gguf" else "a .gguf file"
+        raise ValueError(f"--load-format {load_format} does not read {given} ({model_config.model!r}): leave "
+                         f"--load-format out (auto), which picks the reader from the path")
     requested, checkpoint_quant = model_config.quantization, getattr(hf_config, "quantization_config", None)
     if load_format == "gguf" and _num_experts(hf_config):
         from tokenmill.model.gguf_moe import GGUF_MOE_ARCHITECTURES
