@@ -468,6 +468,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.model_config.max_model_len is not None and self.model_config.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.model_config.max_model_len}")
+        # torch.manual_seed's range: past it, torch fails after the model has loaded, naming no setting.
+        if self.model_config.seed is not None and not -2**63 <= self.model_config.seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer (below 2**64), got {self.model_config.seed}")
         if cache.kv_cache_space is not None and cache.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space must be a positive number of GiB, got {cache.kv_cache_space}")
         if cache.num_gpu_blocks_override is not None and cache.num_gpu_blocks_override <= 0:

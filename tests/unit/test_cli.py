@@ -213,6 +213,8 @@ def test_a_failed_download_is_a_short_error(tmp_path, monkeypatch, capsys):
     (["--gpu-memory-utilization", "2"], "error: gpu_memory_utilization must be in (0, 1], got 2.0\n"),
     (["--model", "/no/such/model.gguf"], "error: model path '/no/such/model.gguf' is neither a model folder nor "
                                          "a .gguf file\n"),
+    # It used to load the model, then fail with torch's "Overflow when unpacking long long".
+    (["--seed", str(2**70)], f"error: seed must be a 64-bit integer (below 2**64), got {2**70}\n"),
 ])
 def test_bad_engine_arguments_are_one_line_errors(argv, message, capsys):
     from tokenmill.cli import main
