@@ -284,6 +284,10 @@ def config_json_cut_short(folder):
     return ["Hi"]
 
 
+def chat_template_a_folder(folder):
+    return ["Hi", "--chat-template", str(folder)]
+
+
 def tokenizer_a_file(folder):
     (folder / "tokenizer.json").write_text("{}")
     return ["Hi", "--tokenizer", str(folder / "tokenizer.json")]  # the folder is what transformers reads
@@ -299,8 +303,9 @@ def tokenizer_a_file(folder):
     (no_config_json, ["has no config.json"]),
     (config_json_cut_short, ["config.json is not valid JSON: Expecting"]),
     (tokenizer_a_file, ["tokenizer.json' is a file: pass the folder that holds tokenizer.json"]),
+    (chat_template_a_folder, ["' is a folder: pass the Jinja file itself"]),
 ], ids=["max-model-len", "no-tokenizer", "tokenizer-path", "chat-template", "skip-tokenizer-init", "empty-prompt",
-        "no-config-json", "config-json-cut-short", "tokenizer-a-file"])
+        "no-config-json", "config-json-cut-short", "tokenizer-a-file", "chat-template-a-folder"])
 def test_a_model_folder_that_will_not_do_is_a_one_line_error(model_folder, argv, fragments, capsys):
     from tokenmill.cli import main
 

@@ -23,6 +23,8 @@ def load_tokenizer(model_config: ModelConfig, hf_config: PretrainedConfig | None
     path = model_config.tokenizer or model_config.model
     template = model_config.chat_template
     if template is not None and not os.path.isfile(template):  # before the tokenizer's seconds of loading
+        if os.path.isdir(template):
+            raise ValueError(f"chat template {template!r} is a folder: pass the Jinja file itself")
         raise FileNotFoundError(f"chat template file {template!r} does not exist")
     if is_gguf(path):
         folder, name = os.path.split(os.path.abspath(path))
