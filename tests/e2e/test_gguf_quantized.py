@@ -113,6 +113,14 @@ def test_gguf_dequantize_conflicts_with_quantization_gguf(smollm2_path):
         LLM(smollm2_path, quantization="gguf", gguf_dequantize=True, skip_tokenizer_init=True)
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors"])
+def test_a_checkpoint_format_named_for_a_gguf_file_is_refused_naming_gguf(smollm2_path, method):
+    """A .gguf holds its own quantized types: naming another checkpoint format said only that the format "needs a
+    checkpoint quantized in that format", which this file is (in GGUF's)."""
+    with pytest.raises(ValueError, match=f"--quantization {method} loads checkpoints in that format; a .gguf file"):
+        LLM(smollm2_path, quantization=method, skip_tokenizer_init=True)
+
+
 def test_bfloat16_keeps_blocks_and_a_dense_copy(smollm2_path, smollm2_tokenizer):
     """In bfloat16 (dtype auto on CPUs with bfloat16 units) the default model keeps both forms of its linear
     layers: a prompt's many rows take the dense copy, the dequantized model's bfloat16 weights through the

@@ -197,5 +197,5 @@ def test_quantization_flag_only_names_the_checkpoints_format(tiny):
     assert layers_of(engine(quantized, quantization="awq"))[0].mlp.down_proj.weight_packed is not None
     with pytest.raises(ValueError, match="leave --quantization out"):
         engine(quantized, quantization="gptq")
-    with pytest.raises(ValueError, match="needs a checkpoint quantized in that format"):
+    with pytest.raises(ValueError, match="loads checkpoints quantized in that format .* and this model is not one"):
         engine(dense, quantization="gptq")

@@ -181,6 +181,9 @@ def load_model(
             checkpoint_quant = {"quant_method": "gguf", "dense_copy": form == "blocks and dense"}
         elif requested == "gguf":
             requested = None  # named, but this device dequantizes (logged)
+        if requested not in (None, "gguf", "fp8"):  # fp8: dequantized, then quantized at load
+            raise ValueError(f"--quantization {requested} loads checkpoints in that format; a .gguf file holds its "
+                             f"own quantized types: leave --quantization out")
     quant_config = resolve_quant_config(requested, checkpoint_quant)
     if quant_config is not None and _num_experts(hf_config):
         with torch.device("meta"):  # refuse quantized experts before the real model takes its memory

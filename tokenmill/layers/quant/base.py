@@ -60,7 +60,9 @@ class QuantConfig(ABC):
     @classmethod
     def online(cls) -> QuantConfig:
         """The method applied to an unquantized checkpoint (`--quantization NAME` without one)."""
-        raise ValueError(f"quantization {cls.name!r} needs a checkpoint quantized in that format")
+        raise ValueError(f"quantization {cls.name!r} loads checkpoints quantized in that format (their config.json "
+                         f"names it), and this model is not one: leave --quantization out, or pass fp8 to quantize "
+                         f"it at load")
 
     def describe(self) -> str:
         """What the weights become, for the start-up log."""
