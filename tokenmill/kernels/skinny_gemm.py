@@ -101,7 +101,7 @@ def skinny_gemm(
     block_n, block_k, num_warps, num_stages, *rest = config or _config(n, k, num_rows, x.device)
     splits = min(rest[0] if rest else 1, triton.cdiv(k, block_k))
     tiles = triton.cdiv(n, block_n)
-    partials, arrivals = split_buffers(x.device, splits, num_rows, n, tiles)
+    partials, arrivals = split_buffers(out, splits, num_rows, n, tiles)
     _skinny_gemm_kernel[(tiles, splits)](
         x, weight, out, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), partials, arrivals,
         k_per_split(k, splits, block_k),

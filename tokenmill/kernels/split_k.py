@@ -45,13 +45,13 @@ def finish_split(acc, out_ptrs, part_ptrs, split_stride, mask, arrival_ptr, SPLI
         tl.store(arrival_ptr, 0)  # every split has arrived: the counter is ready for the next launch
 
 
-def split_buffers(device: torch.device, splits: int, rows: int, n: int,
+def split_buffers(out: torch.Tensor, splits: int, rows: int, n: int,
                   counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials [splits, rows, n] float32, `counters` arrival counters); with one split, placeholders the kernel
-    does not read."""
+    """(partials [splits, rows, n] float32, `counters` arrival counters) on `out`'s device; with one split, `out`
+    twice, which the kernel does not read (no allocation on the unsplit path's every call)."""
     if splits == 1:
-        placeholder = torch.empty(0, dtype=torch.float32, device=device)
-        return placeholder, placeholder
+        return out, out
+    device = out.device
     return (torch.empty((splits, rows, n), dtype=torch.float32, device=device), arrival_counters(device, counters))
 
 

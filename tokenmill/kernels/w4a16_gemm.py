@@ -455,7 +455,7 @@ def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, 
     assert group == 0 or block_k % group == 0 or group % block_k == 0, (group, block_k)
     splits = min(rest[0] if rest else 1, triton.cdiv(k, block_k))
     tiles = triton.cdiv(n, block_n)
-    partials, arrivals = split_buffers(x.device, splits, rows, n, tiles * rows)
+    partials, arrivals = split_buffers(out, splits, rows, n, tiles * rows)
     words_per_unit = _gemv_unit(bits, group, block_k, num_warps)
     _gemv_int_kernel[(tiles, splits)](
         x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
