@@ -37,7 +37,7 @@ class KVCacheSpec:
 
 
 def make_kv_cache_spec(shape: KVCacheShape, available_bytes: int, max_model_len: int,
-                       sized_by: str = "kv_cache_space / gpu_memory_utilization") -> KVCacheSpec:
+                       sized_by: str) -> KVCacheSpec:
     """`sized_by`: the setting that gave `available_bytes`, which the error of a pool too small names."""
     num_blocks = int(available_bytes // shape.bytes_per_block)
     spec = KVCacheSpec(shape, num_blocks)

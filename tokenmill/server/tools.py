@@ -138,17 +138,23 @@ def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def forced_calls(text: str, named: str | None) -> list[ToolCall] | None:
-    """The calls in the JSON a forced tool_choice generated; None if it is not whole (cut by max_tokens)."""
+def forced_calls(text: str, named: str | None) -> list[ToolCall]:
+    """The calls in the JSON a forced tool_choice generated; cut by max_tokens, the calls begun so far as a stream
+    of the same text sends them (up to the first without its name)."""
+    raw = scan(text, named is not None)
     try:
         value = json.loads(text)
     except ValueError:
-        return None
+        value = None
     items = [value] if named is not None else value
     if not isinstance(items, list) or not all(isinstance(item, dict) and "name" in item for item in items):
-        return None
+        calls = []
+        for call in raw:
+            if call.name is None:
+                break
+            calls.append(ToolCall(make_tool_call_id(), call.name, call.arguments))
+        return calls
     # The arguments as generated (what a stream of the same text sends), "{}" where there were none.
-    raw = scan(text, named is not None)
     return [ToolCall(make_tool_call_id(), item["name"],
                      raw[i].arguments if i < len(raw) and raw[i].complete else
                      json.dumps(item.get("parameters", {}), ensure_ascii=False))
@@ -188,14 +194,7 @@ class ChoiceText:
             reasoning, message["content"] = self.reasoning_cls.split(text)
             message["reasoning_content"] = reasoning
         if plan.mode == "forced":
-            text = message["content"] or ""
-            calls = forced_calls(text, plan.named)
-            if calls is None:  # cut by max_tokens: the calls begun so far, as far as a stream sends them
-                calls = []
-                for call in scan(text, plan.named is not None):
-                    if call.name is None:
-                        break
-                    calls.append(ToolCall(make_tool_call_id(), call.name, call.arguments))
+            calls = forced_calls(message["content"] or "", plan.named)
             if calls:
                 self.called = True
                 message.update(content=None, tool_calls=[call.to_openai() for call in calls])

@@ -176,10 +176,10 @@ class Worker:
             # Every block holds the draft model's (or EAGLE head's) KV of its tokens too.
             draft_bytes = kv_bytes_per_block(self.draft_attn_layers, self.kv_cache_dtype, shape.block_size)
             available = available * shape.bytes_per_block // (shape.bytes_per_block + draft_bytes)
-        if cache.num_gpu_blocks_override is None:
-            return make_kv_cache_spec(shape, available, self.max_model_len)
-        # The override alone sized the pool: memory settings would not change it.
-        return make_kv_cache_spec(shape, available, self.max_model_len, sized_by="num_gpu_blocks_override")
+        # With the override, it alone sized the pool: memory settings would not change it.
+        sized_by = "kv_cache_space / gpu_memory_utilization" if cache.num_gpu_blocks_override is None else \
+            "num_gpu_blocks_override"
+        return make_kv_cache_spec(shape, available, self.max_model_len, sized_by)
 
     def _profile_available_gpu_memory(self) -> int:
         """Memory left for the KV pool after weights and the peak of a full-budget forward pass."""
