@@ -162,8 +162,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     """Mixture-of-experts layers: each tensor-parallel rank holds whole routed experts (1/tp of them) instead
     of a 1/tp slice of every expert; attention and shared experts stay tensor-parallel. With data_parallel_size
-    > 1 (and one pipeline stage) every rank of every replica holds 1/(dp x tp) of the experts instead: each MoE
-    layer sends a replica's tokens to their experts' ranks and back (all-to-all), the engine cores stepping
+    > 1 every rank of a pipeline stage in every replica holds 1/(dp x tp) of that stage's experts instead: each
+    MoE layer sends a replica's tokens to their experts' ranks and back (all-to-all), the engine cores stepping
     together (no CUDA graphs; a failed replica stops them all, and they restart together)."""
     nnodes: int = 1
     """Nodes the ranks span over a torch.distributed rendezvous (no Ray): each runs world_size / nnodes ranks;

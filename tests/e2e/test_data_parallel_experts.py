@@ -8,7 +8,7 @@ scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-
 replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
 served; constrained requests (regex, choice) match; killing one replica's core stops both (their requests end
 with engine_dead, no hang) and both start again together, serving the same text. Two replicas of two
-tensor-parallel ranks (also with the second ranks as Ray actors), FP8 experts, and a DeepSeek-V3-shaped model
+tensor-parallel ranks (also with the second ranks as Ray actors), of two pipeline stages, FP8 experts, and a DeepSeek-V3-shaped model
 (latent attention, grouped routing, a shared expert; and drafting with its MTP layer), give the one-process text
 too. What cannot go with it yet is refused at start-up.
 """
@@ -175,6 +175,28 @@ def test_replicas_of_two_tensor_parallel_ranks_share_the_experts_over_four(tiny_
         with ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda p: complete(server, p, 12), PROMPTS[:4]))
         assert texts == [[text] for text in reference[12][:4]]
+    finally:
+        server.stop()
+
+
+def test_replicas_of_two_pipeline_stages_share_each_stages_experts(tiny_moe, reference):
+    """-dp 2 -pp 2: each replica's two stages hold one layer each; each stage's MoE layer exchanges with the other
+    replica's same stage (4 of 8 experts per rank), the replicas' passes with and without tokens reaching the stages
+    in launch order, with two micro-batches in flight. Greedy text: the one-process engine's, with both replicas
+    busy at once (async scheduling, chunked prefill, preemption, n-gram drafts, n = 2) and with one of them idle."""
+    server = RemoteServer(tiny_moe, *SERVER_ARGS, "-pp", "2")
+    try:
+        assert len(engine_cores(server)) == 2
+        before = finished(server)
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: complete(server, p, 24, n=2), PROMPTS[:4]))
+        assert texts == [[text, text] for text in reference[24][:4]]
+        after = finished(server)
+        assert all(after[e] > before[e] for e in ("0", "1")), (before, after)
+        assert preemptions(server) > 0
+        for prompt, expected in zip(PROMPTS[4:6], reference[12][4:6]):  # one at a time: the other replica idles
+            assert complete(server, prompt, 12) == [expected]
+        assert "share out the routed experts: 2 ranks hold each layer's" in server.log_tail(100_000)
     finally:
         server.stop()
 
@@ -367,8 +389,7 @@ def test_what_cannot_go_with_it_is_refused_at_start_up(tiny_moe):
     assert replicas_share_experts(config(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                              "prompt_lookup_max": 2}), hf_config)
     assert replicas_share_experts(config(tensor_parallel_size=2), hf_config)  # over dp x tp = 4 ranks
-    # Pipeline stages: experts within each replica's tensor-parallel ranks, as before.
-    assert not replicas_share_experts(config(pipeline_parallel_size=2), hf_config)
+    assert replicas_share_experts(config(pipeline_parallel_size=2), hf_config)  # each stage's over dp x tp
     # A drafter's experts stay within its replica (a mixture-of-experts draft model's too).
     assert replicas_share_experts(config(speculative_config={"method": "draft_model", "model": tiny_moe,
                                                              "num_speculative_tokens": 2}), hf_config)

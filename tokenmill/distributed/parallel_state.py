@@ -10,9 +10,10 @@ pp - 1 - r // tp. Rank 0, the driver in the engine core's process, is thus on th
 samples and holds each step's whole output (logprobs, prompt logprobs) without a copy between processes.
 
 Data-parallel replicas that share out a model's experts (config.ReplicaWorld) make one world instead:
-replica d's tensor-parallel rank r is global rank d * tp + r (`init_replica_world`), each replica's ranks a
-tensor-parallel group, and the MoE layers send tokens to the rank holding their experts and back
-(layers.moe_all_to_all).
+replica d's rank r (the layout above within it) is global rank d * tp * pp + r (`init_replica_world`). Each
+replica's stages keep their tensor-parallel groups and pass the residual stream and the sampled tokens
+among the replica's own ranks (its driver is global rank d * tp * pp), and each stage's MoE layers send tokens
+to the rank holding their experts among that stage's ranks of every replica, and back (layers.moe_all_to_all).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class PipelineStage:
     rank: int = 0
     """This process's global rank."""
     tp_size: int = 1
+    driver: int = 0
+    """Global rank of the driver of this process's engine (its replica's first rank, when replicas share a world)."""
+    group: Any = None
+    """The torch.distributed group of this engine's ranks (None: the world), in which the driver broadcasts."""
 
     @property
     def is_first(self) -> bool:
@@ -55,15 +60,17 @@ class PipelineStage:
 
     def peer(self, stage: int) -> int:
         """Global rank of this tensor-parallel rank's counterpart on `stage`."""
-        return (self.num_stages - 1 - stage) * self.tp_size + self.rank % self.tp_size
+        return self.driver + (self.num_stages - 1 - stage) * self.tp_size + self.rank % self.tp_size
 
 
 @dataclass(frozen=True)
 class ReplicaExperts:
-    """The ranks of data-parallel replicas whose MoE layers share out the routed experts: global rank `rank` of
-    `size` (all ranks of all replicas) holds a contiguous range of them. size 1: no such world."""
+    """The ranks of data-parallel replicas whose MoE layers share out the routed experts: rank `rank` of the `size`
+    ranks of this pipeline stage in every replica holds a contiguous range of them. size 1: no such world."""
     rank: int = 0
     size: int = 1
+    group: Any = None
+    """Those ranks' torch.distributed group (None: the world, with one pipeline stage)."""
     host_group: Any = None
     """A gloo group over the replicas' drivers (rank 0 of each) for the engine cores' per-step agreement."""
 
@@ -104,17 +111,28 @@ def experts_within_replica() -> Iterator[None]:
         _REPLICA_EXPERTS = shared
 
 
-def init_replica_world(replica: int, num_replicas: int, init_method: str, tp_rank: int, tp_size: int,
-                       device: torch.device, timeout_s: float = 600.0) -> None:
-    """Join the world of every rank of `num_replicas` data-parallel replicas of `tp_size` ranks each, as
-    tensor-parallel rank `tp_rank` of replica `replica` (every rank of every replica calls it), before the
-    model is built: its layers read the groups then."""
+def init_replica_world(replica: int, num_replicas: int, init_method: str, local_rank: int, tp_size: int,
+                       pp_size: int, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the world of every rank of `num_replicas` data-parallel replicas of tp_size x pp_size ranks each, as
+    rank `local_rank` (the layout of one engine's ranks) of replica `replica` (every rank of every replica calls
+    it), before the model is built: its layers read the groups then."""
     global _TP_GROUP, _PP_STAGE, _REPLICA_EXPERTS
-    world_size, rank = num_replicas * tp_size, replica * tp_size + tp_rank
+    engine_size = tp_size * pp_size
+    world_size, driver = num_replicas * engine_size, replica * engine_size
+    rank = driver + local_rank
     _TP_GROUP = _join_world(rank, world_size, init_method, device, timeout_s, tp_size)
-    _PP_STAGE = PipelineStage(0, 1, rank, tp_size)
-    drivers = dist.new_group(list(range(0, world_size, tp_size)), backend="gloo")
-    _REPLICA_EXPERTS = ReplicaExperts(rank, world_size, drivers)
+    stage = pp_size - 1 - local_rank // tp_size
+    # Every rank makes every group, in the same order (torch.distributed's rule).
+    drivers = dist.new_group(list(range(0, world_size, engine_size)), backend="gloo")
+    engine_group = experts_group = None
+    if pp_size > 1:
+        firsts = range(0, world_size, engine_size)
+        engine_group = [dist.new_group(list(range(first, first + engine_size))) for first in firsts][replica]
+        experts_group = [dist.new_group([first + (pp_size - 1 - s) * tp_size + t for first in firsts
+                                         for t in range(tp_size)]) for s in range(pp_size)][stage]
+    _PP_STAGE = PipelineStage(stage, pp_size, rank, tp_size, driver, engine_group)
+    _REPLICA_EXPERTS = ReplicaExperts(replica * tp_size + local_rank % tp_size, num_replicas * tp_size,
+                                      experts_group, drivers)
 
 
 def get_tp_rank() -> int:

@@ -14,10 +14,6 @@ import torch.distributed as dist
 
 from tokenmill.distributed.parallel_state import get_pp_stage
 
-DRIVER_RANK = 0
-"""Global rank 0: tensor-parallel rank 0 of the last stage (parallel_state's layout), the one that samples
-for the engine."""
-
 
 def send_to_next_stage(hidden_states: torch.Tensor, residual: torch.Tensor) -> None:
     stage = get_pp_stage()
@@ -34,12 +30,15 @@ def receive_from_previous_stage(num_tokens: int, hidden_size: int, dtype: torch.
 
 
 def broadcast_from_driver(tensor: torch.Tensor) -> torch.Tensor:
-    """The driver's `tensor` on every rank of the world, in place (every rank calls it, same shape)."""
-    dist.broadcast(tensor, DRIVER_RANK)
+    """The driver's `tensor` on every rank of its engine, in place (every rank calls it, same shape). The driver:
+    tensor-parallel rank 0 of the last stage (parallel_state's layout), the one that samples for the engine."""
+    stage = get_pp_stage()
+    dist.broadcast(tensor, stage.driver, group=stage.group)
     return tensor
 
 
 def start_broadcast_from_driver(tensor: torch.Tensor) -> dist.Work:
     """broadcast_from_driver, returning at once; `tensor` holds the driver's values after wait() (on the host
     under gloo, which receives in a background thread; NCCL's wait() only orders the device's stream)."""
-    return dist.broadcast(tensor, DRIVER_RANK, async_op=True)
+    stage = get_pp_stage()
+    return dist.broadcast(tensor, stage.driver, group=stage.group, async_op=True)

@@ -80,6 +80,10 @@ class AsyncEngine:
         if hf_config is not None and replicas_share_experts(config, hf_config):
             self._rendezvous_dir = tempfile.mkdtemp(prefix="tokenmill-replicas-")
             configs = self._replica_configs(0)
+            parallel = config.parallel_config
+            logger.info("the %d data-parallel replicas share out the routed experts: %d ranks hold each layer's "
+                        "(dp x tp), the engine cores stepping together", num_replicas,
+                        num_replicas * parallel.tensor_parallel_size)
             if devices[0] is not None and not config.device_config.enforce_eager:  # GPU replicas
                 logger.info("enable_expert_parallel over data-parallel replicas: CUDA graphs are off")
         try:

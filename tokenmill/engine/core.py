@@ -61,6 +61,9 @@ class EngineCore:
         """Steps left in flight when step() returns: 0 (synchronous), 1 (async scheduling) or one less than the
         pipeline's micro-batches."""
         self._in_flight: deque[tuple[SchedulerOutput, PendingOutput | ReadyOutput]] = deque()
+        self.num_forward_passes = 0
+        """Steps launched with tokens to compute, each one pass of the model's layers on every rank (the replica
+        lockstep's count: engine.replica_lockstep)."""
         self.profiler: CoreProfiler | None = None
         """Set while a torch profiler trace is recorded (core_profiler.py): each step is then a named range."""
 
@@ -160,6 +163,7 @@ class EngineCore:
         launched = None
         if scheduler_output is not None:
             launched = scheduler_output, self.executor.execute_model(scheduler_output)
+            self.num_forward_passes += not scheduler_output.is_empty
         if launched is not None:
             self._in_flight.append(launched)
             if len(self._in_flight) <= self.max_steps_in_flight:

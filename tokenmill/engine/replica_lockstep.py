@@ -4,7 +4,9 @@ Each MoE layer exchanges its tokens with every rank of every replica (layers.moe
 must run the same number of forward passes: at each turn of its loop, every core says whether it has requests
 (an all-reduce over the replicas' drivers); if any has, each core steps, and a core that had nothing to run (or
 whose step launched no forward pass) has its ranks exchange each layer without tokens of their own, their
-experts still serving the others'. While none has work the cores take turns every IDLE_POLL_S, waiting on
+experts still serving the others'. With pipeline stages, each stage's ranks exchange with the same stage's of
+the other replicas: a turn's pass (with tokens or without) reaches every stage in launch order, so each stage's
+k-th exchange is every replica's k-th pass. While none has work the cores take turns every IDLE_POLL_S, waiting on
 their inputs in between; the frontend wakes the other replicas' cores when it sends one a request, so that they
 join its first turn at once (the periodic turn remains, so that no core waits for a wake that raced its turn).
 """
@@ -12,7 +14,6 @@ join its first turn at once (the periodic turn remains, so that no core waits fo
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 
 import torch
@@ -21,11 +22,8 @@ import torch.distributed as dist
 from tokenmill.config import EngineConfig, ReplicaWorld
 from tokenmill.distributed.parallel_state import get_replica_experts
 from tokenmill.executor.base import choose_backend, ray_executor_module
-from tokenmill.layers.moe_all_to_all import ExpertExchange
 from tokenmill.layers.moe_routing import expert_range, routed_experts_of
 from tokenmill.protocol import EngineCoreOutputs
-
-logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.01
 """How long an idle core waits on its inputs between turns (the others' new requests wait up to this)."""
@@ -33,15 +31,11 @@ IDLE_POLL_S = 0.01
 
 def replicas_share_experts(config: EngineConfig, hf_config) -> bool:
     """Whether the data-parallel replicas share out the routed experts (and so step in lockstep):
-    enable_expert_parallel over several replicas (of one pipeline stage), on a mixture-of-experts model. Refuses
-    at start-up what cannot go with it yet."""
+    enable_expert_parallel over several replicas, on a mixture-of-experts model. Refuses at start-up a rank left
+    without an expert."""
     parallel = config.parallel_config
     num_experts = routed_experts_of(hf_config)
     if not (parallel.enable_expert_parallel and parallel.data_parallel_size > 1 and num_experts):
-        return False
-    if parallel.pipeline_parallel_size > 1:
-        logger.info("expert parallelism within each replica's tensor-parallel ranks; sharing the experts out over "
-                    "the replicas takes one pipeline stage for now")
         return False
     expert_range(num_experts, 0, parallel.data_parallel_size * parallel.tensor_parallel_size)  # a rank without any
     return True
@@ -83,8 +77,8 @@ class ReplicaLockstep:
 
     def step(self) -> EngineCoreOutputs | None:
         """This core's step if it has requests, and one pass of the layers' exchanges in any case."""
-        before = ExpertExchange.num_passes
+        before = self.core.num_forward_passes
         outputs = self.core.step() if self.core.has_requests() else None
-        if ExpertExchange.num_passes == before:
+        if self.core.num_forward_passes == before:
             self.core.executor.exchange_experts_without_tokens()
         return outputs

@@ -131,7 +131,10 @@ class MultiprocExecutor(RankGroupExecutor):
         self.driver_worker = Worker(config, hf_config, max_model_len, rank=0, distributed_init_method=init_method)
         self._collect("result")
         parallel = config.parallel_config
-        if parallel.num_batches_in_flight > 1 and self.driver_worker.device.type == "cpu":
+        # Not when replicas share out the experts: a driver that deferred its share of a step would hold back the
+        # other replicas' last-stage ranks in that step's exchanges while it waits for them in the next turn.
+        if (parallel.num_batches_in_flight > 1 and self.driver_worker.device.type == "cpu"
+                and parallel.replica_world is None):
             self._deferred = DeferredDriverSteps(self._execute_on_driver)
         logger.info("%d ranks ready (tensor parallel %d x pipeline stages %d; children %s)", self.world_size,
                     parallel.tensor_parallel_size, parallel.pipeline_parallel_size,

@@ -95,7 +95,7 @@ class FusedMoE(nn.Module):
         self.expert_parallel = expert_parallel_enabled() and (self.tp_size > 1 or replicas.size > 1)
         if self.expert_parallel and replicas.size > 1:  # whole experts, 1/(dp x tp) of them, its tokens exchanged
             self.first_expert, self.num_local_experts = expert_range(num_experts, replicas.rank, replicas.size)
-            self.exchange = ExpertExchange(num_experts, replicas.size)
+            self.exchange = ExpertExchange(num_experts, replicas.size, replicas.group)
             self.shard_rank, num_shards = 0, 1
         elif self.expert_parallel:  # whole experts [first_expert, first_expert + num_local_experts) on this rank
             self.first_expert, self.num_local_experts = expert_range(num_experts, self.tp_rank, self.tp_size)

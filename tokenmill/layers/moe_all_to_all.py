@@ -35,8 +35,6 @@ class ExpertExchange:
     live = False
     """Set once the engine cores step in lockstep; before (memory profiling, warm-up) each rank's layers compute
     only their own experts' assignments."""
-    num_passes = 0
-    """Layers exchanged in this process so far (all instances): the lockstep's proof that a step ran its layers."""
     tokens_per_step = 0
     """The step's token budget (max_num_batched_tokens), set with `live` (0: unbounded). One round of a layer's
     exchange carries at most that many tokens over all its ranks, as many as the memory profile's forward pass
@@ -55,7 +53,6 @@ class ExpertExchange:
     def run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             experts: ExpertsFn) -> torch.Tensor:
         """hidden [T, H] of this rank's tokens, their routing [T, K] (global ids) -> the layer's output [T, H]."""
-        ExpertExchange.num_passes += 1
         if self.holder.device != topk_ids.device:
             self.holder, self.first_expert = self.holder.to(topk_ids.device), self.first_expert.to(topk_ids.device)
         num_tokens = hidden.shape[0]

@@ -103,7 +103,7 @@ class Worker:
         # Before the model: its layers take their shard's sizes (and experts) from the groups.
         if replicas is not None:  # one world with the other replicas' ranks, which share the experts out
             init_replica_world(replicas.replica, replicas.num_replicas, replicas.init_method, rank,
-                               parallel.tensor_parallel_size, self.device)
+                               parallel.tensor_parallel_size, parallel.pipeline_parallel_size, self.device)
         elif world_size > 1:
             init_distributed(rank, world_size, distributed_init_method, self.device,
                              tp_size=parallel.tensor_parallel_size)
