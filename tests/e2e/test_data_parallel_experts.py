@@ -8,9 +8,9 @@ scheduling, chunked prefill (a 16-token budget), preemption (a 6-block pool), n-
 replica left idle while the other works still exchanges every layer; a request reaching an idle engine is
 served; constrained requests (regex, choice) match; killing one replica's core stops both (their requests end
 with engine_dead, no hang) and both start again together, serving the same text. Two replicas of two
-tensor-parallel ranks (also with the second ranks as Ray actors), of two pipeline stages, FP8 experts, and a DeepSeek-V3-shaped model
-(latent attention, grouped routing, a shared expert; and drafting with its MTP layer), give the one-process text
-too. What cannot go with it yet is refused at start-up.
+tensor-parallel ranks (also with the second ranks as Ray actors), of two pipeline stages, FP8 experts, and a
+DeepSeek-V3-shaped model (latent attention, grouped routing, a shared expert; and drafting with its MTP layer),
+give the one-process text too. What cannot go with it yet is refused at start-up.
 """
 
 from __future__ import annotations
