@@ -160,7 +160,7 @@ def _replica_process(rank: int, replica_tokens: tuple[int, ...], tp_size: int, t
     tokens (the same on each of the replica's ranks) exchanged with every other rank; the most rows its experts
     computed at once saved beside its output."""
     replica, tp_rank = divmod(rank, tp_size)
-    parallel_state.init_replica_world(replica, len(replica_tokens), f"file://{init_file}", tp_rank, tp_size,
+    parallel_state.init_replica_world(replica, len(replica_tokens), f"file://{init_file}", tp_rank, tp_size, 1,
                                       torch.device("cpu"))
     torch.set_default_dtype(torch.float64)
     parallel_state.set_expert_parallel(True)
