@@ -96,11 +96,18 @@ TINY_MODELS: dict[str, TinyModel] = {
          "shared_expert_intermediate_size": 96, "tie_word_embeddings": False},
     ),
     "mixtral": TinyModel("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "phi3-partial-rotary": TinyModel(
+    # LongRoPE as Phi-3.5 and Phi-4-mini have it, with a pretrained context of 16: the two short prompts cross it
+    # while generating (short frequencies, then long), the two long ones take the long ones throughout (and a
+    # 16-token prefill chunk of theirs too). Its factors differ per band; max_position_embeddings / 16 sets the
+    # attention factor.
+    "phi3-longrope-partial-rotary": TinyModel(
         "Phi3Config",
         {
             "sliding_window": 12,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            "original_max_position_embeddings": 16,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                "original_max_position_embeddings": 16, "short_factor": [1.0, 1.1, 1.5, 2.0],
+                                "long_factor": [1.0, 2.5, 6.0, 12.0]},
         },
     ),
     # Multi-head latent attention: 4 heads, latent 32 + rotary 16 = one 48-wide KV head per token; v_head_dim
@@ -197,6 +204,8 @@ def references(tmp_path_factory):
 
 @torch.no_grad()
 def greedy_hf(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    if (model.config.rope_parameters or {}).get("rope_type") == "longrope":
+        return greedy_hf_keeping_the_cache(model, prompt)
     # One prompt at a time: batching would add padding, which changes HF's numerics.
     out = model.generate(
         torch.tensor([prompt]),
@@ -207,6 +216,21 @@ def greedy_hf(model: torch.nn.Module, prompt: list[int]) -> list[int]:
         eos_token_id=None,
     )
     return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def greedy_hf_keeping_the_cache(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    """Greedy tokens from transformers' forward pass, one token a step after the prompt, its KV cache kept
+    throughout. For LongRoPE: Phi-3's `generate` drops the cache when a sequence first grows past the pretrained
+    context and recomputes every key with the long frequencies; tokenmill, as vLLM, keeps the keys computed
+    before (layers/rotary.py)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for position in range(len(prompt), len(prompt) + NUM_NEW_TOKENS - 1):
+        out = model(torch.tensor([tokens[-1:]]), position_ids=torch.tensor([[position]]),
+                    past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
 
 
 @pytest.fixture

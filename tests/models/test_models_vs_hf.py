@@ -101,3 +101,11 @@ def test_greedy_tokens_match_hf_on_cuda(references, model_name: str, setting: st
     assert [out.outputs[0].token_ids for out in outputs] == ref.expected
     if runner.mixed_cuda_graphs is not None:
         assert any(r is not None for r in replays), "no step with prefills replayed a graph"
+
+
+def test_longrope_drafters_are_refused_at_start_up(references):
+    """A drafter's forward passes are not given the long-prompt flags its LongRoPE table needs (layers/rotary.py)."""
+    path = references("phi3-longrope-partial-rotary").path
+    with pytest.raises(ValueError, match="LongRoPE model .* is not supported yet: use the ngram method"):
+        LLM(path, **BASE_ARGS, speculative_config={"method": "draft_model", "model": path,
+                                                   "num_speculative_tokens": 2})

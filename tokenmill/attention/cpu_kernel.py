@@ -154,7 +154,8 @@ def rope_table_length(layer) -> int:
     decided = layer.__dict__.get("_rope_and_cache_table")  # (table, rows)
     if decided is None or decided[0] is not table:
         admits = (rotary is not None and layer.q_norm is None and layer.k_norm is None
-                  and table.dtype == torch.float32 and rotary.rotary_dim % 2 == 0)
+                  and table.dtype == torch.float32 and rotary.rotary_dim % 2 == 0
+                  and rotary.pretrained_len is None)  # the C kernel reads a token's row at its position
         decided = (table, table.shape[0] if admits else -1)
         layer.__dict__["_rope_and_cache_table"] = decided
     return decided[1]

@@ -105,9 +105,9 @@ class TritonAttentionBackend(AttentionBackend):
         self, layer, positions, query, key, value, kv_cache, metadata: TritonAttentionMetadata
     ) -> torch.Tensor:
         if layer.rotary_emb is not None:
-            query = qk_norm_rope_cache(positions, query, key, value, kv_cache, metadata.slot_mapping,
-                                       layer.rotary_emb.cos_sin_cache, layer.q_norm, layer.k_norm,
-                                       layer.k_scale, layer.v_scale)
+            query = qk_norm_rope_cache(layer.rotary_emb.table_rows(positions), query, key, value, kv_cache,
+                                       metadata.slot_mapping, layer.rotary_emb.cos_sin_cache, layer.q_norm,
+                                       layer.k_norm, layer.k_scale, layer.v_scale)
         else:
             query, key = layer.transform_qk(positions, query, key)
             reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, layer.k_scale, layer.v_scale)

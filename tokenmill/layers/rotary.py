@@ -1,7 +1,16 @@
 """Rotary position embedding with a precomputed cos/sin table.
 
-Frequencies (and the scalings: linear, llama3, yarn, ...) come from transformers' own RoPE
+Frequencies (and the scalings: linear, llama3, yarn, longrope, ...) come from transformers' own RoPE
 initialisers, so every scaling a checkpoint names is computed exactly as its reference does.
+
+LongRoPE (Phi-3.5, Phi-4-mini) has two sets of frequencies: the short ones while a sequence is within the
+pretrained context (`original_max_position_embeddings`), the long ones past it. Transformers picks the set per
+forward pass by its longest position, so a request's prompt longer than the pretrained context is computed with
+the long set throughout, and a shorter one with the short set up to that length and the long set after it. The
+table holds the short set's rows for the pretrained context, then the long set's for every position; a token's
+row is its position, moved into the long part when its position is past the pretrained context or its request's
+prompt is longer (per request, not per batch as transformers does, so that no request's tokens depend on
+another's). The model runner says which tokens' requests have such prompts (`long_prompt_flags`).
 """
 
 from __future__ import annotations
@@ -19,8 +28,8 @@ from tokenmill.kernels import use_triton
 # table lives as long as some model's layers use it.
 _SHARED_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-# These change frequencies with the sequence length, which a fixed table cannot express.
-_LENGTH_DEPENDENT = ("dynamic", "longrope")
+# This one changes frequencies with the exact sequence length, which a fixed table cannot express.
+_LENGTH_DEPENDENT = ("dynamic",)
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -47,6 +56,15 @@ class RotaryEmbedding(nn.Module):
         rope_type = params["rope_type"]
         if rope_type in _LENGTH_DEPENDENT:
             raise ValueError(f"RoPE scaling {rope_type!r} is not supported yet")
+        self.pretrained_len: int | None = None
+        """longrope: the pretrained context, past which a sequence takes the long frequencies (None: one set)."""
+        if rope_type == "longrope":
+            self.pretrained_len = int(params.get("original_max_position_embeddings")
+                                      or config.original_max_position_embeddings)
+        self.long_prompts: torch.Tensor | None = None
+        """longrope: [capacity] int64, 1 at the step's tokens whose request's prompt is longer than pretrained_len
+        (filled by the model runner before each forward pass; one buffer for all layers, so that CUDA graphs
+        read it at its address)."""
         # Every layer of a model has the same table: build it once (it can be 64 MiB at 128k positions).
         key = (config.to_json_string(), head_dim, self.rotary_dim, max_position, torch.empty(0).device)
         cache = _SHARED_TABLES.get(key)
@@ -59,18 +77,31 @@ class RotaryEmbedding(nn.Module):
                     inv_freq, scale = _default_inv_freq(params["rope_theta"], self.rotary_dim), 1.0
                 else:
                     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-                positions = torch.arange(max_position, dtype=torch.float32)
-                freqs = positions[:, None] * inv_freq.float().to(positions.device)[None, :]
-                # [max_position, rotary_dim]: cos | sin halves, computed in float32 as the reference does
-                cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+                cache = _cos_sin_table(inv_freq, scale, max_position)
+                if self.pretrained_len is not None:  # the short rows, then the long ones (the module's docstring)
+                    long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
+                                                                      seq_len=self.pretrained_len + 1)
+                    cache = torch.cat([cache[: self.pretrained_len], _cos_sin_table(long_inv_freq, scale,
+                                                                                   max_position)])
             cache = cache.to(device)
             _SHARED_TABLES[key] = cache
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def table_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's row of cos_sin_cache: its position, but for longrope (the module's docstring)."""
+        if self.pretrained_len is None:
+            return positions
+        if self.long_prompts is None or positions.shape[0] > self.long_prompts.shape[0]:
+            raise RuntimeError("longrope needs the step's long-prompt flags (layers.rotary.attach_long_prompt_flags) "
+                               f"for its {positions.shape[0]} tokens")
+        long = (positions >= self.pretrained_len) | self.long_prompts[: positions.shape[0]].bool()
+        return positions + self.pretrained_len * long
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]."""
+        positions = self.table_rows(positions)
         if use_triton(q):
             from tokenmill.kernels.rotary import rotary_embedding
 
@@ -84,3 +115,35 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = rot.chunk(2, dim=-1)
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return torch.cat([rotated, rest], dim=-1) if rest.numel() else rotated
+
+
+def _cos_sin_table(inv_freq: torch.Tensor, scale: float, num_positions: int) -> torch.Tensor:
+    """[num_positions, rotary_dim]: cos | sin halves, computed in float32 as the reference does."""
+    positions = torch.arange(num_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.float().to(positions.device)[None, :]
+    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+
+
+def _long_rope_embeddings(model: nn.Module) -> list[RotaryEmbedding]:
+    return [m for m in model.modules() if isinstance(m, RotaryEmbedding) and m.pretrained_len is not None]
+
+
+def uses_long_rope(model: nn.Module) -> bool:
+    return bool(_long_rope_embeddings(model))
+
+
+def attach_long_prompt_flags(model: nn.Module, capacity: int, device: torch.device) -> None:
+    """Give the model's longrope embeddings one flags buffer for up to `capacity` tokens a forward pass (once,
+    before any forward pass: CUDA graphs capture its address). Nothing for the other scalings."""
+    embeddings = _long_rope_embeddings(model)
+    flags = torch.zeros(capacity, dtype=torch.int64, device=device) if embeddings else None
+    for module in embeddings:
+        module.long_prompts = flags
+
+
+def long_prompt_flags(model: nn.Module) -> tuple[torch.Tensor, int] | None:
+    """(the flags buffer, the pretrained context) of a longrope model, else None."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding) and module.long_prompts is not None:
+            return module.long_prompts, module.pretrained_len
+    return None

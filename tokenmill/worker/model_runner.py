@@ -18,6 +18,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.device_copy import pack_to_device, to_device
 from tokenmill.distributed.parallel_state import get_pp_stage
 from tokenmill.forward_context import forward_context
+from tokenmill.layers.rotary import long_prompt_flags
 from tokenmill.sample.logprobs import PromptLogprobsCollector
 from tokenmill.sample.no_token import rows_without_token
 from tokenmill.sample.sampler import Sampler
@@ -91,6 +92,7 @@ class ModelRunner:
                                for _ in range(2)] if drafting and pinned else None
         """Pinned landing buffers of the drafts made right after a verification (SpeculativeDecoding.draft_next)."""
         self._num_launched = 0
+        self._long_prompts = long_prompt_flags(model)
         self.stage = get_pp_stage()
         """This rank's pipeline stage: only the last one computes logits and samples."""
 
@@ -169,7 +171,14 @@ class ModelRunner:
             arrays.append(places)
         if shift is not None:
             arrays.append(shift[0])
+        if self._long_prompts is not None:  # longrope: which tokens' requests have prompts past the pretrained context
+            flags, pretrained_len = self._long_prompts
+            arrays.append(np.repeat(self.states.num_prompt_tokens[batch.rows] > pretrained_len,
+                                    np.diff(batch.query_start_loc)).astype(np.int64))
         input_ids, positions, *indices = pack_to_device(arrays, self.device)[2]
+        if self._long_prompts is not None:
+            step_flags = indices.pop()
+            flags[: len(step_flags)].copy_(step_flags)
         if len(batch.last_token_dst):
             self._last_pending.wait_for_tokens()
             dst, src = indices.pop(0)

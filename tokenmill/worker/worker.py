@@ -23,6 +23,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.mla import LatentAttention
 from tokenmill.layers.moe import FusedMoE
 from tokenmill.layers.moe_all_to_all import ExpertExchange
+from tokenmill.layers.rotary import attach_long_prompt_flags, uses_long_rope
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
@@ -150,6 +151,14 @@ class Worker:
                                                       for layer in self.attn_layers + self.draft_attn_layers))
         if is_fp8(self.kv_cache_dtype):
             log_kv_scales(self.attn_layers)
+        # longrope's per-token flags, for the most tokens a forward pass computes (the token budget; a decode
+        # graph's batch).
+        sched = config.scheduler_config
+        attach_long_prompt_flags(self.model, max(sched.max_num_batched_tokens, self.max_verify_tokens), self.device)
+        for drafter in (self.draft_model, self.eagle_head):
+            if drafter is not None and uses_long_rope(drafter):
+                raise ValueError(f"speculative method {speculative.method!r} with a LongRoPE model (Phi-3.5, "
+                                 "Phi-4-mini) is not supported yet: use the ngram method")
         self.model_runner: ModelRunner | None = None
         self.num_kv_blocks = 0
         self.kv_pool_warmer: KVPoolWarmer | None = None
