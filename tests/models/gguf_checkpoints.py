@@ -2,7 +2,9 @@
 (tests only): metadata under `<arch>.*`, experts stacked into `blk.N.ffn_{gate,up,down}_exps` [E, rows, cols],
 the router `ffn_gate_inp` (never quantized, as llama.cpp's quantizer leaves it), Qwen2-MoE's shared expert
 `ffn_*_shexp` with its gate `ffn_gate_inp_shexp` a vector [H], and, for Mixtral (llama.cpp's arch "llama"
-with an expert count), q/k rows permuted into llama.cpp's rotary layout.
+with an expert count), q/k rows permuted into llama.cpp's rotary layout. Phi-3 as llama.cpp's converter writes
+it: fused `attn_qkv` and `ffn_up` (gate and up), the rotary dimensions, the sliding window (0: none), and for
+LongRoPE the pretrained context, the attention factor and the two factor vectors as tensors.
 
 Names come from gguf's own tables (gguf.constants), not from tokenmill's loader, so the loader is checked
 against the format rather than against itself.
@@ -10,12 +12,14 @@ against the format rather than against itself.
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import torch
 from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType
 
-ARCH_OF = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "llama": "llama"}
+ARCH_OF = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "llama": "llama", "phi3": "phi3"}
 
 # HF module (after "model.layers.N.") -> GGUF tensor of block N
 _LAYER_TENSORS = {
@@ -25,6 +29,8 @@ _LAYER_TENSORS = {
     "self_attn.k_proj": MODEL_TENSOR.ATTN_K,
     "self_attn.v_proj": MODEL_TENSOR.ATTN_V,
     "self_attn.o_proj": MODEL_TENSOR.ATTN_OUT,
+    "self_attn.qkv_proj": MODEL_TENSOR.ATTN_QKV,
+    "mlp.gate_up_proj": MODEL_TENSOR.FFN_UP,  # Phi-3's [gate | up] rows, as llama.cpp keeps them
     "self_attn.q_norm": MODEL_TENSOR.ATTN_Q_NORM,
     "self_attn.k_norm": MODEL_TENSOR.ATTN_K_NORM,
     "mlp.gate": MODEL_TENSOR.FFN_GATE_INP,
@@ -46,6 +52,21 @@ def _llama_rotary_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's q/k layout for arch "llama": each head's rows [first half | second half] interleaved."""
     rows = weight.shape[0]
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _add_phi3_metadata(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
+    rope = config.rope_parameters
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_sliding_window(config.sliding_window or 0)
+    writer.add_pad_token_id(config.pad_token_id)  # else Phi3Config's default (32,000) is past a tiny vocabulary
+    if rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config.max_position_embeddings / original  # the converter's attention factor
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        for kind, key in ((MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"), (MODEL_TENSOR.ROPE_FACTORS_SHORT,
+                                                                            "short_factor")):
+            writer.add_tensor(TENSOR_NAMES[kind] + ".weight", np.asarray(rope[key], dtype=np.float32))
 
 
 def _gguf_name(hf_name: str) -> tuple[MODEL_TENSOR, int | None, str]:
@@ -79,12 +100,14 @@ def write_gguf(model: torch.nn.Module, path: str, quant_type: GGMLQuantizationTy
         writer.add_rope_dimension_count(head_dim)
         if config.model_type == "mixtral":
             writer.add_expert_count(config.num_local_experts)
+    elif arch == "phi3":
+        _add_phi3_metadata(writer, config, head_dim)
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_expert_count(config.num_experts)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if config.model_type != "llama":
+    if config.model_type not in ("llama", "phi3"):
         writer.add_expert_used_count(config.num_experts_per_tok)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
