@@ -119,6 +119,21 @@ def test_hermes_malformed_next_to_a_good_call():
     assert result.content == '<tool_call>{"name": "f"</tool_call>\n' and calls(result) == [("g", {})]
 
 
+HERMES_TAG_IN_ARGUMENT = ('<tool_call>\n{"name": "write", "arguments": {"text": "ends with </tool_call> \\" and '
+                          '</tool_call>"}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+
+
+def test_hermes_end_tag_inside_an_argument_string():
+    result = get_tool_parser("hermes").parse(HERMES_TAG_IN_ARGUMENT)
+    assert result.content is None
+    assert calls(result) == [("write", {"text": 'ends with </tool_call> " and </tool_call>'}), ("g", {})]
+    # A broken call whose end tag sits in an unclosed string stays text, and the next call is still read.
+    broken = '<tool_call>{"name": "f", "arguments": {"s": "x}}</tool_call> <tool_call>{"name": "g"}</tool_call>'
+    result = get_tool_parser("hermes").parse(broken)
+    assert result.content == '<tool_call>{"name": "f", "arguments": {"s": "x}}</tool_call> ' and calls(result) == [
+        ("g", {})]
+
+
 def test_llama3_json():
     parse = get_tool_parser("llama3_json").parse
     assert calls(parse('{"name": "get_weather", "parameters": {"city": "Zürich", "opts": {"units": ["c"]}}}')) == [
@@ -246,7 +261,7 @@ def test_qwen3_coder_malformed_stays_text(text):
 
 WELL_FORMED = {
     "hermes": [HERMES_TWO, '<tool_call>\n{"name": "f", "arguments": {"q": "日本語"}}\n</tool_call>\nAfter.',
-               "No call <tool_ here, <tool_call is just text"],
+               "No call <tool_ here, <tool_call is just text", HERMES_TAG_IN_ARGUMENT],
     "llama3_json": ['{"name": "a", "parameters": {"x": "}{"}}; {"name": "b", "parameters": {}}',
                     'Checking.<|python_tag|>{"name": "a", "parameters": {"s": "ü"}}\nDone.', "Plain {text} answer."],
     "mistral": ['[TOOL_CALLS] [{"name": "a", "arguments": {"x": [1]}}, {"name": "b", "arguments": {}}]',
@@ -257,7 +272,8 @@ WELL_FORMED = {
 }
 MALFORMED = {
     "hermes": ['<tool_call>{"name": "f"</tool_call> and <tool_call>{"name": "g", "arguments": {}}</tool_call> x',
-               'Hi <tool_call>\n{"name": "f", "arguments": {"a": 1}}'],
+               'Hi <tool_call>\n{"name": "f", "arguments": {"a": 1}}',
+               '<tool_call>{"name": "f", "arguments": {"s": "x}}</tool_call> <tool_call>{"name": "g"}</tool_call>'],
     "llama3_json": ['{"name": "a", "parameters": {"x": 1}', '{"name": "a", "parameters": {}} ; {"bad": 1} tail',
                     '<|python_tag|>print(1)'],
     "mistral": ['[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]bad name[ARGS]{}', "[TOOL_CALLS] [{\"name\": 1}] tail"],

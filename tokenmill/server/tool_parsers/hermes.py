@@ -46,14 +46,35 @@ class HermesToolParser(ToolParser):
 
     def _begin(self) -> None:
         self._search = self._body
+        self._skipped = -1  # the first end tag taken as an argument's text
+        self._quoted = (self._body, False, False)  # a JSON string's state: (up to, inside one, after a backslash)
 
     def _scan(self, text, final):
-        i = text.find(self.end, self._search)
-        if i < 0:
-            self._search = max(self._body, len(text) - len(self.end) + 1)
-            return None
-        call = self._call(text[self._body:i])
-        return i + len(self.end), [call] if call else None
+        while (i := text.find(self.end, self._search)) >= 0:
+            call = self._call(text[self._body:i])
+            if not self._in_value(text, i, call):
+                return i + len(self.end), [call] if call else None
+            self._skipped = i if self._skipped < 0 else self._skipped
+            self._search = i + 1
+        if final and self._skipped >= 0:  # no end tag came after all: the first one was the call's end
+            call = self._call(text[self._body:self._skipped])
+            return self._skipped + len(self.end), [call] if call else None
+        self._search = max(self._search, len(text) - len(self.end) + 1)
+        return None
 
     def _call(self, body: str) -> Call | None:
         return json_call(load_json(body))
+
+    def _in_value(self, text: str, end: int, call: Call | None) -> bool:
+        """Whether the end tag at `end` is text inside an argument (a JSON string: "</tool_call>" in HTML, code),
+        the call going on after it."""
+        start, inside, escape = self._quoted
+        for c in text[start:end]:
+            if escape:
+                escape = False
+            elif inside and c == "\\":
+                escape = True
+            elif c == '"':
+                inside = not inside
+        self._quoted = (end, inside, escape)
+        return call is None and inside
