@@ -257,6 +257,19 @@ def test_qwen3_coder_malformed_stays_text(text):
     assert get_tool_parser("qwen3_coder").parse(text, WEATHER_TOOLS) == ParsedToolCalls(text, [])
 
 
+QWEN3_CODER_TAG_IN_VALUE = ('<tool_call>\n<function=write>\n<parameter=city>\nprint("</tool_call>")\n</parameter>\n'
+                            '</function>\n</tool_call>\nDone.')
+
+
+def test_qwen3_coder_end_tag_inside_a_parameter():
+    result = get_tool_parser("qwen3_coder").parse(QWEN3_CODER_TAG_IN_VALUE, WEATHER_TOOLS)
+    assert result.content == "Done." and calls(result) == [("write", {"city": 'print("</tool_call>")'})]
+    # With no end tag after it, the one in the parameter ends the call, as before.
+    cut_short = '<tool_call>\n<function=f>\n<parameter=a>\nx</tool_call> tail'
+    result = get_tool_parser("qwen3_coder").parse(cut_short)
+    assert result.content == "tail" and calls(result) == [("f", {"a": "x"})]
+
+
 # -- streaming
 
 WELL_FORMED = {
@@ -268,7 +281,7 @@ WELL_FORMED = {
                 'Ok.[TOOL_CALLS]a[ARGS]{"x": "]["}[TOOL_CALLS]b[CALL_ID]abcDEF123[ARGS]{}', "A [TOOL list."],
     "pythonic": ['[get_weather(city="Paris"), b(x=[1, {"k": "v)"}])]',
                  'Looking.<|python_start|>[get_weather(city="Zürich")]<|python_end|> Done.', "[1] a footnote"],
-    "qwen3_coder": [QWEN3_CODER, "Nothing to call here <tool_"],
+    "qwen3_coder": [QWEN3_CODER, "Nothing to call here <tool_", QWEN3_CODER_TAG_IN_VALUE],
 }
 MALFORMED = {
     "hermes": ['<tool_call>{"name": "f"</tool_call> and <tool_call>{"name": "g", "arguments": {}}</tool_call> x',
@@ -377,7 +390,7 @@ def fits(name: str, generated, before: str, after: str) -> bool:
             return False
         for _, a in generated:
             for v in a.values():
-                if isinstance(v, str) and ("<parameter=" in v or "</parameter>" in v or "</tool_call>" in v
+                if isinstance(v, str) and ("<parameter=" in v or "</parameter>" in v
                                            or "</function>" in v):
                     return False
     return True

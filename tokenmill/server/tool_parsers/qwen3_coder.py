@@ -97,6 +97,11 @@ class Qwen3CoderToolParser(HermesToolParser):
                 properties = parameters.get("properties") if isinstance(parameters, dict) else None
                 self._schemas[function["name"]] = properties if isinstance(properties, dict) else {}
 
+    def _in_value(self, text: str, end: int, call: Call | None) -> bool:
+        """Whether the end tag at `end` is inside a parameter not yet closed (code or markup that writes it)."""
+        start = text.rfind("<parameter=", self._body, end)
+        return start >= 0 and text.find("</parameter>", start, end) < 0
+
     def _call(self, body: str) -> Call | None:
         match = FUNCTION.match(body)
         if not match:
