@@ -91,16 +91,24 @@ def test_plan(parser):
     constraint = constraint_of(req)
     # The template opened the think block, or left it to the model: think first.
     for prompt in ("<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n"):
-        reasoning = reasoning_parser_of(config, True, prompt)
+        reasoning = reasoning_parser_of(config, prompt)
         assert reasoning is get_reasoning_parser(parser)
         assert think_first(constraint, reasoning).params.reasoning_end == "</think>"
     # enable_thinking=false: the template closed it; constrained from the start, nothing is reasoning.
-    reasoning = reasoning_parser_of(config, True, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    reasoning = reasoning_parser_of(config, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert reasoning is None and think_first(constraint, reasoning).params.reasoning_end is None
     # No reasoning parser: as before.
-    assert reasoning_parser_of(ServerConfig(), True, "<think>\n") is None
-    # Unconstrained output keeps the parser, whatever the prompt.
-    assert reasoning_parser_of(config, False, "<think>\n\n</think>\n\n") is get_reasoning_parser(parser)
+    assert reasoning_parser_of(ServerConfig(), "<think>\n") is None
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_prompt_that_closed_the_think_block_leaves_the_answer_as_content(parser):
+    # DeepSeek-V3.1's template with thinking=false, Qwen3's with enable_thinking=false: the output is the answer.
+    config = ServerConfig(reasoning_parser=parser)
+    for prompt in ("<｜Assistant｜></think>", "<|im_start|>assistant\n<think>\n\n</think>\n\n"):
+        reasoning = reasoning_parser_of(config, prompt)
+        text = ChoiceText(plan_tools(request(), config, False), reasoning)
+        assert text.full("Paris.") == {"content": "Paris."}
 
 
 def streamed(text: ChoiceText, pieces: list[str]) -> dict:

@@ -84,7 +84,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if constraint is not None:
         await state.grammar_checker.check(constraint, state.engine.input_processor)
     text, token_ids = await render_messages(state, req)
-    reasoning = reasoning_parser_of(state.config, constrained, text)
+    reasoning = reasoning_parser_of(state.config, text)
     if constrained:  # the model may think first: the constraint starts after its reasoning
         constraint = think_first(constraint, reasoning)
     engine = state.engine

@@ -14,7 +14,8 @@ tool_choice decides how calls come out:
 A constrained output (tool calls forced, response_format, structured outputs) may think first, as in vLLM: its
 constraint applies only after the parser's end marker ("</think>"); the text before it is free and goes to
 reasoning_content. A prompt that already ends the reasoning (Qwen3's enable_thinking=false writes an empty
-think block) is constrained from the start, the reasoning parser off. Strict tools under "auto" leave the text
+think block, DeepSeek-V3.1's thinking=false a "</think>") turns the reasoning parser off: the output is the answer,
+constrained from the start. Strict tools under "auto" leave the text
 free, and the reasoning parser on.
 """
 
@@ -271,10 +272,11 @@ class ChoiceText:
         return "tool_calls" if self.called and reason == "stop" else reason
 
 
-def reasoning_parser_of(config: ServerConfig, constrained: bool, prompt: str) -> type[ReasoningParser] | None:
-    """The server's reasoning parser; None when there is none, or for a constrained output when the prompt
-    already closed the think block (the constraint then applies from the start)."""
-    if config.reasoning_parser is None or (constrained and prompt_ends_reasoning(prompt)):
+def reasoning_parser_of(config: ServerConfig, prompt: str) -> type[ReasoningParser] | None:
+    """The server's reasoning parser; None when there is none, or when the prompt already closed the think block:
+    the output is then all answer (deepseek_r1 would take it all for reasoning, as it has no </think>), and a
+    constraint applies from the start."""
+    if config.reasoning_parser is None or prompt_ends_reasoning(prompt):
         return None
     return get_reasoning_parser(config.reasoning_parser)
 
