@@ -114,3 +114,28 @@ def test_auto_without_calls_is_content():
     plan = plan_tools(request(tools=[WEATHER]), AUTO, False)
     text = ChoiceText(plan, None)
     assert text.full("Hello there") == {"content": "Hello there"} and text.finish_reason("stop") == "stop"
+
+
+def test_forced_calls_to_tools_whose_parameters_use_refs():
+    """pydantic writes nested models as "$defs" and "#/$defs/..." references: the forced call's schema, which
+    nests the parameters, must keep them pointing at their definitions."""
+    import xgrammar as xgr
+
+    from tokenmill.structured.grammar import build_grammar
+
+    parameters = {"type": "object", "properties": {"enum": {"$ref": "#/$defs/Place"}, "next": {"$ref": "#"},
+                                                   "place": {"$ref": "#/$defs/Place"}},
+                  "required": ["place"], "additionalProperties": False,
+                  "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}},
+                                      "required": ["city"], "additionalProperties": False}}}
+    trip = {"type": "function", "function": {"name": "trip", "parameters": parameters}}
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]))
+    good = {"enum": {"city": "Oslo"}, "next": {"place": {"city": "Rome"}}, "place": {"city": "Paris"}}
+    for choice, wrap in (("required", lambda call: [call]), ({"type": "function", "function": {"name": "trip"}},
+                                                             lambda call: call)):
+        plan = plan_tools(request(tools=[WEATHER, trip], tool_choice=choice), AUTO, False)
+        compiled = compiler.compile_grammar(build_grammar(plan.constraint.params))
+        for arguments, valid in ((good, True), ({"place": {"town": "Paris"}}, False)):
+            matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+            text = json.dumps(wrap({"name": "trip", "parameters": arguments}))
+            assert (matcher.accept_string(text) and matcher.is_terminated()) == valid, (choice, text)

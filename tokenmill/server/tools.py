@@ -53,12 +53,38 @@ class ToolPlan:
     """The parser of auto mode."""
 
 
-def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(tool: dict[str, Any], at: str) -> dict[str, Any]:
+    """The schema of one call, {"name": ..., "parameters": {...}}, placed at the JSON pointer `at`."""
     function = tool["function"]
+    parameters = _moved(function.get("parameters") or NO_PARAMETERS, f"{at}/properties/parameters")
     return {"type": "object",
-            "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                           "parameters": function.get("parameters") or NO_PARAMETERS},
+            "properties": {"name": {"type": "string", "enum": [function["name"]]}, "parameters": parameters},
             "required": ["name", "parameters"], "additionalProperties": False}
+
+
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose value maps names (any text, "enum" too) to schemas."""
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+"""Keywords whose value is data, not schemas: a "$ref" in it is left alone."""
+
+
+def _moved(schema: Any, to: str) -> Any:
+    """A schema placed at the JSON pointer `to` of a larger one: its local references ("#/$defs/Item", as pydantic
+    writes them, or "#") rewritten to point where their targets now are."""
+    if isinstance(schema, list):
+        return [_moved(item, to) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            value = to + value[1:]
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _moved(sub, to) for name, sub in value.items()}
+        elif key not in DATA_KEYWORDS:
+            value = _moved(value, to)
+        out[key] = value
+    return out
 
 
 def plan_tools(req: ChatCompletionRequest, config: ServerConfig, constrained: bool) -> ToolPlan:
@@ -85,8 +111,8 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig, constrained: bo
         raise bad_request("tool_choice \"required\" or a named function cannot be combined with response_format or "
                           "structured outputs", param="tool_choice")
     if choice == "required":
-        schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                  "items": {"anyOf": [_call_schema(tool) for tool in tools]}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {
+            "anyOf": [_call_schema(tool, f"#/items/anyOf/{i}") for i, tool in enumerate(tools)]}}
         if not req.parallel_tool_calls:
             schema["maxItems"] = 1
         named = None
@@ -95,7 +121,7 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig, constrained: bo
         if named not in names:
             raise bad_request(f"tool_choice names the function {named!r}, which is not in tools "
                               f"({', '.join(names)})", param="tool_choice")
-        schema = _call_schema(tools[names.index(named)])
+        schema = _call_schema(tools[names.index(named)], "#")
     try:
         constraint = Constraint(StructuredOutputsParams(json=schema), "tools")
     except ValueError as e:
