@@ -76,7 +76,8 @@ class StructuredOutputsParams:
         import json
 
         if self.json is not None:
-            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            # Not sorted: the output writes the properties in the schema's order, as OpenAI's does.
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
         if self.regex is not None:
             return "regex", self.regex
         if self.choice is not None:

@@ -26,12 +26,12 @@ FORMAT = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
      "end": "</person>"}]}}
 
 
-def accepts(spec: dict | str, text: str) -> bool:
-    """Whether the grammar of the structural tag `spec` takes `text` as a whole output."""
+def accepts(spec: dict | str | StructuredOutputsParams, text: str) -> bool:
+    """Whether the grammar of the structural tag `spec` (or of the params) takes `text` as a whole output."""
     import xgrammar as xgr
 
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(
-        build_grammar(StructuredOutputsParams(structural_tag=spec)))
+    params = spec if isinstance(spec, StructuredOutputsParams) else StructuredOutputsParams(structural_tag=spec)
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(build_grammar(params))
     matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
     return matcher.accept_string(text) and matcher.is_terminated()
 
@@ -167,3 +167,10 @@ def test_a_spec_that_built_is_not_built_again_and_a_bad_one_is_refused_every_tim
         with pytest.raises(ValueError, match="invalid regex"):
             grammar.validate(StructuredOutputsParams(regex="(unclosed"))
     assert len(builds) == 3
+
+
+def test_a_json_schema_keeps_its_property_order():
+    """As OpenAI's: the keys come in the schema's order (a "reasoning" property before "answer" is written first)."""
+    for params in (StructuredOutputsParams(json=PERSON), StructuredOutputsParams(json=json.dumps(PERSON))):
+        assert accepts(params, '{"name": "Ann", "age": 31}')
+        assert not accepts(params, '{"age": 31, "name": "Ann"}')
