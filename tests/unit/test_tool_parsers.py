@@ -174,6 +174,9 @@ def test_mistral_both_formats():
                 '[ARGS]{"tz": "CET"}')
     assert new.content == "Sure." and calls(new) == [("get_weather", {"city": "Zürich"}), ("get_time", {"tz": "CET"})]
     assert new.tool_calls[1].id == "xyzXYZ789"
+    # Any name a request's tools may have ([A-Za-z0-9_.:-]).
+    named = parse('[TOOL_CALLS]db:query.v2-x[ARGS]{"q": 1}')
+    assert named.content is None and calls(named) == [("db:query.v2-x", {"q": 1})]
 
 
 @pytest.mark.parametrize("text", [

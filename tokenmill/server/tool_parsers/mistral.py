@@ -16,7 +16,8 @@ from tokenmill.server.tool_parsers.base import BracketScanner, ToolParser, dump_
 from tokenmill.server.tool_parsers.hermes import json_call, load_json
 
 ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
-HEAD = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\]([A-Za-z0-9_\-]*))?")
+# A name as tools may spell it (openai_protocol.FunctionDefinition), then maybe the call's id.
+HEAD = re.compile(r"([A-Za-z0-9_.:\-]+)(?:\[CALL_ID\]([A-Za-z0-9_\-]*))?")
 
 
 class MistralToolParser(ToolParser):
