@@ -139,3 +139,15 @@ def test_forced_calls_to_tools_whose_parameters_use_refs():
             matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
             text = json.dumps(wrap({"name": "trip", "parameters": arguments}))
             assert (matcher.accept_string(text) and matcher.is_terminated()) == valid, (choice, text)
+
+
+@pytest.mark.parametrize("kind", ["array", "string", ["string", "null"]])
+def test_tool_parameters_that_are_not_an_object_are_refused(kind):
+    from pydantic import ValidationError
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": kind}}}
+    with pytest.raises(ValidationError, match='parameters must be a JSON schema of type "object"') as info:
+        request(tools=[tool], tool_choice="required")
+    assert info.value.errors()[0]["loc"] == ("tools", 0, "function")
+    for fine in ({"type": "object"}, {"type": ["object", "null"]}, {"properties": {}}, {}):
+        request(tools=[{"type": "function", "function": {"name": "f", "parameters": fine}}])

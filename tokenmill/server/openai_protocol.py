@@ -11,6 +11,7 @@ plain dicts built in the serving modules, in OpenAI's wire format.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -133,6 +134,16 @@ class FunctionDefinition(RequestModel):
     """With tool_choice "auto", true enforces the parameters' schema once the model starts a call to this
     function (a structural tag in the tool parser's format); with "required" or a named function the schema is
     always enforced."""
+
+    @model_validator(mode="after")
+    def _object_parameters(self) -> FunctionDefinition:
+        # Arguments are a JSON object (as OpenAI requires of the schema): a forced call under {"type": "array"}
+        # would come back with arguments the next turn's messages refuse, and the tool parsers never read one.
+        kind = (self.parameters or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ValueError(f"parameters must be a JSON schema of type \"object\" (a call's arguments are a JSON "
+                             f"object), not of type {json.dumps(kind)}")
+        return self
 
 
 class ChatTool(RequestModel):
