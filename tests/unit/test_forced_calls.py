@@ -84,3 +84,15 @@ def test_a_response_cut_by_max_tokens_holds_what_its_stream_sent(text, named):
         stream = ChoiceText(plan, None)
         assert {"content": message["content"], "tool_calls": calls or None} == assembled(stream, text[:end]), end
         assert whole.finish_reason("length") == stream.finish_reason("length") == "length"
+
+
+@pytest.mark.parametrize("text,named", [(NAMED, "get_weather"), (REQUIRED, None)])
+def test_calls_a_stop_string_cut_do_not_finish_as_tool_calls(text, named):
+    """A stop string (or stop token) inside the JSON leaves broken arguments: finish_reason stays "stop", streamed
+    or not; the whole JSON finishes as "tool_calls"."""
+    plan = ToolPlan([], "forced", named=named, parallel=True, constraint=None)
+    cut = text[:text.index("[x]")]
+    for output, reason in ((cut, "stop"), (text, "tool_calls")):
+        whole, stream = ChoiceText(plan, None), ChoiceText(plan, None)
+        assert whole.full(output)["tool_calls"] and assembled(stream, output)["tool_calls"]
+        assert whole.finish_reason("stop") == stream.finish_reason("stop") == reason

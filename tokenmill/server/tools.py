@@ -211,6 +211,7 @@ class ChoiceText:
         self.held = ""  # forced mode: the JSON so far
         self.streamed: list[list] = []  # forced mode: per call, [id, argument characters sent]
         self.called = False
+        self.cut = False  # forced mode: the calls' JSON ended before it was whole (a stop string, a stop token)
 
     # -- whole
 
@@ -222,6 +223,7 @@ class ChoiceText:
             message["reasoning_content"] = reasoning
         if plan.mode == "forced":
             calls = forced_calls(message["content"] or "", plan.named)
+            self.cut = not _is_json(message["content"] or "")
             if calls:
                 self.called = True
                 message.update(content=None, tool_calls=[call.to_openai() for call in calls])
@@ -276,6 +278,7 @@ class ChoiceText:
     def _forced_step(self, text: str, final: bool) -> dict[str, Any]:
         """A call's head as soon as its name is generated, then its arguments as they grow."""
         self.held += text
+        self.cut = final and not _is_json(self.held)
         deltas = []
         for index, call in enumerate(scan(self.held, self.plan.named is not None)):
             if call.name is None:
@@ -295,7 +298,17 @@ class ChoiceText:
         return {}
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.called and reason == "stop" else reason
+        """"tool_calls" for an output that ended on its own after calls; not for calls whose arguments a stop
+        string cut off (their JSON is broken), which the client must not run as they are."""
+        return "tool_calls" if self.called and not self.cut and reason == "stop" else reason
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def reasoning_parser_of(config: ServerConfig, prompt: str) -> type[ReasoningParser] | None:
