@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tokenmill.server.forced_calls import scan
+from tokenmill.server.forced_calls import Scanner, scan
 from tokenmill.server.tools import ChoiceText, ToolPlan
 
 PARAMS = {"city": "Pa{ri}s \"quoted\" [x]", "days": [1, 2, {"n": 3}], "unit": {"deep": {"er": []}}}
@@ -28,6 +28,20 @@ def test_scan_finds_names_and_raw_arguments(text, named):
         for partial, final in zip(scan(text[:end], named), calls):
             assert final.arguments.startswith(partial.arguments)
             assert partial.name in (None, final.name)
+
+
+@pytest.mark.parametrize("text,named", [(NAMED, True), (REQUIRED, False)])
+def test_a_stream_reads_each_character_once(text, named):
+    """A stream's scanner reads only what each step added (it read the whole text again at every step: seconds of
+    the event loop for a call of some thousands of tokens), and finds what scanning each prefix finds."""
+    scanner = Scanner(named)
+    for end in range(len(text) + 1):
+        assert scanner.advance(text[:end]) == scan(text[:end], named)
+    # What was read is not read again: text changed before the scanner's position goes unseen.
+    read = text.index('"parameters"')  # nothing open there but brackets
+    scanner = Scanner(named)
+    scanner.advance(text[:read])
+    assert scanner.advance(" " * read + text[read:]) == scan(text, named)
 
 
 @pytest.mark.parametrize("text,named", [(NAMED, "get_weather"), (REQUIRED, None)])

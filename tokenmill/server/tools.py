@@ -28,7 +28,7 @@ from typing import Any
 from tokenmill.config import ServerConfig
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.errors import bad_request
-from tokenmill.server.forced_calls import scan
+from tokenmill.server.forced_calls import Scanner, scan
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from tokenmill.server.reasoning_parsers.base import END as REASONING_END
@@ -210,6 +210,7 @@ class ChoiceText:
         self.tool_parser = plan.parser(plan.tools) if plan.parser is not None else None
         self.held = ""  # forced mode: the JSON so far
         self.streamed: list[list] = []  # forced mode: per call, [id, argument characters sent]
+        self.scanner = Scanner(plan.named is not None)  # forced mode: the calls in `held`
         self.called = False
         self.cut = False  # forced mode: the calls' JSON ended before it was whole (a stop string, a stop token)
 
@@ -280,7 +281,7 @@ class ChoiceText:
         self.held += text
         self.cut = final and not _is_json(self.held)
         deltas = []
-        for index, call in enumerate(scan(self.held, self.plan.named is not None)):
+        for index, call in enumerate(self.scanner.advance(self.held)):
             if call.name is None:
                 break
             if index == len(self.streamed):
