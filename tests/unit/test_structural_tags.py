@@ -174,3 +174,11 @@ def test_a_json_schema_keeps_its_property_order():
     for params in (StructuredOutputsParams(json=PERSON), StructuredOutputsParams(json=json.dumps(PERSON))):
         assert accepts(params, '{"name": "Ann", "age": 31}')
         assert not accepts(params, '{"age": 31, "name": "Ann"}')
+
+
+def test_choices_outside_the_basic_plane():
+    """A choice is matched as written, emoji too (their JSON escapes, surrogate pairs, matched no text at all)."""
+    params = StructuredOutputsParams(choice=["😀 yes", "🙁", 'a"b\\c', "café\n"])
+    for choice in params.choice:
+        assert accepts(params, choice)
+    assert not accepts(params, "😀") and not accepts(params, "🙁 ")

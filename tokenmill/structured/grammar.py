@@ -151,4 +151,4 @@ _NAMES = {"json": "JSON schema", "json_object": "JSON object spec", "regex": "re
 
 def _ebnf_string(text: str) -> str:
     """An EBNF string literal matching `text` exactly (JSON's escaping is EBNF's)."""
-    return json.dumps(text)
+    return json.dumps(text, ensure_ascii=False)  # not \uD83D\uDE00: xgrammar reads each as a lone surrogate
