@@ -151,3 +151,17 @@ def test_tool_parameters_that_are_not_an_object_are_refused(kind):
     assert info.value.errors()[0]["loc"] == ("tools", 0, "function")
     for fine in ({"type": "object"}, {"type": ["object", "null"]}, {"properties": {}}, {}):
         request(tools=[{"type": "function", "function": {"name": "f", "parameters": fine}}])
+
+
+def test_forced_calls_take_the_ids_of_the_servers_tool_parser():
+    """Mistral's chat templates refuse a call id other than 9 letters or digits when the client sends the call
+    back: a forced call on a server with --tool-call-parser mistral gets such an id, streamed or not."""
+    import re
+
+    output = '[{"name":"get_weather","parameters":{"city":"Paris"}}]'
+    for parser, pattern in (("mistral", r"[A-Za-z0-9]{9}"), ("hermes", r"call_\w{24}"), (None, r"call_\w{24}")):
+        config = ServerConfig(tool_call_parser=parser)
+        plan = plan_tools(request(tools=[WEATHER], tool_choice="required"), config, False)
+        [call] = ChoiceText(plan, None).full(output)["tool_calls"]
+        [streamed_call] = streamed(ChoiceText(plan, None), [output])["tool_calls"]
+        assert re.fullmatch(pattern, call["id"]) and re.fullmatch(pattern, streamed_call["id"]), parser

@@ -22,6 +22,7 @@ free, and the reasoning parser on.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +52,8 @@ class ToolPlan:
     """The schema forced calls are generated under; under auto, the structural tag of strict tools."""
     parser: type[ToolParser] | None = None
     """The parser of auto mode."""
+    make_id: Callable[[], str] = make_tool_call_id
+    """Forced calls' ids: of the server's tool parser when it has one (Mistral's templates take back 9 characters)."""
 
 
 def _call_schema(tool: dict[str, Any], at: str) -> dict[str, Any]:
@@ -126,7 +129,9 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig, constrained: bo
         constraint = Constraint(StructuredOutputsParams(json=schema), "tools")
     except ValueError as e:
         raise bad_request(str(e), param="tools") from e
-    return ToolPlan(tools, "forced", named=named, parallel=req.parallel_tool_calls, constraint=constraint)
+    make_id = get_tool_parser(config.tool_call_parser).make_id if config.tool_call_parser else make_tool_call_id
+    return ToolPlan(tools, "forced", named=named, parallel=req.parallel_tool_calls, constraint=constraint,
+                    make_id=make_id)
 
 
 def _strict_constraint(tools: list[dict[str, Any]], parser: type[ToolParser], parallel: bool,
@@ -165,7 +170,7 @@ def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def forced_calls(text: str, named: str | None) -> list[ToolCall]:
+def forced_calls(text: str, named: str | None, make_id: Callable[[], str]) -> list[ToolCall]:
     """The calls in the JSON a forced tool_choice generated; cut by max_tokens, the calls begun so far as a stream
     of the same text sends them (up to the first without its name)."""
     raw = scan(text, named is not None)
@@ -179,10 +184,10 @@ def forced_calls(text: str, named: str | None) -> list[ToolCall]:
         for call in raw:
             if call.name is None:
                 break
-            calls.append(ToolCall(make_tool_call_id(), call.name, call.arguments))
+            calls.append(ToolCall(make_id(), call.name, call.arguments))
         return calls
     # The arguments as generated (what a stream of the same text sends), "{}" where there were none.
-    return [ToolCall(make_tool_call_id(), item["name"],
+    return [ToolCall(make_id(), item["name"],
                      raw[i].arguments if i < len(raw) and raw[i].complete else
                      json.dumps(item.get("parameters", {}), ensure_ascii=False))
             for i, item in enumerate(items)]
@@ -223,7 +228,7 @@ class ChoiceText:
             reasoning, message["content"] = self.reasoning_cls.split(text)
             message["reasoning_content"] = reasoning
         if plan.mode == "forced":
-            calls = forced_calls(message["content"] or "", plan.named)
+            calls = forced_calls(message["content"] or "", plan.named, plan.make_id)
             self.cut = not _is_json(message["content"] or "")
             if calls:
                 self.called = True
@@ -285,7 +290,7 @@ class ChoiceText:
             if call.name is None:
                 break
             if index == len(self.streamed):
-                self.streamed.append([make_tool_call_id(), 0])
+                self.streamed.append([self.plan.make_id(), 0])
                 deltas.append(ToolCallDelta(index, self.streamed[index][0], call.name, ""))
             sent = self.streamed[index][1]
             if len(call.arguments) > sent:

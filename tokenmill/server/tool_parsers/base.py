@@ -265,7 +265,9 @@ class ToolParser:
         next call that starts at that position)."""
         return pos, None
 
-    def make_id(self) -> str:
+    @classmethod
+    def make_id(cls) -> str:
+        """A call's id, of the kind the model's chat template takes back (also for calls a forced tool_choice made)."""
         return make_tool_call_id()
 
     # -- the machine

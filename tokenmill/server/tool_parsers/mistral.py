@@ -26,7 +26,8 @@ class MistralToolParser(ToolParser):
     # No structural tag (strict_trigger None): after [TOOL_CALLS] come two shapes, which one depending on the
     # tokenizer's version, that the text alone does not tell apart before the call is written.
 
-    def make_id(self) -> str:
+    @classmethod
+    def make_id(cls) -> str:
         return random_id(9)
 
     def _begin(self) -> None:
