@@ -248,6 +248,13 @@ def test_qwen3_coder_values_that_do_not_convert_stay_strings():
             "</parameter>\n<parameter=where>\n{broken\n</parameter>\n</function>\n</tool_call>")
     assert calls(get_tool_parser("qwen3_coder").parse(text, WEATHER_TOOLS)) == [
         ("get_weather", {"days": "three", "metric": "yes", "where": "{broken"})]
+    # Numbers Python will not read from text (past 4300 digits: it raised out of the parser), NaN in an object
+    # (it went out as arguments that are not JSON).
+    digits = "9" * 5000
+    text = (f"<tool_call>\n<function=get_weather>\n<parameter=days>\n{digits}\n</parameter>\n<parameter=temp>\n"
+            f"{digits}\n</parameter>\n<parameter=where>\n{{\"lat\": NaN}}\n</parameter>\n</function>\n</tool_call>")
+    [call] = get_tool_parser("qwen3_coder").parse(text, WEATHER_TOOLS).tool_calls
+    assert json.loads(call.arguments) == {"days": digits, "temp": digits, "where": '{"lat": NaN}'}
 
 
 @pytest.mark.parametrize("text", [

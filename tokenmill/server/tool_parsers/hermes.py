@@ -27,10 +27,15 @@ def json_call(obj, id_key: str | None = None) -> Call | None:
 
 
 def load_json(text: str):
+    """The JSON value of `text`, None if it is not JSON (NaN and Infinity, which json.loads reads, are not)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except (ValueError, RecursionError):
         return None
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
 
 
 class HermesToolParser(ToolParser):

@@ -57,11 +57,12 @@ def convert(value: str, schema) -> object:
     if not types or "string" in types:
         return value
     for kind in types:
-        if kind == "integer" and INTEGER.fullmatch(word):
-            return int(word)
-        if kind == "number" and NUMBER.fullmatch(word):
-            number = int(word) if INTEGER.fullmatch(word) else float(word)
-            if number == number and abs(number) != float("inf"):
+        if kind in ("integer", "number") and NUMBER.fullmatch(word):
+            try:
+                number = int(word) if INTEGER.fullmatch(word) else float(word) if kind == "number" else None
+            except ValueError:  # past 4300 digits Python reads no int from text
+                number = None
+            if number is not None and number == number and abs(number) != float("inf"):
                 return number
         if kind == "boolean" and word.lower() in ("true", "false"):
             return word.lower() == "true"
