@@ -141,3 +141,15 @@ def test_forced_call_after_reasoning_whole_equals_streamed(cut):
     assert streamed(ChoiceText(plan, reasoning), pieces) == {
         "reasoning_content": message["reasoning_content"],
         "calls": [("get_weather", call["function"]["arguments"])]}
+
+
+def test_a_forced_call_cut_while_thinking_with_qwen3_is_not_an_error():
+    """Qwen3's parser gives an output without </think> (max_tokens cut the thinking) as content, so the forced
+    call's reader reads free text: a JSON-looking string in it that is not JSON ("c:\\path") raised (a 500)."""
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    plan = plan_tools(request(tools=[tool], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                      ServerConfig(), False)
+    text = ChoiceText(plan, get_reasoning_parser("qwen3"))
+    output = '<think>They want {"c:\\path": 1} and'
+    assert text.full(output) == {"content": output, "reasoning_content": None}
+    assert text.finish_reason("length") == "length"

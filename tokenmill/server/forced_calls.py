@@ -53,11 +53,11 @@ class Scanner:
                 elif ch == '"':
                     self.in_string = False
                     if len(stack) == item_depth:
-                        raw = text[self.string_start:i + 1]
+                        value = _string(text[self.string_start:i + 1])
                         if self.expect_key:
-                            self.key, self.expect_key = json.loads(raw), False
+                            self.key, self.expect_key = value, False
                         elif self.key == "name" and calls:
-                            calls[-1].name = json.loads(raw)
+                            calls[-1].name = value
                 continue
             if ch == '"':
                 self.in_string, self.string_start = True, i
@@ -80,3 +80,12 @@ class Scanner:
         if self.args_start is not None and calls:
             calls[-1].arguments = text[self.args_start:]
         return calls
+
+
+def _string(raw: str) -> str | None:
+    """A JSON string's value; None for one that is not JSON ("\\p"): the text read is not always generated under
+    the schema (Qwen3's reasoning parser gives a thinking that max_tokens cut as content)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
