@@ -233,6 +233,18 @@ def test_strict_under_auto(client):
     assert [(n, json.loads(a)) for _, n, a in streamed_calls] == [(name, arguments)]
 
 
+def test_strict_under_auto_thinks_first(client):
+    """The strict tools' tag applies after </think>, as other constraints: "<tool_call>" mentioned while thinking
+    (the model repeats the example) stays text, not a call forced into the reasoning."""
+    example = "I could write <tool_call> here, but I will not.</think>\nIt is sunny."
+    ask = {"role": "user", "content": "Repeat after me: " + example}
+    messages = [ask, {"role": "assistant", "content": example}] * 2 + [ask]
+    [choice] = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=60,
+                                              **GREEDY).choices
+    assert choice.message.model_extra["reasoning_content"] == "I could write <tool_call> here, but I will not."
+    assert choice.message.content == "\nIt is sunny." and choice.finish_reason == "stop", choice
+
+
 def test_tool_result_conversation(plain_client):
     arguments = json.dumps({"city": "Paris", "unit": "celsius"})
     messages = [*ASK,

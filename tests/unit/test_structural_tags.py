@@ -121,6 +121,22 @@ def test_strict_tag_holds_calls_to_the_schema_and_the_parser_reads_them(name):
     assert accepts(single, good) and not accepts(single, good + separator + free)
 
 
+@pytest.mark.parametrize("name", STRICT_PARSERS)
+def test_strict_tag_with_a_reasoning_parser_applies_after_thinking(name):
+    """A trigger written while thinking ("<tool_call>" mentioned) is text, not a call forced into the reasoning;
+    an output may end while thinking (as one may end without a call); after </think> calls hold to the schema."""
+    from tokenmill.server.reasoning_parsers import get_reasoning_parser
+    from tokenmill.server.tools import think_first
+
+    plan = plan_tools(request(tools=TOOLS), auto(name), False)
+    params = think_first(plan.constraint, get_reasoning_parser("deepseek_r1")).params
+    trigger = get_tool_parser(name).strict_trigger
+    assert accepts(params, f"I could write {trigger} here, but no.")
+    good = call_text(name, "get_weather", {"city": "Paris", "days": 3})
+    assert accepts(params, f"Use {trigger}.</think>\n{good}")
+    assert not accepts(params, "Paris.</think>\n" + call_text(name, "get_weather", {"city": "Paris"}))
+
+
 def test_parsers_without_a_tag():
     assert {name for name in TOOL_PARSERS if get_tool_parser(name).strict_trigger is None} == {"mistral", "pythonic"}
 

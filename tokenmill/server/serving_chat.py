@@ -78,14 +78,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     _check_unsupported(req)
     constraint = constraint_of(req)
     plan = plan_tools(req, state.config, constrained=constraint is not None)
-    constrained = constraint is not None or plan.mode == "forced"
     if plan.constraint is not None:
         constraint = plan.constraint
     if constraint is not None:
         await state.grammar_checker.check(constraint, state.engine.input_processor)
     text, token_ids = await render_messages(state, req)
     reasoning = reasoning_parser_of(state.config, text)
-    if constrained:  # the model may think first: the constraint starts after its reasoning
+    if constraint is not None:  # the model may think first: the constraint (strict tools' too) starts after it
         constraint = think_first(constraint, reasoning)
     engine = state.engine
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -29,6 +29,8 @@ class Constraint:
     """The request field it came from, which a 400 names."""
     note: str = ""
     """Added to a 400's message: how the spec relates to what the request sent, when the server made it."""
+    free: bool = False
+    """A structural tag that leaves the text free but for its tags (strict tools'): the output may end without one."""
 
 
 def constraint_of(req: SamplingRequest) -> Constraint | None:

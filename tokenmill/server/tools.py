@@ -13,10 +13,10 @@ tool_choice decides how calls come out:
 --reasoning-parser splits the reasoning off first; what is left is the content, which the tool parser reads.
 A constrained output (tool calls forced, response_format, structured outputs) may think first, as in vLLM: its
 constraint applies only after the parser's end marker ("</think>"); the text before it is free and goes to
-reasoning_content. A prompt that already ends the reasoning (Qwen3's enable_thinking=false writes an empty
-think block, DeepSeek-V3.1's thinking=false a "</think>") turns the reasoning parser off: the output is the answer,
-constrained from the start. Strict tools under "auto" leave the text
-free, and the reasoning parser on.
+reasoning_content. So does the structural tag of strict tools under "auto": a trigger written while thinking
+("<tool_call>" mentioned) would otherwise force a call into the reasoning. A prompt that already ends the
+reasoning (Qwen3's enable_thinking=false writes an empty think block, DeepSeek-V3.1's thinking=false a
+"</think>") turns the reasoning parser off: the output is the answer, constrained from the start.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ def _strict_constraint(tools: list[dict[str, Any]], parser: type[ToolParser], pa
         raise bad_request("strict tools with tool_choice \"auto\" cannot be combined with response_format or "
                           "structured outputs; leave strict out, or the other", param="tools")
     return Constraint(StructuredOutputsParams(structural_tag=parser.structural_tag(tools, parallel)), "tools",
+                      free=True,
                       note=" (in the structural tag made of the strict tools: its format.tags[i] is tools[i])")
 
 
@@ -332,7 +333,14 @@ def prompt_ends_reasoning(prompt: str) -> bool:
 
 
 def think_first(constraint: Constraint, reasoning: type[ReasoningParser] | None) -> Constraint:
-    """The constraint applied only once the reasoning is over (after "</think>"), when there is a parser."""
+    """The constraint applied only once the reasoning is over (after "</think>"), when there is a parser. A free
+    structural tag's output may also end while thinking (none of its tags was due), as it may end without a tag."""
     if reasoning is None:
         return constraint
-    return replace(constraint, params=replace(constraint.params, reasoning_end=REASONING_END))
+    if not constraint.free:
+        return replace(constraint, params=replace(constraint.params, reasoning_end=REASONING_END))
+    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": REASONING_END}
+    then = {"type": "sequence", "elements": [thinking, constraint.params.structural_tag["format"]]}
+    tag = {"type": "structural_tag",
+           "format": {"type": "or", "elements": [{"type": "any_text", "excludes": [REASONING_END]}, then]}}
+    return replace(constraint, params=replace(constraint.params, structural_tag=tag))
