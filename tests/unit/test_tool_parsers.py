@@ -150,6 +150,7 @@ def test_llama3_json():
     '{"name": "a", "parameters": {"x": 1}',  # unclosed
     '{"name": "a", "parameters": {"x": 1,}}',  # broken JSON
     '{"city": "Paris"}',  # an object, not a call
+    '{"name": "Ann", "age": 31}',  # an answer in JSON that has a name: no arguments, not a call
     "{{ template }} text",
     "Here is JSON: {\"name\": \"a\", \"parameters\": {}}",  # not at the start: prose
     '<|python_tag|>print("hi")',  # code for the interpreter, not a call

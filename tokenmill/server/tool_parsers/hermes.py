@@ -14,9 +14,12 @@ import json
 from tokenmill.server.tool_parsers.base import Call, ToolParser, dump_arguments
 
 
-def json_call(obj, id_key: str | None = None) -> Call | None:
-    """{"name": ..., "arguments": {...}} (or "parameters", as Llama names them) as a call; None if it is not one."""
+def json_call(obj, id_key: str | None = None, bare: bool = False) -> Call | None:
+    """{"name": ..., "arguments": {...}} (or "parameters", as Llama names them) as a call; None if it is not one.
+    `bare`: no marker said it is a call, so it needs its arguments ({"name": "Ann", "age": 3} is an answer)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    if bare and "arguments" not in obj and "parameters" not in obj:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     dumped = dump_arguments(arguments)

@@ -48,7 +48,7 @@ class Llama3JsonToolParser(ToolParser):
         end = self._scanner.advance(text)
         if end is None:
             return None
-        call = json_call(load_json(text[self._object:end]))
+        call = json_call(load_json(text[self._object:end]), bare=True)
         return end, [call] if call else None
 
     def _after(self, text, pos, final):
