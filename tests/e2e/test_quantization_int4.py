@@ -199,3 +199,16 @@ def test_quantization_flag_only_names_the_checkpoints_format(tiny):
         engine(quantized, quantization="gptq")
     with pytest.raises(ValueError, match="loads checkpoints quantized in that format .* and this model is not one"):
         engine(dense, quantization="gptq")
+
+
+def test_compressed_tensors_targets_naming_the_unfused_projections(tiny):
+    """llm-compressor recipes may target modules by name (re:...q_proj$, gate_proj) rather than "Linear": the
+    fused qkv_proj and gate_up_proj are targeted through the projections they hold (such a checkpoint was
+    refused: 'gate_up_proj.weight_packed has no matching parameter')."""
+    model, root = tiny
+    quantized, dense = write_int4(model, root / "targets", "ct", 4, 64, sym=False)
+    config = json.loads(open(f"{quantized}/config.json").read())
+    config["quantization_config"]["config_groups"]["group_0"]["targets"] = [
+        "re:.*self_attn.(k|q|o|v)_proj$", "re:.*mlp.(down|gate|up)_proj$"]
+    open(f"{quantized}/config.json", "w").write(json.dumps(config))
+    assert_matches_twin(quantized, dense)

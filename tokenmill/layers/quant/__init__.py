@@ -90,10 +90,11 @@ def quantize_linear_layers(model: nn.Module, config: QuantConfig,
         if not isinstance(module, LinearBase):
             continue
         # MoE routers (layers.moe.MoERouter) keep the model's dtype.
-        if not getattr(module, "quantizable", True) or config.is_ignored(name, fused_part_names(name, stacked_params)):
+        parts = fused_part_names(name, stacked_params)
+        if not getattr(module, "quantizable", True) or config.is_ignored(name, parts):
             kept += 1
             continue
-        module.set_quant_method(config.linear_method(name))
+        module.set_quant_method(config.linear_method(name, parts))
         quantized += 1
     logger.info("quantization: %s; %d linear layers quantized, %d kept unquantized (embeddings and LM head "
                 "stay in the model's dtype)", config.describe(), quantized, kept)

@@ -77,7 +77,7 @@ class AwqConfig(QuantConfig):
             raise ValueError(f"awq checkpoint: group_size {group_size} is not a group size or -1")
         return cls(group_size, list(config.get("modules_to_not_convert") or []))
 
-    def linear_method(self, layer_name: str) -> QuantMethod:
+    def linear_method(self, layer_name: str, part_names: list[str] | None = None) -> QuantMethod:
         return AwqLinearMethod(self)
 
     def describe(self) -> str:

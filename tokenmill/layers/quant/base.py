@@ -73,8 +73,9 @@ class QuantConfig(ABC):
         return True
 
     @abstractmethod
-    def linear_method(self, layer_name: str) -> QuantMethod:
-        """The method of the linear layer called `layer_name` (not ignored)."""
+    def linear_method(self, layer_name: str, part_names: list[str] | None = None) -> QuantMethod:
+        """The method of the linear layer called `layer_name` (not ignored); `part_names`: the checkpoint
+        modules it holds, as in is_ignored (None: itself)."""
 
     def moe_method(self, layer_name: str) -> Any:
         """The method of the FusedMoE experts called `layer_name` (not ignored); None: this format has none."""

@@ -40,11 +40,20 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError("compressed-tensors checkpoint without config_groups")
         return cls(groups, list(config.get("ignore") or []))
 
-    def linear_method(self, layer_name: str) -> QuantMethod:
-        for targets, method in self.groups:
-            if "Linear" in targets or matches_any(layer_name, targets):
-                return method
-        return UnquantizedLinearMethod()
+    def linear_method(self, layer_name: str, part_names: list[str] | None = None) -> QuantMethod:
+        # Targets name checkpoint modules (re:.*q_proj$): a fused layer (qkv_proj) is matched by its parts,
+        # which must all fall in one group, as they share one matmul.
+        found = {self._group_of(name) for name in part_names or [layer_name]}
+        if len(found) > 1:
+            raise ValueError(f"{layer_name}: the checkpoint quantizes {part_names} with different schemes, which "
+                             "one fused matmul holds; this layout is not supported")
+        group = found.pop()
+        return UnquantizedLinearMethod() if group is None else self.groups[group][1]
+
+    def _group_of(self, module_name: str) -> int | None:
+        """The first config group whose targets take the module, None for none."""
+        return next((i for i, (targets, _) in enumerate(self.groups)
+                     if "Linear" in targets or matches_any(module_name, targets)), None)
 
 
 def _float_method(group_name: str, group: dict[str, Any]) -> QuantMethod:

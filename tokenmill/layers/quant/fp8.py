@@ -235,7 +235,7 @@ class Fp8Config(QuantConfig):
     def online(cls) -> Fp8Config:
         return cls(checkpoint_fp8=False)
 
-    def linear_method(self, layer_name: str) -> QuantMethod:
+    def linear_method(self, layer_name: str, part_names: list[str] | None = None) -> QuantMethod:
         return Fp8LinearMethod(self)
 
     def moe_method(self, layer_name: str) -> Any:

@@ -298,7 +298,7 @@ class GGUFConfig(QuantConfig):
     def from_checkpoint(cls, config: dict[str, Any]) -> GGUFConfig:
         return cls(dense_copy=bool(config.get("dense_copy", False)))
 
-    def linear_method(self, layer_name: str) -> QuantMethod:
+    def linear_method(self, layer_name: str, part_names: list[str] | None = None) -> QuantMethod:
         return GGUFLinearMethod(self.dense_copy)
 
     def moe_method(self, layer_name: str) -> Any:

@@ -105,7 +105,7 @@ class GptqConfig(QuantConfig):
         desc_act = bool(config.get("desc_act", False))
         return cls(bits, group_size, desc_act, bool(config.get("sym", True)), fmt, ignored)
 
-    def linear_method(self, layer_name: str) -> QuantMethod:
+    def linear_method(self, layer_name: str, part_names: list[str] | None = None) -> QuantMethod:
         return GptqLinearMethod(self)
 
     def describe(self) -> str:
