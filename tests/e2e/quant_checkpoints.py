@@ -120,10 +120,12 @@ def _save(model, path: Path, tensors: dict[str, torch.Tensor], quantization_conf
 
 
 def write_fp8(model, path: Path, layout: str, block: int = 32, input_scale: float | None = None,
-              skip: tuple[str, ...] = (), state: dict[str, torch.Tensor] | None = None) -> tuple[str, str]:
+              skip: tuple[str, ...] = (), state: dict[str, torch.Tensor] | None = None,
+              weight_only: bool = False) -> tuple[str, str]:
     """(quantized checkpoint, its dequantized dense twin). layout: hf-block | hf-tensor | ct-channel |
     ct-block | ct-tensor (hf: quant_method fp8; ct: compressed-tensors float-quantized). state: the tensors
-    to write (default: the model's state dict; per_expert_state for a mixture of experts)."""
+    to write (default: the model's state dict; per_expert_state for a mixture of experts). weight_only (ct):
+    no input_activations (W8A16), which compressed-tensors saves in format naive-quantized."""
     if state is None:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     quantized, dense = {}, {}
@@ -161,8 +163,10 @@ def write_fp8(model, path: Path, layout: str, block: int = 32, input_scale: floa
         activations = ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
                        if input_scale else
                        {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True})
-        config = {"quant_method": "compressed-tensors", "format": "float-quantized",
+        config = {"quant_method": "compressed-tensors",
+                  "format": "naive-quantized" if weight_only else "float-quantized",
                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                                "input_activations": activations}},
+                                                "input_activations": None if weight_only else activations}},
                   "ignore": ["lm_head", *(f"re:.*{s}" for s in skip)], "quantization_status": "compressed"}
-    return (_save(model, path / layout, quantized, config), _save(model, path / f"{layout}-dense", dense, None))
+    name = f"{layout}-w8a16" if weight_only else layout
+    return (_save(model, path / name, quantized, config), _save(model, path / f"{name}-dense", dense, None))

@@ -47,6 +47,17 @@ def test_fp8_checkpoint_layouts_mean_what_their_dequantized_twin_means(tiny, lay
     assert quality.top1_agreement >= 0.9 and quality.mean_kl < 0.01, quality
 
 
+@pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor", "ct-block"])
+def test_fp8_weight_only_checkpoints_keep_16_bit_activations(tiny, layout):
+    """compressed-tensors saves FP8 weights without input_activations (W8A16) in format naive-quantized (was
+    refused): the weights are read as float-quantized ones and the activations stay unquantized, so the engine
+    computes what the dequantized twin does, to the order of float32 sums (quantized activations: KL ~0.003)."""
+    model, root = tiny
+    quantized, dense = write_fp8(model, root / "w8a16", layout, weight_only=True)
+    quality = quant_quality(engine(dense), engine(quantized), TINY_TEXT)
+    assert quality.top1_agreement >= 0.99 and quality.mean_kl < 1e-4, quality
+
+
 def test_modules_to_not_convert_stay_dense(tiny):
     model, root = tiny
     quantized, dense = write_fp8(model, root / "skip", "hf-block", skip=("down_proj",))

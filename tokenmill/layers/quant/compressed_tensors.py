@@ -2,7 +2,8 @@
 
 Each config group names its target layers ("Linear", or module names and `re:` patterns) and how their
 weights and input activations are quantized. Supported formats: `float-quantized` (FP8 W8A8: tensor,
-channel or block weight scales; dynamic per-token or static per-tensor activations) and `pack-quantized`
+channel or block weight scales; dynamic per-token or static per-tensor activations), `naive-quantized` with
+FP8 weights (the same layout: compressed-tensors names FP8 weight-only schemes, W8A16, so) and `pack-quantized`
 (W4A16 / W8A16 integer weights, layers.quant.w4a16). A group may name its own `format` (llm-compressor's
 `mixed-precision` checkpoints). Other formats are refused by name.
 """
@@ -16,7 +17,7 @@ from tokenmill.layers.quant.compressed_tensors_packed import packed_method
 from tokenmill.layers.quant.fp8 import Fp8Config, Fp8LinearMethod, block_size_of
 from tokenmill.layers.quant.unquantized import UnquantizedLinearMethod
 
-SUPPORTED_FORMATS = ("float-quantized", "pack-quantized")
+SUPPORTED_FORMATS = ("float-quantized", "naive-quantized", "pack-quantized")
 
 
 class CompressedTensorsConfig(QuantConfig):
@@ -34,7 +35,7 @@ class CompressedTensorsConfig(QuantConfig):
             if fmt not in SUPPORTED_FORMATS:
                 raise ValueError(f"compressed-tensors format {fmt!r} is not supported (supported: "
                                  f"{', '.join(SUPPORTED_FORMATS)})")
-            method = _float_method(name, group) if fmt == "float-quantized" else packed_method(name, group)
+            method = packed_method(name, group) if fmt == "pack-quantized" else _float_method(name, group, fmt)
             groups.append((list(group.get("targets") or ["Linear"]), method))
         if not groups:
             raise ValueError("compressed-tensors checkpoint without config_groups")
@@ -56,12 +57,12 @@ class CompressedTensorsConfig(QuantConfig):
                      if "Linear" in targets or matches_any(module_name, targets)), None)
 
 
-def _float_method(group_name: str, group: dict[str, Any]) -> QuantMethod:
+def _float_method(group_name: str, group: dict[str, Any], fmt: str) -> QuantMethod:
     weights, activations = group.get("weights") or {}, group.get("input_activations")
     what = f"compressed-tensors group {group_name!r}"
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
         raise ValueError(f"{what}: weights of type {weights.get('type')!r} with {weights.get('num_bits')} bits "
-                         "in format float-quantized; only 8-bit float (fp8 e4m3) is supported")
+                         f"in format {fmt}; only 8-bit float (fp8 e4m3) is supported")
     strategy = weights.get("strategy")
     if strategy not in ("tensor", "channel", "block"):
         raise ValueError(f"{what}: weight strategy {strategy!r} is not supported (tensor, channel or block)")
@@ -78,5 +79,5 @@ def _float_method(group_name: str, group: dict[str, Any]) -> QuantMethod:
         if block and static:
             raise ValueError(f"{what}: block-wise weights with static activation scales are not supported")
     config = Fp8Config(checkpoint_fp8=True, block=block, channel_scales=strategy == "channel",
-                       static_activations=static, block_scale_name="weight_scale")
+                       static_activations=static, block_scale_name="weight_scale", weight_only=activations is None)
     return Fp8LinearMethod(config)

@@ -61,9 +61,13 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, scale_block: int =
 
 
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_block: int,
-                     input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8 in float32: activations quantized as the GPU's prefill path quantizes them, then dequantized."""
-    if scale_block:
+                     input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                     weight_only: bool = False) -> torch.Tensor:
+    """W8A8 in float32: activations quantized as the GPU's prefill path quantizes them, then dequantized
+    (`weight_only`: W8A16, the activations as they are)."""
+    if weight_only:
+        x_deq = x.float()
+    elif scale_block:
         q, s = quantize_fp8_torch(x, scale_block)
         x_deq = (q.float().reshape(x.shape[0], -1, scale_block) * s[..., None]).reshape(x.shape)
     elif input_scale is not None:
@@ -136,7 +140,7 @@ class Fp8LinearMethod(QuantMethod):
         """Whether apply() would quantize an input of x's rows, dtype and device per token for cuBLASLt (the
         16-bit-input kernels take too few rows; per-channel weight scales; dynamic activation scales), with rows
         narrow enough for the producing kernel to quantize (kernels.fp8_quant.FUSED_MAX_FEATURES)."""
-        if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16):
+        if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16) or self.config.weight_only:
             return False
         if layer.scale_block or getattr(layer, "input_scale", None) is not None:
             return False
@@ -156,15 +160,17 @@ class Fp8LinearMethod(QuantMethod):
         x2 = x.reshape(-1, shape[-1])
         block, scale = layer.scale_block, layer.weight_scale
         input_scale = getattr(layer, "input_scale", None)
+        weight_only = self.config.weight_only
         if not use_triton(x2) or x2.dtype not in (torch.bfloat16, torch.float16):
-            y = fp8_linear_torch(x2, layer.weight, scale, block, input_scale, bias)
+            y = fp8_linear_torch(x2, layer.weight, scale, block, input_scale, bias, weight_only)
         else:
-            y = _fp8_linear_cuda(x2, layer.weight, scale, block, input_scale, bias)
+            y = _fp8_linear_cuda(x2, layer.weight, scale, block, input_scale, bias, weight_only)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
 def _fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int,
-                     input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+                     input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                     weight_only: bool = False) -> torch.Tensor:
     from tokenmill.kernels.fp8_gemm import (
         GEMV_MAX_ROWS,
         SKINNY_MAX_ROWS,
@@ -185,6 +191,8 @@ def _fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if rows <= SKINNY_MAX_ROWS and (block or min(weight.shape) >= SKINNY_MIN_WEIGHT):
         y = skinny_fp8_gemm(x, weight, scale, block)
         return y if bias is None else y + bias
+    if weight_only:  # W8A16 past the 16-bit-input kernels' rows: the weight widened, the activations as they are
+        return torch.nn.functional.linear(x, dequantize_fp8(weight, scale, block).to(x.dtype), bias)
     if block:
         q, q_scale = quantize_fp8(x, block)
         y = block_fp8_gemm(q, q_scale, weight, scale, block, x.dtype)
@@ -215,10 +223,12 @@ class Fp8Config(QuantConfig):
 
     def __init__(self, checkpoint_fp8: bool, block: int = 0, channel_scales: bool = False,
                  static_activations: bool = False, ignored: list[str] | None = None,
-                 block_scale_name: str = "weight_scale_inv") -> None:
+                 block_scale_name: str = "weight_scale_inv", weight_only: bool = False) -> None:
         super().__init__(ignored)
         self.checkpoint_fp8, self.block, self.block_scale_name = checkpoint_fp8, block, block_scale_name
         self.channel_scales, self.static_activations = channel_scales, static_activations
+        self.weight_only = weight_only
+        """W8A16: the checkpoint leaves the activations unquantized (compressed-tensors without input_activations)."""
 
     @classmethod
     def from_checkpoint(cls, config: dict[str, Any]) -> Fp8Config:
@@ -254,7 +264,8 @@ class Fp8Config(QuantConfig):
         weights = (f"{self.block}x{self.block} block scales" if self.block else "per-channel scales"
                    if self.channel_scales or not self.checkpoint_fp8 else "per-tensor scales")
         source = "from the checkpoint" if self.checkpoint_fp8 else "quantized at load"
-        activations = "static activation scales" if self.static_activations else "dynamic activation scales"
+        activations = ("16-bit activations" if self.weight_only else "static activation scales"
+                       if self.static_activations else "dynamic activation scales")
         return f"fp8 e4m3 weights ({source}, {weights}), {activations}"
 
 
