@@ -212,3 +212,34 @@ def test_compressed_tensors_targets_naming_the_unfused_projections(tiny):
         "re:.*self_attn.(k|q|o|v)_proj$", "re:.*mlp.(down|gate|up)_proj$"]
     open(f"{quantized}/config.json", "w").write(json.dumps(config))
     assert_matches_twin(quantized, dense)
+
+
+def test_compressed_tensors_sparsity_and_transforms(tiny):
+    """A pruned model stored dense (sparsity_config format dense, no config_groups) is a dense checkpoint (it was
+    refused: 'without config_groups'). Sparse weights stored compressed, and transforms applied at run time (a
+    reader that ignores them computes without the rotation its weights expect: wrong tokens, silently), are
+    refused naming what."""
+    from tests.e2e.quant_checkpoints import _save
+
+    model, root = tiny
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sparsity = {"format": "dense", "sparsity_structure": "2:4", "global_sparsity": 0.5, "targets": ["Linear"],
+                "ignore": ["lm_head"], "registry_requires_subclass": False}
+    pruned = _save(model, root / "pruned", state, {"quant_method": "compressed-tensors", "sparsity_config": sparsity})
+    quality = quant_quality(engine(_save(model, root / "unpruned", state, None)), engine(pruned), TINY_TEXT)
+    assert quality.top1_agreement == 1.0 and quality.mean_kl < 1e-6, quality
+    quantized, _ = write_int4(model, root / "transforms", "ct", 4, 64, sym=False)
+    config_file = f"{quantized}/config.json"
+    written = open(config_file).read()
+    for key, value, message in (
+            ("sparsity_config", {**sparsity, "format": "sparse-24-bitmask"},
+             "sparsity_config format 'sparse-24-bitmask'"),
+            ("transform_config", {"config_groups": {"R4": {"type": "hadamard", "apply": [
+                {"targets": ["re:.*down_proj$"], "location": "input"},
+                {"targets": ["re:.*down_proj$"], "location": "weight_input", "inverse": True}]}}},
+             r"applies transforms at run time \(input\)")):
+        config = json.loads(written)
+        config["quantization_config"][key] = value
+        open(config_file, "w").write(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            engine(quantized)

@@ -54,8 +54,9 @@ class QuantConfig(ABC):
 
     @classmethod
     @abstractmethod
-    def from_checkpoint(cls, config: dict[str, Any]) -> QuantConfig:
-        """Parse a checkpoint's `quantization_config`; raise ValueError naming what is not supported."""
+    def from_checkpoint(cls, config: dict[str, Any]) -> QuantConfig | None:
+        """Parse a checkpoint's `quantization_config`; raise ValueError naming what is not supported. None: the
+        checkpoint quantizes nothing (loaded dense)."""
 
     @classmethod
     def online(cls) -> QuantConfig:

@@ -28,7 +28,9 @@ class CompressedTensorsConfig(QuantConfig):
         self.groups = groups
 
     @classmethod
-    def from_checkpoint(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
+    def from_checkpoint(cls, config: dict[str, Any]) -> CompressedTensorsConfig | None:
+        """None: nothing is quantized (a pruned model stored dense), the checkpoint loads as a dense one."""
+        _check_sparsity_and_transforms(config)
         groups = []
         for name, group in (config.get("config_groups") or {}).items():
             fmt = group.get("format") or config.get("format")
@@ -38,6 +40,8 @@ class CompressedTensorsConfig(QuantConfig):
             method = packed_method(name, group) if fmt == "pack-quantized" else _float_method(name, group, fmt)
             groups.append((list(group.get("targets") or ["Linear"]), method))
         if not groups:
+            if config.get("sparsity_config"):  # 2:4 or unstructured pruning alone, its zeros stored as they are
+                return None
             raise ValueError("compressed-tensors checkpoint without config_groups")
         return cls(groups, list(config.get("ignore") or []))
 
@@ -55,6 +59,23 @@ class CompressedTensorsConfig(QuantConfig):
         """The first config group whose targets take the module, None for none."""
         return next((i for i, (targets, _) in enumerate(self.groups)
                      if "Linear" in targets or matches_any(module_name, targets)), None)
+
+
+def _check_sparsity_and_transforms(config: dict[str, Any]) -> None:
+    """What would leave the weights unreadable or computing something else: sparse weights stored compressed
+    (bitmasks), and transforms applied at run time (SpinQuant / QuIP rotations of activations or KV), which a
+    reader that ignores them would not apply. Transforms fused into the weights offline change nothing here."""
+    sparsity = config.get("sparsity_config") or {}
+    fmt = sparsity.get("format") or "dense"
+    if fmt != "dense":
+        raise ValueError(f"compressed-tensors sparsity_config format {fmt!r} stores the weights compressed, which "
+                         "tokenmill does not read (only sparsity stored dense, format 'dense')")
+    schemes = ((config.get("transform_config") or {}).get("config_groups") or {}).values()
+    online = sorted({str(args.get("location")) for scheme in schemes for args in scheme.get("apply") or []
+                     if args.get("location") not in ("weight_input", "weight_output")})
+    if online:
+        raise ValueError(f"the compressed-tensors checkpoint's transform_config applies transforms at run time "
+                         f"({', '.join(online)}), which tokenmill does not: its weights expect rotated inputs")
 
 
 def _float_method(group_name: str, group: dict[str, Any], fmt: str) -> QuantMethod:
