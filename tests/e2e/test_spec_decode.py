@@ -485,6 +485,17 @@ def test_an_eagle_head_of_another_width_is_refused(eagle_target_and_head, tmp_pa
             "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2})
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_head_that_is_no_folder_with_config_json_is_a_one_line_error(eagle_target_and_head, tmp_path, method):
+    """A .gguf file (a whole model) or a folder without config.json: transformers' errors (an OSError about JSON,
+    one about a model_type) said neither what the method takes nor that draft_model takes whole models."""
+    (tmp_path / "draft.gguf").write_bytes(b"GGUF")
+    for path, what in ((tmp_path / "draft.gguf", "is a file"), (tmp_path, "is a folder without config.json")):
+        with pytest.raises(ValueError, match=f"takes the EAGLE head's folder .*{what}.*method 'draft_model'"):
+            LLM(eagle_target_and_head[0].path, skip_tokenizer_init=True, speculative_config={
+                "method": method, "model": str(path), "num_speculative_tokens": 2})
+
+
 class ScriptedTreeProposer(ScriptedProposer):
     """Drafts trees of TREE's shape (spec/tree.py) around the known continuation: under each node on the true
     path, the child of a rank chosen per step and node holds the true next token, or (one time in four) no

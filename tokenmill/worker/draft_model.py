@@ -67,7 +67,7 @@ def load_eagle_head(config: EngineConfig, target_config: PretrainedConfig, targe
     from tokenmill.spec.eagle3 import EAGLE3_ARCHITECTURES
 
     path = Path(config.speculative_config.model)
-    head_config = AutoConfig.from_pretrained(path)
+    head_config = _head_config(path, "eagle")
     if set(getattr(head_config, "architectures", None) or ()) & set(EAGLE3_ARCHITECTURES):
         raise ValueError(f"{path} is an EAGLE-3 head: use the speculative method 'eagle3'")
     if head_config.hidden_size != target_config.hidden_size:
@@ -103,7 +103,7 @@ def load_eagle3_head(config: EngineConfig, target_config: PretrainedConfig, targ
     from tokenmill.spec.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Head, aux_layers_of, eagle3_tensor_name
 
     path = Path(config.speculative_config.model)
-    head_config = AutoConfig.from_pretrained(path)
+    head_config = _head_config(path, "eagle3")
     if not set(getattr(head_config, "architectures", None) or ()) & set(EAGLE3_ARCHITECTURES):
         raise ValueError(f"{path} is not an EAGLE-3 head: its config.json names architectures "
                          f"{getattr(head_config, 'architectures', None)}, not one of {list(EAGLE3_ARCHITECTURES)} "
@@ -149,6 +149,16 @@ def load_eagle3_head(config: EngineConfig, target_config: PretrainedConfig, targ
     logger.info("loaded EAGLE-3 head (draft vocabulary %d, target layers %s, %s) in %.1f s", head.draft_vocab_size,
                 list(aux_layers), dtype, time.perf_counter() - start)
     return head.eval()
+
+
+def _head_config(path: Path, method: str) -> PretrainedConfig:
+    """The head folder's config.json, said in a line where there is none (transformers' error for a file is an
+    OSError about JSON, for a folder without it one about a model_type)."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"speculative method {method!r} takes the EAGLE head's folder (config.json and its "
+                         f"tensors); {str(path)!r} is {'a file' if path.is_file() else 'a folder without config.json'}"
+                         f" (a whole draft model, a folder or a .gguf file, takes the method 'draft_model')")
+    return AutoConfig.from_pretrained(path)
 
 
 def _read_tensors(path: Path):
