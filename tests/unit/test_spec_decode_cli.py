@@ -37,6 +37,8 @@ def test_every_engine_command_offers_it(command, capsys):
         main([*command.split(), "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--speculative-config JSON" in help_text and "num_speculative_tokens" in help_text
+    # The draft model's or EAGLE head's path, which draft_model, eagle and eagle3 need, is among the keys listed.
+    assert "prompt_lookup_max, model, disable_by_batch_size" in help_text
 
 
 def test_bench_serve_builds_no_engine_and_has_no_such_flag(capsys):

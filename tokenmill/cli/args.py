@@ -193,7 +193,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
 
 
 def _speculative_keys() -> str:
-    return ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name != "model")  # no draft models yet
+    return ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig))
 
 
 def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
