@@ -34,6 +34,10 @@ SCALES = {
     "calibrated": {"model.layers.0.self_attn.k_proj.k_scale": 0.03, "model.layers.0.self_attn.v_proj.v_scale": 0.02,
                    "model.layers.1.self_attn.k_scale": 0.05, "model.layers.1.self_attn.v_scale": 0.01},
     "saturating": {"model.layers.0.self_attn.kv_scale": 0.001, "model.layers.1.self_attn.kv_scale": 0.002},
+    # compressed-tensors' first kv_cache_scheme: the K and V projections' output scales (were refused: 'no
+    # matching parameter').
+    "output-scales": {"model.layers.0.self_attn.k_proj.output_scale": 0.04,
+                      "model.layers.0.self_attn.v_proj.output_scale": 0.03},
 }
 
 
@@ -44,6 +48,8 @@ def layer_scales(names: dict[str, float]) -> dict[int, tuple[float, float]]:
         layer = int(name.split(".")[2])
         k, v = out.get(layer, (1.0, 1.0))
         kind = name.rsplit(".", 1)[1]
+        if kind == "output_scale":  # of k_proj or v_proj
+            kind = name.rsplit(".", 2)[1][0] + "_scale"
         out[layer] = (value if kind in ("k_scale", "kv_scale") else k, value if kind in ("v_scale", "kv_scale") else v)
     return out
 

@@ -25,13 +25,17 @@ LLAMA_STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
 # or one kv_scale for both (older fp8 exports). They belong to the Attention layer at self_attn.attn.
 _KV_SCALE_NAME = re.compile(r"(?P<attn>.*\.self_attn)(?:\.(?:k_proj|v_proj|qkv_proj|attn))?\."
                             r"(?P<kind>k_scale|v_scale|kv_scale)")
+# compressed-tensors' first kv_cache_scheme quantized the K and V projections' outputs: their output_scale is
+# the layer's K or V scale (as vLLM reads it).
+_KV_OUTPUT_SCALE_NAME = re.compile(r"(?P<attn>.*\.self_attn)\.(?P<kind>k|v)_proj\.output_scale")
 
 
 def kv_scale_targets(name: str) -> list[str] | None:
     """The Attention buffers a checkpoint KV-scale tensor fills; None for any other tensor."""
     match = _KV_SCALE_NAME.fullmatch(name)
     if match is None:
-        return None
+        match = _KV_OUTPUT_SCALE_NAME.fullmatch(name)
+        return None if match is None else [f"{match['attn']}.attn.{match['kind']}_scale"]
     kinds = ("k_scale", "v_scale") if match["kind"] == "kv_scale" else (match["kind"],)
     return [f"{match['attn']}.attn.{kind}" for kind in kinds]
 
