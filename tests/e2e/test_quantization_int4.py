@@ -215,10 +215,10 @@ def test_compressed_tensors_targets_naming_the_unfused_projections(tiny):
 
 
 def test_compressed_tensors_sparsity_and_transforms(tiny):
-    """A pruned model stored dense (sparsity_config format dense, no config_groups) is a dense checkpoint (it was
-    refused: 'without config_groups'). Sparse weights stored compressed, and transforms applied at run time (a
-    reader that ignores them computes without the rotation its weights expect: wrong tokens, silently), are
-    refused naming what."""
+    """A pruned model stored dense (sparsity_config format dense, no config_groups), or one whose transforms are
+    fused into its weights, is a dense checkpoint (both were refused: 'without config_groups'). Sparse weights
+    stored compressed, and transforms applied at run time (a reader that ignores them computes without the
+    rotation its weights expect: wrong tokens, silently), are refused naming what."""
     from tests.e2e.quant_checkpoints import _save
 
     model, root = tiny
@@ -226,8 +226,16 @@ def test_compressed_tensors_sparsity_and_transforms(tiny):
     sparsity = {"format": "dense", "sparsity_structure": "2:4", "global_sparsity": 0.5, "targets": ["Linear"],
                 "ignore": ["lm_head"], "registry_requires_subclass": False}
     pruned = _save(model, root / "pruned", state, {"quant_method": "compressed-tensors", "sparsity_config": sparsity})
-    quality = quant_quality(engine(_save(model, root / "unpruned", state, None)), engine(pruned), TINY_TEXT)
-    assert quality.top1_agreement == 1.0 and quality.mean_kl < 1e-6, quality
+    # As today's compressed-tensors writes a model whose rotations (SpinQuant R1) are fused into its weights.
+    fused = {"type": "hadamard", "apply": [{"targets": ["re:.*mlp.down_proj$"], "location": "weight_input"},
+                                           {"targets": ["re:.*mlp.up_proj$"], "location": "weight_output",
+                                            "inverse": True}]}
+    rotated = _save(model, root / "rotated", state, {"quant_method": "compressed-tensors", "sparsity_config": {},
+                                                     "transform_config": {"config_groups": {"R1": fused}}})
+    unpruned = engine(_save(model, root / "unpruned", state, None))
+    for dense in (pruned, rotated):
+        quality = quant_quality(unpruned, engine(dense), TINY_TEXT)
+        assert quality.top1_agreement == 1.0 and quality.mean_kl < 1e-6, quality
     quantized, _ = write_int4(model, root / "transforms", "ct", 4, 64, sym=False)
     config_file = f"{quantized}/config.json"
     written = open(config_file).read()

@@ -10,12 +10,15 @@ FP8 weights (the same layout: compressed-tensors names FP8 weight-only schemes, 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tokenmill.layers.quant.base import QuantConfig, QuantMethod, matches_any
 from tokenmill.layers.quant.compressed_tensors_packed import packed_method
 from tokenmill.layers.quant.fp8 import Fp8Config, Fp8LinearMethod, block_size_of
 from tokenmill.layers.quant.unquantized import UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_FORMATS = ("float-quantized", "naive-quantized", "pack-quantized")
 
@@ -29,7 +32,8 @@ class CompressedTensorsConfig(QuantConfig):
 
     @classmethod
     def from_checkpoint(cls, config: dict[str, Any]) -> CompressedTensorsConfig | None:
-        """None: nothing is quantized (a pruned model stored dense), the checkpoint loads as a dense one."""
+        """None: nothing is quantized (a pruned model stored dense, or one whose rotations are fused into its
+        weights), the checkpoint loads as a dense one."""
         _check_sparsity_and_transforms(config)
         groups = []
         for name, group in (config.get("config_groups") or {}).items():
@@ -39,10 +43,9 @@ class CompressedTensorsConfig(QuantConfig):
                                  f"{', '.join(SUPPORTED_FORMATS)})")
             method = packed_method(name, group) if fmt == "pack-quantized" else _float_method(name, group, fmt)
             groups.append((list(group.get("targets") or ["Linear"]), method))
-        if not groups:
-            if config.get("sparsity_config"):  # 2:4 or unstructured pruning alone, its zeros stored as they are
-                return None
-            raise ValueError("compressed-tensors checkpoint without config_groups")
+        if not groups:  # pruning or offline transforms alone: no quantized tensor (as vLLM, all layers dense)
+            logger.info("the compressed-tensors checkpoint quantizes no layer (no config_groups): loaded dense")
+            return None
         return cls(groups, list(config.get("ignore") or []))
 
     def linear_method(self, layer_name: str, part_names: list[str] | None = None) -> QuantMethod:
