@@ -251,3 +251,19 @@ def test_compressed_tensors_sparsity_and_transforms(tiny):
         open(config_file, "w").write(json.dumps(config))
         with pytest.raises(ValueError, match=message):
             engine(quantized)
+
+
+@pytest.mark.parametrize("fmt,act_order", [("gptq", True), ("awq", False), ("ct", False), ("ct", True)])
+def test_a_dummy_load_of_a_quantized_checkpoint_serves(tiny, fmt, act_order):
+    """load_format dummy (random weights, to measure speed) with a quantized checkpoint's config: every
+    parameter was filled with random floats, compressed-tensors' weight_shape too, whose check then refused the
+    load ('weight_shape [[0, 0], ...]: not 128 input features'); the format's metadata now stays as made."""
+    from tokenmill import SamplingParams
+
+    model, root = tiny
+    quantized, _ = write_int4(model, root / "dummy", fmt, 4, 32, sym=False, act_order=act_order)
+    llm = engine(quantized, load_format="dummy")
+    assert layers_of(llm)[0].mlp.down_proj.weight_packed.dtype == torch.int32
+    out = llm.generate({"prompt_token_ids": TINY_TEXT[:5]}, SamplingParams(temperature=0, max_tokens=4),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

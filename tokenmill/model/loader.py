@@ -320,6 +320,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for param in model.parameters():
+        if getattr(param, "kept_by_dummy_load", False):  # a format's metadata (a shape its reader checks)
+            continue
         values = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(-1e-3, 1e-3, generator=generator)
         param.data.copy_(values)
     for name, module in model.named_modules():

@@ -54,8 +54,12 @@ class PackQuantizedLinearMethod(IntWeightMethod):
         # float32 holds fp16 and bf16 scales exactly; the repack narrows them back (w4a16.narrow_exactly).
         layer.weight_scale = layer.make_param(torch.empty(n, groups, dtype=torch.float32), output_dim=0,
                                               input_dim=scale_input, input_block=per_group)
-        layer.weight_shape = layer.make_param(torch.empty(parts, 2, dtype=torch.int64))
+        # The dense shape each part's checkpoint states, which unpack checks; a dummy load keeps what is made here.
+        k_total = k * (layer.tp_size if layer.tp_dim == 1 else 1)
+        layer.weight_shape = layer.make_param(torch.tensor([[size, k_total] for size in
+                                                            layer.checkpoint_partition_sizes()], dtype=torch.int64))
         layer.weight_shape.weight_loader = per_part_loader(layer)
+        layer.weight_shape.kept_by_dummy_load = True
         if not self.symmetric:
             layer.weight_zero_point = layer.make_param(torch.empty(n // pack, groups, dtype=torch.int32),
                                                        output_dim=0, input_dim=scale_input, output_block=pack,
