@@ -485,6 +485,27 @@ def test_an_eagle_head_of_another_width_is_refused(eagle_target_and_head, tmp_pa
             "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2})
 
 
+def test_an_eagle_head_trained_on_fewer_positions_drafts_past_them(eagle_target_and_head, eagle_plain, tmp_path):
+    """An EAGLE head's config states the length it was trained at, often below the target's (8192 beside a 128K
+    target). RoPE has no learned positions: the head drafts at every position the target reaches, as EAGLE-3 heads
+    do (it was refused: 'the EAGLE head takes 32 positions, fewer than max_model_len=128')."""
+    import json
+    import shutil
+
+    target, head = eagle_target_and_head
+    short = tmp_path / "head"
+    shutil.copytree(head, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", **ENGINES["default"],
+              speculative_config={"method": "eagle", "model": str(short), "num_speculative_tokens": 3})
+    always_draft(llm)
+    outputs = llm.generate(*workload(), use_tqdm=False)  # most of the sequences run past position 32
+    assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in eagle_plain for c in o.outputs]
+    stats = llm.engine.last_stats.spec_decoding
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.3, stats
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_an_eagle_head_that_is_no_folder_with_config_json_is_a_one_line_error(eagle_target_and_head, tmp_path, method):
     """A .gguf file (a whole model) or a folder without config.json: transformers' errors (an OSError about JSON,

@@ -73,7 +73,10 @@ def load_eagle_head(config: EngineConfig, target_config: PretrainedConfig, targe
     if head_config.hidden_size != target_config.hidden_size:
         raise ValueError(f"the EAGLE head's hidden size ({head_config.hidden_size}) is not the target's "
                          f"({target_config.hidden_size})")
-    check_fits("the EAGLE head", head_config, target_config, max_model_len)
+    check_fits("the EAGLE head", head_config, target_config, max_model_len=0)  # positions: as EAGLE-3's below
+    # RoPE has no learned positions: the head's table covers every position the target may reach (heads ship the
+    # length they were trained at, often below the target's, e.g. 8192 for a 128K target).
+    head_config.max_position_embeddings = max(getattr(head_config, "max_position_embeddings", 0), max_model_len)
     target_embed = getattr(getattr(target, "model", None), "embed_tokens", None)
     if target_embed is None:
         raise ValueError(f"EAGLE needs a target with a Llama-style embedding (model.embed_tokens); "
