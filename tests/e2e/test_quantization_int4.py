@@ -267,3 +267,21 @@ def test_a_dummy_load_of_a_quantized_checkpoint_serves(tiny, fmt, act_order):
     out = llm.generate({"prompt_token_ids": TINY_TEXT[:5]}, SamplingParams(temperature=0, max_tokens=4),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_compressed_tensors_regexes_match_from_the_names_start(tiny):
+    """compressed-tensors matches `re:` targets and ignores with re.match, from the name's start (not to its end, a
+    `$` ends them): `re:.*layers.1.` ignores all of layer 1, `re:.*self_attn` targets every attention projection.
+    Matched whole, layer 1's dense weights were refused ('has no matching parameter')."""
+    model, root = tiny
+    quantized, dense = write_int4(model, root / "prefix", "ct", 4, 64, sym=False, skip=("layers.1.",))
+    config = json.loads(open(f"{quantized}/config.json").read())
+    assert config["quantization_config"]["ignore"] == ["lm_head", "re:.*layers.1."]
+    config["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:.*self_attn", "re:.*mlp"]
+    open(f"{quantized}/config.json", "w").write(json.dumps(config))
+    llm = engine(quantized)
+    first, second = layers_of(llm)
+    assert first.self_attn.qkv_proj.weight_packed.dtype == first.mlp.down_proj.weight_packed.dtype == torch.int32
+    assert second.self_attn.qkv_proj.weight.dtype == second.mlp.down_proj.weight.dtype == torch.float32
+    quality = quant_quality(engine(dense), llm, TINY_TEXT)
+    assert quality.top1_agreement >= 0.9 and quality.mean_kl < 1e-3, quality

@@ -94,10 +94,12 @@ class QuantConfig(ABC):
 
 def matches_any(module_name: str, patterns: list[str]) -> bool:
     """Exclusion lists name modules whole (`lm_head`), by suffix or component (`mlp.gate`, `down_proj`,
-    as `modules_to_not_convert` does), or by regular expression (`re:.*q_proj`, compressed-tensors)."""
+    as `modules_to_not_convert` does), or by regular expression (`re:.*q_proj`, compressed-tensors), which
+    matches from the name's start, as compressed-tensors (and vLLM) match it: `re:.*layers.1.` takes all of
+    layer 1, and a pattern ends where it is written with `$`."""
     for pattern in patterns:
         if pattern.startswith("re:"):
-            if re.fullmatch(pattern[3:], module_name):
+            if re.match(pattern[3:], module_name):
                 return True
         elif (module_name == pattern or module_name.endswith("." + pattern)
               or f".{pattern}." in f".{module_name}."):

@@ -96,7 +96,7 @@ class GptqConfig(QuantConfig):
         ignored = list(config.get("modules_to_not_convert") or [])
         for key, override in (config.get("dynamic") or {}).items():
             if key.startswith("-:"):  # GPTQModel: re.match, anchored at the start only
-                ignored.append(f"re:(?:{key[2:]}).*")
+                ignored.append(f"re:{key[2:]}")
                 continue
             changed = {f: v for f, v in (override or {}).items()
                        if f in ("bits", "group_size", "desc_act", "sym") and v != config.get(f)}
