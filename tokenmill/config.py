@@ -274,6 +274,10 @@ class SpeculativeConfig:
     load_format); eagle, eagle3: the EAGLE head's folder (config.json, safetensors or pytorch_model.bin)."""
     disable_by_batch_size: int | None = None
     """Draft nothing in steps with more running requests than this (None: the step-cost policy decides)."""
+    draft_tensor_parallel_size: int | None = None
+    """vLLM's placement of the drafter: 1 or the target's tensor_parallel_size, as vLLM takes. The drafter (a draft
+    model, an EAGLE head, the MTP layer) always shards over the target's ranks as the target does: 1 only names
+    another placement of the same drafts."""
     speculative_token_tree: Any = None
     """eagle, eagle3: draft a tree rather than a chain, verified in one pass under a tree attention mask. A list
     of paths from the root (tuples or lists, or vLLM's string of them), each a node: index i at a level is the
@@ -285,7 +289,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         # Values from JSON or Python alike: a string for a number is named here, not a TypeError further on.
         for name, kind in (("method", str), ("model", str), ("num_speculative_tokens", int),
-                           ("prompt_lookup_min", int), ("prompt_lookup_max", int), ("disable_by_batch_size", int)):
+                           ("prompt_lookup_min", int), ("prompt_lookup_max", int), ("disable_by_batch_size", int),
+                           ("draft_tensor_parallel_size", int)):
             value = getattr(self, name)
             if value is not None and type(value) is not kind:
                 what = "an integer" if kind is int else "a string"
@@ -493,6 +498,10 @@ class EngineConfig:
             # The drafter needs the target's embedding and last hidden states, which live on different stages.
             raise ValueError(f"speculative method {spec.method!r} does not run pipeline-parallel yet: use "
                              "pipeline_parallel_size 1, or the ngram method")
+        tp = self.parallel_config.tensor_parallel_size
+        if spec is not None and spec.draft_tensor_parallel_size not in (None, 1, tp):
+            raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 or the target's "
+                             f"tensor_parallel_size ({tp}), got {spec.draft_tensor_parallel_size}")
         if spec is not None and spec.model is not None and not os.path.exists(spec.model):
             # Said now, not once the target has loaded (a draft model or head is a local folder or file).
             raise ValueError(f"speculative_config model {spec.model!r} does not exist: pass the draft model's or "

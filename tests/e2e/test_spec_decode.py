@@ -485,6 +485,22 @@ def test_an_eagle_head_of_another_width_is_refused(eagle_target_and_head, tmp_pa
             "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2})
 
 
+def test_vllms_draft_tensor_parallel_size_is_taken(eagle_target_and_head):
+    """vLLM's EAGLE examples pass draft_tensor_parallel_size (1, or the target's size), which was refused as an
+    unknown key. The drafter shards over the target's ranks whatever it says; other values are refused, as vLLM
+    refuses them."""
+    target, head = eagle_target_and_head
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
+    llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", kv_cache_space=0.01,
+              speculative_config=spec)
+    always_draft(llm)
+    llm.generate(SHORT_PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.last_stats.spec_decoding.num_draft_tokens > 0
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size must be 1 or the target's "
+                                         r"tensor_parallel_size \(1\), got 2"):
+        EngineConfig.from_kwargs(target.path, speculative_config={**spec, "draft_tensor_parallel_size": 2})
+
+
 def test_an_eagle_head_trained_on_fewer_positions_drafts_past_them(eagle_target_and_head, eagle_plain, tmp_path):
     """An EAGLE head's config states the length it was trained at, often below the target's (8192 beside a 128K
     target). RoPE has no learned positions: the head drafts at every position the target reaches, as EAGLE-3 heads

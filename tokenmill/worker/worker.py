@@ -129,6 +129,10 @@ class Worker:
         self.moe_exchanges = [m for m in self.model.modules() if isinstance(m, FusedMoE) and m.exchange is not None]
         self.attn_backend = get_attention_backend(config.device_config.attention_backend, self.device)
         speculative = config.speculative_config
+        tp = config.parallel_config.tensor_parallel_size
+        if speculative is not None and speculative.draft_tensor_parallel_size == 1 and tp > 1 and rank == 0:
+            logger.info("speculative_config draft_tensor_parallel_size 1: the drafter shards over the target's %d "
+                        "ranks, as the target does (the same drafts)", tp)
         self.draft_model = None
         self.draft_attn_layers: list[Attention] = []
         # A drafter's experts (an MTP layer's, a mixture-of-experts draft model's) stay within the replica.
