@@ -251,6 +251,24 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "gguf")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "deepseek_mtp")
 """Proposers a user can name; spec/proposers.py maps each to its class."""
 
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+"""The `architectures` of EAGLE-3 Llama heads' config.json (the published checkpoints, SGLang's name)."""
+
+
+def infer_speculative_method(model: str) -> str:
+    """The method of a speculative_config that names a `model` but no method, as vLLM infers it: an EAGLE-3 head
+    by its config.json's architectures or an "eagle3" in its name, an EAGLE-1 head by an "eagle-" in its name
+    (yuhuili/EAGLE-LLaMA3-Instruct-8B), else a draft model."""
+    name = os.path.basename(os.path.normpath(model)).lower()
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or ()
+    except (OSError, ValueError, AttributeError):  # no folder (a .gguf), or no readable config: by its name
+        architectures = ()
+    if set(architectures) & set(EAGLE3_ARCHITECTURES) or "eagle3" in name:
+        return "eagle3"
+    return "eagle" if "eagle-" in name else "draft_model"
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -358,8 +376,10 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        if "method" not in value or "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        if value.get("method") is None and isinstance(value.get("model"), str):  # vLLM's spelling for a draft model
+            value = {**value, "method": infer_speculative_method(value["model"])}
+        if value.get("method") is None or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'method' (or a 'model') and 'num_speculative_tokens'")
         return cls(**value)
 
 

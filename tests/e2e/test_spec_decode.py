@@ -485,6 +485,30 @@ def test_an_eagle_head_of_another_width_is_refused(eagle_target_and_head, tmp_pa
             "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2})
 
 
+def test_a_config_naming_a_model_without_a_method_takes_vllms_inference(tiny_llama, eagle_target_and_head, tmp_path):
+    """vLLM's draft-model spelling names the model and no method ({"model": ..., "num_speculative_tokens": 5}); it
+    was refused ('needs 'method''). As vLLM, the method comes from the model: an EAGLE-3 head by its config's
+    architectures (or "eagle3" in its name), an EAGLE-1 head by "eagle-" in its name, else a draft model."""
+    import json
+    import shutil
+
+    from tokenmill.config import SpeculativeConfig
+
+    target, head = eagle_target_and_head
+    eagle1 = tmp_path / "EAGLE-tiny-head"
+    shutil.copytree(head, eagle1)
+    eagle3 = tmp_path / "tiny-head"
+    eagle3.mkdir()
+    (eagle3 / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    for model, method in ((tiny_llama.path, "draft_model"), (eagle1, "eagle"), (eagle3, "eagle3")):
+        assert SpeculativeConfig.from_dict({"model": str(model), "num_speculative_tokens": 2}).method == method
+    llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", kv_cache_space=0.01,
+              speculative_config={"model": str(eagle1), "num_speculative_tokens": 2})
+    always_draft(llm)
+    llm.generate(SHORT_PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.last_stats.spec_decoding.num_accepted_tokens > 0  # the head drafts as the target would
+
+
 def test_vllms_draft_tensor_parallel_size_is_taken(eagle_target_and_head):
     """vLLM's EAGLE examples pass draft_tensor_parallel_size (1, or the target's size), which was refused as an
     unknown key. The drafter shards over the target's ranks whatever it says; other values are refused, as vLLM

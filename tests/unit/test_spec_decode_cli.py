@@ -52,7 +52,7 @@ def test_bench_serve_builds_no_engine_and_has_no_such_flag(capsys):
     ('{"method": "ngram", "num_speculative_tokens": 4', ["is not valid JSON", "Expecting", VLLM_SPELLING]),
     ("ngram", ["is not valid JSON"]),
     ('[4]', ["must be a JSON object"]),
-    ('{"method": "ngram"}', ["needs 'method' and 'num_speculative_tokens'"]),
+    ('{"method": "ngram"}', ["needs 'method' (or a 'model') and 'num_speculative_tokens'"]),
     ('{"method": "medusa", "num_speculative_tokens": 4}', ["'medusa' is not supported", "ngram"]),
     ('{"method": "eagle3", "num_speculative_tokens": 4}', ["'eagle3' needs a 'model'"]),
     ('{"method": "eagle", "num_speculative_tokens": 4}', ["'eagle' needs a 'model'"]),

@@ -28,9 +28,6 @@ from tokenmill.sample.sampler import greedy_ids
 from tokenmill.spec.eagle import EagleProposer
 from tokenmill.worker.request_state import RequestStates
 
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-"""The `architectures` of EAGLE-3 Llama heads' config.json (the published checkpoints, SGLang's name)."""
-
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """The layers EAGLE-3 heads are trained on unless their config names others: early, middle, late."""

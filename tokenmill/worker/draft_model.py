@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EAGLE3_ARCHITECTURES, EngineConfig
 from tokenmill.distributed.parallel_state import get_tp_size
 from tokenmill.layers.attention import Attention
 from tokenmill.model.loader import load_hf_config, load_model
@@ -64,7 +64,6 @@ def load_eagle_head(config: EngineConfig, target_config: PretrainedConfig, targe
     (unless it brings one) and LM head."""
     from tokenmill.layers.quant import process_weights_after_loading
     from tokenmill.spec.eagle import EagleHead, eagle_tensor_name
-    from tokenmill.spec.eagle3 import EAGLE3_ARCHITECTURES
 
     path = Path(config.speculative_config.model)
     head_config = _head_config(path, "eagle")
@@ -103,7 +102,7 @@ def load_eagle3_head(config: EngineConfig, target_config: PretrainedConfig, targ
     """The EAGLE-3 head of `speculative_config.model` (spec/eagle3.py), checked against the target, which
     is set to also return its residual stream at the head's auxiliary layers."""
     from tokenmill.layers.quant import process_weights_after_loading
-    from tokenmill.spec.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Head, aux_layers_of, eagle3_tensor_name
+    from tokenmill.spec.eagle3 import Eagle3Head, aux_layers_of, eagle3_tensor_name
 
     path = Path(config.speculative_config.model)
     head_config = _head_config(path, "eagle3")
