@@ -2,7 +2,8 @@
 (tests only): metadata under `<arch>.*`, experts stacked into `blk.N.ffn_{gate,up,down}_exps` [E, rows, cols],
 the router `ffn_gate_inp` (never quantized, as llama.cpp's quantizer leaves it), Qwen2-MoE's shared expert
 `ffn_*_shexp` with its gate `ffn_gate_inp_shexp` a vector [H], and, for Mixtral (llama.cpp's arch "llama"
-with an expert count), q/k rows permuted into llama.cpp's rotary layout. Phi-3 as llama.cpp's converter writes
+with an expert count), q/k rows permuted into llama.cpp's rotary layout, and Llama 3's RoPE scaling as the
+`rope_freqs` tensor of per-band frequency divisors. Phi-3 as llama.cpp's converter writes
 it: fused `attn_qkv` and `ffn_up` (gate and up), the rotary dimensions, the sliding window (0: none), and for
 LongRoPE the pretrained context, the attention factor and the two factor vectors as tensors.
 
@@ -54,6 +55,24 @@ def _llama_rotary_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _llama3_rope_factors(config, head_dim: int) -> np.ndarray:
+    """Llama 3.1 / 3.2's RoPE scaling as llama.cpp's converter stores it: each band's frequency divisor."""
+    rope = config.rope_parameters
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(divisors, dtype=np.float32)
+
+
 def _add_phi3_metadata(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
     rope = config.rope_parameters
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -98,6 +117,8 @@ def write_gguf(model: torch.nn.Module, path: str, quant_type: GGMLQuantizationTy
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
+        if config.rope_parameters.get("rope_type") == "llama3":
+            writer.add_tensor(TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS] + ".weight", _llama3_rope_factors(config, head_dim))
         if config.model_type == "mixtral":
             writer.add_expert_count(config.num_local_experts)
     elif arch == "phi3":

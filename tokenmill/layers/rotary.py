@@ -75,6 +75,12 @@ class RotaryEmbedding(nn.Module):
             with torch.device("cpu" if device.type == "meta" else device):
                 if rope_type == "default":
                     inv_freq, scale = _default_inv_freq(params["rope_theta"], self.rotary_dim), 1.0
+                    divisors = getattr(config, "rope_freq_divisors", None)  # from a GGUF file (model.gguf_rope)
+                    if divisors is not None:
+                        if len(divisors) != len(inv_freq):
+                            raise ValueError(f"the GGUF file's rope_freqs holds {len(divisors)} frequency divisors; "
+                                             f"the model rotates {len(inv_freq)} bands")
+                        inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float32, device=inv_freq.device)
                 else:
                     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
                 cache = _cos_sin_table(inv_freq, scale, max_position)
