@@ -98,6 +98,7 @@ def _name_architecture_from_model_type(config: PretrainedConfig, config_file: st
 def _gguf_config(path: str) -> PretrainedConfig:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from tokenmill.model.gguf_gemma2 import gemma2_config
     from tokenmill.model.gguf_moe import moe_config
     from tokenmill.model.gguf_phi3 import phi3_config
     from tokenmill.model.gguf_rope import rope_freqs_config
@@ -116,6 +117,7 @@ def _gguf_config(path: str) -> PretrainedConfig:
     config = moe_config(path, config)  # the experts' fields transformers leaves out; Mixtral's class
     config = phi3_config(path, config)  # Phi-3's rotary dimensions, sliding window and LongRoPE
     config = rope_freqs_config(path, config)  # Llama 3's RoPE scaling, stored as a tensor
+    config = gemma2_config(path, config)  # Gemma 2's soft-caps and query scale
     # GGUF metadata names the family but not the class.
     if not getattr(config, "architectures", None):
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
