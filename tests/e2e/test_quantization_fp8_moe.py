@@ -4,7 +4,8 @@ A tiny Qwen3-MoE written as the Qwen3-30B-A3B-FP8 / DeepSeek-V3 releases are (qu
 weight_block_size, per-expert e4m3 `weight` + `weight_scale_inv`; 32 x 32 blocks at this size) is compared
 with its dequantized dense twin under the dense FP8 tests' bounds (test_quantization_fp8.py says why they
 hold and can fail), in every engine mode, and over two tensor-parallel or expert-parallel ranks against
-one. Online `--quantization fp8` quantizes the experts too (one scale per output row), the routers stay dense.
+one. Online `--quantization fp8` quantizes the experts too (one scale per output row), the routers stay dense;
+per-channel and per-tensor FP8 checkpoints (compressed-tensors, HF fp8) load their scales as per-row ones.
 Measured on the CPU (2026-12-02, deterministic): top-1 0.969, KL 0.0062 against the twin; online against the
 float32 model (weights rounded too) top-1 0.908, KL 0.0116; the experts' down scales doubled: KL 0.136.
 """
@@ -28,7 +29,7 @@ from tests.e2e.quant_checkpoints import (
 from tests.e2e.quant_checkpoints import _save as save_checkpoint
 from tests.e2e.test_quantization_fp8 import MODES, _mode_tokens
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.quant_quality import quant_quality
+from tokenmill.bench.quant_quality import compare, prompt_distributions, quant_quality
 from tokenmill.config import ModelConfig
 from tokenmill.distributed import parallel_state
 from tokenmill.layers.moe import FusedMoE
@@ -182,3 +183,49 @@ def test_fp8_moe_kernel_in_the_engine_on_the_gpu(checkpoint, online):
     if not online:  # against its dequantized twin only the kernel's arithmetic differs; online fp8 rounds the
         # weights too, so a tiny random model's near-ties may flip early (the quality bounds above judge it)
         assert sum(same) >= 32, same
+
+
+@pytest.fixture(scope="module", params=["ct-channel", "ct-tensor", "hf-tensor"])
+def scaled_checkpoint(request, tmp_path_factory):
+    """(fp8 checkpoint with one scale per output row or per projection, its dequantized twin): compressed-tensors
+    channel / tensor strategy (llm-compressor's FP8-dynamic releases), and HF fp8 per-tensor."""
+    model, root = tiny_moe_model(seed=1), tmp_path_factory.mktemp(request.param)
+    return write_fp8(model, root, request.param, state=per_expert_state(model))
+
+
+def test_fp8_experts_with_row_or_tensor_scales_mean_what_their_twin_means(scaled_checkpoint):
+    """Each expert's scales become per-row scales (a projection's one scale on each of its rows): the checkpoint
+    against its dequantized twin within the block checkpoint's bounds."""
+    quantized, dense = scaled_checkpoint
+    llm = engine(quantized)
+    for layer in _experts(llm):
+        assert layer.w13_weight.dtype == FP8 and layer.w13_weight_scale_inv.shape == (8, 128, 1)
+        assert layer.w2_weight.dtype == FP8 and layer.w2_weight_scale_inv.shape == (8, 64, 1)
+    quality = quant_quality(engine(dense), llm, TINY_TEXT)
+    assert quality.top1_agreement >= 0.9 and quality.mean_kl < 0.01, quality
+
+
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+def test_row_scaled_fp8_experts_on_two_ranks(scaled_checkpoint, parallel):
+    """TP: each rank takes its gate/up rows' scales and every down row's (down's rows are the hidden features,
+    which tensor parallelism does not split); EP: four whole experts per rank. Against the dequantized twin within
+    the same bounds (the tokens themselves may differ from one rank's: this checkpoint has a near-tie in its
+    second prompt, which the ranks' other summation order flips)."""
+    quantized, dense = scaled_checkpoint
+    llm = engine(quantized, tensor_parallel_size=2, max_num_batched_tokens=24, **PARALLEL[parallel])
+    try:
+        assert _experts(llm)[0].w2_weight_scale_inv.shape == (4 if PARALLEL[parallel] else 8, 64, 1)
+        two_ranks = prompt_distributions(llm, TINY_TEXT)
+    finally:
+        llm.engine.core.shutdown()  # first: no other engine may run beside a multi-process one in this process
+    quality = compare(prompt_distributions(engine(dense), TINY_TEXT), two_ranks)
+    assert quality.top1_agreement >= 0.9 and quality.mean_kl < 0.01, quality
+
+
+def test_experts_with_static_activation_scales_are_refused(tmp_path):
+    """The experts' kernel keeps activations 16-bit: a checkpoint that quantizes them with static scales would
+    be computed otherwise than it says."""
+    model = tiny_moe_model(seed=1)
+    quantized, _ = write_fp8(model, tmp_path, "ct-tensor", input_scale=0.05, state=per_expert_state(model))
+    with pytest.raises(ValueError, match="does not load for MoE experts yet"):
+        engine(quantized)

@@ -43,8 +43,9 @@ from tokenmill.layers.moe_all_to_all import ExpertExchange
 from tokenmill.layers.moe_routing import expert_range, fused_experts_torch, routed_experts_of, select_experts
 
 # Hugging Face's per-expert checkpoint tensors: <prefix>.experts.<e>.<projection>.weight
-# (and, FP8 block checkpoints, .weight_scale_inv)
-_PER_EXPERT = re.compile(r"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<part>weight(_scale_inv)?)")
+# (and, FP8 checkpoints, .weight_scale_inv or .weight_scale: the w13_ / w2_weight_scale_inv parameters)
+_PER_EXPERT = re.compile(
+    r"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<part>weight(_scale_inv|_scale)?)")
 # transformers 5's in-memory layout (save_pretrained(save_original_format=False) writes it): every expert at
 # once, gate_up_proj [E, 2 * I, H] ([gate | up] rows) and down_proj [E, H, I].
 _ALL_EXPERTS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)")
@@ -155,11 +156,16 @@ class FusedMoE(nn.Module):
         rank = self.shard_rank
         # The intermediate features of this rank in `param`: I / shards, or (block scales) I / shards / b.
         size = param.shape[2] if shard == "down" else param.shape[1] // 2
-        if shard == "down":
-            target, source = param.data[local], loaded.narrow(1, rank * size, size)
+        offset = size if shard == "up" else 0
+        target = param.data[local] if shard == "down" else param.data[local, offset : offset + size]
+        if param.moe_part != "weight" and loaded.numel() == 1:  # a per-tensor scale: each of its rows takes it
+            source = loaded.reshape(1, 1).expand_as(target)
+        elif shard == "down" and loaded.shape[-1] == 1 == param.shape[2]:  # per-row scales: down's rows are whole
+            source = loaded
+        elif shard == "down":
+            source = loaded.narrow(1, rank * size, size)
         else:
-            offset = 0 if shard == "gate" else size
-            target, source = param.data[local, offset : offset + size], loaded.narrow(0, rank * size, size)
+            source = loaded.narrow(0, rank * size, size)
         if target.shape != source.shape:
             raise ValueError(f"expert {expert} {shard}: shape mismatch, parameter slice {tuple(target.shape)}, "
                              f"checkpoint slice {tuple(source.shape)}")
@@ -263,7 +269,8 @@ def expert_weight_target(moe_layers: dict[str, FusedMoE], name: str) -> tuple[st
         if match["part"] not in parts:
             return None  # a scale of experts that hold none: reported as a tensor without a parameter
         if shard is not None:
-            param = ("w2_" if shard == "down" else "w13_") + match["part"]
+            param = ("w2_" if shard == "down" else "w13_") + ("weight" if match["part"] == "weight" else
+                                                              "weight_scale_inv")
             return f"{match['prefix']}.{param}", (shard, int(match["expert"]))
     match = _ALL_EXPERTS.fullmatch(name)
     if match is not None and match["prefix"] in moe_layers:

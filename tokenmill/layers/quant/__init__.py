@@ -112,7 +112,7 @@ def check_moe_experts(model: nn.Module, config: QuantConfig) -> None:
             continue
         raise ValueError(f"{name}: the checkpoint stores mixture-of-experts weights quantized with "
                          f"{config.name!r} ({config.describe()}), which tokenmill does not load for MoE experts "
-                         "yet (only unquantized experts, fp8 with block scales, or GGUF); use the unquantized "
+                         "yet (only unquantized experts, fp8 with dynamic activations, or GGUF); use the unquantized "
                          "checkpoint")
 
 

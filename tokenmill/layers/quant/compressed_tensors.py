@@ -58,6 +58,15 @@ class CompressedTensorsConfig(QuantConfig):
         group = found.pop()
         return UnquantizedLinearMethod() if group is None else self.groups[group][1]
 
+    def moe_method(self, layer_name: str) -> Any:
+        """FP8 experts (float-quantized, any weight strategy, dynamic activations) load as layers.quant.fp8_moe
+        holds them; integer (pack-quantized) experts have no MoE path."""
+        group = self._group_of(f"{layer_name}.0")  # the experts' modules: <layer>.<expert>.<projection>
+        method = None if group is None else self.groups[group][1]
+        if not isinstance(method, Fp8LinearMethod):
+            return None
+        return method.config.moe_method(layer_name)
+
     def _group_of(self, module_name: str) -> int | None:
         """The first config group whose targets take the module, None for none."""
         return next((i for i, (targets, _) in enumerate(self.groups)

@@ -249,9 +249,9 @@ class Fp8Config(QuantConfig):
         return Fp8LinearMethod(self)
 
     def moe_method(self, layer_name: str) -> Any:
-        """Block-quantized checkpoints and online quantization (per row); per-tensor or per-channel FP8
-        checkpoints of experts have no loader yet."""
-        if self.checkpoint_fp8 and not self.block:
+        """FP8 checkpoints (block, channel or tensor scales) and online quantization (per row); static activation
+        scales have no MoE path (the experts' kernel keeps activations 16-bit)."""
+        if self.static_activations:
             return None
         from tokenmill.layers.quant.fp8_moe import Fp8MoEMethod
 

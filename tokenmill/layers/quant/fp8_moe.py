@@ -6,8 +6,11 @@ Two forms, as the dense Fp8LinearMethod has:
   [E, H / b, I / b], loaded from each expert's gate/up/down `weight` and `weight_scale_inv`. Tensor
   parallelism slices every expert's intermediate features at block granularity: a split that cuts a block
   is refused.
-- channel (`--quantization fp8` on a 16-bit checkpoint): the 16-bit experts load as usual, then each expert
-  is quantized with one scale per output row, w13_weight_scale_inv [E, 2I, 1] and w2_weight_scale_inv [E, H, 1].
+- channel: one scale per output row, w13_weight_scale_inv [E, 2I, 1] and w2_weight_scale_inv [E, H, 1]. From a
+  per-channel FP8 checkpoint (compressed-tensors `strategy: channel`, as llm-compressor's FP8-dynamic releases
+  store experts: each projection's `weight_scale` [rows, 1]; a tensor-parallel rank takes its gate/up rows'
+  scales and all of down's), or per-tensor (one `weight_scale` per projection, given to each of its rows), or
+  `--quantization fp8` on a 16-bit checkpoint: the 16-bit experts load as usual, then each expert is quantized.
 
 The CPU path dequantizes one expert at a time inside the expert loop and computes the dense FP8 CPU path's
 W8A8 math (fp8_linear_torch: activations quantized per token, or per token and b-wide group with block
@@ -40,12 +43,24 @@ class Fp8MoEMethod:
         """The scales' square block, 0 for one scale per output row."""
         return self.config.block if self.config.checkpoint_fp8 else 0
 
+    @property
+    def scale_part(self) -> str:
+        """The checkpoint's name of each projection's scale tensor."""
+        return self.config.block_scale_name if self.block else "weight_scale"
+
     def create_weights(self, layer: FusedMoE) -> None:
         if not self.config.checkpoint_fp8:  # online: 16-bit weights load, process_weights_after_loading quantizes
             return
         b = self.block
         experts, two_inter, hidden = layer.w13_weight.shape
         inter = two_inter // 2
+        if not b:  # one scale per output row (per-tensor checkpoints fill each projection's rows with theirs)
+            layer.w13_weight = layer._param(torch.empty(experts, two_inter, hidden, dtype=FP8))
+            layer.w2_weight = layer._param(torch.empty(experts, hidden, inter, dtype=FP8))
+            f32 = torch.float32
+            layer.w13_weight_scale_inv = layer._param(torch.empty(experts, two_inter, 1, dtype=f32), self.scale_part)
+            layer.w2_weight_scale_inv = layer._param(torch.empty(experts, hidden, 1, dtype=f32), self.scale_part)
+            return
         if inter % b or hidden % b:
             cut = (f"; tensor-parallel size {layer.tp_size} cuts a block (use a smaller tensor-parallel size, or "
                    "enable_expert_parallel, which keeps experts whole)" if layer.tp_size > 1 and
@@ -57,13 +72,13 @@ class Fp8MoEMethod:
         # [E, 2I / b, H / b] and [E, H / b, I / b]: the [gate | up] block rows, as the weight's rows
         f32 = torch.float32
         layer.w13_weight_scale_inv = layer._param(torch.empty(experts, two_inter // b, hidden // b, dtype=f32),
-                                                 "weight_scale_inv")
+                                                 self.scale_part)
         layer.w2_weight_scale_inv = layer._param(torch.empty(experts, hidden // b, inter // b, dtype=f32),
-                                                "weight_scale_inv")
+                                                self.scale_part)
 
     def checkpoint_parts(self) -> tuple[str, ...]:
         """The tensors of each expert projection the checkpoint must provide."""
-        return ("weight", "weight_scale_inv") if self.config.checkpoint_fp8 else ("weight",)
+        return ("weight", self.scale_part) if self.config.checkpoint_fp8 else ("weight",)
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         if self.config.checkpoint_fp8:
