@@ -203,12 +203,18 @@ def invalid_params(**fields) -> SamplingParams:
         ({"prompt_token_ids": [42] * 2048}, greedy(), "max_model_len"),
         ("hello " * 2100, greedy(), "max_model_len"),
         ({"prompt_token_ids": [1, 10**6]}, greedy(), "prompt token ids"),
+        # A float passed the range check and failed in the detokenizer, the request half-tracked: every later
+        # generate() stepped forever.
+        ({"prompt_token_ids": [1.5, 2]}, greedy(), "prompt_token_ids must be a list of integers"),
+        ({"prompt_token_ids": "12"}, greedy(), "prompt_token_ids must be a list of integers"),
+        ({"prompt": None}, greedy(), "'prompt' must be a string"),
         ("Hi", invalid_params(temperature=-1.0), "temperature"),
         ("Hi", invalid_params(top_p=0.0), "top_p"),
         ("Hi", invalid_params(repetition_penalty=1e-40), "repetition_penalty must be positive"),  # 0 in float32
         ("Hi", greedy(stop=["."], detokenize=False), "stop strings cannot be combined with detokenize=False"),
     ],
-    ids=["empty-text", "empty-ids", "ids-too-long", "text-too-long", "id-out-of-vocab",
+    ids=["empty-text", "empty-ids", "ids-too-long", "text-too-long", "id-out-of-vocab", "float-id", "ids-a-string",
+         "prompt-none",
          "negative-temperature", "zero-top-p", "tiny-repetition-penalty", "stop-strings-without-text"],
 )
 def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match):

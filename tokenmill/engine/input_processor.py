@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Any, TypedDict
 
@@ -48,8 +49,13 @@ class InputProcessor:
         if token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
-            token_ids = (tokenizer if tokenizer is not None else self.tokenizer).encode(text)
-        return text, list(token_ids)
+            if not isinstance(text, str):
+                raise ValueError(f"a prompt's 'prompt' must be a string, got {text!r}")
+            return text, (tokenizer if tokenizer is not None else self.tokenizer).encode(text)
+        try:  # plain ints (numpy's and 0-d tensors' too): a float got past the range check and failed later
+            return text, [operator.index(t) for t in token_ids]
+        except TypeError:
+            raise ValueError(f"prompt_token_ids must be a list of integers, got {token_ids!r:.200}") from None
 
     def process(
         self,

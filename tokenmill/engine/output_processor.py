@@ -84,7 +84,6 @@ class OutputProcessor:
         if params.num_samples > params.n:
             kind = RequestOutputKind.FINAL_ONLY  # the best n are known only at the end
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, kind, RequestMetrics(arrival_time))
-        self.parents[request_id] = parent
         for index, sample_id in enumerate(sample_ids):
             sample_params = params if single else params.clone_for_sample(index)
             if params.num_samples > params.n and sample_params.logprobs is None:
@@ -95,7 +94,10 @@ class OutputProcessor:
                 detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             sample = SampleState(sample_id, index, parent, sample_params, detokenizer)
             parent.samples.append(sample)
-            self.samples[sample_id] = sample
+        # Tracked only once all is built: a request tracked and never sent to the core would keep every later
+        # LLM.generate() stepping forever, waiting for it.
+        self.parents[request_id] = parent
+        self.samples.update((s.request_id, s) for s in parent.samples)
         return [(s.request_id, s.params) for s in parent.samples]
 
     def sample_ids(self, request_id: str) -> list[str]:
