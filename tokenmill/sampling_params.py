@@ -10,6 +10,7 @@ import enum
 import functools
 import math
 import numbers
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -150,13 +151,15 @@ class SamplingParams:
                f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
         # Each id once, in order: a client may send the body limit's worth of repeats, and every step reads them.
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        self.stop_token_ids = list(dict.fromkeys(_token_ids(self.stop_token_ids or [], "stop_token_ids")))
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+            self.allowed_token_ids = list(dict.fromkeys(_token_ids(self.allowed_token_ids, "allowed_token_ids")))
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            # Keys as JSON gives them (strings) or ints; int(1.5) would bias token 1.
+            keys = _token_ids([int(k) if isinstance(k, str) else k for k in self.logit_bias], "logit_bias keys")
+            self.logit_bias = {k: float(v) for k, v in zip(keys, self.logit_bias.values())}
         self.validate()
 
     def validate(self) -> None:
@@ -224,6 +227,14 @@ class SamplingParams:
         # Wrapped into 64 bits, so a seed near the top of the range gives every sample a valid seed.
         seed = None if self.seed is None else (self.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
         return replace(self, n=1, best_of=None, seed=seed)
+
+
+def _token_ids(ids, name: str) -> list[int]:
+    """As plain ints (numpy's too); a float would be truncated to another token where the ids index."""
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError(f"{name} must be a list of integers, got {ids!r:.200}") from None
 
 
 def _check(ok: bool, message: str) -> None:
