@@ -80,6 +80,23 @@ def test_chat_answers_the_capital_of_france(smollm2_llm):
     assert len(pieces) > 1 and "".join(pieces) == output.outputs[0].text
 
 
+def test_chat_takes_content_parts_and_none_content_as_the_server_does(smollm2_llm):
+    """A list of text parts failed in the template (str + list) and None content broke it; as OpenAI's API they are
+    the parts' text joined, and no text."""
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": ""},
+             {"role": "user", "content": "What is the capital of France?"}]
+    odd = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+           {"role": "assistant", "content": None},
+           {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                        {"type": "text", "text": "of France?"}]}]
+    plain[2]["content"] = "What is the capital\nof France?"
+    [expected, got] = smollm2_llm.chat([plain, odd], greedy(max_tokens=2), use_tqdm=False)
+    assert got.prompt == expected.prompt and got.outputs[0].token_ids == expected.outputs[0].token_ids
+    with pytest.raises(ValueError, match="only text content parts"):
+        smollm2_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                         use_tqdm=False)
+
+
 # ---- (c) how requests stop -----------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
-from tokenmill.engine.chat_template import render_chat
+from tokenmill.engine.chat_template import normalize_messages, render_chat
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
@@ -70,8 +70,9 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conversation in conversations:
-            text, token_ids = render_chat(tokenizer, conversation, chat_template, add_generation_prompt,
-                                          continue_final_message)
+            # OpenAI's forms, as the server takes them: content parts joined, None content as "".
+            text, token_ids = render_chat(tokenizer, normalize_messages(conversation), chat_template,
+                                          add_generation_prompt, continue_final_message)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
