@@ -145,11 +145,25 @@ class EngineCore:
             for request in ready:
                 self.scheduler.allow_sampling(request.request_id)
             self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
-        outputs = self._step()
+        try:
+            outputs = self._step()
+        except Exception:
+            self._abandon_steps_in_flight()
+            raise
         if failed:  # the frontend fails the whole request (all its samples)
             outputs.outputs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in failed] + \
                 outputs.outputs
         return outputs
+
+    def _abandon_steps_in_flight(self) -> None:
+        """A step raised: the steps not updated never will be, and their requests were left half-stepped (tokens
+        counted computed, a sample awaited). They end aborted, so that the scheduler does not match the next step's
+        tokens to an abandoned step, or wait for their samples forever."""
+        steps, requests = self.scheduler.steps_in_flight, self.scheduler.requests
+        ids = [rid for step in steps for rid, (request, _) in step.items() if requests.get(rid) is request]
+        steps.clear()
+        self._in_flight.clear()
+        self.abort_requests(ids)
 
     def _step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule() if self.scheduler.has_work() else None

@@ -61,7 +61,13 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.core.step()
+        try:
+            core_outputs = self.core.step()
+        except Exception:
+            # The core ended the failed step's requests without outputs: every request ends here too (they are all
+            # the call's that drives the steps), so that the engine is idle and serves the next call.
+            self.abort_request(list(self.output_processor.parents))
+            raise
         if core_outputs.scheduler_stats is not None:
             self.last_stats = core_outputs.scheduler_stats
         outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
