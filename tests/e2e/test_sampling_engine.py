@@ -182,15 +182,17 @@ def test_logits_processors_run_per_request(llm):
     assert outs[0].outputs[0].token_ids == [9, 9, 9] and outs[1].outputs[0].token_ids != [9, 9, 9]
 
 
-def test_a_logits_processor_that_raises_fails_the_call_and_the_engine_serves_on(llm):
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_logits_processor_that_raises_fails_the_call_and_the_engine_serves_on(llm, error):
     """The step that raised was never updated: the scheduler matched the next step's tokens to it, and every later
-    call stalled (SchedulerStalledError), its requests still tracked."""
+    call stalled (SchedulerStalledError), its requests still tracked. Ctrl-C in the step (a notebook's interrupt)
+    did the same."""
     def broken(output_token_ids, logits):
-        raise RuntimeError("the user's bug")
+        raise error("the user's bug")
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in run(llm, PROMPTS, params)]
-    with pytest.raises(RuntimeError, match="the user's bug"):
+    with pytest.raises(error, match="the user's bug"):
         run(llm, PROMPTS, [params, SamplingParams(temperature=0.0, max_tokens=4, logits_processors=[broken]), params])
     assert not llm.engine.has_unfinished_requests() and not llm.engine.core.has_requests()
     assert [o.outputs[0].token_ids for o in run(llm, PROMPTS, params)] == expected

@@ -147,7 +147,7 @@ class EngineCore:
             self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
         try:
             outputs = self._step()
-        except Exception:
+        except BaseException:  # KeyboardInterrupt too: Ctrl-C in a notebook, then the next generate()
             self._abandon_steps_in_flight()
             raise
         if failed:  # the frontend fails the whole request (all its samples)

@@ -63,7 +63,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         try:
             core_outputs = self.core.step()
-        except Exception:
+        except BaseException:
             # The core ended the failed step's requests without outputs: every request ends here too (they are all
             # the call's that drives the steps), so that the engine is idle and serves the next call.
             self.abort_request(list(self.output_processor.parents))
