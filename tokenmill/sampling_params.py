@@ -132,6 +132,9 @@ class SamplingParams:
     """Return the log probabilities of the top `logprobs` tokens (and the sampled one) per step."""
     prompt_logprobs: int | None = None
     """Likewise for each prompt token (the first has none)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (left truncation); -1: as many as the context holds with room for
+    output (max_model_len - 1)."""
     skip_special_tokens: bool = True
     detokenize: bool = True
     logits_processors: list[LogitsProcessor] | None = None
@@ -163,7 +166,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, numbers.Integral), f"{name} must be an integer, got {value!r}")
             _check(value is None or INT64_MIN <= value <= INT64_MAX, f"{name} must fit in 64 bits, got {value}")
@@ -189,6 +193,8 @@ class SamplingParams:
         _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}")
         _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        _check(self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+               f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
         _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
                "allowed_token_ids must not be empty")
         # NaN would win every greedy step (argmax takes it for the largest) and +inf turns the softmax into NaNs;

@@ -270,6 +270,22 @@ def test_unsupported_architecture_is_named_in_the_error(tmp_path):
         LLM(str(tmp_path))
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(smollm2_llm):
+    """vLLM's SamplingParams field (it was refused: TypeError): the last k tokens, or with -1 as many as leave room for
+    output."""
+    ids = smollm2_llm.get_tokenizer().encode(PROMPTS[2])
+    cut, whole = smollm2_llm.generate([PROMPTS[2], {"prompt_token_ids": ids[-10:]}],
+                                      [greedy(max_tokens=3, truncate_prompt_tokens=10), greedy(max_tokens=3)],
+                                      use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-10:] and cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    [longest] = smollm2_llm.generate({"prompt_token_ids": list(range(100, 2148))},
+                                     greedy(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert longest.prompt_token_ids == list(range(101, 2148))  # max_model_len 2048, less one for the output
+    for nonsense in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or at least 1"):
+            greedy(truncate_prompt_tokens=nonsense)
+
+
 # ---- (e) seeded sampling -------------------------------------------------------------------------
 
 

@@ -67,6 +67,8 @@ class InputProcessor:
         arrival_time: float | None = None,
     ) -> tuple[str | None, EngineRequest]:
         text, token_ids = self.tokenize_prompt(prompt)
+        if (keep := params.truncate_prompt_tokens) is not None:
+            token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
         self.validate(token_ids, params)
         if not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
