@@ -159,6 +159,11 @@ class SamplingParams:
             self.allowed_token_ids = list(dict.fromkeys(_token_ids(self.allowed_token_ids, "allowed_token_ids")))
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):  # as JSON gives it: it failed at the request's validation
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               f"structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+               f"got {self.structured_outputs!r:.200}")
         if self.logit_bias:
             # Keys as JSON gives them (strings) or ints; int(1.5) would bias token 1.
             keys = _token_ids([int(k) if isinstance(k, str) else k for k in self.logit_bias], "logit_bias keys")

@@ -270,6 +270,14 @@ def test_unsupported_architecture_is_named_in_the_error(tmp_path):
         LLM(str(tmp_path))
 
 
+def test_structured_outputs_may_be_given_as_a_dict(smollm2_llm):
+    """It failed in the engine's validation with an AttributeError ('dict' object has no attribute 'key')."""
+    out = generate_one(smollm2_llm, "Pick a color:", greedy(structured_outputs={"choice": ["red", "green"]}))
+    assert out.text in ("red", "green") and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        greedy(structured_outputs='{"choice": ["red"]}')
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(smollm2_llm):
     """vLLM's SamplingParams field (it was refused: TypeError): the last k tokens, or with -1 as many as leave room for
     output."""
