@@ -270,6 +270,22 @@ def test_unsupported_architecture_is_named_in_the_error(tmp_path):
         LLM(str(tmp_path))
 
 
+def test_a_prompts_cache_salt_is_used_and_other_keys_are_refused(smollm2_llm):
+    """vLLM's prompt dicts carry a cache_salt: it was ignored (cached blocks shared between salts); other keys such
+    as multi_modal_data were ignored too (the image unseen)."""
+    def cached(salt):
+        prompt = {"prompt": PROMPTS[2], "cache_salt": salt} if salt else PROMPTS[2]
+        return smollm2_llm.generate(prompt, greedy(max_tokens=1), use_tqdm=False)[0].num_cached_tokens
+
+    cached(None)
+    assert cached("alice") == 0 and cached("alice") > 0 and cached("bob") == 0
+    with pytest.raises(ValueError, match="the prompt's cache_salt and the cache_salt argument differ"):
+        smollm2_llm.generate({"prompt": "Hi", "cache_salt": "alice"}, cache_salt="bob", use_tqdm=False)
+    with pytest.raises(ValueError, match="a prompt's multi_modal_data is not supported"):
+        smollm2_llm.generate({"prompt": "Hi", "multi_modal_data": {"image": None}}, use_tqdm=False)
+    assert not smollm2_llm.engine.has_unfinished_requests()
+
+
 def test_structured_outputs_may_be_given_as_a_dict(smollm2_llm):
     """It failed in the engine's validation with an AttributeError ('dict' object has no attribute 'key')."""
     out = generate_one(smollm2_llm, "Pick a color:", greedy(structured_outputs={"choice": ["red", "green"]}))

@@ -170,7 +170,7 @@ class AsyncEngine:
         if not self.is_healthy:
             raise EngineDeadError(self.dead_reason)
         requests = self.frontend.prepare(request_id, prompt, params, priority, cache_salt, RequestOutputKind.DELTA)
-        hashes = self.balancer.prefix_hashes(requests[0].prompt_token_ids, cache_salt)
+        hashes = self.balancer.prefix_hashes(requests[0].prompt_token_ids, requests[0].cache_salt)
         index = self.balancer.choose(self._loads(), hashes)
         try:
             self.replicas[index].core.add_requests(requests)  # all samples or none

@@ -19,6 +19,11 @@ from tokenmill.structured.vocab import grammar_vocab_size
 class TokensPrompt(TypedDict, total=False):
     prompt_token_ids: list[int]
     prompt: str
+    cache_salt: str
+    """As the cache_salt argument, for this prompt alone (vLLM's prompt key)."""
+
+
+PROMPT_KEYS = frozenset(TokensPrompt.__annotations__)
 
 
 PromptType = str | TokensPrompt | dict[str, Any]
@@ -46,6 +51,10 @@ class InputProcessor:
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         else:
             raise TypeError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
+        if isinstance(prompt, dict) and (unknown := sorted(map(str, prompt.keys() - PROMPT_KEYS))):
+            # Ignored, an image would go unseen and a cache salt keep nothing apart.
+            raise ValueError(f"a prompt's {', '.join(unknown)} is not supported (a prompt takes "
+                             f"{', '.join(sorted(PROMPT_KEYS))})")
         if token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
@@ -67,6 +76,10 @@ class InputProcessor:
         arrival_time: float | None = None,
     ) -> tuple[str | None, EngineRequest]:
         text, token_ids = self.tokenize_prompt(prompt)
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise ValueError("the prompt's cache_salt and the cache_salt argument differ: give one")
+            cache_salt = prompt["cache_salt"]
         if (keep := params.truncate_prompt_tokens) is not None:
             token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
         self.validate(token_ids, params)
