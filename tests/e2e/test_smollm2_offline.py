@@ -97,6 +97,16 @@ def test_chat_takes_content_parts_and_none_content_as_the_server_does(smollm2_ll
                          use_tqdm=False)
 
 
+def test_chat_passes_tools_and_chat_template_kwargs_to_the_template(smollm2_llm):
+    """As vLLM's LLM.chat (enable_thinking=False and the like); they were refused: TypeError."""
+    template = ("{% if formal %}Dear model. {% endif %}{{ tools | length if tools else 0 }} tools. "
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    [output] = smollm2_llm.chat([{"role": "user", "content": "Hi"}], greedy(max_tokens=1), use_tqdm=False,
+                                chat_template=template, tools=tools, chat_template_kwargs={"formal": True})
+    assert output.prompt == "Dear model. 1 tools. Hi"
+
+
 # ---- (c) how requests stop -----------------------------------------------------------------------
 
 

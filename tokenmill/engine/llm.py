@@ -63,16 +63,20 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """`tools` and `chat_template_kwargs` (enable_thinking=False, ...) go to the template, as in vLLM."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this engine has none")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        template_kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         prompts = []
         for conversation in conversations:
             # OpenAI's forms, as the server takes them: content parts joined, None content as "".
             text, token_ids = render_chat(tokenizer, normalize_messages(conversation), chat_template,
-                                          add_generation_prompt, continue_final_message)
+                                          add_generation_prompt, continue_final_message, **template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
