@@ -26,6 +26,10 @@ LogitsProcessor = Callable[[list[int], "object"], "object"]
 FLOAT32_TINY = 1.1754943508222875e-38
 """The smallest normal float32 (torch.finfo(torch.float32).tiny)."""
 
+MAX_LOGIT_BIAS = 1e30
+"""Larger, a biased logit divided by the smallest sampling temperature (1e-5) is +inf in float32: the softmax's NaNs
+then draw token 0, whatever was biased."""
+
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"
@@ -204,8 +208,8 @@ class SamplingParams:
                "allowed_token_ids must not be empty")
         # NaN would win every greedy step (argmax takes it for the largest) and +inf turns the softmax into NaNs;
         # -inf bans a token.
-        _check(not any(math.isnan(v) or v == math.inf for v in (self.logit_bias or {}).values()),
-               f"logit_bias values must be numbers below +inf, got {self.logit_bias}")
+        _check(not any(math.isnan(v) or v > MAX_LOGIT_BIAS for v in (self.logit_bias or {}).values()),
+               f"logit_bias values must be numbers of at most {MAX_LOGIT_BIAS:g}, got {self.logit_bias!r:.200}")
         if self.best_of is not None and self.best_of > self.n and self.is_greedy:
             raise ValueError("best_of > n needs sampling (temperature > 0): greedy samples would all be equal")
 

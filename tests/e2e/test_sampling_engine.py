@@ -108,6 +108,10 @@ def test_min_tokens_masks_eos_and_logit_bias_and_allowed_tokens(tiny, llm):
     biased = run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3, logit_bias={77: 100.0},
                                                    ignore_eos=True))[0]
     assert biased.outputs[0].token_ids == [77, 77, 77]
+    # The largest bias at the lowest temperature that samples stays finite: the biased tokens, not the NaN draw's 0.
+    forced = run(llm, [PROMPTS[0]], SamplingParams(temperature=1e-5, seed=1, max_tokens=4, ignore_eos=True,
+                                                   logit_bias={77: 1e30, 78: 1e30}))[0]
+    assert set(forced.outputs[0].token_ids) <= {77, 78}
     allowed = run(llm, [PROMPTS[0]], SamplingParams(temperature=1.0, seed=1, max_tokens=10, ignore_eos=True,
                                                     allowed_token_ids=[3, 4, 5]))[0]
     assert set(allowed.outputs[0].token_ids) <= {3, 4, 5}

@@ -260,6 +260,7 @@ def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match)
     (dict(seed="7"), "seed must be an integer"), (dict(stop=5), "stop must be a string or a list of strings"),
     (dict(stop=["ok", None]), "stop must be"),
     (dict(logit_bias={5: float("nan")}), "logit_bias values"), (dict(logit_bias={5: float("inf")}), "logit_bias"),
+    (dict(logit_bias={5: 1e38}), "logit_bias values must be numbers of at most 1e"),  # +inf once in float32 / T
     # Floats were truncated where the ids index: allowed_token_ids=[1.5, 3] sampled token 1.
     (dict(allowed_token_ids=[1.5, 3]), "allowed_token_ids must be a list of integers"),
     (dict(stop_token_ids=[2.0]), "stop_token_ids must be a list of integers"),
