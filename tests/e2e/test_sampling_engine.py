@@ -224,6 +224,17 @@ def test_beam_search_matches_transformers(tiny, llm, width):
         assert [s.cum_logprob / 6 for s in out.sequences] == pytest.approx(scores, abs=1e-4)
 
 
+def test_beam_search_salts_its_beams_as_the_prompt_says(llm):
+    """A prompt's cache_salt was dropped: the beams' blocks were cached for every unsalted request to reuse."""
+    from tokenmill import BeamSearchParams
+
+    prompt = list(range(100, 140))
+    llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "alice"}], BeamSearchParams(beam_width=2, max_tokens=2))
+    cached = {salt: llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), cache_salt=salt,
+                                 use_tqdm=False)[0].num_cached_tokens for salt in ("alice", None)}
+    assert cached["alice"] > 0 and cached[None] == 0
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(beam_width=0), "beam_width must be a positive integer"), (dict(max_tokens=0), "max_tokens must be"),
     (dict(temperature=0.7), "not supported with beam search"), (dict(length_penalty=float("nan")), "length_penalty"),

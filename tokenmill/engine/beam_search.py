@@ -38,12 +38,15 @@ def beam_score(seq: BeamSearchSequence, num_prompt_tokens: int, length_penalty: 
 
 
 def beam_search(
-    generate: Callable[[list[dict], SamplingParams], list[RequestOutput]],
+    generate: Callable[[list[dict], SamplingParams, list[str | None]], list[RequestOutput]],
     prompts_token_ids: list[list[int]],
     params: BeamSearchParams,
     eos_token_ids: frozenset[int],
     max_model_len: int,
+    cache_salts: list[str | None] | None = None,
 ) -> list[BeamSearchOutput]:
+    """`generate(prompts, params, cache_salts)`; each beam is salted as its prompt is."""
+    salts = cache_salts or [None] * len(prompts_token_ids)
     width = params.beam_width
     step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True, detokenize=False)
     live = [[BeamSearchSequence(list(p))] for p in prompts_token_ids]
@@ -52,7 +55,8 @@ def beam_search(
         flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not flat:
             break
-        outputs = generate([{"prompt_token_ids": beam.tokens} for _, beam in flat], step_params)
+        outputs = generate([{"prompt_token_ids": beam.tokens} for _, beam in flat], step_params,
+                           [salts[i] for i, _ in flat])
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts_token_ids]
         for (i, beam), out in zip(flat, outputs):
             for token_id, logprob in out.outputs[0].logprobs[0].items():

@@ -88,9 +88,9 @@ class LLM:
             prompts = [prompts]
         token_prompts = [self.engine.input_processor.tokenize_prompt(p)[1] for p in prompts]
         outputs = beam_search(
-            lambda batch, sp: self.generate(batch, sp, use_tqdm=False),
+            lambda batch, sp, salts: self.generate(batch, sp, use_tqdm=False, cache_salt=salts),
             token_prompts, params, self.engine.input_processor.tokenizer_info.eos_token_ids,
-            self.engine.max_model_len,
+            self.engine.max_model_len, [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts],
         )
         tokenizer = self.engine.tokenizer
         if tokenizer is not None:
