@@ -135,6 +135,19 @@ def test_requests_that_cannot_be_served_as_asked_are_refused(llm, fields, match)
     assert len(run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
+def test_params_of_the_wrong_kind_are_a_one_line_error(llm):
+    """They failed deep inside with an AttributeError ('NoneType' object has no attribute 'validate', ...)."""
+    from tokenmill import BeamSearchParams
+
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams.*got None"):
+        run(llm, PROMPTS[:2], [SamplingParams(max_tokens=2), None])
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams.*got BeamSearchParams"):
+        run(llm, PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=2))
+    with pytest.raises(TypeError, match="beam_search takes BeamSearchParams, got SamplingParams"):
+        llm.beam_search({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_penalties_change_greedy_output_only_when_set(llm):
     base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = run(llm, [PROMPTS[2]], base)[0].outputs[0].token_ids

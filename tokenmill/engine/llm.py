@@ -39,6 +39,9 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = self._per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams (or a list of them, one a prompt), got {p!r}")
         salts = self._per_prompt(cache_salt, len(prompts), "cache_salt")
         priorities = self._per_prompt(priority or 0, len(prompts), "priority")
         # Validate everything before scheduling anything: a bad prompt fails the call cleanly.
@@ -84,6 +87,8 @@ class LLM:
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
         """Best `beam_width` sequences per prompt; see tokenmill/engine/beam_search.py."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"beam_search takes BeamSearchParams, got {params!r}")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         token_prompts = [self.engine.input_processor.tokenize_prompt(p)[1] for p in prompts]
