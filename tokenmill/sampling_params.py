@@ -20,8 +20,10 @@ _GREEDY_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 """Integers cross to the engine core as 64-bit values; anything wider is refused when validated."""
 
-LogitsProcessor = Callable[[list[int], "object"], "object"]
-"""fn(output_token_ids, logits_row) -> logits_row. Runs in Python per request: the slow path."""
+LogitsProcessor = Callable[..., "object"]
+"""fn(output_token_ids, logits_row) -> logits_row, or as vLLM's also fn(prompt_token_ids, output_token_ids,
+logits_row). Runs in Python per request: the slow path. (One Callable type: the engine core's msgpack decoder takes
+no union of two.)"""
 
 FLOAT32_TINY = 1.1754943508222875e-38
 """The smallest normal float32 (torch.finfo(torch.float32).tiny)."""

@@ -192,11 +192,24 @@ def test_logits_processors_run_per_request(llm):
         logits[9] = 0.0
         return logits
 
-    outs = run(llm, [PROMPTS[0], PROMPTS[0]], [
+    def echo_the_prompt(prompt_token_ids, output_token_ids, logits):  # vLLM's other form: the prompt first
+        logits[:] = float("-inf")
+        logits[prompt_token_ids[len(output_token_ids)]] = 0.0
+        return logits
+
+    def only(output_token_ids, logits, token=12):  # a third parameter with a default: the two-argument form
+        logits[:] = float("-inf")
+        logits[token] = 0.0
+        return logits
+
+    outs = run(llm, [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]], [
         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logits_processors=[only_token_9]),
         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logits_processors=[echo_the_prompt]),
+        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logits_processors=[only]),
     ])
     assert outs[0].outputs[0].token_ids == [9, 9, 9] and outs[1].outputs[0].token_ids != [9, 9, 9]
+    assert outs[2].outputs[0].token_ids == PROMPTS[1][:3] and outs[3].outputs[0].token_ids == [12, 12, 12]
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])

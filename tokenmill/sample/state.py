@@ -11,6 +11,9 @@ none of them visited in Python, reuses the last step's device metadata with fres
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import numpy as np
 import torch
 
@@ -108,7 +111,7 @@ class SamplingState:
             if banned or row in self._fixed_masks:
                 masked[i] = (row, banned)
             if p.logits_processors:
-                processors[i] = (p.logits_processors, output_ids)
+                processors[i] = (_with_prompt(p.logits_processors, states, row), output_ids)
         columns = self.columns.take(rows)
         penalties = None
         if self.output_counts is not None and columns.has_penalties.any():
@@ -162,3 +165,22 @@ class SamplingState:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
             mask.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
         return mask
+
+
+def _with_prompt(processors: list, states: RequestStates, row: int) -> list:
+    """vLLM's two forms of processor: fn(output_ids, logits), or fn(prompt_ids, output_ids, logits), which gets the
+    prompt bound here (the sampler calls every one with the output ids and the logits)."""
+    takes_prompt = [_num_required_args(f) == 3 for f in processors]
+    if not any(takes_prompt):
+        return processors
+    prompt_ids = states.token_ids[row, : states.num_prompt_tokens[row]].tolist()
+    return [functools.partial(f, prompt_ids) if t else f for f, t in zip(processors, takes_prompt)]
+
+
+def _num_required_args(f) -> int | None:
+    """Positional parameters without a default (fn(ids, logits, scale=2.0) is of the two-argument form)."""
+    try:
+        parameters = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): the two-argument form, as before
+        return None
+    return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
