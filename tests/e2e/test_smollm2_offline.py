@@ -211,6 +211,19 @@ def test_eos_ends_with_stop_and_is_not_in_the_text(smollm2_llm):
     assert (len(longer.outputs[0].token_ids), longer.outputs[0].finish_reason) == (n + 3, "length")
 
 
+def test_detokenize_false_decodes_no_logprobs_tokens_either(smollm2_llm):
+    """As vLLM: no decoded_token without detokenization (each top-k token was decoded every step regardless)."""
+    outs = smollm2_llm.generate([PROMPTS[0]] * 2, [greedy(max_tokens=3, logprobs=2, prompt_logprobs=1, detokenize=d)
+                                                   for d in (True, False)], use_tqdm=False)
+    def entries(output):
+        return [e for pos in output.outputs[0].logprobs + output.prompt_logprobs[1:] for e in pos.values()]
+
+    decoded, undecoded = map(entries, outs)
+    assert outs[1].outputs[0].text == "" and all(e.decoded_token is None for e in undecoded)
+    assert all(isinstance(e.decoded_token, str) for e in decoded)
+    assert [e.logprob for e in undecoded] == [e.logprob for e in decoded]
+
+
 # ---- (d) errors before anything is scheduled -----------------------------------------------------
 
 

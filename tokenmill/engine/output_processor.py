@@ -128,7 +128,8 @@ class OutputProcessor:
             parent.metrics.last_token_time = now
             parent.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
-                parent.prompt_logprobs = [None] + [self._to_logprob_dict(e) for e in out.new_prompt_logprobs]
+                decode = parent.params.detokenize
+                parent.prompt_logprobs = [None] + [self._to_logprob_dict(e, decode) for e in out.new_prompt_logprobs]
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             # A stop token's own text is left out unless include_stop_str_in_output asks for it: EOS too (the core's
             # "stop" is always a token's; stop strings are found here), whose text shows when special tokens do.
@@ -195,14 +196,16 @@ class OutputProcessor:
         if sample.parent.params.logprobs is not None:
             if sample.logprobs is None:
                 sample.logprobs = []
-            sample.logprobs.append(self._to_logprob_dict(entry))
+            sample.logprobs.append(self._to_logprob_dict(entry, sample.params.detokenize))
 
-    def _to_logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        """Chosen token first (with its rank), then the top alternatives ranked 1..k."""
+    def _to_logprob_dict(self, entry: TokenLogprobs, decode: bool) -> dict[int, Logprob]:
+        """Chosen token first (with its rank), then the top alternatives ranked 1..k; each token's text unless
+        `decode` is off (detokenize=False: as vLLM, no decoded_token, nor the cost of decoding each)."""
         chosen = entry.token_ids[0]
-        result = {chosen: Logprob(entry.logprobs[0], entry.rank, self._decode_one(chosen))}
+        decode_one = self._decode_one if decode else lambda token_id: None
+        result = {chosen: Logprob(entry.logprobs[0], entry.rank, decode_one(chosen))}
         for rank, (token_id, logprob) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:]), start=1):
-            result.setdefault(token_id, Logprob(logprob, rank, self._decode_one(token_id)))
+            result.setdefault(token_id, Logprob(logprob, rank, decode_one(token_id)))
         return result
 
     def _decode_one(self, token_id: int) -> str | None:
