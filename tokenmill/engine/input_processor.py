@@ -165,7 +165,7 @@ class InputProcessor:
         assert self.tokenizer is not None
         sequences: dict[tuple[int, ...], None] = {}  # in order, each once (a list's `in` made this quadratic)
         for word in words:
-            for variant in (word, " " + word.lstrip()):
+            for variant in (word.lstrip(), " " + word.lstrip()):  # as vLLM: the word's own leading space aside
                 if ids := self.tokenizer.encode(variant, add_special_tokens=False):
                     sequences[tuple(ids)] = None
         return [list(ids) for ids in sequences]
