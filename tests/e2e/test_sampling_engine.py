@@ -143,6 +143,10 @@ def test_params_of_the_wrong_kind_are_a_one_line_error(llm):
         run(llm, PROMPTS[:2], [SamplingParams(max_tokens=2), None])
     with pytest.raises(TypeError, match="sampling_params must be SamplingParams.*got BeamSearchParams"):
         run(llm, PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=2))
+    with pytest.raises(ValueError, match="sampling_params has 0 entries for 2 prompts"):  # the defaults ran instead
+        run(llm, PROMPTS[:2], [])
+    with pytest.raises(ValueError, match="priority has 0 entries for 2 prompts"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], priority=[], use_tqdm=False)
     with pytest.raises(TypeError, match="beam_search takes BeamSearchParams, got SamplingParams"):
         llm.beam_search({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()

@@ -38,12 +38,13 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
+                                  "sampling_params")
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams (or a list of them, one a prompt), got {p!r}")
         salts = self._per_prompt(cache_salt, len(prompts), "cache_salt")
-        priorities = self._per_prompt(priority or 0, len(prompts), "priority")
+        priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priority")
         # Validate everything before scheduling anything: a bad prompt fails the call cleanly.
         request_ids = []
         try:
