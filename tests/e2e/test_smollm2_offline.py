@@ -92,6 +92,8 @@ def test_chat_takes_content_parts_and_none_content_as_the_server_does(smollm2_ll
     plain[2]["content"] = "What is the capital\nof France?"
     [expected, got] = smollm2_llm.chat([plain, odd], greedy(max_tokens=2), use_tqdm=False)
     assert got.prompt == expected.prompt and got.outputs[0].token_ids == expected.outputs[0].token_ids
+    with pytest.raises(ValueError, match="the rendered conversation holds a lone surrogate"):
+        smollm2_llm.chat([{"role": "user", "content": "Hi \ud800"}], use_tqdm=False)
     with pytest.raises(ValueError, match="only text content parts"):
         smollm2_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
                          use_tqdm=False)
@@ -250,13 +252,16 @@ def invalid_params(**fields) -> SamplingParams:
         ({"prompt_token_ids": [1.5, 2]}, greedy(), "prompt_token_ids must be a list of integers"),
         ({"prompt_token_ids": "12"}, greedy(), "prompt_token_ids must be a list of integers"),
         ({"prompt": None}, greedy(), "'prompt' must be a string"),
+        # The tokenizer's TypeError named no input: "TextEncodeInput must be Union[...]".
+        ("Hi \ud800", greedy(), "the prompt holds a lone surrogate"),
+        ("Hi", greedy(bad_words=["\ud800"]), "a bad word holds a lone surrogate"),
         ("Hi", invalid_params(temperature=-1.0), "temperature"),
         ("Hi", invalid_params(top_p=0.0), "top_p"),
         ("Hi", invalid_params(repetition_penalty=1e-40), "repetition_penalty must be positive"),  # 0 in float32
         ("Hi", greedy(stop=["."], detokenize=False), "stop strings cannot be combined with detokenize=False"),
     ],
     ids=["empty-text", "empty-ids", "ids-too-long", "text-too-long", "id-out-of-vocab", "float-id", "ids-a-string",
-         "prompt-none",
+         "prompt-none", "lone-surrogate", "lone-surrogate-bad-word",
          "negative-temperature", "zero-top-p", "tiny-repetition-penalty", "stop-strings-without-text"],
 )
 def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match):

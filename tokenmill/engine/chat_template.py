@@ -7,6 +7,8 @@ from typing import Any
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.engine.tokenizer import check_unicode
+
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages with text content only: a list of content parts becomes one string."""
@@ -50,5 +52,6 @@ def render_chat(
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template failed: {e}") from e
+    check_unicode(text, "the rendered conversation")
     # The rendered text already holds the special tokens (BOS) the template wants.
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -9,7 +9,7 @@ from typing import Any, TypedDict
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.engine.tokenizer import TokenizerInfo
+from tokenmill.engine.tokenizer import TokenizerInfo, check_unicode
 from tokenmill.protocol import EngineRequest
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 from tokenmill.structured.grammar import validate as validate_structured_outputs
@@ -60,6 +60,7 @@ class InputProcessor:
                 raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
             if not isinstance(text, str):
                 raise ValueError(f"a prompt's 'prompt' must be a string, got {text!r}")
+            check_unicode(text, "the prompt")
             return text, (tokenizer if tokenizer is not None else self.tokenizer).encode(text)
         try:  # plain ints (numpy's and 0-d tensors' too): a float got past the range check and failed later
             return text, [operator.index(t) for t in token_ids]
@@ -165,6 +166,7 @@ class InputProcessor:
         assert self.tokenizer is not None
         sequences: dict[tuple[int, ...], None] = {}  # in order, each once (a list's `in` made this quadratic)
         for word in words:
+            check_unicode(word, "a bad word")
             for variant in (word.lstrip(), " " + word.lstrip()):  # as vLLM: the word's own leading space aside
                 if ids := self.tokenizer.encode(variant, add_special_tokens=False):
                     sequences[tuple(ids)] = None

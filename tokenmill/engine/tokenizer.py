@@ -18,6 +18,16 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.loader import is_gguf
 
 
+def check_unicode(text: str, what: str) -> None:
+    """ValueError for a lone UTF-16 surrogate (Python strings may hold one): the tokenizer's own error names no
+    input ("TextEncodeInput must be Union[...]")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not "
+                         "valid Unicode") from None
+
+
 def load_tokenizer(model_config: ModelConfig, hf_config: PretrainedConfig | None = None) -> PreTrainedTokenizerBase:
     """`hf_config` (the model's) spares a GGUF tokenizer from re-parsing the file's metadata."""
     path = model_config.tokenizer or model_config.model
