@@ -64,6 +64,18 @@ def test_output_continues_the_prompt_text(smollm2_tokenizer, make):
     assert tok.decode(prompt_ids) + "".join(deltas) == tok.decode(ids)
 
 
+def test_a_character_the_prompt_began_is_the_outputs_text(smollm2_tokenizer):
+    """A prompt cut inside a character (a continuation fed back as token ids): the character its output completes
+    was dropped from the text. An orphan byte's U+FFFD stays the prompt's."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("Dog: 🐶🐱 ok")
+    for k in range(1, len(ids)):
+        text = "".join(feed(make_detokenizer(tok, ids[:k], skip_special_tokens=True), ids[k:]))
+        assert tok.decode(ids[:k]).rstrip("\ufffd") + text == tok.decode(ids), k
+    cut = next(k for k in range(len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    assert "".join(feed(make_detokenizer(tok, ids[:cut], True), tok.encode(" ok"))) == " ok"
+
+
 @pytest.mark.parametrize("skip, expected", [(True, " bye"), (False, " bye<|im_end|>")])
 def test_special_tokens_follow_skip_special_tokens(smollm2_tokenizer, make, skip, expected):
     tok = smollm2_tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
@@ -30,9 +31,16 @@ class IncrementalDetokenizer:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = decode(self.token_ids[self.prefix_offset :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+        if full_text.endswith("\ufffd"):
+            return ""
+        start = len(prefix_text)
+        if prefix_text.endswith("\ufffd"):
+            # The prompt ends inside a character, its bytes shown as U+FFFD: the character the output completes
+            # takes its place (same length: it was dropped) and is the output's text.
+            start = len(os.path.commonprefix([prefix_text, full_text]))
+        if len(full_text) > start:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            return full_text[len(prefix_text) :]
+            return full_text[start:]
         return ""
 
 
