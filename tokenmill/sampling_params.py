@@ -159,6 +159,11 @@ class SamplingParams:
         _check(self.stop is None or isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
                f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        if isinstance(self.bad_words, str):  # one word, as stop takes one string (iterated, each letter was banned)
+            self.bad_words = [self.bad_words]
+        _check(self.bad_words is None or isinstance(self.bad_words, (list, tuple))
+               and all(isinstance(w, str) for w in self.bad_words),
+               f"bad_words must be a string or a list of strings, got {self.bad_words!r:.200}")
         # Each id once, in order: a client may send the body limit's worth of repeats, and every step reads them.
         self.stop_token_ids = list(dict.fromkeys(_token_ids(self.stop_token_ids or [], "stop_token_ids")))
         if self.allowed_token_ids is not None:

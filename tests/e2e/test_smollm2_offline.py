@@ -145,6 +145,14 @@ def test_bad_words_leave_the_callers_params_as_they_were(smollm2_llm):
     assert params.bad_words_token_ids == [] and "Paris" not in out.text
 
 
+def test_one_bad_word_may_be_given_as_a_string(smollm2_llm):
+    """As stop: one word. The string was iterated, each of its letters banned."""
+    one, listed = (generate_one(smollm2_llm, PROMPTS[0], greedy(bad_words=words)) for words in (" Paris", [" Paris"]))
+    assert "Paris" not in one.text and one.token_ids == listed.token_ids
+    with pytest.raises(ValueError, match="bad_words must be a string or a list of strings"):
+        greedy(bad_words=[" Paris", 5])
+
+
 def test_bad_words_token_sequences_are_each_kept_once_in_order(smollm2_llm):
     """Each word mid-text and at the start of text, each distinct sequence once, in the words' order (kept in a dict:
     a list's `in` made 50,000 words take over a minute on the server's event loop)."""
