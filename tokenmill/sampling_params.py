@@ -187,6 +187,9 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or isinstance(value, numbers.Integral), f"{name} must be an integer, got {value!r}")
             _check(value is None or INT64_MIN <= value <= INT64_MAX, f"{name} must fit in 64 bits, got {value}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)  # a string failed in a comparison below, the field unnamed
+            _check(isinstance(value, numbers.Real), f"{name} must be a number, got {value!r}")
         _check(self.n >= 1, f"n must be at least 1, got {self.n}")
         if self.best_of is not None:
             _check(self.best_of >= self.n, f"best_of ({self.best_of}) must be at least n ({self.n})")

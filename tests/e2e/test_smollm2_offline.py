@@ -286,6 +286,7 @@ def test_bad_requests_fail_before_scheduling(smollm2_llm, prompt, params, match)
     (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens must be an integer"),
     (dict(seed="7"), "seed must be an integer"), (dict(stop=5), "stop must be a string or a list of strings"),
+    (dict(temperature="0.5"), "temperature must be a number"), (dict(top_p=None), "top_p must be a number"),
     (dict(stop=["ok", None]), "stop must be"),
     (dict(logit_bias={5: float("nan")}), "logit_bias values"), (dict(logit_bias={5: float("inf")}), "logit_bias"),
     (dict(logit_bias={5: 1e38}), "logit_bias values must be numbers of at most 1e"),  # +inf once in float32 / T
