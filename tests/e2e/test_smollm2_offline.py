@@ -99,6 +99,24 @@ def test_chat_takes_content_parts_and_none_content_as_the_server_does(smollm2_ll
                          use_tqdm=False)
 
 
+def test_chat_gives_templates_tool_call_arguments_as_objects_and_refusals_as_text(smollm2_llm):
+    """As the server does: OpenAI's tool calls carry their arguments as JSON text, which templates index as an object
+    (the text rendered nothing for `arguments.city`); a refusal part is the assistant's text."""
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}[{{ c.function.arguments.city }}]"
+                "{% endfor %}{{ m.content }}|{% endfor %}")
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    conversation = [{"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": "No more."}]}]
+    [output] = smollm2_llm.chat(conversation, greedy(max_tokens=1), chat_template=template,
+                                add_generation_prompt=False, use_tqdm=False)
+    assert output.prompt == "Weather?|[Paris]|sunny|No more.|"
+    call["function"]["arguments"] = "[1]"
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments must be a JSON object"):
+        smollm2_llm.chat(conversation, greedy(max_tokens=1), chat_template=template, use_tqdm=False)
+
+
 def test_chat_passes_tools_and_chat_template_kwargs_to_the_template(smollm2_llm):
     """As vLLM's LLM.chat (enable_thinking=False and the like); they were refused: TypeError."""
     template = ("{% if formal %}Dear model. {% endif %}{{ tools | length if tools else 0 }} tools. "

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from tokenmill.config import ServerConfig
+from tokenmill.engine.chat_template import normalize_messages
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import get_reasoning_parser
-from tokenmill.server.tools import ChoiceText, plan_tools, template_messages
+from tokenmill.server.tools import ChoiceText, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -71,11 +72,13 @@ def test_plans():
 
 
 def test_template_messages_parse_arguments():
-    [message] = template_messages([{"role": "assistant", "tool_calls": [
+    [message] = normalize_messages([{"role": "assistant", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}])
     assert message["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    [message] = normalize_messages([message])  # already an object (offline callers may pass one): kept
+    assert message["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     with pytest.raises(ValueError, match="arguments"):
-        template_messages([{"role": "assistant", "tool_calls": [
+        normalize_messages([{"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}])
 
 

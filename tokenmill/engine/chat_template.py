@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jinja2
@@ -11,7 +12,8 @@ from tokenmill.engine.tokenizer import check_unicode
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI messages with text content only: a list of content parts becomes one string."""
+    """OpenAI messages as chat templates take them: text content only (a list of text or refusal parts becomes one
+    string), and assistant tool calls' arguments as objects (OpenAI sends them as JSON text)."""
     conversation = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -20,14 +22,32 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("text", "refusal") or not isinstance(part.get(kind), str):
                     raise ValueError(f"messages[{i}]: only text content parts are supported")
-                texts.append(part["text"])
+                texts.append(part[kind])
             content = "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        conversation.append({**message, "content": content if content is not None else ""})
+        message = {**message, "content": content if content is not None else ""}
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_call_with_object_arguments(call, f"messages[{i}].tool_calls[{j}]")
+                                     for j, call in enumerate(message["tool_calls"])]
+        conversation.append(message)
     return conversation
+
+
+def _call_with_object_arguments(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def render_chat(

@@ -20,7 +20,7 @@ from tokenmill.server.sampling import check_stream_options, continuous_usage, re
 from tokenmill.server.state import ServerState, make_request_id
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
-from tokenmill.server.tools import ChoiceText, ToolPlan, plan_tools, reasoning_parser_of, template_messages, think_first
+from tokenmill.server.tools import ChoiceText, ToolPlan, plan_tools, reasoning_parser_of, think_first
 
 TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "chat_template", "add_generation_prompt",
                                 "continue_final_message", "tokenize"})
@@ -51,7 +51,7 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
             raise bad_request("pass tools in tools, not in chat_template_kwargs", param="chat_template_kwargs")
         template_kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
     try:
-        conversation = template_messages([message.model_dump(exclude_none=True) for message in req.messages])
+        conversation = [message.model_dump(exclude_none=True) for message in req.messages]
         return await state.tokenize(
             render_chat,
             normalize_messages(conversation),

@@ -151,26 +151,6 @@ def _strict_constraint(tools: list[dict[str, Any]], parser: type[ToolParser], pa
                       note=" (in the structural tag made of the strict tools: its format.tags[i] is tools[i])")
 
 
-def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls' arguments as the objects chat templates expect (OpenAI sends JSON text)."""
-    out = []
-    for i, message in enumerate(conversation):
-        calls = message.get("tool_calls")
-        if calls:
-            parsed = []
-            for j, call in enumerate(calls):
-                try:
-                    arguments = json.loads(call["function"]["arguments"])
-                except ValueError:
-                    arguments = None
-                if not isinstance(arguments, dict):
-                    raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
-                parsed.append({**call, "function": {**call["function"], "arguments": arguments}})
-            message = {**message, "tool_calls": parsed}
-        out.append(message)
-    return out
-
-
 def forced_calls(text: str, named: str | None, make_id: Callable[[], str]) -> list[ToolCall]:
     """The calls in the JSON a forced tool_choice generated; cut by max_tokens, the calls begun so far as a stream
     of the same text sends them (up to the first without its name)."""
