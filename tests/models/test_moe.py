@@ -110,16 +110,18 @@ def _with_quant_config(ref_path: str, folder: Path, quant: dict) -> str:
 
 
 _CT_FP8_CHANNEL = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
-_CT_FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+_CT_FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
+# FP8 experts load with dynamic activations (tests/e2e/test_quantization_fp8_moe.py); static activation scales and
+# integer experts do not.
 @pytest.mark.parametrize("quant", [
-    {"quant_method": "fp8", "activation_scheme": "dynamic"},  # per-tensor scales: only block scales load
+    {"quant_method": "fp8", "activation_scheme": "static"},
     {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
     {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
     {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
      "config_groups": {"group_0": {"targets": ["Linear"], "weights": _CT_FP8_CHANNEL,
-                                   "input_activations": _CT_FP8_TOKEN}}, "ignore": ["lm_head"]},
+                                   "input_activations": _CT_FP8_STATIC}}, "ignore": ["lm_head"]},
 ], ids=lambda q: q["quant_method"])
 def test_quantized_experts_are_refused(references, tmp_path, quant):
     path = _with_quant_config(references("qwen3-moe").path, tmp_path / "quantized", quant)
