@@ -83,6 +83,12 @@ class RotaryEmbedding(nn.Module):
                         inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float32, device=inv_freq.device)
                 else:
                     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+                if 2 * inv_freq.numel() != self.rotary_dim:
+                    # transformers' scaled initialisers apply partial_rotary_factor themselves, also for a model
+                    # whose attention rotates the whole head (its reference then fails on the shapes too).
+                    raise ValueError(f"RoPE scaling {rope_type!r} gives {2 * inv_freq.numel()} rotary dimensions; "
+                                     f"this model rotates {self.rotary_dim} (partial_rotary_factor "
+                                     f"{params.get('partial_rotary_factor')} is not supported with it)")
                 cache = _cos_sin_table(inv_freq, scale, max_position)
                 if self.pretrained_len is not None:  # the short rows, then the long ones (the module's docstring)
                     long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),

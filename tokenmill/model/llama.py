@@ -22,6 +22,10 @@ from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
 from tokenmill.model.cpu_layer_step import CpuLayerStep
 from tokenmill.model.stage import StageLayers, make_embedding, make_lm_head, on_last_stage
 
+# Of the families built on LlamaAttention only transformers' Phi-3 rotates just the first partial_rotary_factor of
+# each head; the others' rotary embeddings ignore the field (a config may still carry it) and rotate all of it.
+_PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
+
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -67,7 +71,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
+        rotary_dim = None if config.model_type in _PARTIAL_ROTARY_MODEL_TYPES else self.head_dim
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings, rotary_dim)
         # The attention layer applies q_norm, k_norm and the rotary embedding (on GPU, fused with its KV write).
         self.attn = Attention(
             self.num_heads,

@@ -1,0 +1,39 @@
+"""Config variants real checkpoints carry that the tiny models in conftest.py do not: tokenmill's greedy tokens
+equal transformers' on one engine setting (test_models_vs_hf.py runs every schedule on the tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.models.conftest import COMMON, TinyModel, build_tiny_model, greedy_hf
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.rotary import RotaryEmbedding
+
+BASE_ARGS = {"skip_tokenizer_init": True, "device": "cpu", "dtype": "float32", "kv_cache_space": 0.01}
+
+VARIANTS: dict[str, TinyModel] = {
+    # transformers' Llama (and every family here but Phi-3) ignores partial_rotary_factor: the whole head rotates.
+    "llama-partial-rotary-ignored": TinyModel("LlamaConfig", {"partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_tokens_match_hf(tmp_path, variant: str):
+    hf_model = build_tiny_model(VARIANTS[variant], tmp_path)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, hf_model.config.vocab_size, (n,), generator=generator).tolist() for n in (5, 23)]
+    expected = [greedy_hf(hf_model, p) for p in prompts]
+    llm = LLM(str(tmp_path), **BASE_ARGS)
+    params = SamplingParams(temperature=0, max_tokens=len(expected[0]), ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+
+
+def test_scaled_rope_of_part_of_a_head_is_refused_where_the_whole_head_rotates():
+    # transformers' linear initialiser applies the factor, its Llama attention then fails on the shapes.
+    config = transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="gives 8 rotary dimensions; this model rotates 16"):
+        RotaryEmbedding(config, 16, 64, rotary_dim=16)
