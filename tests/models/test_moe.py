@@ -167,3 +167,18 @@ def test_qwen3_30b_a3b_config_builds_with_dummy_weights(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("moe_name", [*MOE_MODELS, "deepseek-v2-lite"])
+def test_experts_with_an_activation_other_than_silu_are_refused(moe_name):
+    # The expert kernels compute silu(gate) * up whatever the config says: a GELU model would run silently wrong.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tests.models.conftest import TINY_MODELS
+    from tokenmill.model.registry import get_model_class
+
+    config = TINY_MODELS[moe_name].make_config()
+    config.hidden_act = "gelu"
+    model_class = get_model_class([MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]])
+    with torch.device("meta"), pytest.raises(ValueError, match="SiLU-gated MLPs; this config's hidden_act is 'gelu'"):
+        model_class(config)

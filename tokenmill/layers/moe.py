@@ -69,7 +69,7 @@ class FusedMoE(nn.Module):
     """The routed experts of one layer. forward(hidden [T, H], router_logits [T, E]) -> [T, H], reduced over ranks.
 
     checkpoint_names: the (gate, up, down) projection names of one expert in the checkpoint
-    (Qwen: gate_proj/up_proj/down_proj; Mixtral: w1/w3/w2).
+    (Qwen: gate_proj/up_proj/down_proj; Mixtral: w1/w3/w2). hidden_act: the config's, refused unless SiLU.
     """
 
     def __init__(
@@ -84,8 +84,13 @@ class FusedMoE(nn.Module):
         num_expert_group: int | None = None,
         topk_group: int | None = None,
         routed_scaling_factor: float = 1.0,
+        hidden_act: str = "silu",
     ) -> None:
         super().__init__()
+        # Every expert kernel (Triton, CPU, quantized) computes silu(gate) * up: another activation would run as
+        # SiLU and silently give other tokens.
+        if hidden_act not in ("silu", "swish"):
+            raise ValueError(f"MoE experts compute SiLU-gated MLPs; this config's hidden_act is {hidden_act!r}")
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"MoE routing picks {top_k} of {num_experts} experts")

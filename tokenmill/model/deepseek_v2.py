@@ -60,8 +60,6 @@ class DeepseekMoE(nn.Module):
     def __init__(self, config: PretrainedConfig, is_v3: bool) -> None:
         super().__init__()
         num_experts = config.n_routed_experts
-        if config.hidden_act != "silu":
-            raise ValueError(f"MoE experts compute SiLU-gated MLPs; this config's hidden_act is {config.hidden_act!r}")
         self.gate = DeepseekRouter(config.hidden_size, num_experts, correction_bias=is_v3)
         if is_v3:
             routing = dict(renormalize=bool(config.norm_topk_prob), scoring="sigmoid",
@@ -75,7 +73,7 @@ class DeepseekMoE(nn.Module):
                              "(greedy, group_limited_greedy)")
         self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, routed_scaling_factor=config.routed_scaling_factor,
-                                **routing)
+                                hidden_act=config.hidden_act, **routing)
         num_shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * num_shared,
                                        config.hidden_act, getattr(config, "mlp_bias", False)) if num_shared else None

@@ -22,7 +22,8 @@ class MixtralSparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = MoERouter(config.hidden_size, config.num_local_experts)
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.intermediate_size, renormalize=True, checkpoint_names=("w1", "w3", "w2"))
+                                config.intermediate_size, renormalize=True, checkpoint_names=("w1", "w3", "w2"),
+                                hidden_act=config.hidden_act)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden_states, self.gate(hidden_states))  # [num_tokens, hidden_size]

@@ -36,7 +36,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         num_experts = num_experts_of(config)
         self.gate = MoERouter(config.hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, renormalize=config.norm_topk_prob)
+                                config.moe_intermediate_size, renormalize=config.norm_topk_prob,
+                                hidden_act=config.hidden_act)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden_states, self.gate(hidden_states))  # [num_tokens, hidden_size]
