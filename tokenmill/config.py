@@ -38,7 +38,8 @@ class ModelConfig:
     """auto | float32 | bfloat16 | float16. auto: on the CPU bfloat16 where it has bfloat16 units (AVX512_BF16,
     AMX) else float32 (logged at start-up); on the GPU the checkpoint's 16-bit type."""
     max_model_len: int | None = None
-    """Longest prompt + output in tokens; defaults to the model's max_position_embeddings."""
+    """Longest prompt + output in tokens; defaults to the model's max_position_embeddings (times a linear or yarn
+    RoPE scaling's factor: layers.rotary.max_rope_positions)."""
     load_format: str = "auto"
     """auto (safetensors or GGUF by path) | safetensors | gguf | dummy (random weights)."""
     seed: int = 0

@@ -16,6 +16,19 @@ BASE_ARGS = {"skip_tokenizer_init": True, "device": "cpu", "dtype": "float32", "
 VARIANTS: dict[str, TinyModel] = {
     # transformers' Llama (and every family here but Phi-3) ignores partial_rotary_factor: the whole head rotates.
     "llama-partial-rotary-ignored": TinyModel("LlamaConfig", {"partial_rotary_factor": 0.5}),
+    # RoPE scalings stretch the context past max_position_embeddings (32 here; the longer prompt and its output
+    # take 47 positions), as Qwen2.5 configs given yarn x4 do: transformers computes those positions.
+    "llama-yarn-past-max-positions": TinyModel("LlamaConfig", {"max_position_embeddings": 32, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "original_max_position_embeddings": 32}}),
+    "qwen2-linear-past-max-positions": TinyModel("Qwen2Config", {"max_position_embeddings": 32, "rope_parameters": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+    "deepseek-v3-yarn-past-max-positions": TinyModel("DeepseekV3Config", {
+        "max_position_embeddings": 32, "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 24, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+        "topk_group": 1, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                             "original_max_position_embeddings": 32, "mscale": 1.0,
+                                             "mscale_all_dim": 0.8}}),
 }
 
 

@@ -11,6 +11,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.engine.input_processor import InputProcessor, PromptType
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer, make_tokenizer_info
+from tokenmill.layers.rotary import max_rope_positions
 from tokenmill.model.loader import load_hf_config
 from tokenmill.model.registry import get_model_class
 from tokenmill.protocol import EngineRequest
@@ -18,13 +19,15 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -> int:
-    model_max = getattr(hf_config, "max_position_embeddings", None)
+    model_max = max_rope_positions(hf_config)  # max_position_embeddings, stretched by a linear or yarn RoPE scaling
     if requested is None:
         if model_max is None:
             raise ValueError("the model config has no max_position_embeddings: pass max_model_len")
         return model_max
     if model_max is not None and requested > model_max:
-        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={model_max}: "
+        pretrained = getattr(hf_config, "max_position_embeddings", None)
+        raise ValueError(f"max_model_len={requested} exceeds the {model_max} positions the model serves "
+                         f"(max_position_embeddings {pretrained} and its RoPE scaling): "
                          f"pass --max-model-len {model_max} or less (or leave it out)")
     return requested
 

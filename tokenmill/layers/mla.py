@@ -43,7 +43,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quant.unquantized import UnquantizedLinearMethod
-from tokenmill.layers.rotary import RotaryEmbedding, rope_parameters
+from tokenmill.layers.rotary import RotaryEmbedding, max_rope_positions, rope_parameters
 
 # transformers' DeepSeek attention builds q_a_layernorm and kv_a_layernorm with the default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -122,7 +122,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               total_heads * (self.qk_nope_head_dim + self.v_head_dim))
         self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias=bias)
-        self.rotary_emb = RotaryEmbedding(config, self.qk_rope_head_dim, config.max_position_embeddings,
+        self.rotary_emb = RotaryEmbedding(config, self.qk_rope_head_dim, max_rope_positions(config),
                                           rotary_dim=self.qk_rope_head_dim)
         self.latent_dim = self.kv_lora_rank + self.qk_rope_head_dim
         # One KV head per token: the latent and the rotary key; every query head attends to it.

@@ -40,6 +40,22 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return params
 
 
+def max_rope_positions(config: PretrainedConfig) -> int | None:
+    """The positions the model serves: max_position_embeddings, or the context a linear or yarn scaling stretches
+    the pretrained one to where that is longer (a Qwen2.5 config given yarn x4 keeps max_position_embeddings 32768
+    and serves 131072 positions; transformers computes any position, and vLLM derives the same length)."""
+    model_max = getattr(config, "max_position_embeddings", None)
+    params = rope_parameters(config)
+    if params["rope_type"] not in ("linear", "yarn") or not params.get("factor"):
+        return model_max
+    pretrained = model_max  # yarn names the context it stretches; linear stretches max_position_embeddings
+    if params["rope_type"] == "yarn":
+        pretrained = params.get("original_max_position_embeddings") or model_max
+    if pretrained is None:
+        return None
+    return max(model_max or 0, int(pretrained * params["factor"]))
+
+
 def _default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
 

@@ -17,7 +17,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quant.fp8 import Fp8Activation
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RotaryEmbedding, max_rope_positions
 from tokenmill.model.base import LLAMA_STACKED_PARAMS, load_weights_by_name
 from tokenmill.model.cpu_layer_step import CpuLayerStep
 from tokenmill.model.stage import StageLayers, make_embedding, make_lm_head, on_last_stage
@@ -72,7 +72,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         rotary_dim = None if config.model_type in _PARTIAL_ROTARY_MODEL_TYPES else self.head_dim
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings, rotary_dim)
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_rope_positions(config), rotary_dim)
         # The attention layer applies q_norm, k_norm and the rotary embedding (on GPU, fused with its KV write).
         self.attn = Attention(
             self.num_heads,

@@ -14,6 +14,7 @@ from transformers import AutoConfig, PretrainedConfig
 from tokenmill.config import EAGLE3_ARCHITECTURES, EngineConfig
 from tokenmill.distributed.parallel_state import get_tp_size
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.rotary import max_rope_positions
 from tokenmill.model.loader import load_hf_config, load_model
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def check_fits(what: str, draft: PretrainedConfig, target: PretrainedConfig, max
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"{what}'s vocabulary ({draft.vocab_size} tokens) is not the target's "
                          f"({target.vocab_size}): a drafter must share the target's tokenizer")
-    draft_len = getattr(draft, "max_position_embeddings", None)
+    draft_len = max_rope_positions(draft)
     if draft_len is not None and draft_len < max_model_len:
         raise ValueError(f"{what} takes {draft_len} positions, fewer than max_model_len={max_model_len}: "
                          f"lower max_model_len")
