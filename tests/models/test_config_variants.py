@@ -16,6 +16,19 @@ BASE_ARGS = {"skip_tokenizer_init": True, "device": "cpu", "dtype": "float32", "
 VARIANTS: dict[str, TinyModel] = {
     # transformers' Llama (and every family here but Phi-3) ignores partial_rotary_factor: the whole head rotates.
     "llama-partial-rotary-ignored": TinyModel("LlamaConfig", {"partial_rotary_factor": 0.5}),
+    # Bias flags (as Llama's config has them) that these families' references never read: no such tensors load.
+    "mistral-bias-flags-ignored": TinyModel("MistralConfig", {"attention_bias": True, "mlp_bias": True}),
+    "phi3-bias-flags-ignored": TinyModel("Phi3Config", {"attention_bias": True, "mlp_bias": True}),
+    "mixtral-bias-flags-ignored": TinyModel("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                              "attention_bias": True}),
+    "qwen2-mlp-bias-flag-ignored": TinyModel("Qwen2Config", {"attention_bias": True, "mlp_bias": True}),
+    "qwen3-moe-mlp-bias-flag-ignored": TinyModel("Qwen3MoeConfig", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0],
+        "mlp_bias": True}),
+    "deepseek-v3-mlp-bias-flag-ignored": TinyModel("DeepseekV3Config", {
+        "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16, "v_head_dim": 24, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "mlp_bias": True}),
     # RoPE scalings stretch the context past max_position_embeddings (32 here; the longer prompt and its output
     # take 47 positions), as Qwen2.5 configs given yarn x4 do: transformers computes those positions.
     "llama-yarn-past-max-positions": TinyModel("LlamaConfig", {"max_position_embeddings": 32, "rope_parameters": {

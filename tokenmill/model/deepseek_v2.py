@@ -56,6 +56,11 @@ class DeepseekRouter(nn.Module):
         return F.linear(hidden_states.float(), self.weight)  # [num_tokens, num_experts] float32
 
 
+def mlp_bias_of(config: PretrainedConfig, is_v3: bool) -> bool:
+    # transformers' V2 MLPs (dense and shared experts) read mlp_bias; V3's never have a bias.
+    return not is_v3 and bool(getattr(config, "mlp_bias", False))
+
+
 class DeepseekMoE(nn.Module):
     def __init__(self, config: PretrainedConfig, is_v3: bool) -> None:
         super().__init__()
@@ -76,7 +81,7 @@ class DeepseekMoE(nn.Module):
                                 hidden_act=config.hidden_act, **routing)
         num_shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * num_shared,
-                                       config.hidden_act, getattr(config, "mlp_bias", False)) if num_shared else None
+                                       config.hidden_act, mlp_bias_of(config, is_v3)) if num_shared else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
@@ -96,7 +101,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
             self.mlp = DeepseekMoE(config, is_v3)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                                getattr(config, "mlp_bias", False))
+                                mlp_bias_of(config, is_v3))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -128,13 +128,16 @@ def _normed(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, blo
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, mlp_bias: bool | None = None) -> None:
         super().__init__()
         window = sliding_window_of(config, layer_idx)
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, window)
-        # mlp: a family's own feed-forward block (MoE); the dense gated MLP otherwise.
+        # mlp: a family's own feed-forward block (MoE); the dense gated MLP otherwise, biased as mlp_bias says
+        # (None: as the config's mlp_bias).
+        if mlp_bias is None:
+            mlp_bias = getattr(config, "mlp_bias", False)
         self.mlp = mlp if mlp is not None else LlamaMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False)
+            config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -168,12 +171,12 @@ MakeMLP = Callable[[PretrainedConfig, int], "nn.Module | None"]
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 make_mlp: MakeMLP | None = None) -> None:
+                 make_mlp: MakeMLP | None = None, mlp_bias: bool | None = None) -> None:
         super().__init__()
         self.embed_tokens = make_embedding(config)
         # This pipeline stage's layers (all of them with one stage).
         self.stage = StageLayers(config, lambda i: LlamaDecoderLayer(
-            config, i, qkv_bias, o_bias, qk_norm, make_mlp(config, i) if make_mlp else None))
+            config, i, qkv_bias, o_bias, qk_norm, make_mlp(config, i) if make_mlp else None, mlp_bias))
         self.layers = self.stage.modules
         self.norm = on_last_stage(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.aux_hidden_state_layers: tuple[int, ...] = ()
@@ -198,9 +201,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Projection biases: None follows the config's attention_bias, as Llama and Qwen3 do.
+    # Projection biases: None follows the config's attention_bias (mlp_bias for the MLP), as transformers' Llama
+    # does; a family whose reference never reads such a field fixes the bias, so that a config carrying it (copied
+    # from Llama's) still loads its checkpoint as transformers does.
     qkv_bias: bool | None = None
     o_bias: bool | None = None
+    mlp_bias: bool | None = None
     qk_norm = False
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -218,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias if self.o_bias is None else self.o_bias,
             qk_norm=self.qk_norm,
             make_mlp=self.make_mlp,
+            mlp_bias=self.mlp_bias,
         )
 
     def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module | None:
@@ -236,13 +243,14 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    qkv_bias = o_bias = mlp_bias = False
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
-    o_bias = False
+    o_bias = mlp_bias = False
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+    mlp_bias = False  # q/k/v/o follow attention_bias

@@ -13,4 +13,4 @@ from tokenmill.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    pass
+    qkv_bias = o_bias = mlp_bias = False

@@ -59,6 +59,7 @@ class Qwen2MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     qk_norm = True
+    mlp_bias = False  # q/k/v/o follow attention_bias
     sparse_block = Qwen3MoeSparseMoeBlock
 
     def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module | None:
@@ -78,4 +79,4 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     def make_model(self, config: PretrainedConfig) -> nn.Module:
         # q/k/v carry a bias unless the config says otherwise (qkv_bias, transformers >= 5.x); o_proj none.
         return LlamaModel(config, qkv_bias=getattr(config, "qkv_bias", True), o_bias=False, qk_norm=False,
-                          make_mlp=self.make_mlp)
+                          make_mlp=self.make_mlp, mlp_bias=False)
