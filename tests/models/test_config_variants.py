@@ -16,6 +16,8 @@ BASE_ARGS = {"skip_tokenizer_init": True, "device": "cpu", "dtype": "float32", "
 VARIANTS: dict[str, TinyModel] = {
     # transformers' Llama (and every family here but Phi-3) ignores partial_rotary_factor: the whole head rotates.
     "llama-partial-rotary-ignored": TinyModel("LlamaConfig", {"partial_rotary_factor": 0.5}),
+    # An activation without a kernel here: transformers' own function.
+    "llama-quick-gelu": TinyModel("LlamaConfig", {"hidden_act": "quick_gelu"}),
     # Bias flags (as Llama's config has them) that these families' references never read: no such tensors load.
     "mistral-bias-flags-ignored": TinyModel("MistralConfig", {"attention_bias": True, "mlp_bias": True}),
     "phi3-bias-flags-ignored": TinyModel("Phi3Config", {"attention_bias": True, "mlp_bias": True}),

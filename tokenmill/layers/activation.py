@@ -38,6 +38,19 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
+class ActivationAndMul(nn.Module):
+    """act(gate) * up with transformers' own activation module, for the activations without a kernel here."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor, consumer: nn.Module | None = None) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        """consumer: as SiluAndMul's; the output stays unquantized."""
+        gate, up = x.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
 def get_gated_activation(hidden_act: str) -> nn.Module:
     if hidden_act in ("silu", "swish"):
         return SiluAndMul()
@@ -45,4 +58,9 @@ def get_gated_activation(hidden_act: str) -> nn.Module:
         return GeluAndMul("tanh")
     if hidden_act == "gelu":
         return GeluAndMul("none")
-    raise ValueError(f"unsupported activation {hidden_act!r}")
+    # Any other activation transformers names (gelu_fast, quick_gelu, relu, ...): its own function, unfused.
+    from transformers.activations import ACT2FN
+
+    if hidden_act not in ACT2FN:
+        raise ValueError(f"unsupported activation {hidden_act!r}")
+    return ActivationAndMul(ACT2FN[hidden_act])
