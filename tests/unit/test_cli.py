@@ -353,3 +353,10 @@ def test_a_bad_choice_is_refused_with_the_choices_before_anything_loads(field, v
 
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_kwargs("no-model-needed", **{field: value})
+
+
+def test_python_dash_m_tokenmill_runs_the_command():
+    result = subprocess.run([sys.executable, "-m", "tokenmill", "serve", "--help"], capture_output=True, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert "--served-model-name" in result.stdout
