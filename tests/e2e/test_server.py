@@ -259,6 +259,11 @@ def test_tokenize_detokenize_roundtrip(server, smollm2_tokenizer):
     assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == text
     chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": text}]}).json()
     assert chat["count"] > tokens["count"]
+    with_strs = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert with_strs["token_strs"] == smollm2_tokenizer.convert_ids_to_tokens(tokens["tokens"])
+    chat_strs = post(server, "/tokenize", {"messages": [{"role": "user", "content": text}],
+                                           "return_token_strs": True}).json()
+    assert len(chat_strs["token_strs"]) == chat["count"]
 
 
 def test_concurrent_streams_match_one_by_one(server, client):

@@ -347,6 +347,8 @@ class TokenizeRequest(RequestBody):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    return_token_strs: bool = False
+    """Also answer each token's string (`token_strs`), as the tokenizer's vocabulary spells it."""
 
 
 class DetokenizeRequest(RequestBody):
