@@ -529,6 +529,9 @@ class EngineConfig:
                              f"EAGLE head's folder")
 
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server around an engine (`tokenmill serve`)."""
@@ -585,3 +588,7 @@ class ServerConfig:
             raise ValueError(f"max_waiting_requests must be non-negative or -1, got {self.max_waiting_requests}")
         if self.max_request_body_bytes <= 0:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+        # uvicorn checks its level only once the model is loaded, and then fails with a bare KeyError.
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {' | '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")

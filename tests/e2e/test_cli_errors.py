@@ -84,7 +84,8 @@ def test_serve_reports_an_unsupported_architecture_in_one_line(tmp_path):
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-model-len", "0", "max_model_len must be positive"),
     ("--kv-cache-space", "-1", "kv_cache_space must be a positive"),
-    ("--num-gpu-blocks-override", "0", "num_gpu_blocks_override must be a positive number of blocks, got 0")])
+    ("--num-gpu-blocks-override", "0", "num_gpu_blocks_override must be a positive number of blocks, got 0"),
+    ("--uvicorn-log-level", "loud", "uvicorn_log_level must be one of critical | error | warning")])
 def test_serve_refuses_a_bad_size_at_once(tmp_path, flag, value, message):
     result = tokenmill("serve", str(tmp_path / "any.gguf"), flag, value, "--port", str(free_port()),
                        timeout=QUICK_FAILURE_S)
