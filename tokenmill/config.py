@@ -542,8 +542,9 @@ class ServerConfig:
     """TCP port to listen on."""
     api_key: str | None = None
     """Bearer key every route but /health and /version requires (default: $TOKENMILL_API_KEY)."""
-    served_model_name: str | None = None
-    """The model name clients pass and responses carry; defaults to the model argument."""
+    served_model_name: str | list[str] | None = None
+    """The model name clients pass and responses carry; defaults to the model argument. Several names: requests
+    may give any, responses and metrics carry the first."""
     max_waiting_requests: int = 1024
     """Answer 503 (with Retry-After) to requests that would make more than this many sequences wait,
     rather than queue without bound; -1: no limit."""

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
 MODEL = "smollm2"
+ALIAS = "org/smollm2-alias"
+"""The server's second --served-model-name."""
 MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 64 * 1024
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -29,7 +31,7 @@ def server(smollm2_path):
     # float32: test_concurrent_streams_match_one_by_one needs batch-invariant greedy text, which bfloat16
     # (dtype 'auto' on a CPU with bfloat16 units) does not give: a batch's GEMMs round differently.
     server = RemoteServer(
-        smollm2_path, "--served-model-name", MODEL, "--kv-cache-space", "0.25", "--dtype", "float32",
+        smollm2_path, "--served-model-name", MODEL, ALIAS, "--kv-cache-space", "0.25", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY_BYTES),
         api_key=API_KEY,
     )
@@ -71,8 +73,8 @@ def metric_samples(server) -> dict[str, float]:
 
 
 def test_models_health_version(server, client):
-    [card] = client.models.list().data
-    assert card.id == MODEL and card.max_model_len == MAX_MODEL_LEN
+    cards = client.models.list().data
+    assert [card.id for card in cards] == [MODEL, ALIAS] and cards[0].max_model_len == MAX_MODEL_LEN
     assert httpx.get(server.url("/health")).status_code == 200
     assert httpx.get(server.url("/version")).json()["version"]
 
@@ -92,6 +94,13 @@ def test_models_retrieve(client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.models.retrieve("org/unknown-model")
     assert raised.value.body["code"] == "model_not_found"
+
+
+def test_every_served_model_name_is_served(client):
+    """Before: `--served-model-name a b` was refused ('b' taken for the model path)."""
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    completion = client.completions.create(model=ALIAS, prompt="Hi", max_tokens=1)
+    assert completion.model == MODEL  # responses carry the first name, as vLLM's do
 
 
 def test_completion_streamed_and_not_agree_and_count_tokens(server, client, smollm2_tokenizer):

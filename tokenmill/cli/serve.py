@@ -37,12 +37,12 @@ def register(subparsers) -> None:
     parser.set_defaults(handler=run)
 
 
-def served_model_name(args: argparse.Namespace, model_path: str) -> str:
+def served_model_names(args: argparse.Namespace, model_path: str) -> list[str]:
     if getattr(args, "served_model_name", None):
-        return args.served_model_name
+        return args.served_model_name  # a list: the flag takes several names, as vLLM's does
     if args.model is not None:
-        return args.model
-    return os.path.basename(model_path).removesuffix(".gguf")
+        return [args.model]
+    return [os.path.basename(model_path).removesuffix(".gguf")]
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from tokenmill.server.launch import run_server  # the server's dependencies load while the core starts
 
-        run_server(engine_config, server_config, served_model_name(args, engine_config.model_config.model), core)
+        run_server(engine_config, server_config, served_model_names(args, engine_config.model_config.model), core)
     finally:
         if core is not None:
             core.shutdown()  # a no-op once the engine has shut it down

@@ -70,18 +70,18 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict:
-        return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
                 "root": engine.config.model_config.model, "parent": None, "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in state.model_names]}
 
     @app.get("/v1/models/{model_id:path}")  # served names may hold slashes (paths, "org/model")
     async def model(model_id: str) -> dict:
         state.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):

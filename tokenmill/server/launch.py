@@ -50,7 +50,7 @@ class GracefulServer(uvicorn.Server):
             ending.cancel()
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_name: str,
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_names: list[str],
                started_core: CoreProcessClient | None = None) -> None:
     """`started_core`: the engine core, already started with `engine_config` (one replica), which the engine adopts."""
     check_port_free(server_config.host, server_config.port)
@@ -58,6 +58,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
         prepare_profiler_dir(server_config.profiler_dir)
     registry = CollectorRegistry()
     speculative = engine_config.speculative_config
+    model_name, *also_served_as = model_names
     stat_logger = PrometheusStatLogger(model_name, registry,
                                        None if speculative is None else speculative.num_speculative_tokens,
                                        num_engines=engine_config.parallel_config.data_parallel_size)
@@ -65,7 +66,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
     try:
         # Every data-parallel replica runs max_num_seqs sequences.
         max_num_seqs = engine_config.scheduler_config.max_num_seqs * engine_config.parallel_config.data_parallel_size
-        state = ServerState(engine, server_config, model_name, max_num_seqs)
+        state = ServerState(engine, server_config, model_name, max_num_seqs, tuple(also_served_as))
         app = build_app(state, registry)
         config = uvicorn.Config(
             app,

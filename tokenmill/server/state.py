@@ -37,6 +37,8 @@ class ServerState:
     config: ServerConfig
     model_name: str
     max_num_seqs: int
+    also_served_as: tuple[str, ...] = ()
+    """Further names requests may give (--served-model-name's after the first, which responses carry)."""
     tokenizer_executor: ThreadPoolExecutor = field(
         # One thread: a Rust tokenizer used from several threads at once can fail ("Already borrowed").
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"),
@@ -76,9 +78,14 @@ class ServerState:
             self._vocab_bytes = await self.off_loop(_vocab_bytes, self.engine.tokenizer)
         return self._vocab_bytes
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.also_served_as)
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+        if name is not None and name not in self.model_names:
+            served = ", ".join(f"'{n}'" for n in self.model_names)
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {served}",
                            code="model_not_found", param="model")
 
     def check_capacity(self, num_new_seqs: int) -> None:
