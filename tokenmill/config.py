@@ -552,6 +552,15 @@ class ServerConfig:
     """Larger request bodies are refused with 413."""
     metrics_no_auth: bool = False
     """Serve /metrics without the API key (for scrapers that cannot send one)."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Origins whose web pages may call the API from a browser (CORS), '*' for any. Default: none, unlike vLLM's
+    '*', so that no web page a user visits can drive a local server."""
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    """HTTP methods those origins may use (CORS)."""
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    """Request headers those origins may send (CORS)."""
+    allow_credentials: bool = False
+    """Let those origins send credentials (cookies, HTTP authentication) (CORS)."""
     uvicorn_log_level: str = "info"
     """Log level of the HTTP server: critical | error | warning | info | debug | trace."""
     trust_request_chat_template: bool = False
@@ -589,6 +598,21 @@ class ServerConfig:
             raise ValueError(f"max_waiting_requests must be non-negative or -1, got {self.max_waiting_requests}")
         if self.max_request_body_bytes <= 0:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            # vLLM's flags take one JSON list ('["http://a", "http://b"]'); ours take the items as well.
+            items = []
+            for text in getattr(self, name):
+                if not text.lstrip().startswith("["):
+                    items.append(text)
+                    continue
+                try:
+                    listed = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{name}: {text!r} is not a JSON list ({e})") from None
+                if not all(isinstance(item, str) for item in listed):
+                    raise ValueError(f"{name}: {text!r} is not a JSON list of strings")
+                items.extend(listed)
+            object.__setattr__(self, name, items)
         # uvicorn checks its level only once the model is loaded, and then fails with a bare KeyError.
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {' | '.join(UVICORN_LOG_LEVELS)}, "

@@ -21,6 +21,8 @@ API_KEY = "test-key"
 MODEL = "smollm2"
 ALIAS = "org/smollm2-alias"
 """The server's second --served-model-name."""
+WEB_UI = "http://ui.example"
+"""The one origin the server lets browsers call it from (CORS)."""
 MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 64 * 1024
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -33,7 +35,7 @@ def server(smollm2_path):
     server = RemoteServer(
         smollm2_path, "--served-model-name", MODEL, ALIAS, "--kv-cache-space", "0.25", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY_BYTES),
-        api_key=API_KEY,
+        "--allowed-origins", json.dumps([WEB_UI]), api_key=API_KEY,  # vLLM's spelling: a JSON list
     )
     yield server
     server.stop()
@@ -306,6 +308,21 @@ PROTECTED = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt":
              ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
              ("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1]}),
              ("GET", "/metrics", None)]
+
+
+def test_cors_for_the_allowed_origin_only(server):
+    """Before: no CORS flags (vLLM's --allowed-origins was refused), so no browser page could call the server."""
+    preflight = {"Origin": WEB_UI, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    answer = httpx.options(server.url("/v1/chat/completions"), headers=preflight)  # browsers send no key here
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == WEB_UI
+    assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+    answer = httpx.get(server.url("/v1/models"), headers={**server.headers, "Origin": WEB_UI})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == WEB_UI
+    refused = httpx.get(server.url("/v1/models"), headers={"Origin": WEB_UI})  # the page can read the 401
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == WEB_UI
+    other = httpx.get(server.url("/v1/models"), headers={**server.headers, "Origin": "http://elsewhere.example"})
+    assert "access-control-allow-origin" not in other.headers
 
 
 @pytest.mark.parametrize(("method", "path", "body"), PROTECTED, ids=[p for _, p, _ in PROTECTED])

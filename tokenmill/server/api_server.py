@@ -6,6 +6,7 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -132,4 +133,9 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
     if state.config.api_key:
         open_paths = ALWAYS_OPEN_PATHS | ({"/metrics"} if state.config.metrics_no_auth else set())
         app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key, open_paths=frozenset(open_paths))
+    if state.config.allowed_origins:
+        # Outermost: browsers' preflight OPTIONS carry no API key, and refusals need the CORS headers to be readable.
+        app.add_middleware(CORSMiddleware, allow_origins=state.config.allowed_origins,
+                           allow_methods=state.config.allowed_methods, allow_headers=state.config.allowed_headers,
+                           allow_credentials=state.config.allow_credentials)
     return app
