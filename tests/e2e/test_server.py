@@ -262,6 +262,22 @@ def test_chat_logprobs_bytes_join_into_characters_split_across_tokens(client, st
             assert top.token != "\ufffd" or bytes(top.bytes) != "\ufffd".encode()
 
 
+def test_x_request_id_names_the_response_and_need_not_be_unique(server):
+    """Before: the header was ignored (vLLM's responses carry it); the same id twice at once must not clash."""
+    body = {"prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers={**server.headers, "X-Request-Id": "trace-42"}, timeout=120) as c:
+            return await asyncio.gather(*(c.post(server.url("/v1/completions"), json=body) for _ in range(2)))
+
+    for response in asyncio.run(both()):
+        events = sse_events(response)
+        assert events[-1] == "[DONE]" and {e["id"] for e in events[:-1]} == {"cmpl-trace-42"}, response.text
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+                headers={"X-Request-Id": "trace-43"})
+    assert chat.json()["id"] == "chatcmpl-trace-43"
+
+
 def test_tokenize_detokenize_roundtrip(server, smollm2_tokenizer):
     text = "Hello, tokenmill!"
     tokens = post(server, "/tokenize", {"prompt": text}).json()

@@ -17,7 +17,7 @@ from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenmill.server.sampling import check_stream_options, continuous_usage, resolve_max_tokens, to_sampling_params
-from tokenmill.server.state import ServerState, make_request_id
+from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
 from tokenmill.server.tools import ChoiceText, ToolPlan, plan_tools, reasoning_parser_of, think_first
@@ -96,9 +96,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 skip_special_tokens=False if plan.mode == "auto" else None)
     vocab_bytes = await state.vocab_bytes() if req.logprobs else None  # before the request is added: nothing to undo
     state.check_capacity(params.num_samples)
-    request_id = make_request_id("chatcmpl")
+    request_id, engine_request_id = make_request_ids("chatcmpl", raw.headers)
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
-    [stream] = state.add_requests(request_id, [prompt], [params], req.priority, req.cache_salt)
+    [stream] = state.add_requests(engine_request_id, [prompt], [params], req.priority, req.cache_salt)
     responder = ChatResponder(state, req, request_id, len(token_ids), plan, reasoning, vocab_bytes)
     if req.stream:
         return SSEResponse(responder.stream(stream))

@@ -20,7 +20,7 @@ from tokenmill.server.limits import MAX_SEQUENCES
 from tokenmill.server.logprobs import CompletionLogprobs
 from tokenmill.server.openai_protocol import CompletionRequest
 from tokenmill.server.sampling import check_stream_options, continuous_usage, resolve_max_tokens, to_sampling_params
-from tokenmill.server.state import ServerState, make_request_id
+from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, merge_streams, sse
 from tokenmill.server.structured_outputs import constraint_of
 
@@ -76,8 +76,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         for p in prompts
     ]
     state.check_capacity(num_seqs)
-    request_id = make_request_id("cmpl")
-    streams = state.add_requests(request_id, prompts, params, req.priority, req.cache_salt)
+    request_id, engine_request_id = make_request_ids("cmpl", raw.headers)
+    streams = state.add_requests(engine_request_id, prompts, params, req.priority, req.cache_salt)
     response = CompletionResponder(state, req, request_id, prompts)
     if req.stream:
         return SSEResponse(response.stream(streams))
