@@ -47,6 +47,16 @@ def test_chat_without_a_server():
     assert_short_error(result, f"cannot reach the server at http://{HOST}:{port}: connection refused", "--url")
 
 
+@pytest.mark.parametrize("argv", [("chat", "--url", "127.0.0.1:8000/v1", "-q", "hi"),
+                                  ("bench", "serve", "--base-url", "localhost:8000", "--num-prompts", "1")])
+def test_a_server_url_without_its_scheme_is_named(argv):
+    """Before: 'cannot reach the server at ://: connection error', which names neither the flag nor the URL."""
+    result = tokenmill(*argv, timeout=QUICK_FAILURE_S)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"argument {argv[-4]}: expected a URL that starts with http:// or https://" in result.stderr
+    assert repr(argv[-3]) in result.stderr
+
+
 def test_bench_serve_without_a_server():
     port = free_port()
     result = tokenmill("bench", "serve", "--base-url", f"http://{HOST}:{port}", "--num-prompts", "1")

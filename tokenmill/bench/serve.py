@@ -29,6 +29,7 @@ import numpy as np
 
 from tokenmill.bench import serve_datasets, server_metrics, spec_decode
 from tokenmill.bench.serve_datasets import BenchRequest
+from tokenmill.cli.args import http_url
 
 SEED_TEXT = (
     "The quick brown fox jumps over the lazy dog while the river runs past old mills, grinding grain "
@@ -38,7 +39,7 @@ SEED_TEXT = (
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default=None, help="the server, without /v1 (default: http://HOST:PORT)")
+    parser.add_argument("--base-url", type=http_url, default=None, help="the server, without /v1 (default: http://HOST:PORT)")
     parser.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
     parser.add_argument("--port", type=int, default=8000, help="the server's port, without --base-url")
     parser.add_argument("--backend", default="openai", choices=["openai", "vllm", "tokenmill"],

@@ -62,6 +62,14 @@ def human_readable_int(text: str) -> int:
                                      f"got {text!r}")
 
 
+def http_url(text: str) -> str:
+    """A server's URL: without its http:// (an easy slip: '127.0.0.1:8000/v1') the client's own error named no URL."""
+    if not re.match(r"https?://[^/]", text, re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"expected a URL that starts with http:// or https://, like "
+                                         f"http://127.0.0.1:8000, got {text!r}")
+    return text
+
+
 def api_key_or_env(api_key: str | None) -> str | None:
     return api_key or os.environ.get(API_KEY_ENV) or None
 

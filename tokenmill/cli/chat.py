@@ -12,6 +12,7 @@ from tokenmill.cli.args import (
     api_key_or_env,
     check_text_prompts,
     engine_kwargs_from_args,
+    http_url,
 )
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -21,7 +22,8 @@ Reply = Callable[[list[dict]], str]
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("chat", help="chat in the terminal with a running server (or --local)")
-    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
+    parser.add_argument("--url", type=http_url, default="http://127.0.0.1:8000/v1",
+                        help="the server's OpenAI base URL")
     parser.add_argument("--model-name", default=None, help="model to ask the server for (default: its first)")
     parser.add_argument("--api-key", default=None, help=f"the server's API key (default: ${API_KEY_ENV})")
     parser.add_argument("--system-prompt", default=None, help="a system message to start the conversation")
