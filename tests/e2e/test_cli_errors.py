@@ -146,6 +146,12 @@ def test_chat_with_a_model_the_server_does_not_serve(server):
     assert_short_error(result, "no-such-model", "404", "--model-name")
 
 
+def test_chat_with_a_url_without_v1(server):
+    """Before: 'the server answered 404: Not Found', with no word of the URL (tokenmill's own 404 hid the hint)."""
+    result = tokenmill("chat", "--url", server.base_url, "-q", "hi", api_key_env=API_KEY)
+    assert_short_error(result, "404", f"{server.base_url}/models, which is no OpenAI-compatible route", "--url")
+
+
 def test_bench_serve_takes_the_key_from_the_environment_and_vllms_flags(server, tmp_path):
     host, port = server.base_url.removeprefix("http://").split(":")
     result = tokenmill("bench", "serve", "--backend", "vllm", "--host", host, "--port", port, "--dataset-name",

@@ -70,8 +70,9 @@ def _refused_request(error: BaseException, args: argparse.Namespace) -> str | No
     message = f"the server answered {response.status_code}: {server_error.get('message') or response.reason_phrase}"
     if server_error.get("code") == "model_not_found":
         message += f"; pass a name it serves with {getattr(args, 'model_flag', '--model')}"
-    elif not server_error.get("message") and response.status_code in (404, 405):
-        # No OpenAI error: a route the server does not have (another kind of server, or a URL without /v1).
+    elif not server_error.get("code") and response.status_code in (404, 405):
+        # No error code (tokenmill's own servers say 'Not Found' with none, vLLM's no OpenAI error at all): a route
+        # the server does not have (another kind of server, or a URL without /v1).
         message += (f" for {response.request.url}, which is no OpenAI-compatible route; pass the server's "
                     f"address with {getattr(args, 'url_flag', '--url')}")
     return message
