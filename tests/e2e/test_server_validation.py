@@ -243,6 +243,12 @@ def test_a_completion_prompt_that_fills_the_context_is_named(server):
     # With max_tokens null no room is left for output: the prompt's fault (before: param "messages").
     error = assert_openai_error(post(server, *completion(prompt=[1] * 1024, max_tokens=None)))
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded", error
+    # Nor with max_tokens given (or completions' default of 16): before, "reduce the prompt or max_tokens", with
+    # param "max_tokens", though no max_tokens could help.
+    for max_tokens in (1, "default"):
+        fields = {} if max_tokens == "default" else {"max_tokens": max_tokens}
+        error = assert_openai_error(post(server, "/v1/completions", {"prompt": [1] * 1030, **fields}))
+        assert error["param"] == "prompt" and "the prompt has 1030: no room is left" in error["message"], error
 
 
 def test_a_long_list_of_bad_values_gets_a_short_message(server):

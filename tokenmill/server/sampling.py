@@ -12,12 +12,12 @@ def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: i
     """The output budget: what was asked for, if it fits the context, else a 400; all that fits if None.
     param, prompt_param: the request's fields of the two, which the 400 names."""
     room = max_model_len - prompt_len
+    if room < 1:  # the prompt's fault whatever max_tokens is (completions' default of 16 included)
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
+            f"{prompt_len}: no room is left for output", param=prompt_param, code="context_length_exceeded",
+        )
     if max_tokens is None:
-        if room < 1:
-            raise bad_request(
-                f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
-                f"{prompt_len}: no room is left for output", param=prompt_param, code="context_length_exceeded",
-            )
         return room
     if max_tokens > room:
         raise bad_request(
