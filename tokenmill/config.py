@@ -552,6 +552,9 @@ class ServerConfig:
     """Larger request bodies are refused with 413."""
     metrics_no_auth: bool = False
     """Serve /metrics without the API key (for scrapers that cannot send one)."""
+    enable_request_id_headers: bool = False
+    """Answer every request with an X-Request-Id header: the request's own, else a fresh one (for tracing through
+    proxies). Completions' ids follow a request's X-Request-Id either way."""
     allowed_origins: list[str] = field(default_factory=list)
     """Origins whose web pages may call the API from a browser (CORS), '*' for any. Default: none, unlike vLLM's
     '*', so that no web page a user visits can drive a local server."""

@@ -35,7 +35,8 @@ def server(smollm2_path):
     server = RemoteServer(
         smollm2_path, "--served-model-name", MODEL, ALIAS, "--kv-cache-space", "0.25", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY_BYTES),
-        "--allowed-origins", json.dumps([WEB_UI]), api_key=API_KEY,  # vLLM's spelling: a JSON list
+        "--allowed-origins", json.dumps([WEB_UI]),  # vLLM's spelling: a JSON list
+        "--enable-request-id-headers", api_key=API_KEY,
     )
     yield server
     server.stop()
@@ -275,7 +276,17 @@ def test_x_request_id_names_the_response_and_need_not_be_unique(server):
         assert events[-1] == "[DONE]" and {e["id"] for e in events[:-1]} == {"cmpl-trace-42"}, response.text
     chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
                 headers={"X-Request-Id": "trace-43"})
-    assert chat.json()["id"] == "chatcmpl-trace-43"
+    assert chat.json()["id"] == "chatcmpl-trace-43" and chat.headers["x-request-id"] == "trace-43"
+
+
+def test_request_id_headers(server):
+    """--enable-request-id-headers (before: refused as an unknown flag) answers each request's X-Request-Id, or a
+    fresh one, on every route, refusals included."""
+    assert httpx.get(server.url("/health"), headers={"X-Request-Id": "probe-1"}).headers["x-request-id"] == "probe-1"
+    refused = httpx.get(server.url("/v1/models"), headers={"X-Request-Id": "no-key"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "no-key"
+    fresh = [httpx.get(server.url("/version")).headers["x-request-id"] for _ in range(2)]
+    assert all(fresh) and fresh[0] != fresh[1]
 
 
 def test_tokenize_detokenize_roundtrip(server, smollm2_tokenizer):

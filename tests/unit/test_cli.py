@@ -72,8 +72,8 @@ def test_flags_reach_their_sub_config():
 def test_help_comes_from_field_docstrings():
     docs = field_docs(ServerConfig)
     assert set(docs) == {"host", "port", "api_key", "served_model_name", "max_waiting_requests",
-                         "max_request_body_bytes", "metrics_no_auth", "allowed_origins", "allowed_methods",
-                         "allowed_headers", "allow_credentials", "uvicorn_log_level",
+                         "max_request_body_bytes", "metrics_no_auth", "enable_request_id_headers", "allowed_origins",
+                         "allowed_methods", "allowed_headers", "allow_credentials", "uvicorn_log_level",
                          "trust_request_chat_template", "enable_auto_tool_choice", "tool_call_parser",
                          "reasoning_parser", "profiler_dir"}
     assert "Tokens per KV-cache block" in field_docs(CacheConfig)["block_size"]

@@ -13,7 +13,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 import tokenmill
 from tokenmill.engine.heap_freeze import freeze_startup_heap
 from tokenmill.server.errors import bad_request, error_response, install_error_handlers
-from tokenmill.server.middleware import ALWAYS_OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware
+from tokenmill.server.middleware import (
+    ALWAYS_OPEN_PATHS,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestIdHeaderMiddleware,
+)
 from tokenmill.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -133,6 +138,8 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
     if state.config.api_key:
         open_paths = ALWAYS_OPEN_PATHS | ({"/metrics"} if state.config.metrics_no_auth else set())
         app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key, open_paths=frozenset(open_paths))
+    if state.config.enable_request_id_headers:  # outside the key check: refusals carry the id too
+        app.add_middleware(RequestIdHeaderMiddleware)
     if state.config.allowed_origins:
         # Outermost: browsers' preflight OPTIONS carry no API key, and refusals need the CORS headers to be readable.
         app.add_middleware(CORSMiddleware, allow_origins=state.config.allowed_origins,

@@ -7,6 +7,7 @@ hide client disconnects from the routes.
 from __future__ import annotations
 
 import hmac
+import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,6 +35,26 @@ class APIKeyMiddleware:
             headers={"WWW-Authenticate": "Bearer"},
         )
         await response(scope, receive, send)
+
+
+class RequestIdHeaderMiddleware:
+    """Echoes a request's X-Request-Id in its response (or a fresh id when it had none), as vLLM's
+    --enable-request-id-headers does."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class BodySizeLimitMiddleware:
