@@ -106,6 +106,15 @@ def test_a_seed_gives_the_same_requests(argv):
     assert requests_of(*argv, seed=1) != requests_of(*argv, seed=2)
 
 
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_max_concurrency_below_one_is_refused(value, capsys):
+    """Before: -1 left the run waiting forever (a semaphore no request could take), 0 meant no limit."""
+    with pytest.raises(SystemExit):
+        parse("--max-concurrency", value)
+    assert f"argument --max-concurrency: must be at least 1, got {value}" in capsys.readouterr().err
+    assert parse("--max-concurrency", "4").max_concurrency == 4
+
+
 def test_the_dataset_and_its_parameters_are_named():
     args = parse("--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "4")
     assert serve_datasets.dataset_params(args) == {"prefix_len": 256, "suffix_len": 256, "num_prefixes": 4,

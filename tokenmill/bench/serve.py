@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenmill.bench import serve_datasets, server_metrics, spec_decode
+from tokenmill.bench.offline import at_least
 from tokenmill.bench.serve_datasets import BenchRequest
 from tokenmill.cli.args import http_url
 
@@ -59,7 +60,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="with several rates: TTFT and TPOT against the rate, drawn with matplotlib")
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    # At least 1: a negative limit left the run waiting forever, 0 meant none.
+    parser.add_argument("--max-concurrency", type=at_least(1), default=None, help="most requests in flight")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
                         help="metrics whose percentiles are reported, of ttft, tpot, itl, e2el")
     parser.add_argument("--metric-percentiles", "--percentiles", default="99",
