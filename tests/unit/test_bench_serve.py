@@ -115,6 +115,13 @@ def test_max_concurrency_below_one_is_refused(value, capsys):
     assert parse("--max-concurrency", "4").max_concurrency == 4
 
 
+@pytest.mark.parametrize("value", ["0", "nan", "inf"])
+def test_burstiness_must_be_a_positive_number(value):
+    """Before: nan passed the check, and the run waited forever."""
+    with pytest.raises(ValueError, match="--burstiness must be a positive number"):
+        serve.main(parse("--burstiness", value))
+
+
 def test_the_dataset_and_its_parameters_are_named():
     args = parse("--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "4")
     assert serve_datasets.dataset_params(args) == {"prefix_len": 256, "suffix_len": 256, "num_prefixes": 4,

@@ -333,8 +333,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(metrics) - set(METRICS))
     if unknown:
         raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)}; choose from {', '.join(METRICS)}")
-    if args.burstiness <= 0:
-        raise ValueError(f"--burstiness must be positive, got {args.burstiness}")
+    if not 0 < args.burstiness < math.inf:  # nan passed '<= 0' and its gaps left the run waiting forever
+        raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
     serve_datasets.check_args(args)
     if (note := serve_datasets.rounding_note(args)) is not None:
         print(note, file=sys.stderr)
