@@ -115,6 +115,14 @@ def test_max_concurrency_below_one_is_refused(value, capsys):
     assert parse("--max-concurrency", "4").max_concurrency == 4
 
 
+@pytest.mark.parametrize("value", ["nan", "4,nan", "0", "-2"])
+def test_request_rates_must_be_positive(value, capsys):
+    """Before: nan ran all requests at once, reported as a run at 'nan req/s'."""
+    with pytest.raises(SystemExit):
+        parse("--request-rate", value)
+    assert "argument --request-rate: rates must be positive numbers or inf" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["0", "nan", "inf"])
 def test_burstiness_must_be_a_positive_number(value):
     """Before: nan passed the check, and the run waited forever."""

@@ -151,7 +151,7 @@ def _rates(text: str) -> list[float]:
         rates = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:  # argparse would name only the function: "invalid _rates value"
         rates = []
-    if not rates or any(rate <= 0 for rate in rates):
+    if not rates or any(not rate > 0 for rate in rates):  # nan too: not a rate
         raise argparse.ArgumentTypeError(f"rates must be positive numbers or inf, got {text!r}")
     return rates
 
