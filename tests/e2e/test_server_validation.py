@@ -239,6 +239,13 @@ def test_chat_template_kwargs_may_not_set_what_the_server_passes(server, key):
     assert error["param"] == "chat_template_kwargs" and key in error["message"], error
 
 
+def test_suffix_is_refused_as_not_supported(server):
+    # Before: "suffix: Input should be None", as if null were its only value rather than a missing feature.
+    error = assert_openai_error(post(server, *completion(suffix="return x")))
+    assert error["param"] == "suffix" and "suffix is not supported" in error["message"], error
+    assert post(server, *completion(suffix=None)).status_code == 200
+
+
 def test_a_completion_prompt_that_fills_the_context_is_named(server):
     # With max_tokens null no room is left for output: the prompt's fault (before: param "messages").
     error = assert_openai_error(post(server, *completion(prompt=[1] * 1024, max_tokens=None)))

@@ -308,8 +308,8 @@ class CompletionRequest(SamplingRequest):
     max_tokens: TokenCount | None = 16
     echo: bool = False
     logprobs: NumLogprobs | None = None
-    suffix: None = None
-    """Not supported: must be null or absent."""
+    suffix: str | None = None
+    """Not supported (no fill-in-the-middle): a 400 unless null or absent."""
 
 
 class ChatCompletionRequest(SamplingRequest):

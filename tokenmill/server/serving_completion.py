@@ -51,6 +51,8 @@ def tokenize_prompts(tokenizer: PreTrainedTokenizerBase | None, input_processor:
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_model(req.model)
     check_stream_options(req)
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported: this server does no fill-in-the-middle", param="suffix")
     engine = state.engine
     prompts = split_prompts(req.prompt)
     num_samples = req.best_of or req.n
