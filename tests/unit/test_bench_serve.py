@@ -115,6 +115,14 @@ def test_max_concurrency_below_one_is_refused(value, capsys):
     assert parse("--max-concurrency", "4").max_concurrency == 4
 
 
+def test_a_url_for_host_points_at_base_url(capsys):
+    """Before: --host http://127.0.0.1 made http://http://127.0.0.1:8000, 'cannot reach the server at http://http'."""
+    with pytest.raises(SystemExit):
+        parse("--host", "http://127.0.0.1")
+    assert "got the URL 'http://127.0.0.1': pass it with --base-url" in capsys.readouterr().err
+    assert parse("--host", "10.0.0.2").host == "10.0.0.2"
+
+
 @pytest.mark.parametrize("value", ["nan", "4,nan", "0", "-2"])
 def test_request_rates_must_be_positive(value, capsys):
     """Before: nan ran all requests at once, reported as a run at 'nan req/s'."""

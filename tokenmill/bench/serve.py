@@ -41,7 +41,7 @@ SEED_TEXT = (
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", type=http_url, default=None, help="the server, without /v1 (default: http://HOST:PORT)")
-    parser.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
+    parser.add_argument("--host", type=_host, default="127.0.0.1", help="the server's host, without --base-url")
     parser.add_argument("--port", type=int, default=8000, help="the server's port, without --base-url")
     parser.add_argument("--backend", default="openai", choices=["openai", "vllm", "tokenmill"],
                         help="accepted for vLLM's command lines: every choice speaks OpenAI's completions API")
@@ -144,6 +144,14 @@ async def _read_metrics(client) -> tuple:
         return spec_decode.from_metrics(response.text), server_metrics.from_metrics(response.text)
     except Exception:  # whatever stops the read, the benchmark itself is not at stake
         return None, None
+
+
+def _host(text: str) -> str:
+    # A URL here became http://http://...: "cannot reach the server at http://http".
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"expected a host name or address, got the URL {text!r}: pass it with "
+                                         f"--base-url")
+    return text
 
 
 def _rates(text: str) -> list[float]:
