@@ -109,6 +109,24 @@ def test_abort_ends_a_waiting_consumer(engine):
     loop.run_until_complete(abort_from_outside())
 
 
+def test_abort_ends_every_sample(engine):
+    """Before: of n samples aborted, only the last one's end came out (the others never finished, and the server's
+    metrics counted one abort)."""
+    engine, loop = engine
+
+    async def abort_from_outside():
+        stream = engine.add_request("three", {"prompt_token_ids": PROMPTS[0]},
+                                    SamplingParams(n=3, max_tokens=200, ignore_eos=True, seed=1))
+        await anext(stream)
+        engine.abort(["three"])
+        outputs = [output async for output in stream]
+        assert outputs[-1].finished
+        assert sorted((c.index, c.finish_reason) for c in outputs[-1].outputs) == [(i, "abort") for i in range(3)]
+        await wait_idle(engine)
+
+    loop.run_until_complete(abort_from_outside())
+
+
 def test_a_request_that_cannot_cross_to_the_core_leaves_nothing_behind(engine):
     engine, loop = engine
     with pytest.raises(ValueError, match="engine-core process"):

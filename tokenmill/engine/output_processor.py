@@ -163,13 +163,19 @@ class OutputProcessor:
             parent = self.parents.get(request_id)
             if parent is None:
                 continue
-            result = None
+            outputs = []
             for sample in parent.samples:
                 if sample.finish_reason is None:
                     sample.finish_reason = FinishReason.ABORT
-                    result = self._make_output(sample, now) or result
-            if result is not None:
-                results.append(result)
+                    if (output := self._make_output(sample, now)) is not None:
+                        outputs.append(output)
+            if outputs:
+                final = outputs[-1]
+                if parent.output_kind == RequestOutputKind.DELTA:
+                    # Each delta holds its one sample: the final output carries every sample's end (else the
+                    # consumer and the metrics see only the last sample aborted).
+                    final.outputs = [completion for output in outputs for completion in output.outputs]
+                results.append(final)
         return results
 
     # ---- per-sample updates ----------------------------------------------------------------
