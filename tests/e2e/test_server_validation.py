@@ -239,6 +239,15 @@ def test_chat_template_kwargs_may_not_set_what_the_server_passes(server, key):
     assert error["param"] == "chat_template_kwargs" and key in error["message"], error
 
 
+def test_a_body_that_is_no_json_names_no_param(server):
+    # Before: param "11", the position of the error in the body, as if it were a field.
+    response = post(server, "/v1/completions", None, content=b'{"prompt": }',
+                    headers={"Content-Type": "application/json"})
+    error = assert_openai_error(response)
+    assert error["param"] is None and error["code"] == "json_invalid", error
+    assert error["message"].startswith("the body is not valid JSON at position 11: "), error
+
+
 def test_suffix_is_refused_as_not_supported(server):
     # Before: "suffix: Input should be None", as if null were its only value rather than a missing feature.
     error = assert_openai_error(post(server, *completion(suffix="return x")))

@@ -66,7 +66,8 @@ def install_error_handlers(app: FastAPI) -> None:
         # FastAPI answers 422; OpenAI clients expect 400 for a malformed body.
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        # A body that is no JSON has no field at fault: its loc holds the character position, no param.
+        loc = [] if first.get("type") == "json_invalid" else [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(_describe(e) for e in errors[:MAX_ERRORS_DESCRIBED]) or "invalid request"
         if len(errors) > MAX_ERRORS_DESCRIBED:
             message += f"; and {len(errors) - MAX_ERRORS_DESCRIBED} more errors"
@@ -102,6 +103,7 @@ def _unparsable_body(cause: BaseException) -> str | None:
 
 def _describe(error: dict) -> str:
     if error.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {error.get('ctx', {}).get('error', 'decode error')}"
+        position = "".join(f" at position {part}" for part in error.get("loc", ())[1:2])
+        return f"the body is not valid JSON{position}: {error.get('ctx', {}).get('error', 'decode error')}"
     loc = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
     return f"{loc}: {error.get('msg')}" if loc else str(error.get("msg"))
