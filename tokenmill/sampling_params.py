@@ -165,9 +165,9 @@ class SamplingParams:
                and all(isinstance(w, str) for w in self.bad_words),
                f"bad_words must be a string or a list of strings, got {self.bad_words!r:.200}")
         # Each id once, in order: a client may send the body limit's worth of repeats, and every step reads them.
-        self.stop_token_ids = list(dict.fromkeys(_token_ids(self.stop_token_ids or [], "stop_token_ids")))
+        self.stop_token_ids = list(dict.fromkeys(as_token_ids(self.stop_token_ids or [], "stop_token_ids")))
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(dict.fromkeys(_token_ids(self.allowed_token_ids, "allowed_token_ids")))
+            self.allowed_token_ids = list(dict.fromkeys(as_token_ids(self.allowed_token_ids, "allowed_token_ids")))
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):  # as JSON gives it: it failed at the request's validation
@@ -177,7 +177,7 @@ class SamplingParams:
                f"got {self.structured_outputs!r:.200}")
         if self.logit_bias:
             # Keys as JSON gives them (strings) or ints; int(1.5) would bias token 1.
-            keys = _token_ids([int(k) if isinstance(k, str) else k for k in self.logit_bias], "logit_bias keys")
+            keys = as_token_ids([int(k) if isinstance(k, str) else k for k in self.logit_bias], "logit_bias keys")
             self.logit_bias = {k: float(v) for k, v in zip(keys, self.logit_bias.values())}
         self.validate()
 
@@ -254,7 +254,7 @@ class SamplingParams:
         return replace(self, n=1, best_of=None, seed=seed)
 
 
-def _token_ids(ids, name: str) -> list[int]:
+def as_token_ids(ids, name: str) -> list[int]:
     """As plain ints (numpy's too); a float would be truncated to another token where the ids index."""
     try:
         return [operator.index(t) for t in ids]

@@ -1,6 +1,6 @@
 """A Llama GGUF file with Llama 3's RoPE scaling, which llama.cpp's converter stores only as the `rope_freqs`
 tensor (gguf_checkpoints.py writes it as the converter does): tokenmill applies the divisors
-(model/gguf_rope.py) and its greedy tokens equal transformers' on the Hugging Face model with the "llama3"
+(model/gguf_config.py) and its greedy tokens equal transformers' on the Hugging Face model with the "llama3"
 scaling, on prompts within and past the pretrained context of 64; without them, they do not."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Phi-3 GGUF files (llama.cpp's arch "phi3", written as its converter writes them: gguf_checkpoints.py) against
 transformers in float32 on the same weights: LongRoPE (its factors stored as tensors), half of each head rotated
-and a sliding window, the three fields transformers' GGUF reader drops (model/gguf_phi3.py). F32, and Q8_0 kept
+and a sliding window, the three fields transformers' GGUF reader drops (model/gguf_config.py). F32, and Q8_0 kept
 in its blocks on the CPU (the fused qkv and gate/up rows multiplied by the GGUF kernel)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Config fields of GGUF files that transformers' GGUF reader leaves at its classes' defaults, read the way
-llama.cpp reads them (model/gguf_gemma2.py). The files hold metadata only: the config comes from it alone."""
+llama.cpp reads them (model/gguf_config.py). The files hold metadata only: the config comes from it alone."""
 
 from __future__ import annotations
 

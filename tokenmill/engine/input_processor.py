@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 from typing import Any, TypedDict
 
@@ -11,7 +10,13 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.tokenizer import TokenizerInfo, check_unicode
 from tokenmill.protocol import EngineRequest
-from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    SamplingParams,
+    StructuredOutputsParams,
+    as_token_ids,
+)
 from tokenmill.structured.grammar import validate as validate_structured_outputs
 from tokenmill.structured.vocab import grammar_vocab_size
 
@@ -62,10 +67,8 @@ class InputProcessor:
                 raise ValueError(f"a prompt's 'prompt' must be a string, got {text!r}")
             check_unicode(text, "the prompt")
             return text, (tokenizer if tokenizer is not None else self.tokenizer).encode(text)
-        try:  # plain ints (numpy's and 0-d tensors' too): a float got past the range check and failed later
-            return text, [operator.index(t) for t in token_ids]
-        except TypeError:
-            raise ValueError(f"prompt_token_ids must be a list of integers, got {token_ids!r:.200}") from None
+        # Plain ints (numpy's and 0-d tensors' too): a float got past the range check and failed later.
+        return text, as_token_ids(token_ids, "prompt_token_ids")
 
     def process(
         self,

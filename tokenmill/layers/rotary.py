@@ -91,7 +91,7 @@ class RotaryEmbedding(nn.Module):
             with torch.device("cpu" if device.type == "meta" else device):
                 if rope_type == "default":
                     inv_freq, scale = _default_inv_freq(params["rope_theta"], self.rotary_dim), 1.0
-                    divisors = getattr(config, "rope_freq_divisors", None)  # from a GGUF file (model.gguf_rope)
+                    divisors = getattr(config, "rope_freq_divisors", None)  # from a GGUF file (model.gguf_config)
                     if divisors is not None:
                         if len(divisors) != len(inv_freq):
                             raise ValueError(f"the GGUF file's rope_freqs holds {len(divisors)} frequency divisors; "

@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias if self.o_bias is None else self.o_bias,
             qk_norm=self.qk_norm,
             make_mlp=self.make_mlp,
-            mlp_bias=self.mlp_bias,
+            mlp_bias=getattr(config, "mlp_bias", False) if self.mlp_bias is None else self.mlp_bias,
         )
 
     def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module | None:

@@ -98,10 +98,8 @@ def _name_architecture_from_model_type(config: PretrainedConfig, config_file: st
 def _gguf_config(path: str) -> PretrainedConfig:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from tokenmill.model.gguf_gemma2 import gemma2_config
+    from tokenmill.model.gguf_config import with_missing_fields
     from tokenmill.model.gguf_moe import moe_config
-    from tokenmill.model.gguf_phi3 import phi3_config
-    from tokenmill.model.gguf_rope import rope_freqs_config
 
     try:
         config = config_kept_on_disk(path, lambda: AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)),
@@ -115,9 +113,7 @@ def _gguf_config(path: str) -> PretrainedConfig:
         raise ValueError(f"cannot read {path} ({os.path.getsize(path):,} bytes) as a GGUF file: {e}. A partial "
                          f"download fails this way: download it again") from None
     config = moe_config(path, config)  # the experts' fields transformers leaves out; Mixtral's class
-    config = phi3_config(path, config)  # Phi-3's rotary dimensions, sliding window and LongRoPE
-    config = rope_freqs_config(path, config)  # Llama 3's RoPE scaling, stored as a tensor
-    config = gemma2_config(path, config)  # Gemma 2's soft-caps and query scale
+    config = with_missing_fields(path, config)  # Phi-3's and Gemma 2's; RoPE scaling stored as a tensor
     # GGUF metadata names the family but not the class.
     if not getattr(config, "architectures", None):
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]

@@ -35,6 +35,7 @@ def _hf_name(name: str) -> str:
 
 class MixtralForCausalLM(LlamaForCausalLM):
     qkv_bias = o_bias = mlp_bias = False
+
     def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module | None:
         return MixtralSparseMoeBlock(config)
 
