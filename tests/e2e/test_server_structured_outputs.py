@@ -21,9 +21,10 @@ MAX_TOKENS = 200
 """Room enough for every constrained output below to end by itself (finish_reason stop)."""
 
 PERSON = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "urn:person", "title": "Person",  # annotations
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
-                                                                         "maximum": 150}},
+    "properties": {"name": {"type": "string", "maxLength": 12, "description": "first name", "examples": ["Ann"]},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 150, "default": 30, "$comment": "years"}},
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -84,6 +85,13 @@ INVALID = [  # (id, extra_body, param, words in the message)
     ("structured_outputs_schema_text", {"structured_outputs": {"json": "{not json"}}, "structured_outputs",
      ["not valid JSON"]),
     ("guided_json", {"guided_json": {"type": "nonsense"}}, "guided_json", ["JSON schema"]),
+    # Parts xgrammar would silently leave out (tests/unit/test_json_schema_check.py): refused, each named.
+    ("response_format_unenforced", {"response_format": json_schema_format({**PERSON, "properties": {
+        **PERSON["properties"], "tags": {"type": "array", "uniqueItems": True}, "n": {"type": "integer", "not": {
+            "const": 3}}}})}, "response_format", ["cannot enforce", "uniqueItems at #/properties/tags",
+                                                  "not at #/properties/n"]),
+    ("guided_json_unenforced", {"guided_json": {"type": "string", "format": "regex"}}, "guided_json",
+     ["cannot enforce", "format 'regex'"]),
     ("structured_outputs_regex", {"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", ["regex"]),
     ("guided_regex", {"guided_regex": "(unclosed"}, "guided_regex", ["regex"]),
     ("structured_outputs_grammar", {"structured_outputs": {"grammar": "root ::= undefined_rule"}},

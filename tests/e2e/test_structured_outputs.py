@@ -161,7 +161,8 @@ def test_max_tokens_inside_the_structure_ends_with_length_and_logprobs_are_finit
 def test_bad_specs_fail_before_anything_is_scheduled(smollm2_llm):
     for bad, match in [(StructuredOutputsParams(json='{"type": '), "not valid JSON"),
                        (StructuredOutputsParams(regex="(abc"), "invalid regex"),
-                       (StructuredOutputsParams(grammar="root ::= "), "invalid grammar")]:
+                       (StructuredOutputsParams(grammar="root ::= "), "invalid grammar"),
+                       (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "uniqueItems at #")]:
         with pytest.raises(ValueError, match=match):
             smollm2_llm.generate("Hi", SamplingParams(structured_outputs=bad), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):

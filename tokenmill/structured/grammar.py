@@ -10,6 +10,7 @@ import threading
 from collections import OrderedDict
 
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured.json_schema_check import unenforced_parts
 from tokenmill.structured.structural_tag import STRUCTURAL_TAG, structural_tag_grammar
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def _structure_grammar(params: StructuredOutputsParams):
             schema = json.loads(text)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
+            refuse_unenforced(schema, "the JSON schema")
             return json_schema_grammar(text)
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
@@ -56,8 +58,22 @@ def _structure_grammar(params: StructuredOutputsParams):
         return xgr.Grammar.from_ebnf(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    except UnenforcedSchema:
+        raise
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"invalid {_NAMES[kind]}: {error_text(e)}") from None
+
+
+class UnenforcedSchema(ValueError):
+    """A JSON schema with parts the grammar would leave out (structured/json_schema_check.py): not invalid, refused."""
+
+
+def refuse_unenforced(schema, what: str) -> None:
+    """UnenforcedSchema naming what of `schema` (called `what` in the message) structured outputs cannot enforce."""
+    parts = unenforced_parts(schema)
+    if parts is not None:
+        raise UnenforcedSchema(f"{what} uses keywords that structured outputs cannot enforce (the grammar would "
+                               f"leave them out, and the output could break the schema): {parts}")
 
 
 def error_text(error: Exception) -> str:

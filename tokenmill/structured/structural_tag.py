@@ -90,16 +90,20 @@ def _compact_json(node: Any, path: str) -> Any:
     if node.get("type") == "json_schema":
         if set(node) <= _PLAIN_JSON_KEYS and node.get("style", "json") == "json" and "json_schema" in node:
             return {"type": "grammar", "grammar": _json_grammar_text(node["json_schema"], f"{path}.json_schema")}
+        from tokenmill.structured.grammar import refuse_unenforced
+
+        refuse_unenforced(node.get("json_schema"), f"the structural tag's {path}.json_schema")
         return node  # another style or options of xgrammar's own (its whitespace rules then apply)
     return {key: _compact_json(value, f"{path}.{key}") for key, value in node.items()}
 
 
 def _json_grammar_text(schema: Any, path: str) -> str:
     """The compact-JSON grammar of the schema at `path`, as EBNF text."""
-    from tokenmill.structured.grammar import error_text, json_schema_grammar
+    from tokenmill.structured.grammar import error_text, json_schema_grammar, refuse_unenforced
 
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"{path} must be a JSON schema (an object)")
+    refuse_unenforced(schema, f"the structural tag's {path}")
     try:
         return str(json_schema_grammar(json.dumps(schema)))
     except RuntimeError as e:

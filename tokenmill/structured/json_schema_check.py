@@ -1,0 +1,145 @@
+"""The parts of a JSON schema that xgrammar's grammar would not enforce, so that such a schema is refused.
+
+xgrammar (0.2.9, checked keyword by keyword against jsonschema) builds a grammar for any schema, silently leaving
+out what it does not implement: the output may then break the schema the client asked for. vLLM falls back to
+another backend for some of these; with xgrammar alone the request is refused instead, naming each part. What it
+leaves out:
+- keywords it has no rule for: not, if/then/else, dependentSchemas, dependentRequired, dependencies, contains,
+  minContains, maxContains, uniqueItems, $dynamicRef, $recursiveRef; a multipleOf but on integers without a
+  minimum or maximum; minLength/maxLength beside a pattern or a format;
+- the formats of JSON Schema it does not write (idn-email, idn-hostname, iri, iri-reference, regex; formats JSON
+  Schema does not define are annotations, which validators ignore too);
+- a keyword of one type's (minimum, maxLength, required, ...) where the type is neither given nor inferred from
+  properties, additionalProperties, items or prefixItems (as xgrammar infers it);
+- whatever stands beside anyOf, oneOf, allOf, $ref, enum or const (each of them replaces the whole schema; a type
+  beside enum or const is kept only if every value has it), and an allOf of more than one schema;
+- a required property that properties does not define, and a propertyNames beyond a string's plain keywords
+  (pattern, minLength, maxLength, format, enum, const: a name is a string, its type is not needed).
+oneOf is written as anyOf: alternatives that overlap may both match (no backend we know of enforces that either).
+Annotations (title, description, default, examples, $schema, $id, $comment, ...) and keywords JSON Schema does not
+define pass, as they constrain nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_NEVER = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "contains",
+          "minContains", "maxContains", "$dynamicRef", "$recursiveRef")
+_UNWRITTEN_FORMATS = {"idn-email", "idn-hostname", "iri", "iri-reference", "regex"}
+_FORMATS = _UNWRITTEN_FORMATS | {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                                 "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"}
+"""JSON Schema's formats: others are annotations (validators ignore them)."""
+_TYPE_KEYWORDS = {
+    "number": ("multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "array": ("items", "prefixItems", "minItems", "maxItems", "unevaluatedItems"),
+    "object": ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "required",
+               "minProperties", "maxProperties", "propertyNames"),
+}
+_CONSTRAINING = {k for keys in _TYPE_KEYWORDS.values() for k in keys} | {
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "uniqueItems", *_NEVER}
+_WHOLE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
+"""Keywords that xgrammar lets replace the whole schema (the first found, in its order)."""
+_NAME_KEYWORDS = {"type", "pattern", "minLength", "maxLength", "format", "enum", "const"}
+_PYTHON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "null": (type(None),),
+                 "object": (dict,), "array": (list,)}
+MAX_LISTED = 6
+
+
+def unenforced_parts(schema: Any) -> str | None:
+    """What of `schema` xgrammar would not enforce ("not at #/properties/a; ..."), or None if nothing."""
+    found: list[str] = []
+    _visit(schema, "#", found)
+    if not found:
+        return None
+    more = f"; and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""
+    return "; ".join(found[:MAX_LISTED]) + more
+
+
+def _visit(node: Any, path: str, found: list[str]) -> None:
+    if not isinstance(node, dict):
+        return
+    keys = [key for key in node if key in _CONSTRAINING]
+    found += [f"{key} at {path}" for key in keys if key in _NEVER]
+    if node.get("uniqueItems") is True:
+        found.append(f"uniqueItems at {path}")
+    if node.get("format") in _UNWRITTEN_FORMATS:
+        found.append(f"format {node['format']!r} at {path}")
+    whole = next((key for key in _WHOLE if key in node), None)
+    if whole is not None:
+        beside = [k for k in keys if k != whole and k not in _NEVER and k != "uniqueItems"
+                  and not (k == "type" and whole in ("enum", "const"))]
+        if beside:
+            found.append(f"{', '.join(beside)} beside {whole} at {path} (only the {whole} is kept)")
+        if whole in ("enum", "const") and "type" in node:
+            values = node["enum"] if whole == "enum" and isinstance(node["enum"], list) else [node.get(whole)]
+            if not all(_has_type(value, node["type"]) for value in values):
+                found.append(f"{whole} values that type {node['type']!r} excludes at {path}")
+        if whole == "allOf" and isinstance(node["allOf"], list) and len(node["allOf"]) > 1:
+            found.append(f"allOf of more than one schema at {path} (merge them into one)")
+    else:
+        _check_typed_keywords(node, keys, path, found)
+        _check_string(node, path, found)
+    _visit_children(node, path, found)
+
+
+def _check_typed_keywords(node: dict, keys: list[str], path: str, found: list[str]) -> None:
+    types = node.get("type")
+    if types is None:
+        inferred = ({"object"} if "properties" in node or "additionalProperties" in node else
+                    {"array"} if "items" in node or "prefixItems" in node else set())
+        loose = [k for family, words in _TYPE_KEYWORDS.items() if family not in inferred for k in words
+                 if k in keys and (k != "format" or node[k] in _FORMATS)]
+        if loose:
+            found.append(f"{', '.join(loose)} without a type at {path} (give \"type\")")
+            return
+        types = inferred
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if "multipleOf" in node and ("number" in types or "integer" not in types):
+        found.append(f"multipleOf on numbers that need not be integers at {path} (use \"type\": \"integer\")")
+    elif "multipleOf" in node and any(k in node for k in _TYPE_KEYWORDS["number"][1:]):
+        found.append(f"multipleOf with a minimum or maximum at {path}")
+    if "object" in types and isinstance(node.get("required"), list):
+        defined = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [name for name in node["required"] if name not in defined]
+        if missing:
+            found.append(f"required {', '.join(map(repr, missing))} that properties does not define at {path}")
+    names = node.get("propertyNames")
+    if isinstance(names, dict):
+        beyond = [k for k in names if k in _CONSTRAINING and k not in _NAME_KEYWORDS]
+        if beyond:
+            found.append(f"{', '.join(beyond)} in propertyNames at {path}")
+        _check_string(names, f"{path}/propertyNames", found)
+
+
+def _check_string(node: dict, path: str, found: list[str]) -> None:
+    shape = "pattern" if "pattern" in node else "format" if node.get("format") in _FORMATS else None
+    if shape is not None and ("minLength" in node or "maxLength" in node):
+        found.append(f"minLength/maxLength with a {shape} at {path} (put the length into the pattern)")
+
+
+def _visit_children(node: dict, path: str, found: list[str]) -> None:
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            for name, child in node[key].items():
+                _visit(child, f"{path}/{key}/{_escape(name)}", found)
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(node.get(key), list):
+            for i, child in enumerate(node[key]):
+                _visit(child, f"{path}/{key}/{i}", found)
+    for key in ("items", "additionalProperties", "unevaluatedItems", "unevaluatedProperties"):
+        _visit(node.get(key), f"{path}/{key}", found)
+
+
+def _has_type(value: Any, types: Any) -> bool:
+    names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    if isinstance(value, bool):  # an int to Python, not a number to JSON
+        return "boolean" in names
+    return any(isinstance(value, _PYTHON_TYPES.get(name, ())) for name in names) or (
+        "integer" in names and isinstance(value, float) and value.is_integer())
+
+
+def _escape(name: str) -> str:
+    """A name as a JSON pointer's segment."""
+    return name.replace("~", "~0").replace("/", "~1")
