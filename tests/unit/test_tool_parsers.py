@@ -82,6 +82,9 @@ HERMES_TWO = ('I will check both.\n\n<tool_call>\n{"name": "get_weather", "argum
               '{"fmt": [24, {"sec": false}]}}}\n</tool_call>')
 
 
+HERMES_NULL = '<tool_call>\n{"name": "h", "arguments": null}\n</tool_call>'
+
+
 def test_hermes_calls_and_content():
     result = get_tool_parser("hermes").parse(HERMES_TWO)
     assert result.content == "I will check both.\n\n"
@@ -94,10 +97,11 @@ def test_hermes_calls_and_content():
     assert one.content == "Done, see above." and calls(one) == [("f", {"q": '日本語 🚀 "x"'})]
     assert json.loads(one.tool_calls[0].arguments)["q"] == '日本語 🚀 "x"' and "日本語" in one.tool_calls[0].arguments
     assert get_tool_parser("hermes").parse("Just text, no call.") == ParsedToolCalls("Just text, no call.", [])
-    # arguments given as a JSON string (some fine-tunes), and none at all
+    # arguments given as a JSON string (some fine-tunes), none at all, and null (as {}: before, the call was text)
     odd = get_tool_parser("hermes").parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
-                                          '<tool_call>{"name": "g"}</tool_call>')
-    assert odd.content is None and calls(odd) == [("f", {"a": 1}), ("g", {})]
+                                          '<tool_call>{"name": "g"}</tool_call>' + HERMES_NULL)
+    assert odd.content is None and calls(odd) == [("f", {"a": 1}), ("g", {}), ("h", {})]
+    assert [c.arguments for c in odd.tool_calls[1:]] == ["{}", "{}"]
 
 
 @pytest.mark.parametrize("text", [
@@ -138,7 +142,7 @@ def test_llama3_json():
     parse = get_tool_parser("llama3_json").parse
     assert calls(parse('{"name": "get_weather", "parameters": {"city": "Zürich", "opts": {"units": ["c"]}}}')) == [
         ("get_weather", {"city": "Zürich", "opts": {"units": ["c"]}})]
-    several = parse('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {}};'
+    several = parse('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": null};'
                     '{"name": "c", "parameters": {"s": "a;b}"}}')
     assert several.content is None and calls(several) == [("a", {"x": 1}), ("b", {}), ("c", {"s": "a;b}"})]
     before = parse('Let me look.<|python_tag|>{"name": "a", "parameters": {}}\nDone.')
@@ -285,7 +289,7 @@ def test_qwen3_coder_end_tag_inside_a_parameter():
 
 WELL_FORMED = {
     "hermes": [HERMES_TWO, '<tool_call>\n{"name": "f", "arguments": {"q": "日本語"}}\n</tool_call>\nAfter.',
-               "No call <tool_ here, <tool_call is just text", HERMES_TAG_IN_ARGUMENT],
+               "No call <tool_ here, <tool_call is just text", HERMES_TAG_IN_ARGUMENT, HERMES_NULL],
     "llama3_json": ['{"name": "a", "parameters": {"x": "}{"}}; {"name": "b", "parameters": {}}',
                     'Checking.<|python_tag|>{"name": "a", "parameters": {"s": "ü"}}\nDone.', "Plain {text} answer."],
     "mistral": ['[TOOL_CALLS] [{"name": "a", "arguments": {"x": [1]}}, {"name": "b", "arguments": {}}]',

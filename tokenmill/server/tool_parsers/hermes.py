@@ -15,14 +15,16 @@ from tokenmill.server.tool_parsers.base import Call, ToolParser, dump_arguments
 
 
 def json_call(obj, id_key: str | None = None, bare: bool = False) -> Call | None:
-    """{"name": ..., "arguments": {...}} (or "parameters", as Llama names them) as a call; None if it is not one.
+    """{"name": ..., "arguments": {...}} (or "parameters", as Llama names them; null or left out: no arguments) as a
+    call; None if it is not one.
     `bare`: no marker said it is a call, so it needs its arguments ({"name": "Ann", "age": 3} is an answer)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     if bare and "arguments" not in obj and "parameters" not in obj:
         return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    dumped = dump_arguments(arguments)
+    arguments = obj.get("arguments", obj.get("parameters"))
+    # null, as some models write a call of a function without parameters: none, like no key at all ("{}")
+    dumped = dump_arguments({} if arguments is None else arguments)
     if dumped is None:
         return None
     given_id = obj.get(id_key) if id_key else None
