@@ -53,6 +53,34 @@ def test_free_text_then_marker_then_only_the_schema():
     assert not accepts(StructuredOutputsParams(json=ANSWER), 'x</think>{"answer": 4}')
 
 
+@pytest.mark.parametrize("special", [False, True], ids=["added", "special"])
+def test_a_marker_that_is_one_token_ends_the_reasoning(special):
+    """Qwen3's and DeepSeek-R1's "</think>" is one added token: the mask allows it while thinking (the model can end
+    its reasoning with it) and only the structure after it, with the real tokenizer's vocabulary."""
+    from pathlib import Path
+
+    import xgrammar as xgr
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+    from xgrammar.testing import _get_masked_tokens_from_bitmask
+
+    root = Path(__file__).resolve().parents[2]
+    tokenizer = AutoTokenizer.from_pretrained(root / "benchmarks/models/smollm2-tokenizer")
+    tokenizer.add_tokens([AddedToken(t, special=special) for t in ("<think>", "</think>")], special_tokens=special)
+    end, brace, word = tokenizer.convert_tokens_to_ids(["</think>", "{", "Hello"])
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_grammar(build_grammar(StructuredOutputsParams(json=ANSWER,
+                                                                                               reasoning_end="</think>")))
+    m, bitmask = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, info.vocab_size)
+
+    def banned() -> set[int]:
+        m.fill_next_token_bitmask(bitmask)
+        return set(_get_masked_tokens_from_bitmask(bitmask, info.vocab_size))
+
+    assert m.accept_string("Two and two make four.") and not {end, word} & banned()
+    assert m.accept_token(end) and brace not in banned() and {word, end} <= banned()
+
+
 @pytest.mark.parametrize("spec, good, bad", [
     ({"regex": "[ab]+"}, "abba", "abc"),
     ({"choice": ["yes", "no"]}, "no", "maybe"),
