@@ -135,6 +135,20 @@ def test_excluded_modules_stay_dense(tiny, fmt):
     assert quality.top1_agreement >= 0.9 and quality.mean_kl < 1e-3, quality
 
 
+def test_gptq_without_g_idx(tiny):
+    """Some exporters leave g_idx out where desc_act is false: the groups are sequential. Act-order needs it."""
+    model, root = tiny
+    for act_order in (False, True):
+        quantized, dense = write_int4(model, root / "no-g-idx", "gptq", 4, 64, sym=False, act_order=act_order)
+        tensors = load_file(f"{quantized}/model.safetensors")
+        save_file({n: t for n, t in tensors.items() if not n.endswith(".g_idx")}, f"{quantized}/model.safetensors")
+        if act_order:
+            with pytest.raises(ValueError, match=r"missing weights: .*g_idx"):
+                engine(quantized)
+        else:
+            assert_matches_twin(quantized, dense)
+
+
 @pytest.mark.parametrize("num_kv_heads", [1, 4])
 def test_gqa_and_mha_shapes(tmp_path, num_kv_heads):
     """MQA (one KV head: q 128 wide, k and v 32) and MHA, with act-order: the fused parts share one order."""

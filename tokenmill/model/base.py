@@ -109,7 +109,9 @@ def load_weights_by_name(
                 raise
             raise ValueError(f"loading checkpoint tensor {checkpoint_name!r}: {e}") from None
         loaded.add(name)
-    missing = sorted(set(params) - loaded) + _missing_shards(fused_shards, stacked_params)
+    # A parameter a format may leave out (GPTQ's g_idx without act-order) keeps the value its layer gave it.
+    missing = sorted(name for name in set(params) - loaded if not getattr(params[name], "may_be_absent", False))
+    missing += _missing_shards(fused_shards, stacked_params)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 

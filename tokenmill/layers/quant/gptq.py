@@ -5,7 +5,7 @@ The published layout, per linear layer, with pack = 32 / bits values per int32, 
 - `qzeros` int32 [k / group, n / pack]: packed along the output;
 - `scales` fp16 [k / group, n]; group = k for `group_size: -1` (per-channel);
 - `g_idx` int32 [k]: the group of input feature k. k // group unless `desc_act` (act-order), where groups
-  follow the calibration's order of the features.
+  follow the calibration's order of the features; without act-order it is ignored and may be absent.
 The weight is (q - zero) * scale. Zeros: `checkpoint_format: "gptq"` (the historical "v1", the default when
 the field is absent) stores zero - 1, so a reader adds 1 back (a zero point of 0 is not representable:
 stored as -1, it reads back as 2^bits); `"gptq_v2"` (GPTQModel) stores the zero itself. Symmetric
@@ -62,6 +62,8 @@ class GptqLinearMethod(IntWeightMethod):
                                         input_dim=scale_input, input_block=per_group)
         layer.g_idx = layer.make_param(torch.empty(len(layer.partition_sizes), k, dtype=torch.int32))
         layer.g_idx.weight_loader = per_part_loader(layer, input_dim=0)
+        # Without act-order the groups are sequential and g_idx is never read: some exporters leave it out.
+        layer.g_idx.may_be_absent = not cfg.desc_act
 
     def unpack(self, layer: LinearBase) -> IntWeights:
         q = unpack_int32(layer.qweight.data, self.bits, dim=0).t()  # [n, k]
