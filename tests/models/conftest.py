@@ -203,7 +203,7 @@ def references(tmp_path_factory):
 
 
 @torch.no_grad()
-def greedy_hf(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+def greedy_hf(model: torch.nn.Module, prompt: list[int], use_cache: bool = True) -> list[int]:
     if (model.config.rope_parameters or {}).get("rope_type") == "longrope":
         return greedy_hf_keeping_the_cache(model, prompt)
     # One prompt at a time: batching would add padding, which changes HF's numerics.
@@ -214,6 +214,7 @@ def greedy_hf(model: torch.nn.Module, prompt: list[int]) -> list[int]:
         max_new_tokens=NUM_NEW_TOKENS,
         # Like ignore_eos: EOS neither ends the output nor is banned (min_new_tokens would ban it).
         eos_token_id=None,
+        use_cache=use_cache,
     )
     return out[0, len(prompt) :].tolist()
 

@@ -31,6 +31,13 @@ VARIANTS: dict[str, TinyModel] = {
         "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
         "qk_nope_head_dim": 16, "v_head_dim": 24, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "mlp_bias": True}),
+    # A sliding_window (as Mistral's config has it) that transformers' Llama attention never reads; its generate()
+    # does, cutting its cache to the window (a full-attention prefill, then windowed steps): the reference runs
+    # without a cache.
+    "llama-sliding-window-ignored": TinyModel("LlamaConfig", {"sliding_window": 8}),
+    # Qwen2's window on the layers from max_window_layers up, where use_sliding_window turns it on.
+    "qwen2-window-above-max-window-layers": TinyModel("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8,
+                                                                     "max_window_layers": 1}),
     # RoPE scalings stretch the context past max_position_embeddings (32 here; the longer prompt and its output
     # take 47 positions), as Qwen2.5 configs given yarn x4 do: transformers computes those positions.
     "llama-yarn-past-max-positions": TinyModel("LlamaConfig", {"max_position_embeddings": 32, "rope_parameters": {
@@ -52,7 +59,7 @@ def test_greedy_tokens_match_hf(tmp_path, variant: str):
     hf_model = build_tiny_model(VARIANTS[variant], tmp_path)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, hf_model.config.vocab_size, (n,), generator=generator).tolist() for n in (5, 23)]
-    expected = [greedy_hf(hf_model, p) for p in prompts]
+    expected = [greedy_hf(hf_model, p, use_cache=hf_model.config.model_type != "llama") for p in prompts]
     llm = LLM(str(tmp_path), **BASE_ARGS)
     params = SamplingParams(temperature=0, max_tokens=len(expected[0]), ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -25,6 +25,9 @@ from tokenmill.model.stage import StageLayers, make_embedding, make_lm_head, on_
 # Of the families built on LlamaAttention only transformers' Phi-3 rotates just the first partial_rotary_factor of
 # each head; the others' rotary embeddings ignore the field (a config may still carry it) and rotate all of it.
 _PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
+# transformers' Llama attends to every earlier position whatever the config carries (a sliding_window copied from
+# a Mistral config, a layer_types list); the other families here honour their window.
+_FULL_ATTENTION_MODEL_TYPES = ("llama",)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -158,6 +161,8 @@ def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
     """The layer's attention window, honouring per-layer types where the config lists them."""
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    if getattr(config, "model_type", None) in _FULL_ATTENTION_MODEL_TYPES:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
