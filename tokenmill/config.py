@@ -256,19 +256,39 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 """The `architectures` of EAGLE-3 Llama heads' config.json (the published checkpoints, SGLang's name)."""
 
 
-def infer_speculative_method(model: str) -> str:
-    """The method of a speculative_config that names a `model` but no method, as vLLM infers it: an EAGLE-3 head
-    by its config.json's architectures or an "eagle3" in its name, an EAGLE-1 head by an "eagle-" in its name
-    (yuhuili/EAGLE-LLaMA3-Instruct-8B), else a draft model."""
-    name = os.path.basename(os.path.normpath(model)).lower()
+def _draft_config_json(model: str) -> dict:
+    """The draft folder's config.json; {} for a .gguf file or a folder without a readable one."""
     try:
         with open(os.path.join(model, "config.json")) as f:
-            architectures = json.load(f).get("architectures") or ()
-    except (OSError, ValueError, AttributeError):  # no folder (a .gguf), or no readable config: by its name
-        architectures = ()
-    if set(architectures) & set(EAGLE3_ARCHITECTURES) or "eagle3" in name:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def infer_speculative_method(model: str) -> str:
+    """The method of a speculative_config that names a `model` but no method, as vLLM infers it: an EAGLE-3 head
+    by its config.json's architectures or speculators_model_type (the `speculators` library's format) or an
+    "eagle3" in its name, an EAGLE-1 head by an "eagle-" in its name (yuhuili/EAGLE-LLaMA3-Instruct-8B), else a
+    draft model."""
+    name = os.path.basename(os.path.normpath(model)).lower()
+    raw = _draft_config_json(model)
+    architectures = raw.get("architectures") or ()
+    if (set(architectures) & set(EAGLE3_ARCHITECTURES) or raw.get("speculators_model_type") == "eagle3"
+            or "eagle3" in name):
         return "eagle3"
     return "eagle" if "eagle-" in name else "draft_model"
+
+
+def speculators_num_tokens(model: str) -> int | None:
+    """The draft length a `speculators` head's config proposes (its first proposal method's speculative_tokens),
+    which vLLM takes where the speculative_config gives none; None for other folders."""
+    raw = _draft_config_json(model)
+    spec = raw.get("speculators_config") if "speculators_model_type" in raw else None
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+        return None
+    return methods[0].get("speculative_tokens")
 
 
 @dataclass(frozen=True)
@@ -379,6 +399,10 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         if value.get("method") is None and isinstance(value.get("model"), str):  # vLLM's spelling for a draft model
             value = {**value, "method": infer_speculative_method(value["model"])}
+        if "num_speculative_tokens" not in value and isinstance(value.get("model"), str):
+            proposed = speculators_num_tokens(value["model"])
+            if proposed is not None:
+                value = {**value, "num_speculative_tokens": proposed}
         if value.get("method") is None or "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs 'method' (or a 'model') and 'num_speculative_tokens'")
         return cls(**value)

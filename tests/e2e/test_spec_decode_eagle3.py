@@ -404,6 +404,36 @@ def test_an_eagle3_head_drafts_alike_on_two_tensor_parallel_ranks(exact_target_a
     assert runs[1] == runs[0] and runs[0][2] > 0
 
 
+def test_a_speculators_format_head_drafts_as_the_published_layout(random_target_and_head, tmp_path):
+    """The same weights as the `speculators` library saves them (config.json with speculators_model_type and the
+    layer's settings under transformer_layer_config, `layers.0.*` names, fc with a bias) draft exactly what the
+    published layout drafts; the method and the draft length come from that config, as vLLM takes them."""
+    from safetensors.torch import load_file, save_file
+
+    target, head, _ = random_target_and_head
+    published = json.load(open(f"{head}/config.json"))
+    layer = {k: published[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                       "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                       "max_position_embeddings", "rms_norm_eps")}
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 64,
+              "norm_before_residual": False, "target_hidden_size": None, "transformer_layer_config": layer,
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 2}],
+                                     "verifier": {"name_or_path": target.path, "architectures": ["LlamaForCausalLM"]}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {name.replace("midlayer.", "layers.0."): t for name, t in load_file(f"{head}/model.safetensors").items()}
+    tensors["fc.bias"] = torch.zeros(HIDDEN)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    runs = []
+    for spec in ({"method": "eagle3", "model": head, "num_speculative_tokens": 2}, {"model": str(tmp_path)}):
+        llm = LLM(target.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", kv_cache_space=0.01,
+                  speculative_config=spec)
+        always_draft(llm)
+        proposals = record_proposals(llm)
+        runs.append((tokens_drafts_and_acceptances(llm), proposals))
+    assert runs[1] == runs[0] and runs[0][0][1] > 0
+
+
 def test_eagle3_refuses_what_it_cannot_run(tiny_llama, exact_target_and_head, random_target_and_head, tmp_path):
     from tokenmill.config import EngineConfig
 

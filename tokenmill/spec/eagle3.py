@@ -46,6 +46,35 @@ def aux_layers_of(head_config: PretrainedConfig, num_target_layers: int) -> tupl
     return layers
 
 
+def speculators_head_config(raw: dict, where: str) -> PretrainedConfig:
+    """The head config of an EAGLE-3 head in the `speculators` library's format (as vLLM reads it): the decoder
+    layer's settings under `transformer_layer_config` (its vocab_size the target's), the EAGLE-3 fields
+    (draft_vocab_size, target_hidden_size, norm_before_residual, eagle_aux_hidden_state_layer_ids) at the top.
+    Its tensors carry the converted names (`layers.0.*`, `fc` with a bias)."""
+    from transformers import AutoConfig
+
+    from tokenmill.config import EAGLE3_ARCHITECTURES
+
+    kind = raw.get("speculators_model_type")
+    if kind != "eagle3":
+        raise ValueError(f"{where}: a speculators head of type {kind!r}; only 'eagle3' heads load (method 'eagle3')")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{where}: a speculators config needs a transformer_layer_config object")
+    if raw.get("norm_before_fc"):
+        raise ValueError(f"{where}: norm_before_fc (an RMSNorm before fc) is not supported")
+    layer = dict(layer)
+    config = AutoConfig.for_model(layer.pop("model_type", "llama"), **layer)
+    config.architectures = [EAGLE3_ARCHITECTURES[1]]
+    config.draft_vocab_size = raw.get("draft_vocab_size")
+    if raw.get("target_hidden_size") is not None:
+        config.target_hidden_size = raw["target_hidden_size"]
+    config.norm_before_residual = raw.get("norm_before_residual", True)  # vLLM's default where it is absent
+    if raw.get("eagle_aux_hidden_state_layer_ids"):
+        config.eagle_aux_hidden_state_layer_ids = raw["eagle_aux_hidden_state_layer_ids"]
+    return config
+
+
 def eagle3_tensor_name(name: str) -> str:
     """Published names (`midlayer.*`) and converted ones (`layers.0.*`), with or without `model.`."""
     name = name.removeprefix("model.")

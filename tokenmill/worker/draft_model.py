@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -161,6 +162,12 @@ def _head_config(path: Path, method: str) -> PretrainedConfig:
         raise ValueError(f"speculative method {method!r} takes the EAGLE head's folder (config.json and its "
                          f"tensors); {str(path)!r} is {'a file' if path.is_file() else 'a folder without config.json'}"
                          f" (a whole draft model, a folder or a .gguf file, takes the method 'draft_model')")
+    with open(path / "config.json") as f:
+        raw = json.load(f)
+    if isinstance(raw, dict) and "speculators_model_type" in raw:  # the `speculators` library's format
+        from tokenmill.spec.eagle3 import speculators_head_config
+
+        return speculators_head_config(raw, str(path / "config.json"))  # an EAGLE-3 architecture
     return AutoConfig.from_pretrained(path)
 
 
