@@ -109,3 +109,19 @@ def test_longrope_drafters_are_refused_at_start_up(references):
     with pytest.raises(ValueError, match="LongRoPE model .* is not supported yet: use the ngram method"):
         LLM(path, **BASE_ARGS, speculative_config={"method": "draft_model", "model": path,
                                                    "num_speculative_tokens": 2})
+
+
+def test_longrope_long_prompts_reuse_no_block_of_a_shorter_prompt(references):
+    """A prompt past the pretrained context takes the long frequencies at every position, so a shorter prompt's
+    cached blocks (short frequencies) hold other keys for the same tokens: the prefix cache keeps the two apart,
+    and long prompts still share among themselves."""
+    ref = references("phi3-longrope-partial-rotary")  # pretrained context 16
+    long_prompt, expected = ref.prompts[2], ref.expected[2]  # 23 tokens
+    assert len(long_prompt) > 16
+    llm = LLM(ref.path, **BASE_ARGS, enable_prefix_caching=True, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=len(expected), ignore_eos=True)
+    llm.generate([{"prompt_token_ids": long_prompt[:16]}], params, use_tqdm=False)  # caches its block
+    for hits in (0, 16):  # then the second long run finds the first's block
+        outputs = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
+        assert outputs[0].outputs[0].token_ids == expected
+        assert llm.engine.last_stats.prefix_cache_hits == hits

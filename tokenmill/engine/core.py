@@ -86,6 +86,7 @@ class EngineCore:
             kv_cache_spec.num_blocks,
             config.cache_config.block_size,
             enable_caching=config.cache_config.enable_prefix_caching,
+            long_prompt_len=kv_cache_spec.long_prompt_len,
         )
         draft_budget = None
         if config.speculative_config is not None:

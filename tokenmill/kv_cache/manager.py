@@ -44,9 +44,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 long_prompt_len: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.long_prompt_len = long_prompt_len
+        """KVCacheSpec.long_prompt_len: longer prompts share cached blocks only among themselves."""
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -157,7 +160,10 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request, num_tokens: int | None = None) -> None:
         num_tokens = request.num_tokens if num_tokens is None else num_tokens
         hashes, size = request.block_hashes, self.block_size
+        first_extra = () if request.cache_salt is None else (request.cache_salt,)
+        if self.long_prompt_len is not None and request.num_prompt_tokens > self.long_prompt_len:
+            first_extra += ("long prompt",)
         for i in range(len(hashes), num_tokens // size):
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
+            extra = first_extra if i == 0 else ()
             tokens = request.token_ids_slice(i * size, (i + 1) * size)
             hashes.append(hash_block(hashes[-1] if i else None, tokens, extra))

@@ -27,6 +27,10 @@ class KVCacheShape:
 class KVCacheSpec:
     shape: KVCacheShape
     num_blocks: int
+    long_prompt_len: int | None = None
+    """Prompts longer than this write other keys at every position than shorter prompts with the same tokens
+    (LongRoPE picks its frequencies by the prompt's length), so the prefix cache keeps the two apart; None: one
+    kind of prompt."""
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,8 @@ the long set throughout, and a shorter one with the short set up to that length 
 table holds the short set's rows for the pretrained context, then the long set's for every position; a token's
 row is its position, moved into the long part when its position is past the pretrained context or its request's
 prompt is longer (per request, not per batch as transformers does, so that no request's tokens depend on
-another's). The model runner says which tokens' requests have such prompts (`long_prompt_flags`).
+another's). The model runner says which tokens' requests have such prompts (`long_prompt_flags`); the prefix
+cache keeps their blocks apart from shorter prompts' (`KVCacheSpec.long_prompt_len`).
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ def _long_rope_embeddings(model: nn.Module) -> list[RotaryEmbedding]:
     return [m for m in model.modules() if isinstance(m, RotaryEmbedding) and m.pretrained_len is not None]
 
 
-def uses_long_rope(model: nn.Module) -> bool:
-    return bool(_long_rope_embeddings(model))
+def long_rope_pretrained_len(model: nn.Module) -> int | None:
+    """A longrope model's pretrained context (prompts longer than it take the long frequencies), else None."""
+    embeddings = _long_rope_embeddings(model)
+    return embeddings[0].pretrained_len if embeddings else None
 
 
 def attach_long_prompt_flags(model: nn.Module, capacity: int, device: torch.device) -> None:

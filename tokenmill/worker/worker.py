@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -23,7 +24,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.mla import LatentAttention
 from tokenmill.layers.moe import FusedMoE
 from tokenmill.layers.moe_all_to_all import ExpertExchange
-from tokenmill.layers.rotary import attach_long_prompt_flags, uses_long_rope
+from tokenmill.layers.rotary import attach_long_prompt_flags, long_rope_pretrained_len
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.scheduler.draft_budget import StepCost
 from tokenmill.scheduler.output import SchedulerOutput
@@ -160,7 +161,7 @@ class Worker:
         sched = config.scheduler_config
         attach_long_prompt_flags(self.model, max(sched.max_num_batched_tokens, self.max_verify_tokens), self.device)
         for drafter in (self.draft_model, self.eagle_head):
-            if drafter is not None and uses_long_rope(drafter):
+            if drafter is not None and long_rope_pretrained_len(drafter) is not None:
                 raise ValueError(f"speculative method {speculative.method!r} with a LongRoPE model (Phi-3.5, "
                                  "Phi-4-mini) is not supported yet: use the ngram method")
         self.model_runner: ModelRunner | None = None
@@ -192,7 +193,8 @@ class Worker:
         # With the override, it alone sized the pool: memory settings would not change it.
         sized_by = "kv_cache_space / gpu_memory_utilization" if cache.num_gpu_blocks_override is None else \
             "num_gpu_blocks_override"
-        return make_kv_cache_spec(shape, available, self.max_model_len, sized_by)
+        spec = make_kv_cache_spec(shape, available, self.max_model_len, sized_by)
+        return dataclasses.replace(spec, long_prompt_len=long_rope_pretrained_len(self.model))
 
     def _profile_available_gpu_memory(self) -> int:
         """Memory left for the KV pool after weights and the peak of a full-budget forward pass."""
