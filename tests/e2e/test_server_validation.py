@@ -255,6 +255,14 @@ def test_suffix_is_refused_as_not_supported(server):
     assert post(server, *completion(suffix=None)).status_code == 200
 
 
+@pytest.mark.parametrize("request_", [completion(n=3, best_of=2, temperature=1), chat(n=3, best_of=2, temperature=1)],
+                         ids=["completion", "chat"])
+def test_best_of_below_n_names_best_of(server, request_):
+    # Before: the same 400 with param null (SamplingParams' check, which knows no request fields).
+    error = assert_openai_error(post(server, *request_))
+    assert error["param"] == "best_of" and error["message"] == "best_of (2) must be at least n (3)", error
+
+
 def test_a_completion_prompt_that_fills_the_context_is_named(server):
     # With max_tokens null no room is left for output: the prompt's fault (before: param "messages").
     error = assert_openai_error(post(server, *completion(prompt=[1] * 1024, max_tokens=None)))

@@ -67,7 +67,11 @@ def to_sampling_params(
         raise bad_request(str(e)) from e
 
 
-def check_stream_options(req: SamplingRequest) -> None:
+def check_combinations(req: SamplingRequest) -> None:
+    """400s for fields that are valid alone but not together, each naming the field to change."""
+    if req.best_of is not None and req.best_of < req.n:
+        # SamplingParams would refuse it too, but with no param for the client to point at.
+        raise bad_request(f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
     if req.stream and req.best_of is not None and req.best_of > req.n:

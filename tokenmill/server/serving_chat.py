@@ -16,7 +16,7 @@ from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
-from tokenmill.server.sampling import check_stream_options, continuous_usage, resolve_max_tokens, to_sampling_params
+from tokenmill.server.sampling import check_combinations, continuous_usage, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
@@ -74,7 +74,7 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     state.check_model(req.model)
-    check_stream_options(req)
+    check_combinations(req)
     _check_unsupported(req)
     constraint = constraint_of(req)
     plan = plan_tools(req, state.config, constrained=constraint is not None)

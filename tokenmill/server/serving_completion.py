@@ -19,7 +19,7 @@ from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.limits import MAX_SEQUENCES
 from tokenmill.server.logprobs import CompletionLogprobs
 from tokenmill.server.openai_protocol import CompletionRequest
-from tokenmill.server.sampling import check_stream_options, continuous_usage, resolve_max_tokens, to_sampling_params
+from tokenmill.server.sampling import check_combinations, continuous_usage, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, merge_streams, sse
 from tokenmill.server.structured_outputs import constraint_of
@@ -50,7 +50,7 @@ def tokenize_prompts(tokenizer: PreTrainedTokenizerBase | None, input_processor:
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_model(req.model)
-    check_stream_options(req)
+    check_combinations(req)
     if req.suffix is not None:
         raise bad_request("suffix is not supported: this server does no fill-in-the-middle", param="suffix")
     engine = state.engine
