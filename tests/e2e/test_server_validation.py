@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -261,6 +262,16 @@ def test_best_of_below_n_names_best_of(server, request_):
     # Before: the same 400 with param null (SamplingParams' check, which knows no request fields).
     error = assert_openai_error(post(server, *request_))
     assert error["param"] == "best_of" and error["message"] == "best_of (2) must be at least n (3)", error
+
+
+def test_unknown_fields_are_served_and_logged_once(server):
+    # Before: ignored without a word, so a misspelt extra (min_token) silently did nothing.
+    field = f"unknown_{uuid.uuid4().hex}"
+    assert post(server, *completion(**{field: 1, "min_token": 2, "logprobs": 0})).status_code == 200
+    assert post(server, *chat(**{field: 1})).status_code == 200
+    log = server.log_tail(100_000)
+    assert log.count(f"the request's fields min_token, {field} are not known and were ignored") == 1, log[-2000:]
+    assert log.count(f"the request's fields {field} are not known and were ignored") == 1
 
 
 def test_a_completion_prompt_that_fills_the_context_is_named(server):

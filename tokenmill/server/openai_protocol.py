@@ -5,16 +5,27 @@ refused with a 400 before anything reaches the engine and /openapi.json publishe
 the numeric sampling fields mirror SamplingParams.validate(); checks across fields (min_tokens <=
 max_tokens, best_of >= n, the context length, the vocabulary) stay in sampling.py and the engine.
 
-Unknown fields are ignored, as OpenAI clients send fields a server may not know. Responses are
+Unknown fields are ignored, as OpenAI clients send fields a server may not know, and logged once per request
+with a warning naming them (a misspelt vLLM extra does nothing, and the log says so). Responses are
 plain dicts built in the serving modules, in OpenAI's wire format.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    ModelWrapValidatorHandler,
+    Tag,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from tokenmill.server.limits import (
@@ -31,6 +42,8 @@ from tokenmill.server.limits import (
     TOKEN_ID_END,
 )
 from tokenmill.server.unicode_text import find_lone_surrogate
+
+logger = logging.getLogger(__name__)
 
 
 def _integral_float_to_int(value: Any) -> Any:
@@ -73,6 +86,19 @@ class RequestBody(RequestModel):
                 "string_unicode", "{param}: a string holds a lone surrogate ({surrogate}), which is not valid "
                 "Unicode", {"param": path, "surrogate": surrogate})
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warn_of_ignored_fields(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
+        body = handler(data)
+        if isinstance(data, dict) and (ignored := data.keys() - _known_fields(cls)):
+            logger.warning("the request's fields %s are not known and were ignored", ", ".join(sorted(ignored)))
+        return body
+
+
+def _known_fields(cls: type[BaseModel]) -> set[str]:
+    """The names a body may use: each field's name and its alias (json for json_)."""
+    return {name for key, info in cls.model_fields.items() for name in (key, info.alias) if name is not None}
 
 
 class StreamOptions(RequestModel):
