@@ -226,6 +226,23 @@ def test_prompt_forms_and_echo(client, smollm2_tokenizer):
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client):
+    """vLLM's prompt scoring (before: a 400 for max_tokens 0). The prompt's logprobs of the tokens greedy decoding
+    produced are those it gave them while decoding (one a prefill, the other decode steps)."""
+    generated = client.completions.create(model=MODEL, prompt="Water boils at", max_tokens=4, logprobs=1, **GREEDY)
+    text = "Water boils at" + generated.choices[0].text
+    scored = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=1)
+    [choice] = scored.choices
+    assert choice.text == text and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == scored.usage.prompt_tokens and "".join(logprobs.tokens) == text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.tokens[-4:] == generated.choices[0].logprobs.tokens
+    assert logprobs.token_logprobs[-4:] == pytest.approx(generated.choices[0].logprobs.token_logprobs, abs=2e-3)
+    streamed = list(client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text and streamed[-1].choices[0].finish_reason == "length"
+
+
 def test_logprobs_wire_format(client):
     completion = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, logprobs=2, **GREEDY)
     logprobs = completion.choices[0].logprobs

@@ -331,7 +331,8 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt = Field(description=f"Text, a list of texts, token ids, or a list of token-id lists; at most "
                                        f"{MAX_PROMPTS} prompts, and prompts times best_of (or n) at most "
                                        f"{MAX_SEQUENCES}.")
-    max_tokens: TokenCount | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT), INTEGRAL] | None = 16
+    """0 only with echo: the prompt is scored, not continued (its text, and with logprobs its tokens' logprobs)."""
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None

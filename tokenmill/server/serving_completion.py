@@ -53,6 +53,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     check_combinations(req)
     if req.suffix is not None:
         raise bad_request("suffix is not supported: this server does no fill-in-the-middle", param="suffix")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo=true, which scores the prompt)",
+                          param="max_tokens")
     engine = state.engine
     prompts = split_prompts(req.prompt)
     num_samples = req.best_of or req.n
@@ -69,8 +72,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = [
         to_sampling_params(
             req,
-            resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), engine.max_model_len, "max_tokens",
-                               "prompt"),
+            # Scoring alone (max_tokens 0) still runs one step, whose token the responder drops: the prompt's
+            # logprobs come with the first sampled token.
+            max(1, resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), engine.max_model_len,
+                                      "max_tokens", "prompt")),
             logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
             structured_outputs=None if constraint is None else constraint.params,
@@ -92,6 +97,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
 class CompletionResponder:
     def __init__(self, state: ServerState, req: CompletionRequest, request_id: str, prompts: list[dict]) -> None:
         self.req, self.request_id, self.prompts = req, request_id, prompts
+        self.scores_only = req.echo and req.max_tokens == 0
+        """The prompt's echo alone: the one token sampled (see create_completion) is not part of the answer."""
         self.model_name = state.model_name
         self.tokenizer = state.engine.tokenizer
         self.decode = state.decode_token
@@ -108,6 +115,17 @@ class CompletionResponder:
         token_ids = prompt["prompt_token_ids"]
         return fmt.format(token_ids, output.prompt_logprobs or [None] * len(token_ids))
 
+    def _generated(self, completion) -> tuple[list[int], list]:
+        """A completion's token ids and their logprobs entries, as the answer carries them."""
+        if self.scores_only:
+            return [], []
+        return completion.token_ids, completion.logprobs or [None] * len(completion.token_ids)
+
+    def _ending(self, completion) -> dict:
+        if self.scores_only and completion.finish_reason == "stop":  # the dropped token was EOS or a stop string
+            return {"finish_reason": "length", "stop_reason": None}
+        return {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
     def _body(self, choices: list[dict], **extra) -> dict:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model_name, "choices": choices, **extra}
@@ -116,17 +134,17 @@ class CompletionResponder:
         req, choices, num_completion = self.req, [], 0
         for prompt, (last, prompt_choices) in zip(self.prompts, results):
             for choice in prompt_choices:
-                text, logprobs = choice.text, None
+                token_ids, entries = self._generated(choice)
+                text, logprobs = ("" if self.scores_only else choice.text), None
                 if req.logprobs is not None:
                     fmt = CompletionLogprobs(req.logprobs, self.decode)
                     logprobs = self._echo_logprobs(fmt, prompt, last) if req.echo else None
-                    generated = fmt.format(choice.token_ids, choice.logprobs or [None] * len(choice.token_ids))
-                    logprobs = _concat(logprobs, generated)
+                    logprobs = _concat(logprobs, fmt.format(token_ids, entries))
                 if req.echo:
                     text = self._prompt_text(prompt) + text
-                num_completion += len(choice.token_ids)
+                num_completion += len(token_ids)
                 choices.append({"index": len(choices), "text": text, "logprobs": logprobs,
-                                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+                                **self._ending(choice)})
         num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
         return self._body(choices, usage=usage(num_prompt, num_completion))
 
@@ -146,24 +164,23 @@ class CompletionResponder:
                         index = prompt_index * n + completion.index
                         first = index not in formats
                         fmt = formats.setdefault(index, CompletionLogprobs(req.logprobs or 0, self.decode))
-                        text, logprobs = completion.text, None
+                        token_ids, entries = self._generated(completion)
+                        text, logprobs = ("" if self.scores_only else completion.text), None
                         if req.logprobs is not None:
                             logprobs = self._echo_logprobs(fmt, prompt, output) if req.echo and first else None
-                            entries = completion.logprobs or [None] * len(completion.token_ids)
-                            logprobs = _concat(logprobs, fmt.format(completion.token_ids, entries))
+                            logprobs = _concat(logprobs, fmt.format(token_ids, entries))
                         if req.echo and first:
                             text = self._prompt_text(prompt) + text
-                        num_completion += len(completion.token_ids)
+                        num_completion += len(token_ids)
                         # A chunk per step with new tokens, even when their text is held back (part of a
                         # character, or maybe a stop string's start): clients count chunks as tokens arriving.
-                        if not text and not completion.token_ids and completion.finish_reason is None:
+                        if not text and not token_ids and completion.finish_reason is None:
                             continue
                         if completion.finish_reason is not None:
                             finish_reasons.append(completion.finish_reason)
                         extra = {"usage": usage(num_prompt, num_completion)} if every_chunk_usage else {}
                         yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
-                                               "finish_reason": completion.finish_reason,
-                                               "stop_reason": completion.stop_reason}], **extra))
+                                               **self._ending(completion)}], **extra))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse(self._body([], usage=usage(num_prompt, num_completion)))
             if (error := no_token_left(finish_reasons)) is not None:
