@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -553,6 +554,10 @@ class EngineConfig:
                              f"EAGLE head's folder")
 
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+"""Where a Hugging Face model folder keeps its default sampling parameters (ServerConfig.generation_config)."""
+UNIX_SOCKET_PATH_MAX = 108
+"""sockaddr_un's sun_path on Linux, its terminating NUL included."""
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -606,6 +611,37 @@ class ServerConfig:
     """Folder for torch profiler traces of the engine core(s), recorded between POST /start_profile and POST
     /stop_profile (vLLM's torch_profiler_dir); default: $TOKENMILL_TORCH_PROFILER_DIR; unset: those routes
     answer 404."""
+    enable_log_requests: bool = False
+    """Log each generation request as it is added (its id, prompt, prompt token ids and sampling parameters);
+    --disable-log-requests, vLLM's older flag, keeps this off."""
+    max_log_len: int | None = None
+    """With --enable-log-requests, the most characters of the prompt and token ids of the prompt a request's log
+    line shows; unset: all."""
+    root_path: str | None = None
+    """The path prefix under which a proxy serves this server (e.g. '/llm'): the OpenAPI document's server URL
+    carries it, and routes answer with or without it (proxies that strip it and proxies that do not)."""
+    uds: str | None = None
+    """Listen on this Unix domain socket path instead of --host and --port."""
+    ssl_keyfile: str | None = None
+    """Serve HTTPS: the private key's PEM file (needs --ssl-certfile)."""
+    ssl_certfile: str | None = None
+    """Serve HTTPS: the certificate chain's PEM file (with the key too, unless --ssl-keyfile)."""
+    ssl_ca_certs: str | None = None
+    """With HTTPS, the CA certificates' PEM file that client certificates are checked against."""
+    ssl_cert_reqs: int = 0
+    """With HTTPS, whether clients must present a certificate: 0 no, 1 optional, 2 required (Python's ssl
+    CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)."""
+    response_role: str = "assistant"
+    """The role of chat completions' messages when the request has add_generation_prompt (true unless set false);
+    without it, the role of the request's last message."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name tokens 'token_id:N' rather than by their text (which may not be valid UTF-8, or not tell
+    tokens apart); a request's own return_tokens_as_token_ids overrides it."""
+    generation_config: str = "auto"
+    """Where sampling parameters come from when requests leave them unset: 'auto' (the default) reads temperature,
+    top_p, top_k, min_p and repetition_penalty, and max_new_tokens (a limit on every request's output), from the
+    model folder's generation_config.json (a GGUF file has none); 'vllm' reads none (temperature 1, top_p 1, no
+    top_k, as vLLM then); a folder: its generation_config.json."""
 
     def __post_init__(self) -> None:
         # The parsers' registries import nothing heavy (no fastapi): checked here, at start-up.
@@ -640,7 +676,54 @@ class ServerConfig:
                     raise ValueError(f"{name}: {text!r} is not a JSON list of strings")
                 items.extend(listed)
             object.__setattr__(self, name, items)
+        self._check_transport()
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be non-negative, got {self.max_log_len}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, GENERATION_CONFIG_FILE)):
+            raise ValueError(f"generation_config: no {GENERATION_CONFIG_FILE} in {self.generation_config!r}; pass "
+                             f"a folder that holds one, 'auto' (the model's) or 'vllm' (none)")
         # uvicorn checks its level only once the model is loaded, and then fails with a bare KeyError.
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {' | '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
+
+    def _check_transport(self) -> None:
+        """TLS files that load and a socket path that can be had, said at once rather than once the model has
+        loaded (uvicorn's errors come then, as tracebacks)."""
+        if self.ssl_certfile is None:
+            tls_only = {"--ssl-keyfile": self.ssl_keyfile, "--ssl-ca-certs": self.ssl_ca_certs,
+                        "--ssl-cert-reqs": self.ssl_cert_reqs or None}
+            if given := [flag for flag, value in tls_only.items() if value is not None]:
+                raise ValueError(f"{given[0]} needs --ssl-certfile (HTTPS)")
+        else:
+            import ssl
+
+            if self.ssl_cert_reqs not in (0, 1, 2):
+                raise ValueError(f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), got "
+                                 f"{self.ssl_cert_reqs}")
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            try:
+                # A key with a passphrase: refused, not prompted for on the terminal.
+                context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile, password=lambda: b"")
+                if self.ssl_ca_certs is not None:
+                    context.load_verify_locations(self.ssl_ca_certs)
+            except OSError as e:
+                # ssl.SSLError's own words ('[SSL] PEM lib (_ssl.c:3905)') say little.
+                reason = (e.strerror or str(e)).lower()
+                if isinstance(e, ssl.SSLError):
+                    reason = "no PEM certificate with its unencrypted private key could be read" + (
+                        f" ({e.reason.lower().replace('_', ' ')})" if e.reason else "")
+                raise ValueError(f"cannot serve HTTPS with --ssl-certfile {self.ssl_certfile}"
+                                 f"{'' if self.ssl_keyfile is None else f' --ssl-keyfile {self.ssl_keyfile}'}"
+                                 f"{'' if self.ssl_ca_certs is None else f' --ssl-ca-certs {self.ssl_ca_certs}'}: "
+                                 f"{reason}") from None
+        if self.uds is not None:
+            folder = os.path.dirname(os.path.abspath(self.uds))
+            if not os.path.isdir(folder):
+                raise ValueError(f"uds: the folder {folder!r} of the socket path does not exist")
+            if len(os.fsencode(self.uds)) >= UNIX_SOCKET_PATH_MAX:  # bind's 'AF_UNIX path too long', but later
+                raise ValueError(f"uds: the socket path {self.uds!r} is longer than Unix sockets allow "
+                                 f"({UNIX_SOCKET_PATH_MAX - 1} bytes); pass a shorter one")
+            if os.path.exists(self.uds) and not stat.S_ISSOCK(os.stat(self.uds).st_mode):
+                raise ValueError(f"uds: {self.uds!r} exists and is not a socket; pass another path")

@@ -66,12 +66,17 @@ def is_alive(pid: int) -> bool:
 
 
 class RemoteServer:
-    def __init__(self, model: str, *args: str, api_key: str | None = None) -> None:
-        self.port = free_port()
-        self.api_key = api_key
-        self.base_url = f"http://{HOST}:{self.port}"
-        command = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--host", HOST, "--port", str(self.port),
-                   "--uvicorn-log-level", "warning", *args]
+    def __init__(self, model: str, *args: str, api_key: str | None = None, uds: str | None = None) -> None:
+        """uds: serve on this Unix socket path (--uds) rather than a TCP port; reach it with http()."""
+        self.api_key, self.uds = api_key, uds
+        if uds is None:
+            self.port = free_port()
+            self.base_url = f"http://{HOST}:{self.port}"
+            listen = ["--host", HOST, "--port", str(self.port)]
+        else:
+            self.port, self.base_url, listen = None, "http://tokenmill", ["--uds", uds]
+        command = [sys.executable, "-m", "tokenmill.cli", "serve", model, *listen, "--uvicorn-log-level", "warning",
+                   *args]
         if api_key is not None:
             command += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-server-", suffix=".log", delete=False)
@@ -85,8 +90,9 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode} during startup:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
-                    return
+                with self.http(timeout=2) as http:
+                    if http.get("/health").status_code == 200:
+                        return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
@@ -95,6 +101,11 @@ class RemoteServer:
 
     def url(self, path: str) -> str:
         return self.base_url + path
+
+    def http(self, **kwargs) -> httpx.Client:
+        """A client of this server (over its Unix socket with uds), with its API key; paths relative to it."""
+        transport = None if self.uds is None else httpx.HTTPTransport(uds=self.uds)
+        return httpx.Client(transport=transport, base_url=self.base_url, headers=self.headers, **kwargs)
 
     def openai_client(self):
         """The openai SDK pointed at this server: no retries (a failure shows at once), a generous timeout."""

@@ -4,6 +4,7 @@ shared one of conftest.py)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -100,6 +101,61 @@ def test_serve_refuses_a_bad_size_at_once(tmp_path, flag, value, message):
     result = tokenmill("serve", str(tmp_path / "any.gguf"), flag, value, "--port", str(free_port()),
                        timeout=QUICK_FAILURE_S)
     assert_short_error(result, message)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--ssl-keyfile", "key.pem", "--ssl-keyfile needs --ssl-certfile (HTTPS)"),
+    ("--ssl-certfile", "missing.pem", "cannot serve HTTPS with --ssl-certfile {tmp}/missing.pem: no such file"),
+    ("--uds", "no-such-folder/serve.sock", "uds: the folder '{tmp}/no-such-folder' of the socket path does not exist"),
+    ("--generation-config", "", "generation_config: no generation_config.json in '{tmp}'")])
+def test_serve_refuses_a_bad_transport_or_generation_config_at_once(tmp_path, flag, value, message):
+    result = tokenmill("serve", str(tmp_path / "any.gguf"), flag, str(tmp_path / value), "--port", str(free_port()),
+                       timeout=QUICK_FAILURE_S)
+    assert_short_error(result, message.format(tmp=tmp_path))
+
+
+def test_serve_over_https(tiny_llama, tmp_path):
+    pytest.importorskip("cryptography", reason="the self-signed certificate is made with the cryptography package, "
+                                               "which this environment lacks")
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now)
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST))]), False)
+                   .sign(key, hashes.SHA256()))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    (tmp_path / "cert.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", tiny_llama.path, "--load-format",
+                                "dummy", "--skip-tokenizer-init", "--port", str(port), "--ssl-keyfile",
+                                str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem")],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        with httpx.Client(base_url=f"https://{HOST}:{port}", verify=str(tmp_path / "cert.pem"), timeout=60) as http:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            response = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert response.status_code == 200, response.text
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
 
 
 def test_an_engine_that_fails_to_start_reports_it_in_one_line(tmp_path, tiny_llama):

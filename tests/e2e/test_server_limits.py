@@ -1,7 +1,9 @@
 """Server limits and failures: overload (503), /metrics without auth, profiling (POST /start_profile and
 /stop_profile with --profiler-dir: a gzipped chrome trace whose steps are named by their composition; without
 the flag the routes are 404s, tests/e2e/test_server.py), the engine-core process dying, and shutdown after
-that. Dummy weights: these tests need tokens to flow, not good ones."""
+that; and the serve flags of vLLM's that change no test above (--root-path, --enable-log-requests,
+--response-role, --return-tokens-as-token-ids, --generation-config). Dummy weights: these tests need tokens to
+flow, not good ones."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import re
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -27,6 +30,9 @@ pytestmark = pytest.mark.slow
 API_KEY = "limits-key"
 MAX_NUM_SEQS = 2
 MAX_WAITING = 1
+ROOT_PATH = "/proxy"
+MAX_LOG_LEN = 12
+RESPONSE_ROLE = "narrator"
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +41,16 @@ def trace_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path, trace_dir):
+def server(smollm2_path, trace_dir, tmp_path_factory):
+    # Greedy unless a request says otherwise: what --generation-config's test looks for.
+    defaults = tmp_path_factory.mktemp("generation-config")
+    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "do_sample": True}))
     server = RemoteServer(
         smollm2_path, "--load-format", "dummy", "--kv-cache-space", "0.1", "--max-model-len", "512",
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING), "--metrics-no-auth",
-        "--profiler-dir", str(trace_dir), api_key=API_KEY,
+        "--profiler-dir", str(trace_dir), "--root-path", ROOT_PATH, "--enable-log-requests", "--max-log-len",
+        str(MAX_LOG_LEN), "--response-role", RESPONSE_ROLE, "--return-tokens-as-token-ids", "--generation-config",
+        str(defaults), api_key=API_KEY,
     )
     yield server
     server.stop()
@@ -131,6 +142,80 @@ def test_overload_answers_503_with_retry_after(server):
     assert response.status_code == 200, response.text
 
 
+def test_root_path_serves_with_and_without_the_prefix(server):
+    for path in (f"{ROOT_PATH}/v1/models", "/v1/models"):
+        assert httpx.get(server.url(path), headers=server.headers).status_code == 200, path
+    assert httpx.get(server.url(f"{ROOT_PATH}/health")).status_code == 200  # still open without the key
+    assert httpx.get(server.url(f"{ROOT_PATH}/v1/models")).status_code == 401
+    spec = httpx.get(server.url(f"{ROOT_PATH}/openapi.json"), headers=server.headers).json()
+    assert spec["servers"] == [{"url": ROOT_PATH}]
+
+
+def test_requests_are_logged_with_their_prompt_cut_to_max_log_len(server):
+    prompt = f"log-{uuid.uuid4().hex}"
+    response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    request_id = response.json()["id"]
+    line = next(line for line in server.log_tail(100_000).splitlines() if f"request {request_id}: " in line)
+    assert f"prompt {prompt[:MAX_LOG_LEN]!r}, prompt_token_ids [" in line and "max_tokens=1" in line, line
+
+
+def test_response_role_names_the_message_the_model_writes(server):
+    hi = [{"role": "user", "content": "Hi"}]
+    body = post(server, "/v1/chat/completions", {"messages": hi, "max_tokens": 1}).json()
+    assert body["choices"][0]["message"]["role"] == RESPONSE_ROLE
+    with httpx.stream("POST", server.url("/v1/chat/completions"), headers=server.headers, timeout=60,
+                      json={"messages": hi, "max_tokens": 1, "stream": True}) as stream:
+        first = json.loads(next(line for line in stream.iter_lines() if line.startswith("data: "))[6:])
+    assert first["choices"][0]["delta"]["role"] == RESPONSE_ROLE
+    # Without a generation prompt the model continues the last message, in its role.
+    continued = post(server, "/v1/chat/completions", {"messages": [*hi, {"role": "assistant", "content": "So"}],
+                                                      "max_tokens": 1, "add_generation_prompt": False,
+                                                      "continue_final_message": True}).json()
+    assert continued["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_logprobs_name_tokens_by_id(server):
+    body = {"prompt": "Hello", "max_tokens": 2, "logprobs": 2, "echo": True}
+    logprobs = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert all(re.fullmatch(r"token_id:\d+", token) for token in logprobs["tokens"]), logprobs
+    assert all(re.fullmatch(r"token_id:\d+", token) for top in logprobs["top_logprobs"][1:] for token in top)
+    # Text offsets still count the text: "Hello" is one token of 5 characters.
+    assert logprobs["text_offset"][:2] == [0, 5]
+    as_text = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": False}).json()
+    assert as_text["choices"][0]["logprobs"]["tokens"][0] == "Hello"
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                                 "logprobs": True, "top_logprobs": 1}).json()
+    [entry] = chat["choices"][0]["logprobs"]["content"]
+    assert re.fullmatch(r"token_id:\d+", entry["token"]) and entry["bytes"] is not None
+
+
+def test_generation_config_sets_the_defaults(server):
+    """Its temperature 0: requests without one are greedy (with dummy weights, sampled ones differ)."""
+    prompt = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+    texts = [post(server, "/v1/completions", prompt).json()["choices"][0]["text"] for _ in range(2)]
+    greedy = post(server, "/v1/completions", {**prompt, "temperature": 0}).json()["choices"][0]["text"]
+    sampled = post(server, "/v1/completions", {**prompt, "temperature": 1, "seed": 1}).json()["choices"][0]["text"]
+    assert texts == [greedy, greedy] and sampled != greedy
+
+
+def test_generation_config_defaults_and_limit(tmp_path):
+    """'auto' reads the model folder's file; max_new_tokens limits every request's max_tokens, as vLLM's does."""
+    from tokenmill.server.openai_protocol import CompletionRequest
+    from tokenmill.server.sampling import generation_defaults, to_sampling_params
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 32, "bos_token_id": 1, "do_sample": True}))
+    defaults = generation_defaults("auto", str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 32}
+    assert generation_defaults("vllm", str(tmp_path)) == {} and generation_defaults("auto", str(tmp_path / "x")) == {}
+    params = to_sampling_params(CompletionRequest(prompt="Hi", top_p=0.5), 100, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.5, 20, 32)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        generation_defaults(str(tmp_path), "model")
+
+
 class IdleEngine:
     last_stats = None
 
@@ -200,20 +285,23 @@ def test_sigterm_while_the_core_restarts_exits_cleanly(server):
     assert not [pid for pid in [*children, *descendants(server.proc.pid)] if is_alive(pid)]
 
 
-def test_requests_still_running_past_the_shutdown_grace_get_a_503(smollm2_path):
+def test_requests_still_running_past_the_shutdown_grace_get_a_503(smollm2_path, tmp_path):
     """SIGTERM: uvicorn gives the open requests 3 s; those still running then get the OpenAI-format 503 ("the server
-    is shutting down"; a stream its error event, then [DONE]), not uvicorn's plain-text 500 for a cancelled task."""
+    is shutting down"; a stream its error event, then [DONE]), not uvicorn's plain-text 500 for a cancelled task.
+    Served on a Unix socket (--uds), which nothing else needs a server of its own to test."""
+    socket_path = str(tmp_path / "tokenmill.sock")
     server = RemoteServer(smollm2_path, "--load-format", "dummy", "--kv-cache-space", "0.1", "--max-model-len", "2048",
-                          api_key=API_KEY)
+                          api_key=API_KEY, uds=socket_path)
     body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True}
     results = {}
 
     def full() -> None:
-        results["full"] = httpx.post(server.url("/v1/completions"), json=body, headers=server.headers, timeout=60)
+        with server.http(timeout=60) as http:
+            results["full"] = http.post("/v1/completions", json=body)
 
     def streamed() -> None:
-        with httpx.Client(timeout=60) as http, http.stream("POST", server.url("/v1/completions"),
-                                                           json={**body, "stream": True}, headers=server.headers) as s:
+        with server.http(timeout=60) as http, http.stream("POST", "/v1/completions",
+                                                          json={**body, "stream": True}) as s:
             results["stream"] = [line for line in s.iter_lines() if line]
 
     try:
@@ -232,3 +320,4 @@ def test_requests_still_running_past_the_shutdown_grace_get_a_503(smollm2_path):
     assert "the server is shutting down" in error["message"]
     stream = results["stream"]
     assert any('"code":"engine_dead"' in line for line in stream) and stream[-1] == "data: [DONE]"
+    assert f"on http over the Unix socket {socket_path}" in server.log_tail(100_000)

@@ -13,6 +13,7 @@ import pytest
 
 from tokenmill.cli import make_parser
 from tokenmill.cli.args import engine_config_from_args, field_docs
+from tokenmill.cli.serve import server_config_from_args
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -20,7 +21,9 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 VLLM_FLAGS = ["--max-model-len", "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens",
               "--enable-prefix-caching", "--no-enable-prefix-caching", "--chat-template", "--dtype",
               "--block-size", "--seed", "--trust-remote-code", "--scheduling-policy", "--served-model-name",
-              "--api-key", "--host", "--port"]
+              "--api-key", "--host", "--port", "--enable-log-requests", "--disable-log-requests", "--max-log-len",
+              "--root-path", "--uds", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
+              "--response-role", "--return-tokens-as-token-ids", "--generation-config"]
 
 
 def serve_args(*argv):
@@ -31,6 +34,11 @@ def test_serve_has_vllm_flags():
     help_text = make_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for flag in VLLM_FLAGS:
         assert flag in help_text, flag
+
+
+def test_disable_log_requests_is_vllms_older_spelling():
+    assert server_config_from_args(serve_args("m", "--disable-log-requests")).enable_log_requests is False
+    assert server_config_from_args(serve_args("m", "--enable-log-requests")).enable_log_requests is True
 
 
 def test_omitted_flags_keep_the_dataclass_defaults():
@@ -75,7 +83,9 @@ def test_help_comes_from_field_docstrings():
                          "max_request_body_bytes", "metrics_no_auth", "enable_request_id_headers", "allowed_origins",
                          "allowed_methods", "allowed_headers", "allow_credentials", "uvicorn_log_level",
                          "trust_request_chat_template", "enable_auto_tool_choice", "tool_call_parser",
-                         "reasoning_parser", "profiler_dir"}
+                         "reasoning_parser", "profiler_dir", "enable_log_requests", "max_log_len", "root_path", "uds",
+                         "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "response_role",
+                         "return_tokens_as_token_ids", "generation_config"}
     assert "Tokens per KV-cache block" in field_docs(CacheConfig)["block_size"]
 
 

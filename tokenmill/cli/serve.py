@@ -33,7 +33,10 @@ def register(subparsers) -> None:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).",
     )
     add_engine_args(parser, model_positional=True)
-    add_dataclass_args(parser.add_argument_group("server"), ServerConfig)
+    server = parser.add_argument_group("server")
+    add_dataclass_args(server, ServerConfig)
+    server.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                        default=argparse.SUPPRESS, help="vLLM's older spelling of --no-enable-log-requests")
     parser.set_defaults(handler=run)
 
 
@@ -68,11 +71,11 @@ def run(args: argparse.Namespace) -> int:
         from tokenmill.executor.headless import run_headless_node
 
         return run_headless_node(parallel)
-    from tokenmill.server.startup import check_port_free
+    from tokenmill.server.startup import check_listen_address
 
     server_config = server_config_from_args(args)
     # Before the default model is resolved, which may mean downloading it (run_server checks again).
-    check_port_free(server_config.host, server_config.port)
+    check_listen_address(server_config.host, server_config.port, server_config.uds)
     engine_config = serving_engine_config(args)
     # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C (cli.main): the core started below stops.
     core = start_core_ahead(engine_config)

@@ -18,6 +18,7 @@ from tokenmill.server.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     RequestIdHeaderMiddleware,
+    RootPathMiddleware,
 )
 from tokenmill.server.openai_protocol import (
     ChatCompletionRequest,
@@ -145,4 +146,6 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=state.config.allowed_origins,
                            allow_methods=state.config.allowed_methods, allow_headers=state.config.allowed_headers,
                            allow_credentials=state.config.allow_credentials)
+    if state.config.root_path:  # outermost: every layer within matches paths without it
+        app.add_middleware(RootPathMiddleware, root_path=state.config.root_path)
     return app

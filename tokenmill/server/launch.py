@@ -20,7 +20,8 @@ from tokenmill.engine.core_client import CoreProcessClient
 from tokenmill.server.api_server import build_app
 from tokenmill.server.metrics import PrometheusStatLogger
 from tokenmill.server.profiling import prepare_profiler_dir
-from tokenmill.server.startup import check_port_free
+from tokenmill.server.sampling import generation_defaults
+from tokenmill.server.startup import check_listen_address
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class GracefulServer(uvicorn.Server):
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_names: list[str],
                started_core: CoreProcessClient | None = None) -> None:
     """`started_core`: the engine core, already started with `engine_config` (one replica), which the engine adopts."""
-    check_port_free(server_config.host, server_config.port)
+    check_listen_address(server_config.host, server_config.port, server_config.uds)
     if server_config.profiler_dir is not None:
         prepare_profiler_dir(server_config.profiler_dir)
     registry = CollectorRegistry()
@@ -66,7 +67,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
     try:
         # Every data-parallel replica runs max_num_seqs sequences.
         max_num_seqs = engine_config.scheduler_config.max_num_seqs * engine_config.parallel_config.data_parallel_size
-        state = ServerState(engine, server_config, model_name, max_num_seqs, tuple(also_served_as))
+        defaults = generation_defaults(server_config.generation_config, engine_config.model_config.model)
+        state = ServerState(engine, server_config, model_name, max_num_seqs, tuple(also_served_as), defaults)
         app = build_app(state, registry)
         config = uvicorn.Config(
             app,
@@ -77,13 +79,25 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
             # Longer than httpx's (the openai client's) 5 s pool expiry: with equal timeouts a client may send a
             # request on a connection the server is closing at that moment, and the request fails.
             timeout_keep_alive=KEEP_ALIVE_S,
+            uds=server_config.uds,
+            ssl_keyfile=server_config.ssl_keyfile,
+            ssl_certfile=server_config.ssl_certfile,
+            ssl_ca_certs=server_config.ssl_ca_certs,
+            ssl_cert_reqs=server_config.ssl_cert_reqs,
         )
         server = GracefulServer(config, engine)
         # uvicorn re-raises the signal that stopped it once it is done; make that a no-op so the
         # cleanup below runs and the exit status is 0.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-        logger.info("serving %s on http://%s:%d", model_name, server_config.host, server_config.port)
+        logger.info("serving %s on %s", model_name, listen_address(server_config))
         server.run()  # on uvloop with httptools when installed (uvicorn picks them), else asyncio and h11
     finally:
         engine.shutdown()
+
+
+def listen_address(config: ServerConfig) -> str:
+    scheme = "https" if config.ssl_certfile is not None else "http"
+    if config.uds is not None:
+        return f"{scheme} over the Unix socket {config.uds}"
+    return f"{scheme}://{config.host}:{config.port}"

@@ -18,7 +18,14 @@ def _wire(logprob: float) -> float:
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN too
 
 
+def token_id_text(token_id: int) -> str:
+    """A token as --return-tokens-as-token-ids names it."""
+    return f"token_id:{token_id}"
+
+
 def _token_text(token_id: int, logprob: Logprob | None, decode: Decode) -> str:
+    if decode is token_id_text:
+        return token_id_text(token_id)
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
     return decode(token_id)
@@ -32,35 +39,37 @@ def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
 
 class CompletionLogprobs:
     """The legacy completions format, {tokens, token_logprobs, top_logprobs, text_offset}, built across
-    stream chunks (text offsets run on from one chunk to the next)."""
+    stream chunks (text offsets run on from one chunk to the next). name: how tokens are named (token_id_text, or
+    decode, the default); text offsets count the tokens' text either way."""
 
-    def __init__(self, num_top: int, decode: Decode) -> None:
-        self.num_top, self.decode = num_top, decode
+    def __init__(self, num_top: int, decode: Decode, name: Decode | None = None) -> None:
+        self.num_top, self.decode, self.name = num_top, decode, name or decode
         self.offset = 0
 
     def format(self, token_ids: list[int], entries: list[dict[int, Logprob] | None]) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in zip(token_ids, entries):
             chosen = entry.get(token_id) if entry is not None else None
-            text = _token_text(token_id, chosen, self.decode)
-            out["tokens"].append(text)
+            name = _token_text(token_id, chosen, self.name)
+            out["tokens"].append(name)
             out["token_logprobs"].append(_wire(chosen.logprob) if chosen is not None else None)
             if entry is None:
                 out["top_logprobs"].append(None)
             else:
-                top = {_token_text(t, lp, self.decode): _wire(lp.logprob) for t, lp in _top(entry, self.num_top)}
+                top = {_token_text(t, lp, self.name): _wire(lp.logprob) for t, lp in _top(entry, self.num_top)}
                 if chosen is not None:
-                    top.setdefault(text, _wire(chosen.logprob))
+                    top.setdefault(name, _wire(chosen.logprob))
                 out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(name if self.name is self.decode else _token_text(token_id, chosen, self.decode))
         return out
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, decode: Decode,
                   vocab_bytes: list[bytes] | None = None) -> dict:
-    """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}. vocab_bytes: each token id's
-    own bytes (ServerState.vocab_bytes); None: the UTF-8 of its text."""
+    """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}. decode: how tokens are named
+    (token_id_text names them by id). vocab_bytes: each token id's own bytes (ServerState.vocab_bytes); None: the
+    UTF-8 of its text (of its name, where tokens are named by id and no vocab_bytes are given)."""
     content = []
     for token_id, entry in zip(token_ids, entries):
         chosen = entry.get(token_id)

@@ -1,4 +1,4 @@
-"""ASGI middleware: API-key check and request-body size limit.
+"""ASGI middleware: API-key check, request-body size limit, request ids, the proxy's root path.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would buffer streamed responses and
 hide client disconnects from the routes.
@@ -17,6 +17,29 @@ ALWAYS_OPEN_PATHS = frozenset({"/health", "/version"})
 """Routes the API key never protects: liveness probes and version checks carry no data."""
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without the root path (--root-path) when the request came with it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+class RootPathMiddleware:
+    """Serves the app under a proxy's path prefix (--root-path), as FastAPI's root_path does: requests with the
+    prefix (a proxy that forwards the whole path) and without it (one that strips it) reach the same routes, and
+    /openapi.json gives the prefix as the server's URL."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
@@ -24,7 +47,7 @@ class APIKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        if scope["type"] != "http" or route_path(scope) in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if hmac.compare_digest(given, self.expected):

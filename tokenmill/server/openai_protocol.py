@@ -307,6 +307,9 @@ class SamplingRequest(RequestBody):
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     priority: Int64 = 0
     """Lower runs first, with --scheduling-policy priority."""
+    return_tokens_as_token_ids: bool | None = None
+    """Logprobs name tokens 'token_id:N' rather than by their text; unset: the server's
+    --return-tokens-as-token-ids."""
     cache_salt: str | None = None
     # Structured outputs: at most one of response_format (other than text), structured_outputs and the
     # guided_* aliases; a second one is a 400, as is a schema, regex or grammar that does not compile.

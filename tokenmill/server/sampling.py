@@ -2,9 +2,49 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tokenmill.config import GENERATION_CONFIG_FILE
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_protocol import SamplingRequest
+
+logger = logging.getLogger(__name__)
+
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""generation_config.json's keys that set the server's defaults -> the sampling parameter each sets (as vLLM
+reads them; do_sample and the rest are not read)."""
+
+
+def generation_defaults(setting: str, model: str) -> dict[str, Any]:
+    """ServerConfig.generation_config's default sampling parameters: {} for 'vllm', or where 'auto' finds no
+    generation_config.json (a GGUF file, a folder without one)."""
+    if setting == "vllm":
+        return {}
+    folder = model if setting == "auto" else setting
+    path = os.path.join(folder, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the default sampling parameters of {path}: {e}") from None
+    defaults = {GENERATION_DEFAULTS[key]: value for key, value in config.items()
+                if key in GENERATION_DEFAULTS and value is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}; pass --generation-config vllm to leave its defaults out") from None
+    if defaults:
+        logger.info("default sampling parameters from %s (for requests that leave them unset; max_tokens limits "
+                    "every request): %s", path, defaults)
+    return defaults
 
 
 def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int, param: str,
@@ -35,24 +75,32 @@ def to_sampling_params(
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
     skip_special_tokens: bool | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """skip_special_tokens: overrides the request's (the server needs them to parse tool calls)."""
+    """skip_special_tokens: overrides the request's (the server needs them to parse tool calls). defaults: the
+    values of the fields the request leaves unset, and a limit on max_tokens (generation_defaults)."""
+    defaults = defaults or {}
+
+    def given_or_default(name: str, builtin: Any) -> Any:
+        value = getattr(req, name)
+        return defaults.get(name, builtin) if value is None else value
+
     try:
         return SamplingParams(
             n=req.n,
             best_of=req.best_of,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
+            temperature=given_or_default("temperature", 1.0),
+            top_p=given_or_default("top_p", 1.0),
+            top_k=given_or_default("top_k", 0),
+            min_p=given_or_default("min_p", 0.0),
             seed=req.seed,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=given_or_default("repetition_penalty", 1.0),
             logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
-            max_tokens=max_tokens,
+            max_tokens=min(max_tokens, defaults.get("max_tokens", max_tokens)),
             min_tokens=req.min_tokens,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,

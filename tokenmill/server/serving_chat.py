@@ -93,7 +93,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 structured_outputs=None if constraint is None else constraint.params,
                                 # Tool-call markers ([TOOL_CALLS], <tool_call>) may be special tokens.
-                                skip_special_tokens=False if plan.mode == "auto" else None)
+                                skip_special_tokens=False if plan.mode == "auto" else None,
+                                defaults=state.sampling_defaults)
     vocab_bytes = await state.vocab_bytes() if req.logprobs else None  # before the request is added: nothing to undo
     state.check_capacity(params.num_samples)
     request_id, engine_request_id = make_request_ids("chatcmpl", raw.headers)
@@ -117,14 +118,17 @@ class ChatResponder:
         self.plain = self.plan.mode == "none" and reasoning is None
         """No tools to parse and no reasoning to split: the text goes out as it came."""
         self.model_name = state.model_name
-        self.decode = state.decode_token
+        self.name = state.token_namer(req)
+        # The role of the message the model writes: the one the generation prompt starts (the server's
+        # --response-role), else that of the last message, which the model continues.
+        self.role = state.config.response_role if req.add_generation_prompt else req.messages[-1].role
         self.vocab_bytes = vocab_bytes
         self.created = int(time.time())
 
     def _logprobs(self, token_ids: list[int], entries) -> dict | None:
         if not self.req.logprobs or entries is None:
             return None
-        return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0, self.decode, self.vocab_bytes)
+        return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0, self.name, self.vocab_bytes)
 
     def full(self, choices: list) -> dict:
         body = []
@@ -133,7 +137,7 @@ class ChatResponder:
             message = {"content": choice.text} if self.plain else text.full(choice.text)
             body.append({
                 "index": index,
-                "message": {"role": "assistant", **message},
+                "message": {"role": self.role, **message},
                 "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
                 "finish_reason": text.finish_reason(choice.finish_reason),
                 "stop_reason": choice.stop_reason,
@@ -159,7 +163,7 @@ class ChatResponder:
         held = {} if self.plan.mode == "forced" else {"content": ""}  # a step whose text is all held back
         try:
             for index in range(req.n):
-                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                yield chunk([{"index": index, "delta": {"role": self.role, "content": ""},
                               "logprobs": None, "finish_reason": None}])
             async with aclosing(stream):  # so that a client leaving aborts the request now, not once collected
                 async for output in stream:

@@ -79,6 +79,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
             structured_outputs=None if constraint is None else constraint.params,
+            defaults=state.sampling_defaults,
         )
         for p in prompts
     ]
@@ -102,6 +103,7 @@ class CompletionResponder:
         self.model_name = state.model_name
         self.tokenizer = state.engine.tokenizer
         self.decode = state.decode_token
+        self.name = state.token_namer(req)
         self.created = int(time.time())
 
     def _prompt_text(self, prompt: dict) -> str:
@@ -137,7 +139,7 @@ class CompletionResponder:
                 token_ids, entries = self._generated(choice)
                 text, logprobs = ("" if self.scores_only else choice.text), None
                 if req.logprobs is not None:
-                    fmt = CompletionLogprobs(req.logprobs, self.decode)
+                    fmt = CompletionLogprobs(req.logprobs, self.decode, self.name)
                     logprobs = self._echo_logprobs(fmt, prompt, last) if req.echo else None
                     logprobs = _concat(logprobs, fmt.format(token_ids, entries))
                 if req.echo:
@@ -163,7 +165,7 @@ class CompletionResponder:
                     for completion in output.outputs:
                         index = prompt_index * n + completion.index
                         first = index not in formats
-                        fmt = formats.setdefault(index, CompletionLogprobs(req.logprobs or 0, self.decode))
+                        fmt = formats.setdefault(index, CompletionLogprobs(req.logprobs or 0, self.decode, self.name))
                         token_ids, entries = self._generated(completion)
                         text, logprobs = ("" if self.scores_only else completion.text), None
                         if req.logprobs is not None:

@@ -28,3 +28,15 @@ def check_port_free(host: str, port: int) -> None:
                 raise CannotListenError(f"port {port} on {host} is already in use; pass --port") from None
             reason = (e.strerror or str(e)).lower()
             raise CannotListenError(f"cannot listen on {host} port {port}: {reason}; pass --host or --port") from None
+
+
+def check_listen_address(host: str, port: int, uds: str | None) -> None:
+    """check_port_free, or with a Unix socket path (which uvicorn replaces), that no server listens there."""
+    if uds is None:
+        return check_port_free(host, port)
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(uds)
+        except OSError:
+            return  # no file, or a socket left behind with nobody listening
+    raise CannotListenError(f"a server already listens on the socket {uds}; pass another --uds")

@@ -19,6 +19,8 @@ from tokenmill.engine.input_processor import PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.logprobs import Decode, token_id_text
+from tokenmill.server.openai_protocol import SamplingRequest
 from tokenmill.server.structured_outputs import GrammarChecker
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ class ServerState:
     max_num_seqs: int
     also_served_as: tuple[str, ...] = ()
     """Further names requests may give (--served-model-name's after the first, which responses carry)."""
+    sampling_defaults: dict = field(default_factory=dict)
+    """Sampling parameters' values for requests that leave them unset (--generation-config)."""
     tokenizer_executor: ThreadPoolExecutor = field(
         # One thread: a Rust tokenizer used from several threads at once can fail ("Already borrowed").
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"),
@@ -110,6 +114,9 @@ class ServerState:
         """Enqueue one engine request per prompt, all or none (400 if the engine refuses one)."""
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         streams = []
+        if self.config.enable_log_requests:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self._log_request(rid, prompt, p)
         try:
             for rid, prompt, p in zip(ids, prompts, params):
                 streams.append(self.engine.add_request(rid, prompt, p, priority, cache_salt))
@@ -121,9 +128,25 @@ class ServerState:
             raise
         return streams
 
+    def _log_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        limit = self.config.max_log_len
+        text, token_ids = (prompt.get("prompt"), prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else (
+            prompt, None)
+        logger.info("request %s: prompt %r, prompt_token_ids %s, params %s", request_id,
+                    text if text is None or limit is None else text[:limit],
+                    token_ids if token_ids is None or limit is None else token_ids[:limit], params)
+
+    def token_namer(self, req: SamplingRequest) -> Decode:
+        """How the request's logprobs name tokens: by id (--return-tokens-as-token-ids, or the request's own
+        return_tokens_as_token_ids), else by their text."""
+        as_ids = req.return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.config.return_tokens_as_token_ids
+        return token_id_text if as_ids else self.decode_token
+
     def decode_token(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
-        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+        return tokenizer.decode([token_id]) if tokenizer is not None else token_id_text(token_id)
 
 
 def _vocab_bytes(tokenizer) -> list[bytes]:
