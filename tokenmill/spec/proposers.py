@@ -1,8 +1,9 @@
 """The proposer of each speculative method: what drafts the tokens a step verifies.
 
 A proposer sees the verifying rows of the worker's RequestStates (tokens known on the host, block
-tables) and returns up to `max_drafts` tokens per row. A new method is one more entry here and one
-more file beside this one.
+tables) and returns up to `max_drafts` tokens per row; one that keeps state per request may have a
+`drop(rows)`, called when the rows' requests finish or are preempted. A new method is one more entry here
+and one more file beside this one.
 """
 
 from __future__ import annotations
@@ -24,19 +25,8 @@ class Proposer(Protocol):
         ...
 
 
-class TokenProposer:
-    """A proposer that needs only the rows' known tokens (n-gram lookup)."""
-
-    def __init__(self, propose_tokens) -> None:
-        self.propose_tokens = propose_tokens
-
-    def propose(self, states: RequestStates, rows: np.ndarray, max_drafts: np.ndarray) -> list[np.ndarray]:
-        lengths = states.num_tokens[rows]
-        return self.propose_tokens(states.token_ids[rows, : int(lengths.max())], lengths, max_drafts)
-
-
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposers that need nothing of the worker; draft models are built by the worker (it owns the device)."""
     if config.method == "ngram":
-        return TokenProposer(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max).propose)
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     raise ValueError(f"no proposer for speculative method {config.method!r}")

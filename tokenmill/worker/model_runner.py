@@ -104,6 +104,8 @@ class ModelRunner:
             deferred.launch()
         for request_id in scheduler_output.finished_request_ids:
             self.prompt_logprobs.drop(request_id)
+        if self.speculative is not None:
+            self.speculative.drop_finished(scheduler_output.finished_request_ids, self.states)
         for row, new in self.states.apply(scheduler_output):
             self.sampling_state.add_request(
                 row, new.sampling_params, new.eos_token_ids, new.token_ids, new.num_prompt_tokens

@@ -58,6 +58,13 @@ class SpeculativeDecoding:
         """Whether a step may launch before the last one's tokens are on the host (worker/verify_ahead.py)."""
         self._ahead: tuple[VerifyAhead, torch.Tensor] | None = None
         """This step's VerifyAhead and each request's rejected drafts of the last step (on the device)."""
+        self._drop = getattr(proposer, "drop", None)
+        """The proposer's drop(rows) of its state per request (the n-gram index), if it keeps any."""
+
+    def drop_finished(self, request_ids: set[str], states: RequestStates) -> None:
+        """Requests finished or preempted (before their rows are freed): the proposer's state for them goes."""
+        if self._drop is not None and request_ids:
+            self._drop([states.row_of[rid] for rid in request_ids if rid in states.row_of])
 
     def propose(self, scheduler_output: SchedulerOutput, states: RequestStates) -> np.ndarray:
         """Draft tokens for the requests given lookahead, written after their known tokens; returns the
