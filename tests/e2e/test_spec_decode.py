@@ -147,7 +147,7 @@ def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_llama, pl
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
-def test_ngram_proposer_keeps_greedy_tokens_and_seeded_sampling_repeats(tiny_llama, plain):
+def test_ngram_proposer_keeps_greedy_tokens_and_seeded_sampling_repeats_and_masks_apply_to_drafts(tiny_llama, plain):
     outputs, llm, _ = run(tiny_llama, ENGINES["async"], {**SPEC, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     assert [c.token_ids for o in outputs for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
     assert llm.engine.last_stats.spec_decoding.num_drafts > 0
@@ -157,9 +157,21 @@ def test_ngram_proposer_keeps_greedy_tokens_and_seeded_sampling_repeats(tiny_lla
     drafts_before = llm.engine.last_stats.spec_decoding.num_draft_tokens
     seeded = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.last_stats.spec_decoding.num_draft_tokens == drafts_before
+    # The worker hears of the finished requests with the next step (here the seeded ones', never drafted).
+    proposer = llm.engine.core.executor.driver_worker.model_runner.speculative.proposer
+    assert not proposer._rows, "the n-gram index outlived its finished requests"
     plain_llm = LLM(tiny_llama.path, skip_tokenizer_init=True, max_model_len=128, dtype="float32", kv_cache_space=0.01)
     assert [o.outputs[0].token_ids for o in seeded] == [o.outputs[0].token_ids
                                                          for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    # Masked logits (logit_bias, allowed_token_ids) do draft: the verification masks every draft position as the
+    # sampler masks its own (the scripted drafts' mistakes fall outside the mask too).
+    masked = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={7: 1.0, 11: 1.0},
+                            allowed_token_ids=list(range(1, 120)), logprobs=1)
+    prompts = workload()[0][2:4]
+    expected = plain_llm.generate(prompts, masked, use_tqdm=False)
+    use_scripted_proposer(llm, proposer := ScriptedProposer(sequences_of(expected)))
+    check_same_tokens_and_logprobs(llm.generate(prompts, masked, use_tqdm=False), expected)
+    assert proposer.num_proposed > 0
 
 
 @pytest.fixture(scope="module")
