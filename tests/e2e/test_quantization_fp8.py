@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.e2e.quant_checkpoints import TINY_TEXT, engine, greedy_prefix_lengths, tiny_model, write_fp8
+from tests.e2e.test_spec_decode import always_draft
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.quant_quality import quant_quality
 
@@ -128,6 +129,10 @@ MODES = {
     "prefix-caching+chunked-prefill": dict(max_num_batched_tokens=16),
     "async+chunked-prefill": dict(max_num_batched_tokens=16, async_scheduling=True),
     "preempting": dict(num_gpu_blocks_override=10, max_num_batched_tokens=64, max_model_len=128),
+    # Verification passes: a request's drafts are rows of one forward pass, its activations quantized row by row.
+    "ngram+async+chunked-prefill": dict(max_num_batched_tokens=16, async_scheduling=True,
+                                        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
 }
 
 
@@ -140,8 +145,21 @@ def _mode_tokens(path: str, **engine_args):
               SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)]
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True,
               **({"kv_cache_space": 0.05, "max_model_len": 128} | engine_args))
+    if "speculative_config" in engine_args:
+        always_draft(llm)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [[c.token_ids for c in out.outputs] for out in outputs], llm
+
+
+def check_mode(llm: LLM, mode: str) -> None:
+    """The mode did what it is there for: preemptions, prefix-cache hits, drafts verified."""
+    stats = llm.engine.last_stats
+    if mode == "preempting":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    else:
+        assert stats.prefix_cache_hits > 0
+    if "ngram" in mode:
+        assert stats.spec_decoding.num_draft_tokens > 0, stats.spec_decoding
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -153,7 +171,4 @@ def test_fp8_weights_give_the_same_tokens_in_every_engine_mode(tiny, mode):
     plain, _ = _mode_tokens(quantized, enable_prefix_caching=False)
     tokens, llm = _mode_tokens(quantized, **MODES[mode])
     assert tokens == plain
-    if mode == "preempting":
-        assert llm.engine.core.scheduler.num_preemptions > 0
-    else:
-        assert llm.engine.last_stats.prefix_cache_hits > 0
+    check_mode(llm, mode)

@@ -27,6 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.e2e.int4_checkpoints import write_int4
 from tests.e2e.quant_checkpoints import TINY_TEXT, engine, tiny_model
+from tests.e2e.test_quantization_fp8 import MODES, check_mode
+from tests.e2e.test_quantization_fp8 import _mode_tokens as mode_tokens
 from tokenmill import LLM
 from tokenmill.bench.quant_quality import quant_quality
 from tokenmill.layers.quant.awq import AWQ_SLOTS
@@ -203,6 +205,19 @@ def test_int4_against_the_unquantized_model(tiny):
         quality = quant_quality(reference, engine(quantized), TINY_TEXT)
         print(f"tiny Llama {fmt} int4 g{group} (RTN) vs float32: {quality}")
         assert quality.top1_agreement >= 0.5 and quality.mean_kl < 1.5, quality
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_int_weights_give_the_same_tokens_in_every_engine_mode(tiny, mode):
+    """Cached and chunked prompts, async scheduling, preempted and recomputed requests, n > 1 and verified drafts
+    (test_quantization_fp8's matrix) on the layout with the most to get wrong (act order, asymmetric): a linear
+    layer's rows do not depend on each other, so every mode gives the plain engine's tokens."""
+    model, root = tiny
+    quantized, _ = write_int4(model, root / "modes", "gptq", 4, 32, sym=False, act_order=True)
+    plain, _ = mode_tokens(quantized, enable_prefix_caching=False)
+    tokens, llm = mode_tokens(quantized, **MODES[mode])
+    assert tokens == plain
+    check_mode(llm, mode)
 
 
 def test_quantization_flag_only_names_the_checkpoints_format(tiny):
