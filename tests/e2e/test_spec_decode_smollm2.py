@@ -3,6 +3,7 @@ given text) drafts long runs, and the output is exactly plain greedy decoding's,
 
 import pytest
 
+from tests.e2e.test_spec_decode import always_draft
 from tokenmill import LLM, SamplingParams
 
 CODE = '''def mean(values):
@@ -16,9 +17,12 @@ PROMPT = [{"role": "user", "content": f"Repeat this Python function exactly, the
 
 @pytest.fixture(scope="module")
 def speculative_llm(smollm2_path):
-    return LLM(smollm2_path, kv_cache_space=0.5, max_model_len=2048, dtype="float32",  # as smollm2_llm
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                   "prompt_lookup_min": 2})
+    llm = LLM(smollm2_path, kv_cache_space=0.5, max_model_len=2048, dtype="float32",  # as smollm2_llm
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 2})
+    # The step cost measured at start-up decides whether drafting pays; on a loaded CI machine it can say no.
+    always_draft(llm)
+    return llm
 
 
 @pytest.fixture(scope="module")
