@@ -554,8 +554,6 @@ class EngineConfig:
                              f"EAGLE head's folder")
 
 
-GENERATION_CONFIG_FILE = "generation_config.json"
-"""Where a Hugging Face model folder keeps its default sampling parameters (ServerConfig.generation_config)."""
 UNIX_SOCKET_PATH_MAX = 108
 """sockaddr_un's sun_path on Linux, its terminating NUL included."""
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -679,10 +677,9 @@ class ServerConfig:
         self._check_transport()
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be non-negative, got {self.max_log_len}")
-        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
-                os.path.join(self.generation_config, GENERATION_CONFIG_FILE)):
-            raise ValueError(f"generation_config: no {GENERATION_CONFIG_FILE} in {self.generation_config!r}; pass "
-                             f"a folder that holds one, 'auto' (the model's) or 'vllm' (none)")
+        from tokenmill.engine.generation_config import generation_config_file
+
+        generation_config_file(self.generation_config, None)  # a folder without the file: said before the model loads
         # uvicorn checks its level only once the model is loaded, and then fails with a bare KeyError.
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {' | '.join(UVICORN_LOG_LEVELS)}, "

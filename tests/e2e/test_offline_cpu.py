@@ -1,5 +1,7 @@
-"""The offline engine on the CPU: the thread count it computes with, and its progress bar."""
+"""The offline engine on the CPU: the thread count it computes with, its progress bar, and the sampling defaults
+of generation_config.json."""
 
+import json
 import os
 import subprocess
 import sys
@@ -31,3 +33,26 @@ def test_offline_cpu_chooses_its_threads_unless_the_user_chose(tiny_llama):
     # The progress bar reports throughput as vLLM's does.
     assert "est. speed input:" in chosen.stderr and "toks/s, output:" in chosen.stderr
     assert "threads 1\n" in run_child(tiny_llama.path, OMP_NUM_THREADS="1").stdout
+
+
+def test_generation_config_gives_the_defaults_of_calls_without_sampling_params(tiny_llama, tmp_path):
+    """As vLLM's LLM: generate() (and chat(), through it) without sampling_params samples with
+    get_default_sampling_params(), the file's values; sampling_params given are used as they are (max_new_tokens
+    limits only the defaults)."""
+    from tokenmill import LLM, SamplingParams
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "top_k": 7, "max_new_tokens": 3, "do_sample": True}))
+    with pytest.raises(ValueError, match="no generation_config.json in"):
+        LLM(tiny_llama.path, generation_config=str(tmp_path / "missing"))
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True, kv_cache_space=0.01, max_model_len=64,
+              generation_config=str(tmp_path))
+    defaults = llm.get_default_sampling_params()
+    assert defaults == SamplingParams(temperature=0.0, top_k=7, max_tokens=3)
+    defaults.max_tokens = 1  # the caller's own copy
+    assert llm.get_default_sampling_params().max_tokens == 3
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    [by_default] = llm.generate(prompt, use_tqdm=False)
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(greedy[0].outputs[0].token_ids) == 5
+    assert by_default.outputs[0].token_ids == greedy[0].outputs[0].token_ids[:3]

@@ -201,19 +201,20 @@ def test_generation_config_sets_the_defaults(server):
 
 def test_generation_config_defaults_and_limit(tmp_path):
     """'auto' reads the model folder's file; max_new_tokens limits every request's max_tokens, as vLLM's does."""
+    from tokenmill.engine.generation_config import sampling_defaults
     from tokenmill.server.openai_protocol import CompletionRequest
-    from tokenmill.server.sampling import generation_defaults, to_sampling_params
+    from tokenmill.server.sampling import to_sampling_params
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 32, "bos_token_id": 1, "do_sample": True}))
-    defaults = generation_defaults("auto", str(tmp_path))
+    defaults = sampling_defaults("auto", str(tmp_path))
     assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 32}
-    assert generation_defaults("vllm", str(tmp_path)) == {} and generation_defaults("auto", str(tmp_path / "x")) == {}
+    assert sampling_defaults("vllm", str(tmp_path)) == {} and sampling_defaults("auto", str(tmp_path / "x")) == {}
     params = to_sampling_params(CompletionRequest(prompt="Hi", top_p=0.5), 100, defaults=defaults)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.5, 20, 32)
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
     with pytest.raises(ValueError, match="top_p must be in"):
-        generation_defaults(str(tmp_path), "model")
+        sampling_defaults(str(tmp_path), "model")
 
 
 class IdleEngine:

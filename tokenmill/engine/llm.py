@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
 from tokenmill.engine.chat_template import normalize_messages, render_chat
+from tokenmill.engine.generation_config import sampling_defaults
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
@@ -17,12 +18,22 @@ from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, generation_config: str = "auto", **engine_args: Any) -> None:
+        """generation_config: where generate() and chat() called without sampling_params take their sampling
+        parameters from, as vLLM's: 'auto' the model folder's generation_config.json (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens as max_tokens), 'vllm' none (SamplingParams()), or a folder's."""
         if model is None:
             from tokenmill.default_model import default_model_path
 
             model = default_model_path()
+        # Before the model loads: a missing folder or a bad value fails at once.
+        self._sampling_defaults = sampling_defaults(generation_config, model)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() sample with when given no sampling_params (a new object each call: the
+        caller may change it); sampling_params given are used as they are, with none of these merged in."""
+        return SamplingParams(**self._sampling_defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -38,8 +49,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
-                                  "sampling_params")
+        params = self._per_prompt(self.get_default_sampling_params() if sampling_params is None else sampling_params,
+                                  len(prompts), "sampling_params")
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams (or a list of them, one a prompt), got {p!r}")

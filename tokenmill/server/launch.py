@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.core_client import CoreProcessClient
+from tokenmill.engine.generation_config import sampling_defaults
 from tokenmill.server.api_server import build_app
 from tokenmill.server.metrics import PrometheusStatLogger
 from tokenmill.server.profiling import prepare_profiler_dir
-from tokenmill.server.sampling import generation_defaults
 from tokenmill.server.startup import check_listen_address
 from tokenmill.server.state import ServerState
 
@@ -67,7 +67,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
     try:
         # Every data-parallel replica runs max_num_seqs sequences.
         max_num_seqs = engine_config.scheduler_config.max_num_seqs * engine_config.parallel_config.data_parallel_size
-        defaults = generation_defaults(server_config.generation_config, engine_config.model_config.model)
+        defaults = sampling_defaults(server_config.generation_config, engine_config.model_config.model)
         state = ServerState(engine, server_config, model_name, max_num_seqs, tuple(also_served_as), defaults)
         app = build_app(state, registry)
         config = uvicorn.Config(

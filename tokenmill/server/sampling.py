@@ -2,49 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
-from tokenmill.config import GENERATION_CONFIG_FILE
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_protocol import SamplingRequest
-
-logger = logging.getLogger(__name__)
-
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-"""generation_config.json's keys that set the server's defaults -> the sampling parameter each sets (as vLLM
-reads them; do_sample and the rest are not read)."""
-
-
-def generation_defaults(setting: str, model: str) -> dict[str, Any]:
-    """ServerConfig.generation_config's default sampling parameters: {} for 'vllm', or where 'auto' finds no
-    generation_config.json (a GGUF file, a folder without one)."""
-    if setting == "vllm":
-        return {}
-    folder = model if setting == "auto" else setting
-    path = os.path.join(folder, GENERATION_CONFIG_FILE)
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the default sampling parameters of {path}: {e}") from None
-    defaults = {GENERATION_DEFAULTS[key]: value for key, value in config.items()
-                if key in GENERATION_DEFAULTS and value is not None}
-    try:
-        SamplingParams(**defaults)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}; pass --generation-config vllm to leave its defaults out") from None
-    if defaults:
-        logger.info("default sampling parameters from %s (for requests that leave them unset; max_tokens limits "
-                    "every request): %s", path, defaults)
-    return defaults
 
 
 def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int, param: str,
@@ -78,7 +41,7 @@ def to_sampling_params(
     defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """skip_special_tokens: overrides the request's (the server needs them to parse tool calls). defaults: the
-    values of the fields the request leaves unset, and a limit on max_tokens (generation_defaults)."""
+    values of the fields the request leaves unset, and a limit on max_tokens (generation_config.sampling_defaults)."""
     defaults = defaults or {}
 
     def given_or_default(name: str, builtin: Any) -> Any:
