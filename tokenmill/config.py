@@ -640,6 +640,9 @@ class ServerConfig:
     top_p, top_k, min_p and repetition_penalty, and max_new_tokens (a limit on every request's output), from the
     model folder's generation_config.json (a GGUF file has none); 'vllm' reads none (temperature 1, top_p 1, no
     top_k, as vLLM then); a folder: its generation_config.json."""
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    """Sampling defaults set on top of --generation-config's (a JSON object of its keys, e.g. '{"temperature":
+    0.5}'; null unsets one); with 'vllm', the only ones, as vLLM's flag."""
 
     def __post_init__(self) -> None:
         # The parsers' registries import nothing heavy (no fastapi): checked here, at start-up.
@@ -677,9 +680,10 @@ class ServerConfig:
         self._check_transport()
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be non-negative, got {self.max_log_len}")
-        from tokenmill.engine.generation_config import generation_config_file
+        from tokenmill.engine.generation_config import check_override, generation_config_file
 
         generation_config_file(self.generation_config, None)  # a folder without the file: said before the model loads
+        check_override(self.override_generation_config)
         # uvicorn checks its level only once the model is loaded, and then fails with a bare KeyError.
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {' | '.join(UVICORN_LOG_LEVELS)}, "

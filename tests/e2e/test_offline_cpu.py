@@ -37,16 +37,16 @@ def test_offline_cpu_chooses_its_threads_unless_the_user_chose(tiny_llama):
 
 def test_generation_config_gives_the_defaults_of_calls_without_sampling_params(tiny_llama, tmp_path):
     """As vLLM's LLM: generate() (and chat(), through it) without sampling_params samples with
-    get_default_sampling_params(), the file's values; sampling_params given are used as they are (max_new_tokens
-    limits only the defaults)."""
+    get_default_sampling_params(), the file's values with the override on top; sampling_params given are used as
+    they are (max_new_tokens limits only the defaults)."""
     from tokenmill import LLM, SamplingParams
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.0, "top_k": 7, "max_new_tokens": 3, "do_sample": True}))
+        {"temperature": 0.0, "top_p": 0.9, "max_new_tokens": 3, "do_sample": True}))
     with pytest.raises(ValueError, match="no generation_config.json in"):
         LLM(tiny_llama.path, generation_config=str(tmp_path / "missing"))
     llm = LLM(tiny_llama.path, skip_tokenizer_init=True, kv_cache_space=0.01, max_model_len=64,
-              generation_config=str(tmp_path))
+              generation_config=str(tmp_path), override_generation_config={"top_k": 7, "top_p": None})
     defaults = llm.get_default_sampling_params()
     assert defaults == SamplingParams(temperature=0.0, top_k=7, max_tokens=3)
     defaults.max_tokens = 1  # the caller's own copy

@@ -2,8 +2,8 @@
 /stop_profile with --profiler-dir: a gzipped chrome trace whose steps are named by their composition; without
 the flag the routes are 404s, tests/e2e/test_server.py), the engine-core process dying, and shutdown after
 that; and the serve flags of vLLM's that change no test above (--root-path, --enable-log-requests,
---response-role, --return-tokens-as-token-ids, --generation-config). Dummy weights: these tests need tokens to
-flow, not good ones."""
+--response-role, --return-tokens-as-token-ids, --generation-config, --override-generation-config). Dummy weights:
+these tests need tokens to flow, not good ones."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ MAX_WAITING = 1
 ROOT_PATH = "/proxy"
 MAX_LOG_LEN = 12
 RESPONSE_ROLE = "narrator"
+OVERRIDE = {"top_p": 0.95, "min_p": 0.01}
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +43,17 @@ def trace_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, trace_dir, tmp_path_factory):
-    # Greedy unless a request says otherwise: what --generation-config's test looks for.
+    # Greedy unless a request says otherwise, with the override's top_p and min_p: what --generation-config's
+    # tests look for.
     defaults = tmp_path_factory.mktemp("generation-config")
-    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "do_sample": True}))
+    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9,
+                                                                 "do_sample": True}))
     server = RemoteServer(
         smollm2_path, "--load-format", "dummy", "--kv-cache-space", "0.1", "--max-model-len", "512",
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING), "--metrics-no-auth",
         "--profiler-dir", str(trace_dir), "--root-path", ROOT_PATH, "--enable-log-requests", "--max-log-len",
         str(MAX_LOG_LEN), "--response-role", RESPONSE_ROLE, "--return-tokens-as-token-ids", "--generation-config",
-        str(defaults), api_key=API_KEY,
+        str(defaults), "--override-generation-config", json.dumps(OVERRIDE), api_key=API_KEY,
     )
     yield server
     server.stop()
@@ -197,10 +200,15 @@ def test_generation_config_sets_the_defaults(server):
     greedy = post(server, "/v1/completions", {**prompt, "temperature": 0}).json()["choices"][0]["text"]
     sampled = post(server, "/v1/completions", {**prompt, "temperature": 1, "seed": 1}).json()["choices"][0]["text"]
     assert texts == [greedy, greedy] and sampled != greedy
+    # The override replaces the file's top_p and adds min_p (the request's log line shows what it sampled with).
+    request_id = post(server, "/v1/completions", prompt).json()["id"]
+    line = next(line for line in server.log_tail(100_000).splitlines() if f"request {request_id}: " in line)
+    assert "temperature=0.0, top_p=0.95, top_k=0, min_p=0.01," in line, line
 
 
 def test_generation_config_defaults_and_limit(tmp_path):
-    """'auto' reads the model folder's file; max_new_tokens limits every request's max_tokens, as vLLM's does."""
+    """'auto' reads the model folder's file; max_new_tokens limits every request's max_tokens; the override goes on
+    top (null unsets a key), and with 'vllm' alone, as vLLM's do."""
     from tokenmill.engine.generation_config import sampling_defaults
     from tokenmill.server.openai_protocol import CompletionRequest
     from tokenmill.server.sampling import to_sampling_params
@@ -212,6 +220,12 @@ def test_generation_config_defaults_and_limit(tmp_path):
     assert sampling_defaults("vllm", str(tmp_path)) == {} and sampling_defaults("auto", str(tmp_path / "x")) == {}
     params = to_sampling_params(CompletionRequest(prompt="Hi", top_p=0.5), 100, defaults=defaults)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.5, 20, 32)
+    override = {"temperature": 0.5, "top_k": None, "min_p": 0.1}
+    assert sampling_defaults("auto", str(tmp_path), override) == {"temperature": 0.5, "top_p": 0.9, "min_p": 0.1,
+                                                                  "max_tokens": 32}
+    assert sampling_defaults("vllm", str(tmp_path), override) == {"temperature": 0.5, "min_p": 0.1}
+    with pytest.raises(ValueError, match="override_generation_config: min_p must be in"):
+        sampling_defaults("vllm", "model", {"min_p": 2})
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
     with pytest.raises(ValueError, match="top_p must be in"):
         sampling_defaults(str(tmp_path), "model")

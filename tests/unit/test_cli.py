@@ -23,7 +23,8 @@ VLLM_FLAGS = ["--max-model-len", "--gpu-memory-utilization", "--max-num-seqs", "
               "--block-size", "--seed", "--trust-remote-code", "--scheduling-policy", "--served-model-name",
               "--api-key", "--host", "--port", "--enable-log-requests", "--disable-log-requests", "--max-log-len",
               "--root-path", "--uds", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
-              "--response-role", "--return-tokens-as-token-ids", "--generation-config"]
+              "--response-role", "--return-tokens-as-token-ids", "--generation-config",
+              "--override-generation-config"]
 
 
 def serve_args(*argv):
@@ -39,6 +40,18 @@ def test_serve_has_vllm_flags():
 def test_disable_log_requests_is_vllms_older_spelling():
     assert server_config_from_args(serve_args("m", "--disable-log-requests")).enable_log_requests is False
     assert server_config_from_args(serve_args("m", "--enable-log-requests")).enable_log_requests is True
+
+
+def test_override_generation_config_takes_a_json_object(capsys):
+    given = serve_args("m", "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}')
+    assert server_config_from_args(given).override_generation_config == {"temperature": 0.5, "max_new_tokens": 64}
+    assert server_config_from_args(serve_args("m")).override_generation_config == {}
+    for text in ("{temperature: 0.5}", '[0.5]'):
+        with pytest.raises(SystemExit):
+            serve_args("m", "--override-generation-config", text)
+        assert "--override-generation-config" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="override_generation_config: top_p must be in"):
+        server_config_from_args(serve_args("m", "--override-generation-config", '{"top_p": 0}'))
 
 
 def test_omitted_flags_keep_the_dataclass_defaults():
@@ -85,7 +98,7 @@ def test_help_comes_from_field_docstrings():
                          "trust_request_chat_template", "enable_auto_tool_choice", "tool_call_parser",
                          "reasoning_parser", "profiler_dir", "enable_log_requests", "max_log_len", "root_path", "uds",
                          "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "response_role",
-                         "return_tokens_as_token_ids", "generation_config"}
+                         "return_tokens_as_token_ids", "generation_config", "override_generation_config"}
     assert "Tokens per KV-cache block" in field_docs(CacheConfig)["block_size"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from tokenmill.cli.args import (
     add_engine_args,
     api_key_or_env,
     engine_config_from_args,
+    field_docs,
     given_fields,
 )
 from tokenmill.config import EngineConfig, ParallelConfig, ServerConfig
@@ -37,7 +39,22 @@ def register(subparsers) -> None:
     add_dataclass_args(server, ServerConfig)
     server.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                         default=argparse.SUPPRESS, help="vLLM's older spelling of --no-enable-log-requests")
+    # A dict-typed field, which add_dataclass_args leaves out: a JSON object, as vLLM spells it.
+    server.add_argument("--override-generation-config", dest="override_generation_config", type=json_object,
+                        default=argparse.SUPPRESS, metavar="JSON",
+                        help=field_docs(ServerConfig)["override_generation_config"].replace("%", "%%"))
     parser.set_defaults(handler=run)
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({e}); expected an object such as "
+                                         f"'{{\"temperature\": 0.5}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object such as '{{\"temperature\": 0.5}}'")
+    return value
 
 
 def served_model_names(args: argparse.Namespace, model_path: str) -> list[str]:

@@ -18,16 +18,18 @@ from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 
 
 class LLM:
-    def __init__(self, model: str | None = None, generation_config: str = "auto", **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | None = None, **engine_args: Any) -> None:
         """generation_config: where generate() and chat() called without sampling_params take their sampling
         parameters from, as vLLM's: 'auto' the model folder's generation_config.json (temperature, top_p, top_k,
-        min_p, repetition_penalty, max_new_tokens as max_tokens), 'vllm' none (SamplingParams()), or a folder's."""
+        min_p, repetition_penalty, max_new_tokens as max_tokens), 'vllm' none (SamplingParams()), or a folder's;
+        override_generation_config: keys of that file set on top of it."""
         if model is None:
             from tokenmill.default_model import default_model_path
 
             model = default_model_path()
         # Before the model loads: a missing folder or a bad value fails at once.
-        self._sampling_defaults = sampling_defaults(generation_config, model)
+        self._sampling_defaults = sampling_defaults(generation_config, model, override_generation_config)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -67,7 +67,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
     try:
         # Every data-parallel replica runs max_num_seqs sequences.
         max_num_seqs = engine_config.scheduler_config.max_num_seqs * engine_config.parallel_config.data_parallel_size
-        defaults = sampling_defaults(server_config.generation_config, engine_config.model_config.model)
+        defaults = sampling_defaults(server_config.generation_config, engine_config.model_config.model,
+                                     server_config.override_generation_config)
         state = ServerState(engine, server_config, model_name, max_num_seqs, tuple(also_served_as), defaults)
         app = build_app(state, registry)
         config = uvicorn.Config(
