@@ -9,6 +9,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -142,7 +143,8 @@ def test_serve_over_https(tiny_llama, tmp_path):
                                 str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem")],
                                stderr=subprocess.PIPE, text=True)
     try:
-        with httpx.Client(base_url=f"https://{HOST}:{port}", verify=str(tmp_path / "cert.pem"), timeout=60) as http:
+        with httpx.Client(base_url=f"https://{HOST}:{port}", timeout=60,
+                          verify=ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))) as http:
             deadline = time.monotonic() + 120
             while True:
                 assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
