@@ -78,3 +78,8 @@ def main(inbox_address: str, outbox_address: str, rank: int, parent_pid: int) ->
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    # Stopped cleanly, its sockets closed: skip the interpreter's teardown of torch and the model (0.5-3 s per rank
+    # on a busy CPU), which the driver's shutdown waits for and which leaves nothing the OS does not reclaim.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
