@@ -131,28 +131,25 @@ def test_structured_outputs_while_the_grammars_compile(server):
     assert all(after[e] > before[e] for e in ("0", "1")), (before, after)
 
 
-def test_killing_one_replica_stops_both_and_they_restart_together(tiny_moe, reference):
-    server = RemoteServer(tiny_moe, *SERVER_ARGS)
-    try:
-        assert complete(server, PROMPTS[0], 12) == [reference[12][0]]
-        cores = engine_cores(server)
-        assert len(cores) == 2
-        body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 50, "temperature": 0.0, "ignore_eos": True,
-                "stream": True}
-        with httpx.Client(timeout=60) as http, http.stream("POST", server.url("/v1/completions"), json=body) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            os.kill(cores[0], signal.SIGKILL)
-            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        assert "error" in events[-1] or events[-1]["choices"][0]["finish_reason"] == "length"
-        # Both cores go (the other waited for the dead one's exchanges), and two new ones start together.
-        wait_for(lambda: len(new := engine_cores(server)) == 2 and not set(new) & set(cores), "two new cores", 90)
-        wait_for(lambda: httpx.get(server.url("/health")).status_code == 200, "the engine to serve again", 90)
-        texts = wait_for(lambda: _try_complete(server), "a completion after the restart", 60)
-        assert texts == [reference[12][2]]
-        assert "step together: restarting them all" in server.log_tail(100_000)
-    finally:
-        server.stop()
+def test_killing_one_replica_stops_both_and_they_restart_together(server, reference):
+    """The last test on the module's server (it kills one of its cores): a server start saved."""
+    assert complete(server, PROMPTS[0], 12) == [reference[12][0]]
+    cores = engine_cores(server)
+    assert len(cores) == 2
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 50, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.url("/v1/completions"), json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(cores[0], signal.SIGKILL)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "error" in events[-1] or events[-1]["choices"][0]["finish_reason"] == "length"
+    # Both cores go (the other waited for the dead one's exchanges), and two new ones start together.
+    wait_for(lambda: len(new := engine_cores(server)) == 2 and not set(new) & set(cores), "two new cores", 90)
+    wait_for(lambda: httpx.get(server.url("/health")).status_code == 200, "the engine to serve again", 90)
+    texts = wait_for(lambda: _try_complete(server), "a completion after the restart", 60)
+    assert texts == [reference[12][2]]
+    assert "step together: restarting them all" in server.log_tail(100_000)
 
 
 def _try_complete(server: RemoteServer) -> list[str] | None:
