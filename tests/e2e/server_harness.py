@@ -86,16 +86,19 @@ class RemoteServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} during startup:\n{self.log_tail()}")
-            try:
-                with self.http(timeout=2) as http:
+        # One client: a new one builds an SSL context per call (~20 ms of CPU, taken from the starting server), a
+        # refused connection on a kept client ~0.1 ms; so a fine poll, which notices the server ~0.2 s sooner.
+        with self.http(timeout=2) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the server exited with {self.proc.returncode} during startup:\n{self.log_tail()}")
+                try:
                     if http.get("/health").status_code == 200:
                         return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"the server was not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
 
