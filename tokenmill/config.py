@@ -459,6 +459,37 @@ def default_token_budget(device: str, chunked_prefill: bool) -> int:
     return CPU_TOKEN_BUDGET if device == "cpu" and chunked_prefill else GPU_TOKEN_BUDGET
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs, with vLLM's `structured_outputs_config` keys."""
+
+    backend: str = "auto"
+    """Which library enforces a spec: xgrammar; guidance (llguidance) for every spec but structural tags (xgrammar's
+    format); auto: xgrammar, and llguidance for a JSON schema that only it enforces whole (minLength/maxLength beside
+    a pattern or a format, multipleOf on numbers, ...). A request's own StructuredOutputsParams.backend wins."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured outputs backend {self.backend!r} is not supported; choose one of "
+                             f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, StructuredOutputsConfig):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"structured_outputs_config must be a dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown structured_outputs_config keys {unknown}; known: ['backend']")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -467,12 +498,16 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Route vLLM-style flat engine arguments to the sub-config that owns each one."""
         parts: dict[str, dict[str, Any]] = {}
         speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
+        structured = StructuredOutputsConfig.from_dict(kwargs.pop("structured_outputs_config", None))
+        if (backend := kwargs.pop("guided_decoding_backend", None)) is not None:  # vLLM's older name
+            structured = dataclasses.replace(structured, backend=backend)
         owners = {
             "model_config": ModelConfig,
             "cache_config": CacheConfig,
@@ -489,7 +524,7 @@ class EngineConfig:
                 raise TypeError(f"unknown engine argument {key!r}")
         built = {part: klass(**parts.get(part, {})) for part, klass in owners.items() if part != "model_config"}
         return cls(model_config=ModelConfig(model=model, **parts.get("model_config", {})), **built,
-                   speculative_config=speculative)
+                   speculative_config=speculative, structured_outputs_config=structured)
 
     def with_parts(self, **parts: Any) -> EngineConfig:
         """A copy with some sub-configs replaced (derived from this one's, e.g. a data-parallel replica's place),

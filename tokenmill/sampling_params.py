@@ -45,7 +45,7 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a structure (vLLM's names); exactly one of these is set. Grammars are
-    compiled by xgrammar (tokenmill/structured/) and enforced with a token bitmask at every step."""
+    compiled by xgrammar or llguidance (tokenmill/structured/) and enforced with a token bitmask at every step."""
 
     json: str | dict[str, Any] | None = None
     """A JSON schema (as a dict or its JSON text): the output is a JSON value that validates against it,
@@ -64,6 +64,10 @@ class StructuredOutputsParams:
     reasoning_end: str | None = None
     """When set, the structure applies only after the model has written this marker (a reasoning parser's end
     of thinking, "</think>"): free text up to and including it, then the structure."""
+    backend: str | None = None
+    """Which library enforces it: "xgrammar", "guidance" (llguidance) or "auto" (xgrammar, llguidance for a JSON
+    schema only llguidance enforces whole); None: the engine's structured_outputs_config. Structural tags are
+    xgrammar's whatever this says."""
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
@@ -76,6 +80,9 @@ class StructuredOutputsParams:
             raise ValueError("structured outputs' choice must be a non-empty list of non-empty strings")
         if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
             raise ValueError("structured outputs' reasoning_end must be a non-empty string")
+        if self.backend not in (None, "auto", "xgrammar", "guidance"):
+            raise ValueError(f"structured outputs' backend must be 'auto', 'xgrammar' or 'guidance', got "
+                             f"{self.backend!r}")
 
     @property
     def key(self) -> tuple[str, str]:

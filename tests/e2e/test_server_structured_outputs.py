@@ -89,7 +89,8 @@ INVALID = [  # (id, extra_body, param, words in the message)
     ("response_format_unenforced", {"response_format": json_schema_format({**PERSON, "properties": {
         **PERSON["properties"], "tags": {"type": "array", "uniqueItems": True}, "n": {"type": "integer", "not": {
             "const": 3}}}})}, "response_format", ["cannot enforce", "uniqueItems at #/properties/tags",
-                                                  "not at #/properties/n"]),
+                                                  "not at #/properties/n", "nor can llguidance",
+                                                  'Unimplemented keys: ["uniqueItems"]']),
     ("guided_json_unenforced", {"guided_json": {"type": "string", "format": "regex"}}, "guided_json",
      ["cannot enforce", "format 'regex'"]),
     ("structured_outputs_regex", {"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", ["regex"]),
@@ -192,6 +193,26 @@ def test_bans_that_leave_the_grammar_no_token_are_a_400(client):
 def test_chat_json_schema(client, sampling):
     text = chat(client, ASK_PERSON, response_format=json_schema_format(PERSON), **sampling)
     jsonschema.validate(json.loads(text), PERSON)
+
+
+# minLength/maxLength beside a pattern or a format: xgrammar would leave the lengths out; the server's backend auto
+# has llguidance enforce them (each output checked; jsonschema checks no uri format without rfc3987: its scheme).
+LENGTHS = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]+$", "minLength": 3, "maxLength": 5},
+    "site": {"type": "string", "format": "uri", "maxLength": 30}}, "required": ["code", "site"],
+    "additionalProperties": False}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_chat_json_schema_that_only_llguidance_enforces(client, sampling):
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A product code and a website, as JSON."}], n=3,
+        max_tokens=MAX_TOKENS, response_format=json_schema_format(LENGTHS, "product"), **sampling)
+    for choice in response.choices:
+        assert choice.finish_reason == "stop", choice
+        value = json.loads(choice.message.content)
+        jsonschema.validate(value, LENGTHS)
+        assert re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*:\S*", value["site"]), value
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

@@ -1,6 +1,7 @@
 """Structured outputs through the offline engine on the real default model: every output obeys its spec
 (JSON schemas checked with jsonschema), in every engine mode, with n > 1, logprobs and speculation."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -26,7 +27,10 @@ GRAMMAR = 'root ::= "The answer is " digit digit? "."\ndigit ::= [0-9]'
 
 def check(spec: StructuredOutputsParams, text: str) -> None:
     if spec.json is not None:
-        jsonschema.validate(json.loads(text), spec.json)
+        value = json.loads(text)
+        jsonschema.validate(value, spec.json)
+        if spec.json is SITE:  # jsonschema checks no uri format without rfc3987 installed: its scheme, no spaces
+            assert re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*:\S*", value["site"]), text
     elif spec.json_object:
         assert isinstance(json.loads(text), dict), text
     elif spec.regex is not None:
@@ -40,6 +44,15 @@ def check(spec: StructuredOutputsParams, text: str) -> None:
 SPECS = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(json_object=True),
          StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=CHOICES),
          StructuredOutputsParams(grammar=GRAMMAR)]
+GUIDED = [StructuredOutputsParams(regex=REGEX, backend="guidance"),
+          StructuredOutputsParams(choice=CHOICES, backend="guidance"),
+          StructuredOutputsParams(grammar=GRAMMAR, backend="guidance")]  # GBNF, which llguidance takes as Lark
+"""Under llguidance (the guidance backend)."""
+# Schemas xgrammar would enforce in part only (json_schema_check.py): backend auto gives them to llguidance.
+CODE = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "minLength": 3,
+                                                  "maxLength": 5}}, "required": ["code"], "additionalProperties": False}
+SITE = {"type": "object", "properties": {"site": {"type": "string", "format": "uri", "maxLength": 30}},
+        "required": ["site"], "additionalProperties": False}
 
 
 def generate_all(llm: LLM, temperature: float = 0.0, **params):
@@ -69,9 +82,10 @@ def test_specs_hold_under_async_scheduling_chunked_prefill_and_preemption(busy_l
     # Prompts of ~8 blocks each, 5 of them (their 2 samples share one): more than the pool's 17 blocks.
     story = "Once upon a time a clockmaker lived at the edge of a forest and wound his clocks every morning. " * 5
     ask = [{"role": "user", "content": story + ASK[0]["content"]}]
-    sampling = [SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=80, structured_outputs=spec) for spec in SPECS]
-    outputs = busy_llm.chat([ask] * len(SPECS), sampling, use_tqdm=False)
-    for spec, out in zip(SPECS, outputs):
+    specs = SPECS + GUIDED[1:2]
+    sampling = [SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=80, structured_outputs=spec) for spec in specs]
+    outputs = busy_llm.chat([ask] * len(specs), sampling, use_tqdm=False)
+    for spec, out in zip(specs, outputs):
         assert len(out.outputs) == 2
         for sample in out.outputs:
             if sample.finish_reason == "stop":
@@ -84,7 +98,8 @@ def test_a_spec_the_grammar_process_cannot_compile_fails_only_its_request(busy_l
     """The grammar process compiles the grammars (the engine core's compiler delegates to it): a spec that fails
     there (let past the frontend, which would refuse it) fails its request, and the engine and its grammar
     process serve the others."""
-    monkeypatch.setattr("tokenmill.engine.input_processor.validate_structured_outputs", lambda params: None)
+    monkeypatch.setattr("tokenmill.engine.input_processor.validate_structured_outputs",
+                        lambda params, backend: ("xgrammar", ()))
     bad = StructuredOutputsParams(regex="(abc")
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec) for spec in (bad, SPECS[2])]
     outs = busy_llm.chat([ASK, ASK], params, use_tqdm=False)
@@ -149,6 +164,32 @@ def test_the_prompt_is_computed_while_its_grammar_compiles(engine, ahead, reques
     check(spec, out.text)
 
 
+def test_schemas_only_llguidance_enforces_whole_go_to_it_under_auto(smollm2_llm):
+    """minLength/maxLength beside a pattern or a format: xgrammar's grammar would leave the lengths out, so backend
+    auto (the engine's default) has llguidance enforce them; every sample is valid, greedy and sampled."""
+    specs = [StructuredOutputsParams(json=CODE), StructuredOutputsParams(json=SITE)]
+    assert [smollm2_llm.engine.input_processor._backend(spec) for spec in specs] == ["guidance"] * 2
+    ask = [{"role": "user", "content": "Give a short product code and the company's website as JSON."}]
+    params = [SamplingParams(temperature=t, seed=seed, n=n, max_tokens=60, structured_outputs=spec)
+              for spec in specs for t, seed, n in ((0.0, None, 1), (1.0, 7, 2))]
+    outs = smollm2_llm.chat([ask] * len(params), params, use_tqdm=False)
+    for param, out in zip(params, outs):
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", sample
+            check(param.structured_outputs, sample.text)
+
+
+def test_the_guidance_backend_enforces_regexes_choices_and_grammars(smollm2_llm):
+    params = [SamplingParams(temperature=t, seed=5, max_tokens=60, structured_outputs=spec)
+              for spec in GUIDED for t in (0.0, 0.9)]
+    for param, out in zip(params, smollm2_llm.chat([ASK] * len(params), params, use_tqdm=False)):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+        check(param.structured_outputs, out.outputs[0].text)
+    cut = smollm2_llm.chat(ASK, SamplingParams(temperature=0, max_tokens=2, structured_outputs=GUIDED[0]),
+                           use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 2 and re.match(r"(yes|no)", cut.text)
+
+
 def test_max_tokens_inside_the_structure_ends_with_length_and_logprobs_are_finite(smollm2_llm):
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=2, structured_outputs=SPECS[0])
     out = smollm2_llm.chat(ASK, params, use_tqdm=False)[0].outputs[0]
@@ -162,7 +203,10 @@ def test_bad_specs_fail_before_anything_is_scheduled(smollm2_llm):
     for bad, match in [(StructuredOutputsParams(json='{"type": '), "not valid JSON"),
                        (StructuredOutputsParams(regex="(abc"), "invalid regex"),
                        (StructuredOutputsParams(grammar="root ::= "), "invalid grammar"),
-                       (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "uniqueItems at #")]:
+                       (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}),
+                        r"uniqueItems at #.*nor can llguidance.*Unimplemented keys: \[\"uniqueItems"),
+                       (StructuredOutputsParams(regex="(abc", backend="guidance"), "invalid regex for the guidance"),
+                       (StructuredOutputsParams(json={"not": {}}, backend="guidance"), "Unimplemented keys")]:
         with pytest.raises(ValueError, match=match):
             smollm2_llm.generate("Hi", SamplingParams(structured_outputs=bad), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):
@@ -198,23 +242,31 @@ def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm
     monkeypatch.setattr("tokenmill.structured.matchers.use_grammar_process", lambda device: True)
     # float32 and dequantized, as smollm2_llm: the tokens must equal plain decoding's exactly (bfloat16 rounds a
     # verify step differently).
+    # The engine's backend guidance (llguidance's matchers walk the drafts and roll back as xgrammar's do), and
+    # requests that name xgrammar.
     llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32", gguf_dequantize=True,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
+              structured_outputs_config={"backend": "guidance"})
     budget = llm.engine.core.scheduler.draft_budget
     budget.cost, budget.min_gain = None, 0.0  # draft every step, whatever the measured step cost says
     copy = [{"role": "user", "content": 'Repeat this JSON exactly: {"name": "Alice Smith", "age": 30}'}]
-    asks = [copy, ASK]
-    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=SPECS[0]),
-              SamplingParams(temperature=0, max_tokens=60, structured_outputs=SPECS[2])]
+    by_xgrammar = [dataclasses.replace(spec, backend="xgrammar") for spec in (SPECS[0], SPECS[2])]
+    specs = [*by_xgrammar, SPECS[0], SPECS[2]]
+    assert [llm.engine.input_processor._backend(spec) for spec in specs] == ["xgrammar"] * 2 + ["guidance"] * 2
+    asks = [copy, ASK] * 2
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec) for spec in specs]
     outs = llm.chat(asks, params, use_tqdm=False)
-    check(SPECS[0], outs[0].outputs[0].text)
-    check(SPECS[2], outs[1].outputs[0].text)
+    for spec, out in zip(specs, outs):
+        check(spec, out.outputs[0].text)
     stats = llm.engine.last_stats.spec_decoding
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     assert not llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
     assert smollm2_llm.engine.core.executor.driver_worker.model_runner.grammar_rows.in_process
     # Compiled once, in the grammar process, which told the engine core when each was ready.
     assert llm.engine.core.awaiting_grammar.compiler.num_compiled == 0
+    # The same backends in smollm2_llm (whose default is auto).
+    plain = [*by_xgrammar, *(dataclasses.replace(spec, backend="guidance") for spec in (SPECS[0], SPECS[2]))]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec) for spec in plain]
     expected = smollm2_llm.chat(asks, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
 

@@ -4,6 +4,7 @@ drafts accepted, a draft the grammar refuses, a terminated matcher, a row withou
 row reused by another request), over two steps so the double-buffered host masks are each used; with the
 matchers in the engine's process and in a grammar process of their own (structured/grammar_process.py)."""
 
+import dataclasses
 import functools
 import os
 import signal
@@ -78,20 +79,57 @@ def reference(compiler, tokenizer, spec, output: list[int], drafts: list[int], w
     return torch.cat(masks)
 
 
+def reference_guidance(compiled, tokenizer, output: list[int], drafts: list[int], width: int) -> torch.Tensor:
+    """reference()'s masks from a plain llguidance matcher (its own EOS the tokenizer's: the request's stop token)."""
+    import llguidance
+    import llguidance.numpy
+
+    matcher = llguidance.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
+    assert matcher.consume_tokens(output), matcher.get_error()
+    ended = tokenizer.eos_token_id in output
+    bitmask = llguidance.numpy.allocate_token_bitmask(1, len(tokenizer))
+    everything = unpack_bitmask(torch.full((1, bitmask.shape[1]), -1, dtype=torch.int32), width)
+    masks = []
+    for position in range(len(drafts) + 1):
+        if ended:
+            masks.append(everything)
+        else:
+            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
+            masks.append(unpack_bitmask(torch.from_numpy(bitmask), width))
+        if position < len(drafts):
+            if ended or matcher.validate_tokens(drafts[position : position + 1]) != 1:
+                masks += [everything] * (len(drafts) - position)
+                break
+            ended = drafts[position] == tokenizer.eos_token_id
+            assert matcher.consume_token(drafts[position])
+    return torch.cat(masks)
+
+
 def two_fill_threads(monkeypatch) -> None:
     """Every batched fill split over two of xgrammar's threads (GrammarRows uses one below 64 rows)."""
     monkeypatch.setattr("tokenmill.structured.matcher_set.fill_threads", lambda num_rows: 2)
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 @pytest.mark.parametrize("matchers", ["in process", "threaded", "grammar process"])
 @pytest.mark.parametrize("path", ["torch", pytest.param("kernel", marks=pytest.mark.interpret),
                                   pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, monkeypatch):
+def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, backend, monkeypatch):
     """`kernel`: the Triton kernel's path (kernels/token_bitmask.py), under TRITON_INTERPRET=1 on the CPU;
     `cuda`: the GPU's (pinned host masks, their non-blocking copy, the kernel). `threaded`: the fills on two
     of xgrammar's threads, as a large step's are; `grammar process`: the matchers in their own process, the
-    masks through shared memory (pinned on the GPU)."""
+    masks through shared memory (pinned on the GPU). `guidance`: rows 0-2 under llguidance (each against a plain
+    llguidance matcher), row 3 under xgrammar in the same batch."""
     tokenizer, compiler = setup
+    specs = SPECS
+    if backend == "guidance":
+        if path != "torch" or matchers != "in process":
+            # The fill and mask paths are the backends' alike; the grammar process runs llguidance's matchers in
+            # tests/e2e/test_structured_outputs.py's speculative decoding test.
+            pytest.skip("xgrammar's cases cover the other paths")
+        pytest.importorskip("llguidance")
+        specs = {row: dataclasses.replace(spec, backend="guidance") if row < 3 else spec
+                 for row, spec in specs.items()}
     threaded = matchers == "threaded"
     if threaded:
         two_fill_threads(monkeypatch)
@@ -108,15 +146,16 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, monkeypat
     states = RequestStates(8, 64, 4)
     grammar_rows = GrammarRows(rows_compiler(setup, matchers), len(tokenizer), device,
                                in_process=matchers != "grammar process")
-    outputs = {0: encode(tokenizer, '{"name": "'), 1: encode(tokenizer, "yes"), 2: [], 3: encode(tokenizer, "ok"),
+    started = '{"name": "' if backend == "xgrammar" else '{"name":"'  # llguidance's JSON: compact, as asked
+    outputs = {0: encode(tokenizer, started), 1: encode(tokenizer, "yes"), 2: [], 3: encode(tokenizer, "ok"),
                4: [], 5: []}
     outputs[3].append(tokenizer.eos_token_id)  # terminated
     for row, output in outputs.items():
         prompt = [1, 2, 3]
         states.token_ids[row, : 3 + len(output)] = prompt + output
         states.num_prompt_tokens[row], states.num_tokens[row] = 3, 3 + len(output)
-        states.sampling_params[row] = SamplingParams(structured_outputs=SPECS.get(row))
-        if row in SPECS:
+        states.sampling_params[row] = SamplingParams(structured_outputs=specs.get(row))
+        if row in specs:
             grammar_rows.add(row, states, eos)
     states.row_generation[5] += 1  # row 5 now serves a request without a grammar
     width = len(tokenizer) + 64  # logits wider than the tokenizer's vocabulary
@@ -128,14 +167,18 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, monkeypat
                 drafts.get(row, [])
         rows_array = np.array(rows)
         constrained = grammar_rows.constrained(rows_array, states)
-        assert [rows[i] for i in constrained] == [row for row in rows if row in SPECS and row != 5]
+        assert [rows[i] for i in constrained] == [row for row in rows if row in specs and row != 5]
         counts = 1 + num_drafts
         logits = torch.randn(int(counts.sum()), width)
         expected = logits.clone()
         first = np.cumsum(counts) - counts
         for i in constrained:
             row = rows[i]
-            allowed = reference(compiler, tokenizer, SPECS[row], outputs[row], drafts.get(row, []), width)
+            if specs[row].backend == "guidance":
+                allowed = reference_guidance(compiler.get(specs[row]), tokenizer, outputs[row], drafts.get(row, []),
+                                             width)
+            else:
+                allowed = reference(compiler, tokenizer, specs[row], outputs[row], drafts.get(row, []), width)
             expected[first[i] : first[i] + counts[i]] = expected[first[i] : first[i] + counts[i]].masked_fill(
                 ~allowed, float("-inf"))
         on_device = logits.to(device)

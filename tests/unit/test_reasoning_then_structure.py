@@ -81,6 +81,39 @@ def test_a_marker_that_is_one_token_ends_the_reasoning(special):
     assert m.accept_token(end) and brace not in banned() and {word, end} <= banned()
 
 
+@pytest.mark.parametrize("special", [False, True], ids=["text", "special"])
+def test_guidance_thinks_first_too(special):
+    """The guidance backend's (llguidance's) grammar after reasoning: free text (JSON-looking or not), the marker
+    (as text, or one special token of the tokenizer's), at most two newlines, then only the structure."""
+    from pathlib import Path
+
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from tokenmill.structured.guidance import compile_guidance, is_special_end, make_tokenizer
+
+    llguidance = pytest.importorskip("llguidance")
+    root = Path(__file__).resolve().parents[2]
+    tokenizer = AutoTokenizer.from_pretrained(root / "benchmarks/models/smollm2-tokenizer")
+    if special:
+        tokenizer.add_tokens([AddedToken("</think>", special=True)], special_tokens=True)
+    lt = make_tokenizer(tokenizer, len(tokenizer))
+    params = StructuredOutputsParams(json=ANSWER, reasoning_end="</think>", backend="guidance")
+    assert is_special_end(params, lt, tokenizer) == special
+    compiled = compile_guidance(params, lt, special)
+
+    def takes(text: str) -> bool:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        m = llguidance.LLMatcher(lt, compiled.grammar, log_level=0)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    assert takes('{"answer": 4} or {"answer": "four"}? </think>{"answer":4}')
+    assert takes('</think>\n\n{"answer":4}')
+    assert not takes('{"answer":4}')
+    assert not takes('So: </think>{"answer":"four"}')
+    assert not takes('So: </think>\n\n\n{"answer":4}')
+
+
 @pytest.mark.parametrize("spec, good, bad", [
     ({"regex": "[ab]+"}, "abba", "abc"),
     ({"choice": ["yes", "no"]}, "no", "maybe"),

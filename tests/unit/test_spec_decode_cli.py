@@ -1,5 +1,5 @@
-"""--speculative-config: vLLM's JSON flag on every command that builds an engine, and its mistakes as
-one-line errors of the CLI's error path."""
+"""--speculative-config (and --structured-outputs-config): vLLM's JSON flags on every command that builds an
+engine, and their mistakes as one-line errors of the CLI's error path."""
 
 import json
 
@@ -79,3 +79,25 @@ def test_bench_throughput_reports_a_bad_value_the_same_way(capsys):
     assert main(["bench", "throughput", "--model", "/no/such/model", "--speculative-config", "{"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: --speculative-config is not valid JSON") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(("flags", "backend"), [
+    ([], "auto"),
+    (["--structured-outputs-config", '{"backend": "guidance"}'], "guidance"),
+    (["--guided-decoding-backend", "xgrammar"], "xgrammar"),  # vLLM's older spelling
+])
+def test_structured_outputs_backend_reaches_the_engine_config(flags, backend):
+    config = engine_config_from_args(make_parser().parse_args(["serve", "m", *flags]))
+    assert config.structured_outputs_config.backend == backend
+
+
+@pytest.mark.parametrize(("value", "fragment"), [
+    ('{"backend": "outlines"}', "'outlines' is not supported; choose one of auto, xgrammar, guidance"),
+    ('{"backnd": "guidance"}', "unknown structured_outputs_config keys ['backnd']"),
+    ("{", "is not valid JSON"),
+])
+def test_a_bad_structured_outputs_config_is_a_one_line_error(value, fragment, capsys):
+    assert main(["generate", "Hi", "--model", "/no/such/model", "--structured-outputs-config", value]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --structured-outputs-config") and len(err.strip().splitlines()) == 1, err
+    assert fragment in err, err

@@ -16,6 +16,7 @@ import textwrap
 from typing import Any, NoReturn
 
 from tokenmill.config import (
+    STRUCTURED_OUTPUTS_BACKENDS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -23,6 +24,7 @@ from tokenmill.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
@@ -198,6 +200,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
         "--speculative-config", dest="speculative_config", default=None, metavar="JSON",
         help=f"Speculative decoding: a JSON object of vLLM's speculative_config keys ({_speculative_keys()}), "
              f"e.g. {SPECULATIVE_EXAMPLE!r} (default: off)")
+    group = parser.add_argument_group("engine: StructuredOutputsConfig")
+    group.add_argument(
+        "--structured-outputs-config", dest="structured_outputs_config", default=None, metavar="JSON",
+        help='Structured outputs: a JSON object of vLLM\'s structured_outputs_config keys (backend), e.g. '
+             '\'{"backend": "guidance"}\'. backend: auto (xgrammar, llguidance for a JSON schema only it enforces '
+             'whole), xgrammar or guidance (llguidance) (default: auto)')
+    group.add_argument("--guided-decoding-backend", dest="guided_decoding_backend", default=None,
+                       choices=STRUCTURED_OUTPUTS_BACKENDS, help="vLLM's older name of --structured-outputs-config's "
+                                                                 "backend")
 
 
 def _speculative_keys() -> str:
@@ -223,6 +234,22 @@ def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+def parse_structured_outputs_config(text: str | None) -> dict[str, Any] | None:
+    """--structured-outputs-config's JSON object, checked; a bad one raises a one-line ValueError."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--structured-outputs-config is not valid JSON ({e}); expected e.g. "
+                         f"'{{\"backend\": \"guidance\"}}'") from None
+    try:
+        StructuredOutputsConfig.from_dict(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--structured-outputs-config: {e}") from None
+    return value
+
+
 def resolve_model(model: str | None) -> str:
     if model is not None:
         return model
@@ -239,6 +266,11 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> tuple[str, dict[str, An
     speculative = parse_speculative_config(getattr(args, "speculative_config", None))
     if speculative is not None:
         kwargs["speculative_config"] = speculative
+    structured = parse_structured_outputs_config(getattr(args, "structured_outputs_config", None))
+    if structured is not None:
+        kwargs["structured_outputs_config"] = structured
+    if getattr(args, "guided_decoding_backend", None) is not None:
+        kwargs["guided_decoding_backend"] = args.guided_decoding_backend
     return resolve_model(args.model), kwargs
 
 

@@ -63,12 +63,15 @@ class Frontend:
         return requests
 
 
-def load_frontend(model_config: ModelConfig, hf_config: PretrainedConfig | None = None) -> Frontend:
-    """`hf_config`: the model's, if the caller loaded it already."""
+def load_frontend(model_config: ModelConfig, hf_config: PretrainedConfig | None = None,
+                  structured_outputs_backend: str = "auto") -> Frontend:
+    """`hf_config`: the model's, if the caller loaded it already; `structured_outputs_backend`:
+    StructuredOutputsConfig.backend."""
     hf_config = load_hf_config(model_config) if hf_config is None else hf_config
     get_model_class(hf_config.architectures)  # fail fast: before the tokenizer and weights load
     max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
     tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config, hf_config)
     tokenizer_info = make_tokenizer_info(tokenizer, hf_config, model_config)
-    input_processor = InputProcessor(tokenizer, tokenizer_info, max_model_len, hf_config.vocab_size)
+    input_processor = InputProcessor(tokenizer, tokenizer_info, max_model_len, hf_config.vocab_size,
+                                     structured_outputs_backend)
     return Frontend(hf_config, max_model_len, tokenizer, input_processor, OutputProcessor(tokenizer))

@@ -37,9 +37,11 @@ PromptType = str | TokensPrompt | dict[str, Any]
 class InputProcessor:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase | None, tokenizer_info: TokenizerInfo,
-        max_model_len: int, vocab_size: int,
+        max_model_len: int, vocab_size: int, structured_outputs_backend: str = "auto",
     ) -> None:
+        """`structured_outputs_backend`: StructuredOutputsConfig.backend, for the specs that name none."""
         self.tokenizer = tokenizer
+        self.structured_outputs_backend = structured_outputs_backend
         self.tokenizer_info = tokenizer_info
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -92,6 +94,9 @@ class InputProcessor:
         if params.bad_words and not params.bad_words_token_ids:
             # A copy: the caller's params may go to another engine, whose tokenizer gives other ids.
             params = dataclasses.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
+        if (spec := params.structured_outputs) is not None and spec.backend != (chosen := self._backend(spec)):
+            # The backend that enforces it, for the compiler. A copy, as above.
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, backend=chosen))
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -138,10 +143,14 @@ class InputProcessor:
     def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
         """ValueError for a spec that would not compile: its grammar does not build, or it names a token id past the
         vocabulary the grammars are compiled against (a structural tag's token format, an EBNF Token())."""
-        token_ids = validate_structured_outputs(spec)
+        _, token_ids = validate_structured_outputs(spec, self.structured_outputs_backend)
         if past := [t for t in token_ids or () if t >= self.grammar_vocab_size]:
             raise ValueError(f"the structured outputs name the token id {past[0]}, past the vocabulary "
                              f"(ids in [0, {self.grammar_vocab_size}))")
+
+    def _backend(self, spec: StructuredOutputsParams) -> str:
+        """The backend that enforces a spec (checked already: remembered by the grammar's validate)."""
+        return validate_structured_outputs(spec, self.structured_outputs_backend)[0]
 
     def _check_token_ids(self, token_ids: list[int], what: str) -> None:
         if any(t < 0 or t >= self.vocab_size for t in token_ids):

@@ -21,7 +21,8 @@ class LLMEngine:
                              "behind the server only (`tokenmill serve -dp N`); the offline LLM runs one engine "
                              "(start one LLM per process and device set instead)")
         self.config = config
-        self.frontend = frontend = load_frontend(config.model_config)
+        self.frontend = frontend = load_frontend(config.model_config,
+                                                 structured_outputs_backend=config.structured_outputs_config.backend)
         self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len
         self.tokenizer = frontend.tokenizer
         self.input_processor, self.output_processor = frontend.input_processor, frontend.output_processor

@@ -240,8 +240,8 @@ class StructuredOutputsRequest(RequestModel):
     """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, structural_tag and json_object.
 
     Options of vLLM's that only pick how the constraint is enforced are accepted and ignored
-    (disable_fallback, disable_any_whitespace, disable_additional_properties: xgrammar always enforces,
-    with compact whitespace and no properties a schema does not name); so is the older top-level
+    (disable_fallback, disable_any_whitespace, disable_additional_properties: the backend always enforces,
+    with compact whitespace); so is the older top-level
     guided_decoding_backend. Any other key here (whitespace_pattern, ...) and the older
     guided_whitespace_pattern are refused with a 400 naming them rather than ignored: the client would
     expect a shape of output that does not hold."""
@@ -325,7 +325,7 @@ class SamplingRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-    """Accepted and ignored: the backend is always xgrammar."""
+    """Accepted and ignored: the server's --structured-outputs-config picks the backend."""
     guided_whitespace_pattern: str | None = None
     """Not supported: a 400 unless null or absent (whitespace in JSON output is always compact)."""
 

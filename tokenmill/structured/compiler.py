@@ -21,10 +21,11 @@ from threading import Lock
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.grammar import build_grammar
+from tokenmill.structured.guidance import GUIDANCE, GuidanceGrammar, compile_guidance, is_special_end, make_tokenizer
 from tokenmill.structured.matcher_set import half_the_usable_cpus
 from tokenmill.structured.vocab import grammar_vocab_size
 
-SpecKey = tuple[str, str, str]
+SpecKey = tuple[str, str, str, str]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,12 @@ def compile_threads() -> int:
 
 def spec_key(params: StructuredOutputsParams) -> SpecKey:
     """What makes two specs compile alike."""
-    return (*params.key, params.reasoning_end or "")
+    return (*params.key, params.reasoning_end or "", params.backend or "")
+
+
+def compiled_vocab_size(compiled) -> int:
+    """The vocabulary a compiled grammar's masks cover (xgrammar's or llguidance's)."""
+    return compiled.vocab_size if isinstance(compiled, GuidanceGrammar) else compiled.tokenizer_info.vocab_size
 
 
 class GrammarCompiler:
@@ -54,6 +60,8 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(num_threads or compile_threads(), thread_name_prefix="grammar")
         self._lock = Lock()
         self._compiler = None
+        self._tokenizer = None  # the Hugging Face tokenizer, loaded at the first compile
+        self._guidance_tokenizer = None  # llguidance's, made at the first of its grammars (~1 s)
         self._compiled: dict[SpecKey, Future] = {}
         self.grammar_vocab_size: int | None = None
         """The grammars' vocabulary (structured/vocab.py), the masks' width: known once a grammar compiled."""
@@ -131,19 +139,28 @@ class GrammarCompiler:
             future.set_exception(error)
 
     def _compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of a spec, by its backend (None, as a spec the frontend did not resolve: xgrammar)."""
         import xgrammar as xgr
 
         with self._lock:
-            if self._compiler is None:
-                tokenizer = self._load_tokenizer()
-                vocab_size = grammar_vocab_size(tokenizer, self._vocab_size)
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+            if self._tokenizer is None:
+                self._tokenizer = self._load_tokenizer()
+                self.grammar_vocab_size = grammar_vocab_size(self._tokenizer, self._vocab_size)
+            self.num_compiled += 1
+            if params.backend == GUIDANCE:
+                if self._guidance_tokenizer is None:
+                    self._guidance_tokenizer = make_tokenizer(self._tokenizer, self.grammar_vocab_size)
+                tokenizer = self._guidance_tokenizer
+                # Under the lock: the Hugging Face tokenizer is not thread-safe.
+                special_end = is_special_end(params, tokenizer, self._tokenizer)
+            elif self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.grammar_vocab_size)
                 # One thread per grammar: the pool compiles several at once, and xgrammar's own threads (8 by
                 # default) made no grammar faster here, only a burst slower (BENCHMARKS.md, structured outputs).
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-                self.grammar_vocab_size = info.vocab_size
             compiler = self._compiler
-            self.num_compiled += 1
+        if params.backend == GUIDANCE:
+            return compile_guidance(params, tokenizer, special_end)
         return compiler.compile_grammar(build_grammar(params))
 
     def shutdown(self) -> None:

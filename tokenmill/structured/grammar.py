@@ -1,4 +1,5 @@
-"""StructuredOutputsParams -> an xgrammar Grammar, checked without the tokenizer (the frontend's 400s)."""
+"""StructuredOutputsParams -> its backend and an xgrammar Grammar (or llguidance's: guidance.py), checked without the
+tokenizer (the frontend's 400s)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 from collections import OrderedDict
 
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured.guidance import AUTO, GUIDANCE, XGRAMMAR, check_guidance, guidance_error, guidance_grammar
 from tokenmill.structured.json_schema_check import unenforced_parts
 from tokenmill.structured.structural_tag import STRUCTURAL_TAG, structural_tag_grammar
 
@@ -115,26 +117,64 @@ def _json_string_characters_fixed(grammar):
 MAX_REMEMBERED = 1024
 """Specs that built, remembered by digest: clients send the same schema with every request, and building its
 grammar again (~1 ms for a JSON schema) would be most of the cost of adding such a request."""
-_passed: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+_passed: OrderedDict[bytes, tuple[str, tuple[int, ...]]] = OrderedDict()
 _passed_lock = threading.Lock()
 
 
-def validate(params: StructuredOutputsParams) -> tuple[int, ...]:
-    """ValueError naming what is wrong with the spec (its grammar is built, once per distinct spec); else the
-    token ids its grammar names, which the caller checks against the vocabulary (the build does not know it)."""
+def validate(params: StructuredOutputsParams, backend: str = XGRAMMAR) -> tuple[str, tuple[int, ...]]:
+    """ValueError naming what is wrong with the spec (its grammar is built, once per distinct spec); else the backend
+    that enforces it ("xgrammar" or "guidance": `choose_backend`, `backend` being the engine's) and the token ids its
+    grammar names, which the caller checks against the vocabulary (the build does not know it)."""
     kind, text = params.key  # the JSON text of a schema: not free for a large one either
-    digest = hashlib.sha256(f"{kind}\0{text}\0{params.reasoning_end}".encode("utf-8", "surrogatepass")).digest()
+    digest = hashlib.sha256(f"{kind}\0{text}\0{params.reasoning_end}\0{params.backend}\0{backend}".encode(
+        "utf-8", "surrogatepass")).digest()
     with _passed_lock:
         if digest in _passed:
             _passed.move_to_end(digest)
             return _passed[digest]
-    grammar = build_grammar(params)
-    token_ids = _token_ids(grammar, kind) if kind in (STRUCTURAL_TAG, "grammar") else ()
+    chosen = choose_backend(params, backend)
+    if chosen == GUIDANCE:
+        check_guidance(params)
+        token_ids = ()
+    else:
+        grammar = build_grammar(params)
+        token_ids = _token_ids(grammar, kind) if kind in (STRUCTURAL_TAG, "grammar") else ()
     with _passed_lock:
-        _passed[digest] = token_ids
+        _passed[digest] = chosen, token_ids
         if len(_passed) > MAX_REMEMBERED:
             _passed.popitem(last=False)
-    return token_ids
+    return chosen, token_ids
+
+
+def choose_backend(params: StructuredOutputsParams, backend: str) -> str:
+    """The backend of a spec: its own, else the engine's `backend`; "auto" is xgrammar, but for a JSON schema that
+    xgrammar would enforce in part only (json_schema_check.py) and llguidance whole. One neither enforces is
+    refused (UnenforcedSchema naming its parts). Structural tags are xgrammar's format."""
+    kind, text = params.key
+    backend = params.backend or backend
+    if kind == STRUCTURAL_TAG:
+        return XGRAMMAR
+    if backend != AUTO:
+        return backend
+    if kind != "json":
+        return XGRAMMAR
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError:
+        return XGRAMMAR  # refused by its build
+    if not isinstance(schema, (dict, bool)):
+        return XGRAMMAR
+    try:
+        refuse_unenforced(schema, "the JSON schema")
+    except UnenforcedSchema as unenforced:
+        try:
+            error = guidance_error(guidance_grammar(params))
+        except ValueError as e:  # not installed, or the schema is not for it
+            error = str(e)
+        if error is None:
+            return GUIDANCE
+        raise UnenforcedSchema(f"{unenforced}; nor can llguidance, the other backend ({error})") from None
+    return XGRAMMAR
 
 
 # A built grammar's text: its string literals and character classes (skipped: their text may look like anything),

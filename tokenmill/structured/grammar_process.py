@@ -266,7 +266,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def serve(conn: Connection, compiles: Connection) -> None:
-    from tokenmill.structured.compiler import spec_key
+    from tokenmill.structured.compiler import compiled_vocab_size, spec_key
     from tokenmill.structured.matcher_set import MatcherSet
 
     _, compiler, tree_parent = conn.recv()
@@ -274,7 +274,7 @@ def serve(conn: Connection, compiles: Connection) -> None:
 
     def report(key, future) -> None:
         error = future.exception()
-        message = (key, None, future.result().tokenizer_info.vocab_size) if error is None else (key, str(error), None)
+        message = (key, None, compiled_vocab_size(future.result())) if error is None else (key, str(error), None)
         try:
             with report_lock:
                 compiles.send(message)

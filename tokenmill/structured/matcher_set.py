@@ -1,4 +1,5 @@
-"""The rows' xgrammar matchers: advanced through each row's new tokens, and filling the rows' token bitmasks.
+"""The rows' matchers (xgrammar's, or llguidance's behind the same calls: guidance.py): advanced through each row's
+new tokens, and filling the rows' token bitmasks.
 
 Plain numpy in, bitmasks out, so that it runs alike in the engine's process and in a grammar process of its own
 (structured/grammar_process.py). The engine side (structured/matchers.py) decides which rows and tokens.
@@ -15,6 +16,8 @@ import logging
 import os
 
 import numpy as np
+
+from tokenmill.structured.guidance import GuidanceGrammar, GuidanceMatcher, fill_guidance
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +75,10 @@ class MatcherSet:
         """A fresh matcher for `row` (replacing the one of the row's last request)."""
         import xgrammar as xgr
 
-        self._matchers[row] = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_tokens or None)
+        if isinstance(compiled, GuidanceGrammar):
+            self._matchers[row] = GuidanceMatcher(compiled, stop_tokens)
+        else:
+            self._matchers[row] = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_tokens or None)
 
     def accept(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray) -> None:
         """Advance row `rows[i]` through its `counts[i]` next tokens in `tokens` (the rows' tokens one after the
@@ -95,7 +101,17 @@ class MatcherSet:
             one_rows, one_tokens = rows[single].tolist(), tokens[starts[single]].tolist()
         if one_rows:
             matchers = [self._matchers[row] for row in one_rows]
-            accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, one_tokens)
+            guided = [isinstance(m, GuidanceMatcher) for m in matchers]
+            if any(guided):
+                accepted = [m.accept_token(t) if g else None for m, t, g in zip(matchers, one_tokens, guided)]
+                plain = [i for i, g in enumerate(guided) if not g]
+                if plain:
+                    batch = xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in plain],
+                                                                       [one_tokens[i] for i in plain])
+                    for i, ok in zip(plain, batch):
+                        accepted[i] = ok
+            else:
+                accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, one_tokens)
             if not all(accepted):
                 refused += [(row, t) for row, t, ok in zip(one_rows, one_tokens, accepted) if not ok]
         # A resumed request replays its output; after a verifying step a row may have emitted several.
@@ -124,15 +140,20 @@ class MatcherSet:
 
     def _fill(self, matchers: list, bitmask: np.ndarray, slots) -> None:
         """Each matcher's mask into its slot of `bitmask`: all in one call, but for terminated matchers."""
-        live, live_slots = [], []
+        live, live_slots, guided, guided_slots = [], [], [], []
         for matcher, slot in zip(matchers, slots):
             if matcher.is_terminated():
                 # Past the stop token: a draft there is rejected by the position before, and a step that
                 # async scheduling ran past its end is discarded, so any token will do.
                 bitmask[slot] = -1
+            elif isinstance(matcher, GuidanceMatcher):
+                guided.append(matcher)
+                guided_slots.append(slot)
             else:
                 live.append(matcher)
                 live_slots.append(slot)
+        if guided:
+            fill_guidance(guided, bitmask, guided_slots)
         if live:
             self._batch(len(live)).batch_fill_next_token_bitmask(live, bitmask, live_slots)
 
