@@ -215,18 +215,23 @@ def _speculative_keys() -> str:
     return ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig))
 
 
+def json_object_flag(text: str, flag: str, example: str) -> dict[str, Any]:
+    """A flag's JSON object; ValueError in a line (naming the flag and an example) for bad JSON or another type."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON ({e}); expected e.g. '{example}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{example}'")
+    return value
+
+
 def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
     """--speculative-config's JSON object, checked against SpeculativeConfig's keys and values; a bad one
     raises a ValueError that says what is wrong in a line."""
     if text is None:
         return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not valid JSON ({e}); expected e.g. "
-                         f"'{SPECULATIVE_EXAMPLE}'") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, e.g. '{SPECULATIVE_EXAMPLE}'")
+    value = json_object_flag(text, "--speculative-config", SPECULATIVE_EXAMPLE)
     try:
         SpeculativeConfig.from_dict(value)
     except ValueError as e:
@@ -238,11 +243,7 @@ def parse_structured_outputs_config(text: str | None) -> dict[str, Any] | None:
     """--structured-outputs-config's JSON object, checked; a bad one raises a one-line ValueError."""
     if text is None:
         return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--structured-outputs-config is not valid JSON ({e}); expected e.g. "
-                         f"'{{\"backend\": \"guidance\"}}'") from None
+    value = json_object_flag(text, "--structured-outputs-config", '{"backend": "guidance"}')
     try:
         StructuredOutputsConfig.from_dict(value)
     except (TypeError, ValueError) as e:

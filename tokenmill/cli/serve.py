@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import TYPE_CHECKING
 
@@ -14,6 +13,7 @@ from tokenmill.cli.args import (
     engine_config_from_args,
     field_docs,
     given_fields,
+    json_object_flag,
 )
 from tokenmill.config import EngineConfig, ParallelConfig, ServerConfig
 
@@ -48,13 +48,9 @@ def register(subparsers) -> None:
 
 def json_object(text: str) -> dict:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({e}); expected an object such as "
-                                         f"'{{\"temperature\": 0.5}}'") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object such as '{{\"temperature\": 0.5}}'")
-    return value
+        return json_object_flag(text, "--override-generation-config", '{"temperature": 0.5}')
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def served_model_names(args: argparse.Namespace, model_path: str) -> list[str]:
