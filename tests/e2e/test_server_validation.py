@@ -257,12 +257,16 @@ def test_suffix_is_refused_as_not_supported(server):
     assert post(server, *completion(suffix=None)).status_code == 200
 
 
-@pytest.mark.parametrize("request_", [completion(n=3, best_of=2, temperature=1), chat(n=3, best_of=2, temperature=1)],
-                         ids=["completion", "chat"])
-def test_best_of_below_n_names_best_of(server, request_):
-    # Before: the same 400 with param null (SamplingParams' check, which knows no request fields).
+@pytest.mark.parametrize("request_, message", [
+    (completion(n=3, best_of=2, temperature=1), "best_of (2) must be at least n (3)"),
+    (chat(n=3, best_of=2, temperature=1), "best_of (2) must be at least n (3)"),
+    (completion(n=1, best_of=2, temperature=0), "best_of > n needs sampling"),
+    (chat(min_tokens=5, max_tokens=2), "min_tokens (5) must not exceed max_tokens (2)"),
+], ids=["completion", "chat", "greedy", "min-tokens"])
+def test_sampling_params_errors_name_their_field(server, request_, message):
+    # Before: the same 400s with param null (SamplingParams' checks, which know no request fields).
     error = assert_openai_error(post(server, *request_))
-    assert error["param"] == "best_of" and error["message"] == "best_of (2) must be at least n (3)", error
+    assert error["param"] == message.split()[0] and error["message"].startswith(message), error
 
 
 def test_unknown_fields_are_served_and_logged_once(server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,14 +76,17 @@ def to_sampling_params(
             structured_outputs=structured_outputs,
         )
     except ValueError as e:
-        raise bad_request(str(e)) from e
+        raise bad_request(str(e), param=_field_named(str(e), req)) from e
+
+
+def _field_named(message: str, req: SamplingRequest) -> str | None:
+    """The request field a SamplingParams error is about: its messages start with the field's name."""
+    name = re.match(r"[a-z_]+", message)
+    return name.group() if name is not None and name.group() in type(req).model_fields else None
 
 
 def check_combinations(req: SamplingRequest) -> None:
     """400s for fields that are valid alone but not together, each naming the field to change."""
-    if req.best_of is not None and req.best_of < req.n:
-        # SamplingParams would refuse it too, but with no param for the client to point at.
-        raise bad_request(f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
     if req.stream and req.best_of is not None and req.best_of > req.n:
