@@ -149,6 +149,9 @@ class SamplingParams:
     """Keep only the prompt's last k tokens (left truncation); -1: as many as the context holds with room for
     output (max_model_len - 1)."""
     skip_special_tokens: bool = True
+    keep_special_token_ids: list[int] | None = None
+    """Special tokens whose text stays in the output when skip_special_tokens drops the others (the server keeps
+    a reasoning parser's <think> and </think>, which some tokenizers make special)."""
     detokenize: bool = True
     logits_processors: list[LogitsProcessor] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -173,6 +176,8 @@ class SamplingParams:
                f"bad_words must be a string or a list of strings, got {self.bad_words!r:.200}")
         # Each id once, in order: a client may send the body limit's worth of repeats, and every step reads them.
         self.stop_token_ids = list(dict.fromkeys(as_token_ids(self.stop_token_ids or [], "stop_token_ids")))
+        if self.keep_special_token_ids is not None:
+            self.keep_special_token_ids = as_token_ids(self.keep_special_token_ids, "keep_special_token_ids")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(dict.fromkeys(as_token_ids(self.allowed_token_ids, "allowed_token_ids")))
         if self.top_k == -1:

@@ -3,16 +3,21 @@ choice's text turned into message fields, whole and streamed (a stream cut anywh
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.chat_template import normalize_messages
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.protocol import EngineCoreOutput
+from tokenmill.sampling_params import RequestOutputKind
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import get_reasoning_parser
-from tokenmill.server.tools import ChoiceText, plan_tools
+from tokenmill.server.sampling import to_sampling_params
+from tokenmill.server.tools import ChoiceText, decode_options, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -111,6 +116,32 @@ def test_auto_with_reasoning_whole_equals_streamed(cut):
     pieces = [output[i:i + cut] for i in range(0, len(output), cut)]
     assert strip_ids(streamed(ChoiceText(plan, reasoning), pieces)) == {**strip_ids(message),
                                                                          "finish_reason": "tool_calls"}
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER]], ids=["reasoning", "reasoning-and-auto-tools"])
+def test_markers_that_are_special_tokens_still_split(smollm2_tokenizer, tools):
+    """A tokenizer with <think>, </think> and <tool_call> as special tokens (as GGUF conversions make them): the
+    output decoded as the server asks still splits reasoning and calls off, whole and token by token alike, while
+    other special tokens stay skipped."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>", "<tool_call>", "</tool_call>"]})
+    req = request(tools=tools)
+    plan, reasoning = plan_tools(req, AUTO, False), get_reasoning_parser("deepseek_r1")
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' if tools else ""
+    ids = tok.encode("<think>Sunny?<|im_start|></think>Let me look." + call)
+    params = to_sampling_params(req, 100, defaults={}, **decode_options(plan, reasoning, tok))
+    params.output_kind = RequestOutputKind.DELTA
+    processor = OutputProcessor(tok)
+    processor.add_request("r", None, tok.encode("Hi"), params, arrival_time=0.0)
+    deltas = [processor.process_outputs([EngineCoreOutput("r", [t])])[0][0].outputs[0].text for t in ids]
+    message = ChoiceText(plan, reasoning).full("".join(deltas))
+    assert message["reasoning_content"].startswith("Sunny?") and message["content"] == "Let me look."
+    if tools:
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    else:  # only the markers are kept: <|im_start|> is skipped as the request's skip_special_tokens asks
+        assert message["reasoning_content"] == "Sunny?"
+    assert strip_ids(streamed(ChoiceText(plan, reasoning), deltas)) == {
+        **strip_ids(message), "finish_reason": "tool_calls" if tools else "stop"}
 
 
 def test_auto_without_calls_is_content():

@@ -84,6 +84,18 @@ def test_special_tokens_follow_skip_special_tokens(smollm2_tokenizer, make, skip
 
 
 
+@pytest.mark.parametrize("python", [False, True], ids=["stream", "python"])
+def test_kept_special_tokens_show_and_the_others_stay_skipped(smollm2_tokenizer, python):
+    tok = smollm2_tokenizer
+    keep, prompt = tok.convert_tokens_to_ids("<|im_start|>"), [*tok.encode("Say"), tok.eos_token_id]
+    ids = [*tok.encode(" so"), keep, *tok.encode(" ok"), tok.eos_token_id]
+    detokenizer = make_detokenizer(tok, prompt, True, keep_special_token_ids=[keep])
+    assert isinstance(detokenizer, StreamDetokenizer) and tok.eos_token_id in detokenizer.dropped_ids
+    if python:
+        detokenizer = IncrementalDetokenizer(tok, prompt, False, detokenizer.dropped_ids)
+    assert "".join(feed(detokenizer, ids)) == " so<|im_start|> ok"
+
+
 def test_a_fast_tokenizer_gets_the_streaming_detokenizer(smollm2_tokenizer):
     tok = smollm2_tokenizer
     assert isinstance(make_detokenizer(tok, tok.encode("Hello there"), True), StreamDetokenizer)

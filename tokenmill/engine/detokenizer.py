@@ -14,10 +14,13 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 dropped_ids: frozenset[int] = frozenset()):
+        """dropped_ids: tokens left out before decoding (special tokens skipped but for some, see make_detokenizer)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.dropped_ids = dropped_ids
+        self.token_ids = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in dropped_ids]
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
 
@@ -27,6 +30,8 @@ class IncrementalDetokenizer:
         return "".join(self._add(token_id) for token_id in new_token_ids)
 
     def _add(self, token_id: int) -> str:
+        if token_id in self.dropped_ids:
+            return ""
         self.token_ids.append(token_id)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
@@ -49,33 +54,54 @@ class StreamDetokenizer:
     of two full decodes in Python: the frontend detokenizes every stream's every token, and at a hundred
     streams that cost decides how soon each token reaches its client."""
 
-    def __init__(self, backend, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(self, backend, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 dropped_ids: frozenset[int] = frozenset()) -> None:
         from tokenizers.decoders import DecodeStream
 
         self.backend = backend
+        self.dropped_ids = dropped_ids
         # Primed with the prompt's last tokens: the first output token's leading space comes out right.
-        self.stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]),
+        self.stream = DecodeStream(ids=[t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in dropped_ids],
                                    skip_special_tokens=skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str:
-        pieces = [self.stream.step(self.backend, token_id) for token_id in new_token_ids]
+        pieces = [self.stream.step(self.backend, token_id) for token_id in new_token_ids
+                  if token_id not in self.dropped_ids]
         return "".join(piece for piece in pieces if piece)
 
 
 def make_detokenizer(
-    tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool
+    tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool,
+    keep_special_token_ids: list[int] | None = None,
 ) -> IncrementalDetokenizer | StreamDetokenizer:
     """The streaming detokenizer where it gives exactly what IncrementalDetokenizer would: a fast tokenizer
     whose decode adds no Python-side clean-up, and a prompt that does not end inside a character (primed
-    with such a prompt, DecodeStream would emit the prompt's partial text with the first output token)."""
+    with such a prompt, DecodeStream would emit the prompt's partial text with the first output token).
+
+    keep_special_token_ids: special tokens whose text stays when skip_special_tokens drops the others (a reasoning
+    parser's </think>, which some tokenizers make special): the text is then decoded with special tokens, all
+    but these dropped first, as skip_special_tokens itself drops them."""
+    dropped_ids: frozenset[int] = frozenset()
+    if skip_special_tokens and keep_special_token_ids:
+        special_ids = _special_ids(tokenizer)
+        if not special_ids.isdisjoint(keep_special_token_ids):
+            dropped_ids, skip_special_tokens = special_ids.difference(keep_special_token_ids), False
     backend = getattr(tokenizer, "_tokenizer", None)
     if (not _has_decode_stream() or not isinstance(backend, Tokenizer) or not tokenizer.is_fast
             or getattr(tokenizer, "clean_up_tokenization_spaces", False)):
-        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-    context = prompt_token_ids[-_CONTEXT_TOKENS:]
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, dropped_ids)
+    context = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in dropped_ids]
     if context and backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
-        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-    return StreamDetokenizer(backend, prompt_token_ids, skip_special_tokens)
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, dropped_ids)
+    return StreamDetokenizer(backend, prompt_token_ids, skip_special_tokens, dropped_ids)
+
+
+@functools.lru_cache(maxsize=8)
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids skip_special_tokens drops: added tokens marked special, and the named ones (bos, eos, ...)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(i for i, token in added.items() if getattr(token, "special", False)) | frozenset(
+        tokenizer.all_special_ids)
 
 
 @functools.cache

@@ -91,7 +91,8 @@ class OutputProcessor:
                 sample_params.logprobs = 0
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
-                detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                               params.keep_special_token_ids)
             sample = SampleState(sample_id, index, parent, sample_params, detokenizer)
             parent.samples.append(sample)
         # Tracked only once all is built: a request tracked and never sent to the core would keep every later

@@ -39,9 +39,11 @@ def to_sampling_params(
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
     skip_special_tokens: bool | None = None,
+    keep_special_token_ids: list[int] | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """skip_special_tokens: overrides the request's (the server needs them to parse tool calls). defaults: the
+    """skip_special_tokens: overrides the request's (the server needs them to parse tool calls);
+    keep_special_token_ids: those decoded even when skipped (a reasoning parser's markers). defaults: the
     values of the fields the request leaves unset, and a limit on max_tokens (generation_config.sampling_defaults)."""
     defaults = defaults or {}
 
@@ -73,6 +75,7 @@ def to_sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+            keep_special_token_ids=keep_special_token_ids,
             structured_outputs=structured_outputs,
         )
     except ValueError as e:

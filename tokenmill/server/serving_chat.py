@@ -20,7 +20,7 @@ from tokenmill.server.sampling import check_combinations, continuous_usage, reso
 from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
-from tokenmill.server.tools import ChoiceText, ToolPlan, plan_tools, reasoning_parser_of, think_first
+from tokenmill.server.tools import ChoiceText, ToolPlan, decode_options, plan_tools, reasoning_parser_of, think_first
 
 TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "chat_template", "add_generation_prompt",
                                 "continue_final_message", "tokenize"})
@@ -92,8 +92,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, param, "messages")
     params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 structured_outputs=None if constraint is None else constraint.params,
-                                # Tool-call markers ([TOOL_CALLS], <tool_call>) may be special tokens.
-                                skip_special_tokens=False if plan.mode == "auto" else None,
+                                **decode_options(plan, reasoning, engine.tokenizer),
                                 defaults=state.sampling_defaults)
     vocab_bytes = await state.vocab_bytes() if req.logprobs else None  # before the request is added: nothing to undo
     state.check_capacity(params.num_samples)

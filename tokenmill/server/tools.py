@@ -33,6 +33,7 @@ from tokenmill.server.forced_calls import Scanner, scan
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from tokenmill.server.reasoning_parsers.base import END as REASONING_END
+from tokenmill.server.reasoning_parsers.base import START as REASONING_START
 from tokenmill.server.structured_outputs import Constraint
 from tokenmill.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, get_tool_parser, make_tool_call_id
 
@@ -305,6 +306,23 @@ def reasoning_parser_of(config: ServerConfig, prompt: str) -> type[ReasoningPars
     if config.reasoning_parser is None or prompt_ends_reasoning(prompt):
         return None
     return get_reasoning_parser(config.reasoning_parser)
+
+
+def decode_options(plan: ToolPlan, reasoning: type[ReasoningParser] | None, tokenizer) -> dict[str, Any]:
+    """How the output is decoded for the parsers, whose markers may be special tokens (GGUF conversions and some
+    models make them so): skipped, the parsers would not see them, and reasoning, answer and calls would run
+    together. Under "auto" the text keeps every special token ([TOOL_CALLS], <tool_call>, ...), as vLLM's tool
+    parsers ask for; a reasoning parser keeps its <think> and </think>, the other special tokens skipped."""
+    if plan.mode == "auto":
+        return {"skip_special_tokens": False}
+    if reasoning is None:
+        return {}
+    ids = []
+    for marker in (REASONING_START, REASONING_END):
+        token_id = tokenizer.convert_tokens_to_ids(marker)
+        if token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == marker:  # one token, not unk
+            ids.append(token_id)
+    return {"keep_special_token_ids": ids}
 
 
 def prompt_ends_reasoning(prompt: str) -> bool:
