@@ -53,14 +53,14 @@ class ModelConfig:
     """Load no tokenizer: prompts must be token ids and outputs carry no text."""
     quantization: str | None = None
     """Quantize a 16-bit checkpoint at load: fp8 (e4m3 weights with per-channel scales, dynamic per-token
-    activation scales). Quantized checkpoints (fp8, compressed-tensors) are recognised from their
+    activation scales). Quantized checkpoints (fp8, compressed-tensors, gptq, awq) are recognised from their
     quantization_config without it, and so are .gguf files (gguf: their linear weights are kept in their GGML
-    types)."""
+    types on the CPU; on the GPU only when named, Q4_0/Q4_1/Q8_0/Q4_K in 4 or 8 bits for the integer kernels)."""
     gguf_dequantize: bool = False
     """GGUF files: dequantize every tensor to the model's dtype at load (the dense path) instead of keeping the
     linear layers' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized and multiplying them in place (the CPU
     default; in bfloat16 a small model keeps a dense copy beside them for steps of many rows, a larger one is
-    dequantized). The GPU has no GGUF GEMM yet and always dequantizes at load."""
+    dequantized). The GPU dequantizes at load unless quantization is gguf."""
 
 
 @dataclass(frozen=True)
