@@ -80,6 +80,20 @@ def test_serve_fails_at_once_on_a_taken_port(smollm2_path):
     assert result.stderr == f"error: port {port} on {HOST} is already in use; pass --port\n"
 
 
+def test_the_port_is_held_from_before_the_model_loads():
+    """The engine's processes bind ports of their own while the model loads: bound only when uvicorn started, the
+    server's port could be taken by one of them (seen in CI: 'address already in use' after the model loaded)."""
+    from tokenmill.server.startup import claim_listen_address
+
+    held = claim_listen_address(HOST, free_port(), None)
+    port = held.getsockname()[1]
+    with socket.socket() as other, pytest.raises(OSError, match="in use"):
+        other.bind((HOST, port))
+    held.close()
+    with socket.socket() as other:
+        other.bind((HOST, port))
+
+
 def test_serve_reports_a_missing_model_in_one_line(tmp_path):
     result = tokenmill("serve", str(tmp_path / "missing.gguf"), "--port", str(free_port()))
     assert_short_error(result, "missing.gguf")

@@ -84,21 +84,26 @@ def run(args: argparse.Namespace) -> int:
         from tokenmill.executor.headless import run_headless_node
 
         return run_headless_node(parallel)
-    from tokenmill.server.startup import check_listen_address
+    from tokenmill.server.startup import claim_listen_address
 
     server_config = server_config_from_args(args)
-    # Before the default model is resolved, which may mean downloading it (run_server checks again).
-    check_listen_address(server_config.host, server_config.port, server_config.uds)
-    engine_config = serving_engine_config(args)
-    # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C (cli.main): the core started below stops.
-    core = start_core_ahead(engine_config)
+    # Before the default model is resolved, which may mean downloading it; held until uvicorn listens on it.
+    listen_socket = claim_listen_address(server_config.host, server_config.port, server_config.uds)
     try:
-        from tokenmill.server.launch import run_server  # the server's dependencies load while the core starts
+        engine_config = serving_engine_config(args)
+        # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C (cli.main): the core started below stops.
+        core = start_core_ahead(engine_config)
+        try:
+            from tokenmill.server.launch import run_server  # the server's dependencies load while the core starts
 
-        run_server(engine_config, server_config, served_model_names(args, engine_config.model_config.model), core)
+            run_server(engine_config, server_config, served_model_names(args, engine_config.model_config.model),
+                       core, listen_socket)
+        finally:
+            if core is not None:
+                core.shutdown()  # a no-op once the engine has shut it down
     finally:
-        if core is not None:
-            core.shutdown()  # a no-op once the engine has shut it down
+        if listen_socket is not None:
+            listen_socket.close()
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -21,7 +22,7 @@ from tokenmill.engine.generation_config import sampling_defaults
 from tokenmill.server.api_server import build_app
 from tokenmill.server.metrics import PrometheusStatLogger
 from tokenmill.server.profiling import prepare_profiler_dir
-from tokenmill.server.startup import check_listen_address
+from tokenmill.server.startup import claim_listen_address
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,11 @@ class GracefulServer(uvicorn.Server):
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_names: list[str],
-               started_core: CoreProcessClient | None = None) -> None:
-    """`started_core`: the engine core, already started with `engine_config` (one replica), which the engine adopts."""
-    check_listen_address(server_config.host, server_config.port, server_config.uds)
+               started_core: CoreProcessClient | None = None, listen_socket: socket.socket | None = None) -> None:
+    """`started_core`: the engine core, already started with `engine_config` (one replica), which the engine adopts;
+    `listen_socket`: the TCP port, bound already (startup.claim_listen_address), where uvicorn listens."""
+    if listen_socket is None:
+        listen_socket = claim_listen_address(server_config.host, server_config.port, server_config.uds)
     if server_config.profiler_dir is not None:
         prepare_profiler_dir(server_config.profiler_dir)
     registry = CollectorRegistry()
@@ -92,7 +95,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
         logger.info("serving %s on %s", model_name, listen_address(server_config))
-        server.run()  # on uvloop with httptools when installed (uvicorn picks them), else asyncio and h11
+        # On uvloop with httptools when installed (uvicorn picks them), else asyncio and h11.
+        server.run(sockets=None if listen_socket is None else [listen_socket])
     finally:
         engine.shutdown()
 
