@@ -168,7 +168,7 @@ def test_schemas_only_llguidance_enforces_whole_go_to_it_under_auto(smollm2_llm)
     """minLength/maxLength beside a pattern or a format: xgrammar's grammar would leave the lengths out, so backend
     auto (the engine's default) has llguidance enforce them; every sample is valid, greedy and sampled."""
     specs = [StructuredOutputsParams(json=CODE), StructuredOutputsParams(json=SITE)]
-    assert [smollm2_llm.engine.input_processor._backend(spec) for spec in specs] == ["guidance"] * 2
+    assert [smollm2_llm.engine.input_processor.check_structured_outputs(spec) for spec in specs] == ["guidance"] * 2
     ask = [{"role": "user", "content": "Give a short product code and the company's website as JSON."}]
     params = [SamplingParams(temperature=t, seed=seed, n=n, max_tokens=60, structured_outputs=spec)
               for spec in specs for t, seed, n in ((0.0, None, 1), (1.0, 7, 2))]
@@ -252,7 +252,7 @@ def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm
     copy = [{"role": "user", "content": 'Repeat this JSON exactly: {"name": "Alice Smith", "age": 30}'}]
     by_xgrammar = [dataclasses.replace(spec, backend="xgrammar") for spec in (SPECS[0], SPECS[2])]
     specs = [*by_xgrammar, SPECS[0], SPECS[2]]
-    assert [llm.engine.input_processor._backend(spec) for spec in specs] == ["xgrammar"] * 2 + ["guidance"] * 2
+    assert [llm.engine.input_processor.check_structured_outputs(spec) for spec in specs] == ["xgrammar"] * 2 + ["guidance"] * 2
     asks = [copy, ASK] * 2
     params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec) for spec in specs]
     outs = llm.chat(asks, params, use_tqdm=False)

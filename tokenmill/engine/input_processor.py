@@ -88,15 +88,15 @@ class InputProcessor:
             cache_salt = prompt["cache_salt"]
         if (keep := params.truncate_prompt_tokens) is not None:
             token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
-        self.validate(token_ids, params)
+        backend = self.validate(token_ids, params)
         if not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
         if params.bad_words and not params.bad_words_token_ids:
             # A copy: the caller's params may go to another engine, whose tokenizer gives other ids.
             params = dataclasses.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
-        if (spec := params.structured_outputs) is not None and spec.backend != (chosen := self._backend(spec)):
+        if (spec := params.structured_outputs) is not None and spec.backend != backend:
             # The backend that enforces it, for the compiler. A copy, as above.
-            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, backend=chosen))
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, backend=backend))
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -108,7 +108,8 @@ class InputProcessor:
         )
         return text, request
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams) -> str | None:
+        """ValueError naming what is wrong; else the backend that enforces the structured outputs (None without)."""
         params.validate()
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -131,26 +132,27 @@ class InputProcessor:
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer, and this engine has none")
-            self.check_structured_outputs(params.structured_outputs)
+            backend = self.check_structured_outputs(params.structured_outputs)
             refuse_past_the_structure(params)
+        else:
+            backend = None
         num = len(token_ids)
         if num >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {num} tokens, but the model's context length (max_model_len) is "
                 f"{self.max_model_len}, which leaves no room for output"
             )
+        return backend
 
-    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> str:
         """ValueError for a spec that would not compile: its grammar does not build, or it names a token id past the
-        vocabulary the grammars are compiled against (a structural tag's token format, an EBNF Token())."""
-        _, token_ids = validate_structured_outputs(spec, self.structured_outputs_backend)
+        vocabulary the grammars are compiled against (a structural tag's token format, an EBNF Token()); else the
+        backend that enforces it."""
+        backend, token_ids = validate_structured_outputs(spec, self.structured_outputs_backend)
         if past := [t for t in token_ids or () if t >= self.grammar_vocab_size]:
             raise ValueError(f"the structured outputs name the token id {past[0]}, past the vocabulary "
                              f"(ids in [0, {self.grammar_vocab_size}))")
-
-    def _backend(self, spec: StructuredOutputsParams) -> str:
-        """The backend that enforces a spec (checked already: remembered by the grammar's validate)."""
-        return validate_structured_outputs(spec, self.structured_outputs_backend)[0]
+        return backend
 
     def _check_token_ids(self, token_ids: list[int], what: str) -> None:
         if any(t < 0 or t >= self.vocab_size for t in token_ids):
