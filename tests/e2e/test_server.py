@@ -161,6 +161,35 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, rout
                for chunk, count in zip(chunks, counts))
 
 
+def test_return_token_ids_gives_the_prompt_and_output_ids_streamed_or_not(server, smollm2_tokenizer):
+    """vLLM's return_token_ids (before: ignored, the fields absent). Completions: each choice carries its prompt's
+    ids (streamed, in its first chunk) and its output's; chat: the prompt's at the top (streamed, the first chunk)."""
+    prompts, options = ["The capital of France is", "Hi"], {"max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    full = post(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "return_token_ids": True, **options})
+    choices = full.json()["choices"]
+    assert [c["prompt_token_ids"] for c in choices] == [smollm2_tokenizer.encode(p) for p in prompts]
+    assert all(smollm2_tokenizer.decode(c["token_ids"]) == c["text"] and len(c["token_ids"]) == 3 for c in choices)
+    chunks = sse_events(post(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "return_token_ids": True,
+                                                         "stream": True, **options}))[:-1]
+    for index, choice in enumerate(choices):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert [c.get("prompt_token_ids") for c in mine] == [choice["prompt_token_ids"], None, None]
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "return_token_ids": True, **options}
+    chat = post(server, "/v1/chat/completions", body).json()
+    assert chat["usage"]["prompt_tokens"] == len(chat["prompt_token_ids"])
+    assert smollm2_tokenizer.decode(chat["prompt_token_ids"]).endswith("<|im_start|>assistant\n")
+    [choice] = chat["choices"]
+    assert smollm2_tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    first, *middle, finish = sse_events(post(server, "/v1/chat/completions", {**body, "stream": True}))[:-1]
+    assert first["prompt_token_ids"] == chat["prompt_token_ids"] and "token_ids" not in first["choices"][0]
+    assert [t for c in middle for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert all("prompt_token_ids" not in c for c in [*middle, finish])
+    plain = post(server, "/v1/chat/completions", {**body, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_every_token_arrives_in_a_chunk_of_its_own_even_when_its_text_is_held_back(server, route):
     """Clients (vLLM's benchmark among them) time chunks as tokens: a step whose text is held back (here

@@ -310,6 +310,10 @@ class SamplingRequest(RequestBody):
     return_tokens_as_token_ids: bool | None = None
     """Logprobs name tokens 'token_id:N' rather than by their text; unset: the server's
     --return-tokens-as-token-ids."""
+    return_token_ids: bool = False
+    """The answer carries token ids too (vLLM's): the prompt's (prompt_token_ids: in each completion choice, at the
+    top of a chat completion; streamed, in the first chunk) and each choice's generated ones (token_ids; streamed,
+    those of each chunk)."""
     cache_salt: str | None = None
     # Structured outputs: at most one of response_format (other than text), structured_outputs and the
     # guided_* aliases; a second one is a 400, as is a schema, regex or grammar that does not compile.

@@ -99,7 +99,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request_id, engine_request_id = make_request_ids("chatcmpl", raw.headers)
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
     [stream] = state.add_requests(engine_request_id, [prompt], [params], req.priority, req.cache_salt)
-    responder = ChatResponder(state, req, request_id, len(token_ids), plan, reasoning, vocab_bytes)
+    responder = ChatResponder(state, req, request_id, token_ids, plan, reasoning, vocab_bytes)
     if req.stream:
         return SSEResponse(responder.stream(stream))
     _, choices = await cancel_on_disconnect(raw, collect(stream, params))
@@ -109,9 +109,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 class ChatResponder:
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, num_prompt: int,
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
                  plan: ToolPlan | None = None, reasoning=None, vocab_bytes: list[bytes] | None = None) -> None:
-        self.req, self.request_id, self.num_prompt = req, request_id, num_prompt
+        self.req, self.request_id = req, request_id
+        self.prompt_token_ids, self.num_prompt = prompt_token_ids, len(prompt_token_ids)
         self.plan = plan if plan is not None else ToolPlan(None)
         self.reasoning = reasoning
         self.plain = self.plan.mode == "none" and reasoning is None
@@ -140,10 +141,20 @@ class ChatResponder:
                 "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
                 "finish_reason": text.finish_reason(choice.finish_reason),
                 "stop_reason": choice.stop_reason,
+                **self._token_ids(choice.token_ids),
             })
         num_completion = sum(len(c.token_ids) for c in choices)
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model_name, "choices": body, "usage": usage(self.num_prompt, num_completion)}
+                "model": self.model_name, "choices": body, "usage": usage(self.num_prompt, num_completion),
+                **self._prompt_token_ids()}
+
+    def _token_ids(self, token_ids: list[int]) -> dict:
+        """A choice's (or a chunk's) return_token_ids field."""
+        return {"token_ids": list(token_ids)} if self.req.return_token_ids else {}
+
+    def _prompt_token_ids(self) -> dict:
+        """The answer's (or its first chunk's) return_token_ids field."""
+        return {"prompt_token_ids": self.prompt_token_ids} if self.req.return_token_ids else {}
 
     def _chunk(self, choices: list[dict], **extra) -> str:
         return sse({"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
@@ -153,17 +164,18 @@ class ChatResponder:
         req, num_completion = self.req, 0
         every_chunk_usage = continuous_usage(req)
 
-        def chunk(choices: list[dict]) -> str:
-            extra = {"usage": usage(self.num_prompt, num_completion)} if every_chunk_usage else {}
+        def chunk(choices: list[dict], **extra) -> str:
+            if every_chunk_usage:
+                extra["usage"] = usage(self.num_prompt, num_completion)
             return self._chunk(choices, **extra)
 
         texts: dict[int, ChoiceText] = {}
         finish_reasons = []
         held = {} if self.plan.mode == "forced" else {"content": ""}  # a step whose text is all held back
         try:
-            for index in range(req.n):
-                yield chunk([{"index": index, "delta": {"role": self.role, "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+            for index in range(req.n):  # the prompt's ids (return_token_ids) in the first chunk alone
+                yield chunk([{"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
+                              "finish_reason": None}], **(self._prompt_token_ids() if index == 0 else {}))
             async with aclosing(stream):  # so that a client leaving aborts the request now, not once collected
                 async for output in stream:
                     for completion in output.outputs:
@@ -182,7 +194,8 @@ class ChatResponder:
                         visible = bool(completion.text) if self.plain else bool(delta)
                         if visible or completion.token_ids or logprobs is not None:
                             yield chunk([{"index": completion.index, "delta": delta or held,
-                                          "logprobs": logprobs, "finish_reason": None}])
+                                          "logprobs": logprobs, "finish_reason": None,
+                                          **self._token_ids(completion.token_ids)}])
                         if completion.finish_reason is not None:
                             finish_reasons.append(completion.finish_reason)
                             yield chunk([{"index": completion.index, "delta": {}, "logprobs": None,

@@ -128,6 +128,13 @@ class CompletionResponder:
             return {"finish_reason": "length", "stop_reason": None}
         return {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
 
+    def _token_ids(self, prompt: dict, token_ids: list[int], with_prompt: bool) -> dict:
+        """return_token_ids' fields of a choice (or of a chunk of one: the prompt's ids in its first only)."""
+        if not self.req.return_token_ids:
+            return {}
+        fields = {"prompt_token_ids": prompt["prompt_token_ids"]} if with_prompt else {}
+        return {**fields, "token_ids": list(token_ids)}
+
     def _body(self, choices: list[dict], **extra) -> dict:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model_name, "choices": choices, **extra}
@@ -146,7 +153,7 @@ class CompletionResponder:
                     text = self._prompt_text(prompt) + text
                 num_completion += len(token_ids)
                 choices.append({"index": len(choices), "text": text, "logprobs": logprobs,
-                                **self._ending(choice)})
+                                **self._ending(choice), **self._token_ids(prompt, token_ids, True)})
         num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
         return self._body(choices, usage=usage(num_prompt, num_completion))
 
@@ -157,6 +164,7 @@ class CompletionResponder:
         num_completion = 0
         every_chunk_usage = continuous_usage(req)
         finish_reasons = []
+        sent: set[int] = set()  # the choices a chunk went out for
         try:
             # Closed explicitly, so that a client leaving aborts the requests now, not once collected.
             async with aclosing(merge_streams(streams)) as outputs:
@@ -182,7 +190,9 @@ class CompletionResponder:
                             finish_reasons.append(completion.finish_reason)
                         extra = {"usage": usage(num_prompt, num_completion)} if every_chunk_usage else {}
                         yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
-                                               **self._ending(completion)}], **extra))
+                                               **self._ending(completion),
+                                               **self._token_ids(prompt, token_ids, index not in sent)}], **extra))
+                        sent.add(index)
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse(self._body([], usage=usage(num_prompt, num_completion)))
             if (error := no_token_left(finish_reasons)) is not None:
