@@ -190,6 +190,28 @@ def test_return_token_ids_gives_the_prompt_and_output_ids_streamed_or_not(server
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
 
 
+def test_prompt_logprobs_score_the_prompt_as_echoed_logprobs_do(server):
+    """vLLM's prompt_logprobs (before: ignored, the field absent): per prompt position the token's own logprob and
+    the N most likely, keyed by token id; the same numbers as echo with logprobs gives."""
+    body = {"model": MODEL, "prompt": "Monday, Tuesday, Wednesday", "max_tokens": 1}
+    echoed = post(server, "/v1/completions", {**body, "echo": True, "logprobs": 2}).json()["choices"][0]["logprobs"]
+    [choice] = post(server, "/v1/completions", {**body, "prompt_logprobs": 2}).json()["choices"]
+    scores = choice["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(echoed["tokens"]) - 1
+    for position, entry in enumerate(scores[1:], start=1):
+        assert {e["decoded_token"]: e["logprob"] for e in entry.values()} == pytest.approx(
+            {**echoed["top_logprobs"][position], echoed["tokens"][position]: echoed["token_logprobs"][position]})
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
+
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                 "prompt_logprobs": 0, "return_token_ids": True}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(list(entry) == [str(t)] for t, entry in zip(chat["prompt_token_ids"][1:], chat["prompt_logprobs"][1:]))
+    error = assert_openai_error(post(server, "/v1/completions", {**body, "prompt_logprobs": 1, "stream": True}), 400)
+    assert error["param"] == "prompt_logprobs"
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_every_token_arrives_in_a_chunk_of_its_own_even_when_its_text_is_held_back(server, route):
     """Clients (vLLM's benchmark among them) time chunks as tokens: a step whose text is held back (here

@@ -65,6 +65,21 @@ class CompletionLogprobs:
         return out
 
 
+def vllm_prompt_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], num_top: int,
+                         decode: Decode) -> list[dict | None]:
+    """vLLM's prompt_logprobs field: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the prompt's own token and the `num_top` most likely (the engine may have ranked more)."""
+    out: list[dict | None] = []
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        top = {t for t, _ in _top(entry, num_top)}
+        out.append({str(t): {"logprob": _wire(lp.logprob), "rank": lp.rank, "decoded_token": _token_text(t, lp, decode)}
+                    for t, lp in entry.items() if t == token_id or t in top})
+    return out
+
+
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, decode: Decode,
                   vocab_bytes: list[bytes] | None = None) -> dict:
     """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}. decode: how tokens are named

@@ -310,6 +310,10 @@ class SamplingRequest(RequestBody):
     return_tokens_as_token_ids: bool | None = None
     """Logprobs name tokens 'token_id:N' rather than by their text; unset: the server's
     --return-tokens-as-token-ids."""
+    prompt_logprobs: NumLogprobs | None = None
+    """vLLM's: the logprob of each prompt token (null for the first) and of the N most likely at its place, as
+    {token id: {logprob, rank, decoded_token}}; in each completion choice, at the top of a chat completion. Not
+    streamable."""
     return_token_ids: bool = False
     """The answer carries token ids too (vLLM's): the prompt's (prompt_token_ids: in each completion choice, at the
     top of a chat completion; streamed, in the first chunk) and each choice's generated ones (token_ids; streamed,

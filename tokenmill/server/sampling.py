@@ -92,6 +92,8 @@ def check_combinations(req: SamplingRequest) -> None:
     """400s for fields that are valid alone but not together, each naming the field to change."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs cannot be streamed", param="prompt_logprobs")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise bad_request("best_of > n cannot be streamed: the best samples are known only at the end",
                           param="best_of")

@@ -14,7 +14,7 @@ from tokenmill.engine.chat_template import normalize_messages, render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body, no_token_left
-from tokenmill.server.logprobs import chat_logprobs
+from tokenmill.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenmill.server.sampling import check_combinations, continuous_usage, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_ids
@@ -91,6 +91,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, param, "messages")
     params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                prompt_logprobs=req.prompt_logprobs,
                                 structured_outputs=None if constraint is None else constraint.params,
                                 **decode_options(plan, reasoning, engine.tokenizer),
                                 defaults=state.sampling_defaults)
@@ -102,10 +103,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     responder = ChatResponder(state, req, request_id, token_ids, plan, reasoning, vocab_bytes)
     if req.stream:
         return SSEResponse(responder.stream(stream))
-    _, choices = await cancel_on_disconnect(raw, collect(stream, params))
+    last, choices = await cancel_on_disconnect(raw, collect(stream, params))
     if (error := no_token_left([c.finish_reason for c in choices])) is not None:
         return JSONResponse(error, status_code=400)
-    return JSONResponse(responder.full(choices))
+    return JSONResponse(responder.full(choices, last.prompt_logprobs))
 
 
 class ChatResponder:
@@ -119,6 +120,7 @@ class ChatResponder:
         """No tools to parse and no reasoning to split: the text goes out as it came."""
         self.model_name = state.model_name
         self.name = state.token_namer(req)
+        self.decode = state.decode_token
         # The role of the message the model writes: the one the generation prompt starts (the server's
         # --response-role), else that of the last message, which the model continues.
         self.role = state.config.response_role if req.add_generation_prompt else req.messages[-1].role
@@ -130,7 +132,7 @@ class ChatResponder:
             return None
         return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0, self.name, self.vocab_bytes)
 
-    def full(self, choices: list) -> dict:
+    def full(self, choices: list, prompt_logprobs: list | None = None) -> dict:
         body = []
         for index, choice in enumerate(choices):
             text = ChoiceText(self.plan, self.reasoning)
@@ -146,7 +148,13 @@ class ChatResponder:
         num_completion = sum(len(c.token_ids) for c in choices)
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model_name, "choices": body, "usage": usage(self.num_prompt, num_completion),
-                **self._prompt_token_ids()}
+                **self._prompt_token_ids(), **self._prompt_logprobs(prompt_logprobs)}
+
+    def _prompt_logprobs(self, entries: list | None) -> dict:
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.prompt_token_ids, entries or [], self.req.prompt_logprobs,
+                                                        self.decode)}
 
     def _token_ids(self, token_ids: list[int]) -> dict:
         """A choice's (or a chunk's) return_token_ids field."""

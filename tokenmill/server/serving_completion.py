@@ -17,7 +17,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.limits import MAX_SEQUENCES
-from tokenmill.server.logprobs import CompletionLogprobs
+from tokenmill.server.logprobs import CompletionLogprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import CompletionRequest
 from tokenmill.server.sampling import check_combinations, continuous_usage, resolve_max_tokens, to_sampling_params
 from tokenmill.server.state import ServerState, make_request_ids
@@ -68,7 +68,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         await state.grammar_checker.check(constraint, state.engine.input_processor)
     prompts = await state.tokenize(tokenize_prompts, engine.input_processor, prompts,
                                    text_chars=sum(len(p.get("prompt", "")) for p in prompts))
-    want_prompt_logprobs = req.echo and req.logprobs is not None
+    # Echoed logprobs and vLLM's prompt_logprobs come from the same prompt scores: the larger count serves both.
+    wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
     params = [
         to_sampling_params(
             req,
@@ -77,7 +78,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             max(1, resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), engine.max_model_len,
                                       "max_tokens", "prompt")),
             logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
+            prompt_logprobs=max(wanted) if wanted else None,
             structured_outputs=None if constraint is None else constraint.params,
             defaults=state.sampling_defaults,
         )
@@ -152,8 +153,12 @@ class CompletionResponder:
                 if req.echo:
                     text = self._prompt_text(prompt) + text
                 num_completion += len(token_ids)
-                choices.append({"index": len(choices), "text": text, "logprobs": logprobs,
-                                **self._ending(choice), **self._token_ids(prompt, token_ids, True)})
+                choice_body = {"index": len(choices), "text": text, "logprobs": logprobs, **self._ending(choice),
+                               **self._token_ids(prompt, token_ids, True)}
+                if req.prompt_logprobs is not None:
+                    choice_body["prompt_logprobs"] = vllm_prompt_logprobs(
+                        prompt["prompt_token_ids"], last.prompt_logprobs or [], req.prompt_logprobs, self.decode)
+                choices.append(choice_body)
         num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
         return self._body(choices, usage=usage(num_prompt, num_completion))
 
