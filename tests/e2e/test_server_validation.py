@@ -291,6 +291,13 @@ def test_a_completion_prompt_that_fills_the_context_is_named(server):
         assert error["param"] == "prompt" and "the prompt has 1030: no room is left" in error["message"], error
 
 
+@pytest.mark.parametrize("prompt", ["", ["Hi", ""]])
+def test_an_empty_prompt_is_named(server, prompt):
+    # Before: param null (the engine's check, which knows no request fields).
+    error = assert_openai_error(post(server, *completion(prompt=prompt)))
+    assert error["param"] == "prompt" and error["message"] == "the prompt is empty", error
+
+
 def test_a_long_list_of_bad_values_gets_a_short_message(server):
     error = assert_openai_error(post(server, "/detokenize", {"tokens": [-1] * 10_000}))
     assert len(error["message"]) < 1000 and "more errors" in error["message"]

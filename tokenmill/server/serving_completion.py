@@ -44,6 +44,8 @@ def tokenize_prompts(tokenizer: PreTrainedTokenizerBase | None, input_processor:
             text, token_ids = input_processor.tokenize_prompt(prompt, tokenizer)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), param="prompt") from e
+        if not token_ids:  # here, not in the engine's check, which knows no request field to name
+            raise bad_request("the prompt is empty", param="prompt")
         tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
     return tokenized
 
