@@ -462,19 +462,48 @@ def default_token_budget(device: str, chunked_prefill: bool) -> int:
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
+_REASONING_KEYS = {
+    "reasoning_parser": ("", "tokenmill's reasoning parser is the server's: `tokenmill serve --reasoning-parser NAME` "
+                             "(offline, StructuredOutputsParams(reasoning_end=\"</think>\") starts the structure "
+                             "after the reasoning)"),
+    "reasoning_parser_plugin": ("", "reasoning parser plugins are not supported; the server's --reasoning-parser "
+                                    "takes deepseek_r1 or qwen3"),
+    "enable_in_reasoning": (False, "with --reasoning-parser the structure applies once the reasoning is over; to "
+                                   "constrain from the first token, serve without --reasoning-parser (or with "
+                                   "thinking off in the chat template)"),
+}
+"""vLLM's structured_outputs_config keys of its reasoning parser: accepted at vLLM's defaults, else refused with
+what to use instead (tokenmill's reasoning parser is the server's, not the engine's)."""
+
+
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    """Structured outputs, with vLLM's `structured_outputs_config` keys."""
+    """Structured outputs, with vLLM's `structured_outputs_config` keys. A request's own StructuredOutputsParams
+    (backend, disable_any_whitespace, disable_additional_properties, disable_fallback) wins over these."""
 
     backend: str = "auto"
     """Which library enforces a spec: xgrammar; guidance (llguidance) for every spec but structural tags (xgrammar's
     format); auto: xgrammar, and llguidance for a JSON schema that only it enforces whole (minLength/maxLength beside
-    a pattern or a format, multipleOf on numbers, ...). A request's own StructuredOutputsParams.backend wins."""
+    a pattern or a format, multipleOf on numbers, ...)."""
+    disable_fallback: bool = False
+    """Under backend auto, a JSON schema that xgrammar would enforce only in part is refused (400) rather than
+    handed to llguidance: every spec is then xgrammar's. No effect with a named backend (which never falls back)."""
+    disable_any_whitespace: bool = True
+    """JSON (json and json_object specs) written with no whitespace between its tokens: xgrammar writes ", " and
+    ": ", llguidance "," and ":". False lets the model put any whitespace there, as vLLM does by default (vLLM's
+    default is False; tokenmill's is True: small models otherwise loop on whitespace until max_tokens)."""
+    disable_additional_properties: bool = False
+    """llguidance: an object whose schema has no additionalProperties (nor unevaluatedProperties) takes only the
+    properties it names, as under xgrammar (llguidance otherwise lets the model add any other)."""
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured outputs backend {self.backend!r} is not supported; choose one of "
                              f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}")
+        for f in dataclasses.fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"structured_outputs_config's {f.name} must be true or false, got "
+                                 f"{getattr(self, f.name)!r}")
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
@@ -484,9 +513,14 @@ class StructuredOutputsConfig:
             return value
         if not isinstance(value, dict):
             raise TypeError(f"structured_outputs_config must be a dict, got {type(value).__name__}")
-        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        value = dict(value)
+        for key, (default, instead) in _REASONING_KEYS.items():
+            if key in value and value.pop(key) != default:
+                raise ValueError(f"structured_outputs_config's {key} is not supported: {instead}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
         if unknown:
-            raise ValueError(f"unknown structured_outputs_config keys {unknown}; known: ['backend']")
+            raise ValueError(f"unknown structured_outputs_config keys {unknown}; known: {known}")
         return cls(**value)
 
 

@@ -49,7 +49,7 @@ class StructuredOutputsParams:
 
     json: str | dict[str, Any] | None = None
     """A JSON schema (as a dict or its JSON text): the output is a JSON value that validates against it,
-    written compactly (no whitespace between tokens of JSON: small models otherwise loop on whitespace)."""
+    written compactly unless disable_any_whitespace is false (small models otherwise loop on whitespace)."""
     regex: str | None = None
     choice: list[str] | None = None
     """The output is exactly one of these strings."""
@@ -68,6 +68,15 @@ class StructuredOutputsParams:
     """Which library enforces it: "xgrammar", "guidance" (llguidance) or "auto" (xgrammar, llguidance for a JSON
     schema only llguidance enforces whole); None: the engine's structured_outputs_config. Structural tags are
     xgrammar's whatever this says."""
+    disable_any_whitespace: bool | None = None
+    """JSON (json and json_object) with no whitespace between its tokens; False: any whitespace there; None: the
+    engine's structured_outputs_config (True unless set there)."""
+    disable_additional_properties: bool | None = None
+    """Under llguidance, objects without additionalProperties take only the properties they name (as xgrammar's);
+    None: the engine's structured_outputs_config."""
+    disable_fallback: bool | None = None
+    """Under backend auto, a JSON schema xgrammar would enforce only in part is refused rather than given to
+    llguidance; None: the engine's structured_outputs_config."""
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
@@ -83,6 +92,10 @@ class StructuredOutputsParams:
         if self.backend not in (None, "auto", "xgrammar", "guidance"):
             raise ValueError(f"structured outputs' backend must be 'auto', 'xgrammar' or 'guidance', got "
                              f"{self.backend!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
+                raise ValueError(f"structured outputs' {name} must be true, false or None, got "
+                                 f"{getattr(self, name)!r}")
 
     @property
     def key(self) -> tuple[str, str]:

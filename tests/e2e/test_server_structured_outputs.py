@@ -189,10 +189,17 @@ def test_bans_that_leave_the_grammar_no_token_are_a_400(client):
     assert chat(client, ASK_COLOR, extra_body={"structured_outputs": {"choice": COLORS}}) in COLORS
 
 
+def outside_strings(text: str) -> str:
+    """JSON text with its strings emptied: what the grammar's whitespace rules shape."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_chat_json_schema(client, sampling):
     text = chat(client, ASK_PERSON, response_format=json_schema_format(PERSON), **sampling)
     jsonschema.validate(json.loads(text), PERSON)
+    # structured_outputs_config's disable_any_whitespace, true by default: xgrammar's ", " and ": " only.
+    assert not re.search(r"\s", outside_strings(text).replace(", ", ",").replace(": ", ":")), text
 
 
 # minLength/maxLength beside a pattern or a format: xgrammar would leave the lengths out; the server's backend auto
@@ -213,6 +220,7 @@ def test_chat_json_schema_that_only_llguidance_enforces(client, sampling):
         value = json.loads(choice.message.content)
         jsonschema.validate(value, LENGTHS)
         assert re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*:\S*", value["site"]), value
+        assert not re.search(r"\s", outside_strings(choice.message.content)), choice  # llguidance's compact JSON
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

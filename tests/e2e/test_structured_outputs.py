@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import StructuredOutputsConfig
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured import compiler as compiler_module
 
@@ -168,7 +169,8 @@ def test_schemas_only_llguidance_enforces_whole_go_to_it_under_auto(smollm2_llm)
     """minLength/maxLength beside a pattern or a format: xgrammar's grammar would leave the lengths out, so backend
     auto (the engine's default) has llguidance enforce them; every sample is valid, greedy and sampled."""
     specs = [StructuredOutputsParams(json=CODE), StructuredOutputsParams(json=SITE)]
-    assert [smollm2_llm.engine.input_processor.check_structured_outputs(spec) for spec in specs] == ["guidance"] * 2
+    assert [smollm2_llm.engine.input_processor.check_structured_outputs(spec).backend
+            for spec in specs] == ["guidance"] * 2
     ask = [{"role": "user", "content": "Give a short product code and the company's website as JSON."}]
     params = [SamplingParams(temperature=t, seed=seed, n=n, max_tokens=60, structured_outputs=spec)
               for spec in specs for t, seed, n in ((0.0, None, 1), (1.0, 7, 2))]
@@ -177,6 +179,30 @@ def test_schemas_only_llguidance_enforces_whole_go_to_it_under_auto(smollm2_llm)
         for sample in out.outputs:
             assert sample.finish_reason == "stop", sample
             check(param.structured_outputs, sample.text)
+
+
+def test_structured_outputs_config_options_shape_the_json(smollm2_llm, monkeypatch):
+    """structured_outputs_config's disable_any_whitespace and disable_additional_properties, the engine's (as
+    LLM(structured_outputs_config=...) sets them) for the specs that leave them unset, a spec's own otherwise."""
+    monkeypatch.setattr(smollm2_llm.engine.input_processor, "structured_outputs",
+                        StructuredOutputsConfig(disable_any_whitespace=False, disable_additional_properties=True))
+    person = {key: value for key, value in PERSON.items() if key != "additionalProperties"}  # silent on others
+    ask = [{"role": "user", "content": "Describe a fictional person as JSON with a name, an age, a city and a job."}]
+    specs = [StructuredOutputsParams(json=person, backend="xgrammar"), StructuredOutputsParams(json=person,
+                                                                                               backend="guidance"),
+             StructuredOutputsParams(json=person, backend="guidance", disable_additional_properties=False)]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec) for spec in specs]
+    texts = []
+    for out in smollm2_llm.chat([ask] * len(specs), params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+        jsonschema.validate(json.loads(out.outputs[0].text), person)
+        texts.append(out.outputs[0].text)
+    by_xgrammar, by_llguidance, loose = texts
+    # Whitespace is free (the model indents), and both backends keep to the named properties.
+    for text in (by_xgrammar, by_llguidance):
+        assert "\n" in text and set(json.loads(text)) == {"name", "age"}, text
+    # Without disable_additional_properties, llguidance lets the model add the city and job it was asked for.
+    assert set(json.loads(loose)) > {"name", "age"}, loose
 
 
 def test_the_guidance_backend_enforces_regexes_choices_and_grammars(smollm2_llm):
@@ -252,7 +278,8 @@ def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm
     copy = [{"role": "user", "content": 'Repeat this JSON exactly: {"name": "Alice Smith", "age": 30}'}]
     by_xgrammar = [dataclasses.replace(spec, backend="xgrammar") for spec in (SPECS[0], SPECS[2])]
     specs = [*by_xgrammar, SPECS[0], SPECS[2]]
-    backends = [llm.engine.input_processor.check_structured_outputs(spec) for spec in specs]
+    assert llm.engine.input_processor.structured_outputs == StructuredOutputsConfig(backend="guidance")
+    backends = [llm.engine.input_processor.check_structured_outputs(spec).backend for spec in specs]
     assert backends == ["xgrammar"] * 2 + ["guidance"] * 2
     asks = [copy, ASK] * 2
     params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec) for spec in specs]

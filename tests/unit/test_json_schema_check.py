@@ -4,6 +4,7 @@ Each refused schema comes with an instance that xgrammar's grammar of it accepts
 refusal is needed (were xgrammar to enforce the part, the test would fail and the check could go). Annotations
 and what xgrammar does enforce pass."""
 
+import dataclasses
 import json
 
 import jsonschema
@@ -75,3 +76,87 @@ def test_annotations_and_enforced_keywords_pass():
                  "$defs": {"pet": {"oneOf": [{"const": "cat"}, {"const": "dog"}]}}}
     validate(StructuredOutputsParams(json=annotated))
     validate(StructuredOutputsParams(json={"type": "array", "uniqueItems": False, "items": {**INT, "minimum": 1}}))
+
+
+# structured_outputs_config's options, as the engine resolves them onto each spec (StructuredOutputsParams).
+NESTED = {"type": "object", "properties": {"a": INT, "o": {"type": "object", "properties": {"b": {"type": "string"}}},
+                                           "l": {"type": "array", "items": INT}}, "required": ["a"]}
+VALUE = {"a": 1, "o": {"b": "x y"}, "l": [1, 2]}
+
+
+def takes(params: StructuredOutputsParams, text: str) -> bool:
+    """Whether the spec's grammar under its backend (xgrammar's, or llguidance's over a byte tokenizer) takes `text`."""
+    from tokenmill.structured.grammar import build_grammar
+    from tokenmill.structured.guidance import guidance_grammar
+
+    if params.backend != "guidance":
+        return _is_grammar_accept_string(build_grammar(params), text)
+    llguidance = pytest.importorskip("llguidance")
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), guidance_grammar(params), log_level=0)
+    ids = list(text.encode())
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_disable_any_whitespace_writes_json_without_free_whitespace(backend):
+    # The one compact form of each backend (xgrammar's ", " and ": ", llguidance's "," and ":"), nothing else.
+    separators = (", ", ": ") if backend == "xgrammar" else (",", ":")
+    for kind in ({"json": NESTED}, {"json_object": True}):
+        compact = StructuredOutputsParams(**kind, backend=backend)  # unset: the default, compact
+        for params in (compact, StructuredOutputsParams(**kind, backend=backend, disable_any_whitespace=True)):
+            assert takes(params, json.dumps(VALUE, separators=separators))
+            other = (",", ":") if separators == (", ", ": ") else (", ", ": ")
+            for spaced in (json.dumps(VALUE, separators=other), json.dumps(VALUE, indent=2), " " + json.dumps(VALUE)):
+                assert not takes(params, spaced), spaced
+        # False: any whitespace between JSON's tokens (vLLM's default), strings as they are.
+        free = StructuredOutputsParams(**kind, backend=backend, disable_any_whitespace=False)
+        for text in (json.dumps(VALUE, indent=2), json.dumps(VALUE, separators=(",", ":")),
+                     '{ "a" :1 ,\n\t"o": {"b":"x y"}, "l" : [ 1,2 ] }'):
+            assert takes(free, text) and json.loads(text) == VALUE, text
+
+
+def test_disable_additional_properties_keeps_llguidance_to_the_named_properties():
+    extra = [{**VALUE, "z": 2}, {**VALUE, "o": {"b": "x", "z": 2}}]  # at the top, in a nested object
+    # Without it llguidance lets the model add properties that xgrammar refuses: the inconsistency it removes.
+    loose = StructuredOutputsParams(json=NESTED, backend="guidance")
+    strict = dataclasses.replace(loose, disable_additional_properties=True)
+    for value in extra:
+        assert jsonschema.Draft202012Validator(NESTED).is_valid(value)  # the schema itself allows them
+        text = json.dumps(value, separators=(",", ":"))
+        assert takes(loose, text) and not takes(strict, text), text
+        assert not takes(StructuredOutputsParams(json=NESTED), json.dumps(value))  # xgrammar's, always
+    assert takes(strict, json.dumps(VALUE, separators=(",", ":")))
+
+
+def test_no_additional_properties_changes_only_a_copy_and_only_schemas():
+    from tokenmill.structured.guidance import guidance_grammar, no_additional_properties
+
+    schema = {"type": "object", "properties": {
+        "kept": {"type": "object", "additionalProperties": INT},  # said: kept
+        "loose": {"type": "object", "unevaluatedProperties": True},
+        "either": {"anyOf": [{"type": "object", "properties": {"a": INT}}, {"type": ["object", "null"]}]},
+        "both": {"allOf": [{"properties": {"a": INT}}, {"properties": {"b": INT}}]},  # each would forbid the other's
+        "data": {"type": "object", "enum": [{"type": "object"}], "default": {"type": "object"}}},
+        "$defs": {"d": {"properties": {"c": INT}}}}
+    original = json.loads(json.dumps(schema))
+    guidance_grammar(StructuredOutputsParams(json=schema, backend="guidance", disable_additional_properties=True))
+    assert schema == original  # the caller's dict as it was
+    done = no_additional_properties(json.loads(json.dumps(schema)))
+    props = done["properties"]
+    assert done["additionalProperties"] is False and done["$defs"]["d"]["additionalProperties"] is False
+    assert props["kept"]["additionalProperties"] == INT and "additionalProperties" not in props["loose"]
+    assert [branch["additionalProperties"] for branch in props["either"]["anyOf"]] == [False, False]
+    assert all("additionalProperties" not in branch for branch in props["both"]["allOf"])
+    assert props["data"]["enum"] == [{"type": "object"}] and props["data"]["default"] == {"type": "object"}
+
+
+def test_disable_fallback_keeps_auto_on_xgrammar():
+    only_llguidance = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$",
+                                                                 "maxLength": 5}}, "required": ["code"]}
+    assert validate(StructuredOutputsParams(json=only_llguidance), "auto")[0] == "guidance"  # the fallback
+    with pytest.raises(ValueError, match=r"minLength/maxLength with a pattern at #/properties/code .*"
+                                         r"disable_fallback keeps backend auto from handing it to llguidance"):
+        validate(StructuredOutputsParams(json=only_llguidance, disable_fallback=True), "auto")
+    # A backend named is no fallback: the option changes nothing there.
+    assert validate(StructuredOutputsParams(json=only_llguidance, disable_fallback=True), "guidance")[0] == "guidance"
+    assert validate(StructuredOutputsParams(json=NESTED, disable_fallback=True), "auto")[0] == "xgrammar"

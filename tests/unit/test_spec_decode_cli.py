@@ -8,7 +8,7 @@ import pytest
 from tokenmill.cli import main, make_parser
 from tokenmill.cli.args import engine_config_from_args, engine_kwargs_from_args
 from tokenmill.cli.bench import BENCHMARKS
-from tokenmill.config import SpeculativeConfig
+from tokenmill.config import SpeculativeConfig, StructuredOutputsConfig
 
 VLLM_SPELLING = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
@@ -91,13 +91,44 @@ def test_structured_outputs_backend_reaches_the_engine_config(flags, backend):
     assert config.structured_outputs_config.backend == backend
 
 
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--structured-outputs-config", '{"disable_any_whitespace": false, "disable_additional_properties": true, '
+      '"disable_fallback": true}'], dict(disable_any_whitespace=False, disable_additional_properties=True,
+                                          disable_fallback=True)),
+    # vLLM's dotted spelling: a key at a time, its value read as JSON, or (tokenmill's) a bare key as true.
+    (["--structured-outputs-config.backend", "guidance", "--structured-outputs-config.disable_any_whitespace=false",
+      "--structured-outputs-config.disable_additional_properties", "--port", "8001"],
+     dict(backend="guidance", disable_any_whitespace=False, disable_additional_properties=True)),
+    # With the JSON object too: the dotted keys go onto it.
+    (["--structured-outputs-config.disable_fallback", "true", "--structured-outputs-config", '{"backend": "xgrammar"}'],
+     dict(backend="xgrammar", disable_fallback=True)),
+    # vLLM's reasoning keys at vLLM's defaults (as a dump of vLLM's config has them) mean nothing here.
+    (["--structured-outputs-config", '{"reasoning_parser": "", "enable_in_reasoning": false}'], {}),
+])
+def test_structured_outputs_options_reach_the_engine_config(flags, expected):
+    config = engine_config_from_args(make_parser().parse_args(["serve", "m", *flags])).structured_outputs_config
+    assert config == StructuredOutputsConfig(**expected)
+    assert StructuredOutputsConfig().disable_any_whitespace  # tokenmill's default: compact JSON (vLLM's: not)
+
+
 @pytest.mark.parametrize(("value", "fragment"), [
     ('{"backend": "outlines"}', "'outlines' is not supported; choose one of auto, xgrammar, guidance"),
     ('{"backnd": "guidance"}', "unknown structured_outputs_config keys ['backnd']"),
     ("{", "is not valid JSON"),
+    ('{"disable_any_whitespace": "yes"}', "disable_any_whitespace must be true or false"),
+    ('{"reasoning_parser": "qwen3"}', "reasoning_parser is not supported: tokenmill's reasoning parser is the "
+                                      "server's: `tokenmill serve --reasoning-parser NAME`"),
+    ('{"enable_in_reasoning": true}', "enable_in_reasoning is not supported: with --reasoning-parser"),
 ])
 def test_a_bad_structured_outputs_config_is_a_one_line_error(value, fragment, capsys):
     assert main(["generate", "Hi", "--model", "/no/such/model", "--structured-outputs-config", value]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: --structured-outputs-config") and len(err.strip().splitlines()) == 1, err
     assert fragment in err, err
+
+
+def test_a_bad_dotted_structured_outputs_key_is_a_one_line_error(capsys):
+    assert main(["generate", "Hi", "--model", "/no/such/model", "--structured-outputs-config.backnd", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --structured-outputs-config: unknown structured_outputs_config keys ['backnd']")
+    assert len(err.strip().splitlines()) == 1, err

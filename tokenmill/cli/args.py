@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import re
+import sys
 import textwrap
 from typing import Any, NoReturn
 
@@ -101,9 +102,82 @@ class CommandParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsOnceFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        return super().parse_known_args(self._dotted_keys_joined(sys.argv[1:] if args is None else list(args)),
+                                        namespace)
+
+    def _dotted_keys_joined(self, args: list[str]) -> list[str]:
+        """vLLM's dotted spelling of a JSON flag's keys, `--structured-outputs-config.backend guidance` (or
+        `...backend=guidance`; `a.b` nests), as the JSON object itself: the value is read as JSON where it is (true,
+        4), else as a string; a key with no value after it is true. The keys go onto the flag's JSON object if one
+        is given too (theirs win)."""
+        json_flags = {flag for action in self._actions if action.metavar == "JSON" for flag in action.option_strings}
+        if not json_flags:
+            return args
+        kept: list[str] = []
+        dotted: dict[str, dict[str, Any]] = {}
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            name, has_value, value = arg.partition("=")
+            flag, _, path = name.partition(".")
+            if arg == "--":
+                kept += args[i:]
+                break
+            if flag not in json_flags or not path:
+                kept.append(arg)
+                i += 1
+                continue
+            if not has_value:
+                given = i + 1 < len(args) and not args[i + 1].startswith("--")
+                value = args[i + 1] if given else "true"
+                i += given
+            i += 1
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                parsed = value
+            *parents, last = path.split(".")
+            target = dotted.setdefault(flag, {})
+            for key in parents:
+                if not isinstance(target.get(key), dict):
+                    target[key] = {}
+                target = target[key]
+            target[last] = parsed
+        for flag, keys in dotted.items():
+            kept = _joined(kept, flag, keys)
+        return kept
+
     def error(self, message: str) -> NoReturn:
         """The error and where the flags are listed, not argparse's usage of every flag (dozens of lines)."""
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n")
+
+
+def _joined(args: list[str], flag: str, keys: dict[str, Any]) -> list[str]:
+    """`args` with `keys` merged onto the last JSON object given to `flag` (a value that is not one is left for the
+    flag's own error), or with `flag` and `keys` added."""
+    for i in reversed(range(len(args))):
+        inline = args[i].startswith(flag + "=")
+        if args[i] != flag and not inline:
+            continue
+        text = args[i][len(flag) + 1:] if inline else args[i + 1] if i + 1 < len(args) else None
+        try:
+            whole = json.loads(text) if text is not None else None
+        except json.JSONDecodeError:
+            whole = None
+        if not isinstance(whole, dict):
+            return args
+        merged = json.dumps(_deep_merge(whole, keys))
+        return args[:i] + [flag, merged] + args[i + (1 if inline else 2):]
+    return [*args, flag, json.dumps(keys)]
+
+
+def _deep_merge(base: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in keys.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _deep_merge(merged[key], value) if both else value
+    return merged
 
 
 @functools.cache
@@ -203,9 +277,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
     group = parser.add_argument_group("engine: StructuredOutputsConfig")
     group.add_argument(
         "--structured-outputs-config", dest="structured_outputs_config", default=None, metavar="JSON",
-        help='Structured outputs: a JSON object of vLLM\'s structured_outputs_config keys (backend), e.g. '
-             '\'{"backend": "guidance"}\'. backend: auto (xgrammar, llguidance for a JSON schema only it enforces '
-             'whole), xgrammar or guidance (llguidance) (default: auto)')
+        help='Structured outputs: a JSON object of vLLM\'s structured_outputs_config keys, e.g. \'{"backend": '
+             '"guidance"}\', or one key at a time: --structured-outputs-config.backend guidance. backend: auto '
+             '(xgrammar, llguidance for a JSON schema only it enforces whole), xgrammar or guidance (llguidance); '
+             'disable_fallback true: auto never hands a schema to llguidance; disable_any_whitespace false: any '
+             'whitespace between JSON tokens (unlike vLLM, true unless set: compact JSON); '
+             'disable_additional_properties true: llguidance keeps objects to the properties they name, as xgrammar '
+             '(default: {"backend": "auto"})')
     group.add_argument("--guided-decoding-backend", dest="guided_decoding_backend", default=None,
                        choices=STRUCTURED_OUTPUTS_BACKENDS, help="vLLM's older name of --structured-outputs-config's "
                                                                  "backend")

@@ -8,6 +8,7 @@ from typing import Any, TypedDict
 
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.config import StructuredOutputsConfig
 from tokenmill.engine.tokenizer import TokenizerInfo, check_unicode
 from tokenmill.protocol import EngineRequest
 from tokenmill.sampling_params import (
@@ -37,11 +38,12 @@ PromptType = str | TokensPrompt | dict[str, Any]
 class InputProcessor:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase | None, tokenizer_info: TokenizerInfo,
-        max_model_len: int, vocab_size: int, structured_outputs_backend: str = "auto",
+        max_model_len: int, vocab_size: int, structured_outputs: StructuredOutputsConfig | None = None,
     ) -> None:
-        """`structured_outputs_backend`: StructuredOutputsConfig.backend, for the specs that name none."""
+        """`structured_outputs`: the engine's structured_outputs_config, for what a spec leaves unset (None: the
+        defaults)."""
         self.tokenizer = tokenizer
-        self.structured_outputs_backend = structured_outputs_backend
+        self.structured_outputs = structured_outputs or StructuredOutputsConfig()
         self.tokenizer_info = tokenizer_info
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -88,15 +90,15 @@ class InputProcessor:
             cache_salt = prompt["cache_salt"]
         if (keep := params.truncate_prompt_tokens) is not None:
             token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
-        backend = self.validate(token_ids, params)
+        spec = self.validate(token_ids, params)
         if not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
         if params.bad_words and not params.bad_words_token_ids:
             # A copy: the caller's params may go to another engine, whose tokenizer gives other ids.
             params = dataclasses.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
-        if (spec := params.structured_outputs) is not None and spec.backend != backend:
-            # The backend that enforces it, for the compiler. A copy, as above.
-            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, backend=backend))
+        if spec is not params.structured_outputs:
+            # As the compiler builds it: its backend and the engine's options. A copy, as above.
+            params = dataclasses.replace(params, structured_outputs=spec)
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -108,8 +110,9 @@ class InputProcessor:
         )
         return text, request
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> str | None:
-        """ValueError naming what is wrong; else the backend that enforces the structured outputs (None without)."""
+    def validate(self, token_ids: list[int], params: SamplingParams) -> StructuredOutputsParams | None:
+        """ValueError naming what is wrong; else the structured outputs as they are enforced
+        (`check_structured_outputs`; None without)."""
         params.validate()
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -132,27 +135,32 @@ class InputProcessor:
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer, and this engine has none")
-            backend = self.check_structured_outputs(params.structured_outputs)
+            spec = self.check_structured_outputs(params.structured_outputs)
             refuse_past_the_structure(params)
         else:
-            backend = None
+            spec = None
         num = len(token_ids)
         if num >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {num} tokens, but the model's context length (max_model_len) is "
                 f"{self.max_model_len}, which leaves no room for output"
             )
-        return backend
+        return spec
 
-    def check_structured_outputs(self, spec: StructuredOutputsParams) -> str:
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> StructuredOutputsParams:
         """ValueError for a spec that would not compile: its grammar does not build, or it names a token id past the
         vocabulary the grammars are compiled against (a structural tag's token format, an EBNF Token()); else the
-        backend that enforces it."""
-        backend, token_ids = validate_structured_outputs(spec, self.structured_outputs_backend)
+        spec as it is enforced: what it leaves unset taken from the engine's structured_outputs_config, its backend
+        resolved (the spec itself if nothing changed)."""
+        config = self.structured_outputs
+        unset = {name: getattr(config, name) for name in _ENGINE_OPTIONS if getattr(spec, name) is None}
+        if unset:
+            spec = dataclasses.replace(spec, **unset)
+        backend, token_ids = validate_structured_outputs(spec, config.backend)
         if past := [t for t in token_ids or () if t >= self.grammar_vocab_size]:
             raise ValueError(f"the structured outputs name the token id {past[0]}, past the vocabulary "
                              f"(ids in [0, {self.grammar_vocab_size}))")
-        return backend
+        return spec if spec.backend == backend else dataclasses.replace(spec, backend=backend)
 
     def _check_token_ids(self, token_ids: list[int], what: str) -> None:
         if any(t < 0 or t >= self.vocab_size for t in token_ids):
@@ -185,6 +193,10 @@ class InputProcessor:
                 if ids := self.tokenizer.encode(variant, add_special_tokens=False):
                     sequences[tuple(ids)] = None
         return [list(ids) for ids in sequences]
+
+
+_ENGINE_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+"""A spec's options that the engine's structured_outputs_config gives when the spec leaves them unset."""
 
 
 def refuse_past_the_structure(params: SamplingParams) -> None:

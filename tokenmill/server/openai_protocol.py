@@ -239,10 +239,10 @@ class ResponseFormat(RequestModel):
 class StructuredOutputsRequest(RequestModel):
     """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, structural_tag and json_object.
 
-    Options of vLLM's that only pick how the constraint is enforced are accepted and ignored
-    (disable_fallback, disable_any_whitespace, disable_additional_properties: the backend always enforces,
-    with compact whitespace); so is the older top-level
-    guided_decoding_backend. Any other key here (whitespace_pattern, ...) and the older
+    Options of vLLM's that only pick how the constraint is enforced are accepted and ignored, as by vLLM
+    (disable_fallback, disable_any_whitespace, disable_additional_properties: the server's
+    --structured-outputs-config decides them); so is the older top-level guided_decoding_backend. Any other key
+    here (whitespace_pattern, ...) and the older
     guided_whitespace_pattern are refused with a 400 naming them rather than ignored: the client would
     expect a shape of output that does not hold."""
 
@@ -335,7 +335,7 @@ class SamplingRequest(RequestBody):
     guided_decoding_backend: str | None = None
     """Accepted and ignored: the server's --structured-outputs-config picks the backend."""
     guided_whitespace_pattern: str | None = None
-    """Not supported: a 400 unless null or absent (whitespace in JSON output is always compact)."""
+    """Not supported: a 400 unless null or absent (whitespace in JSON output follows --structured-outputs-config)."""
 
 
 class CompletionRequest(SamplingRequest):

@@ -62,7 +62,8 @@ def constraint_of(req: SamplingRequest) -> Constraint | None:
         if getattr(req, alias) is not None:
             ways.append((alias, {name: getattr(req, alias)}))
     if req.guided_whitespace_pattern is not None:
-        raise bad_request("guided_whitespace_pattern is not supported: whitespace in JSON output is always compact",
+        raise bad_request("guided_whitespace_pattern is not supported: whitespace in JSON output follows the server's "
+                          "--structured-outputs-config (disable_any_whitespace)",
                           param="guided_whitespace_pattern")
     if not ways:
         return None

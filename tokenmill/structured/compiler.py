@@ -25,7 +25,7 @@ from tokenmill.structured.guidance import GUIDANCE, GuidanceGrammar, compile_gui
 from tokenmill.structured.matcher_set import half_the_usable_cpus
 from tokenmill.structured.vocab import grammar_vocab_size
 
-SpecKey = tuple[str, str, str, str]
+SpecKey = tuple[str, ...]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ def compile_threads() -> int:
 
 def spec_key(params: StructuredOutputsParams) -> SpecKey:
     """What makes two specs compile alike."""
-    return (*params.key, params.reasoning_end or "", params.backend or "")
+    return (*params.key, params.reasoning_end or "", params.backend or "", str(params.disable_any_whitespace),
+            str(params.disable_additional_properties))
 
 
 def compiled_vocab_size(compiled) -> int:

@@ -48,9 +48,9 @@ def _structure_grammar(params: StructuredOutputsParams):
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
             refuse_unenforced(schema, "the JSON schema")
-            return json_schema_grammar(text)
+            return json_schema_grammar(text, compact(params))
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
+            return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=not compact(params))
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
@@ -84,11 +84,17 @@ def error_text(error: Exception) -> str:
     return _SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else type(error).__name__
 
 
-def json_schema_grammar(text: str):
-    """The grammar of a JSON schema's values, written compactly (RuntimeError from xgrammar if it is bad)."""
+def compact(params: StructuredOutputsParams) -> bool:
+    """Whether the spec's JSON is written without free whitespace (disable_any_whitespace; None: the default)."""
+    return params.disable_any_whitespace is not False
+
+
+def json_schema_grammar(text: str, compact: bool = True):
+    """The grammar of a JSON schema's values (RuntimeError from xgrammar if it is bad); `compact`: no free
+    whitespace (", " and ": " between items), else any."""
     import xgrammar as xgr
 
-    return _json_string_characters_fixed(xgr.Grammar.from_json_schema(text, any_whitespace=False))
+    return _json_string_characters_fixed(xgr.Grammar.from_json_schema(text, any_whitespace=not compact))
 
 
 # xgrammar (0.2.9 and before: mlc-ai/xgrammar#800, unreleased fixes #822/#880) writes a string with
@@ -126,8 +132,9 @@ def validate(params: StructuredOutputsParams, backend: str = XGRAMMAR) -> tuple[
     that enforces it ("xgrammar" or "guidance": `choose_backend`, `backend` being the engine's) and the token ids its
     grammar names, which the caller checks against the vocabulary (the build does not know it)."""
     kind, text = params.key  # the JSON text of a schema: not free for a large one either
-    digest = hashlib.sha256(f"{kind}\0{text}\0{params.reasoning_end}\0{params.backend}\0{backend}".encode(
-        "utf-8", "surrogatepass")).digest()
+    options = (params.reasoning_end, params.backend, backend, params.disable_any_whitespace,
+               params.disable_additional_properties, params.disable_fallback)
+    digest = hashlib.sha256("\0".join(map(str, (kind, text, *options))).encode("utf-8", "surrogatepass")).digest()
     with _passed_lock:
         if digest in _passed:
             _passed.move_to_end(digest)
@@ -148,8 +155,9 @@ def validate(params: StructuredOutputsParams, backend: str = XGRAMMAR) -> tuple[
 
 def choose_backend(params: StructuredOutputsParams, backend: str) -> str:
     """The backend of a spec: its own, else the engine's `backend`; "auto" is xgrammar, but for a JSON schema that
-    xgrammar would enforce in part only (json_schema_check.py) and llguidance whole. One neither enforces is
-    refused (UnenforcedSchema naming its parts). Structural tags are xgrammar's format."""
+    xgrammar would enforce in part only (json_schema_check.py) and llguidance whole (the fallback, unless the spec's
+    disable_fallback). One neither enforces is refused (UnenforcedSchema naming its parts). Structural tags are
+    xgrammar's format."""
     kind, text = params.key
     backend = params.backend or backend
     if kind == STRUCTURAL_TAG:
@@ -167,6 +175,9 @@ def choose_backend(params: StructuredOutputsParams, backend: str) -> str:
     try:
         refuse_unenforced(schema, "the JSON schema")
     except UnenforcedSchema as unenforced:
+        if params.disable_fallback:
+            raise UnenforcedSchema(f"{unenforced} (structured_outputs_config's disable_fallback keeps backend auto "
+                                   "from handing it to llguidance)") from None
         try:
             error = guidance_error(guidance_grammar(params))
         except ValueError as e:  # not installed, or the schema is not for it

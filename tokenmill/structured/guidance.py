@@ -37,11 +37,14 @@ def guidance_grammar(params: StructuredOutputsParams, special_end: bool = False)
     one special token of the tokenizer (written as one in the grammar: text cannot match it)."""
     kind, text = params.key
     matcher = _llguidance().LLMatcher
+    # Compact unless the spec says otherwise, as xgrammar's (small models otherwise loop on whitespace).
+    whitespace = {"whitespace_flexible": params.disable_any_whitespace is False}
     if kind == "json":
-        # Compact, as xgrammar's (small models otherwise loop on whitespace).
-        grammar = matcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        if params.disable_additional_properties:
+            text = json.dumps(no_additional_properties(json.loads(text)))  # a copy: the spec's text is kept
+        grammar = matcher.grammar_from_json_schema(text, defaults=whitespace)
     elif kind == "json_object":
-        grammar = matcher.grammar_from_json_schema('{"type": "object"}', defaults={"whitespace_flexible": False})
+        grammar = matcher.grammar_from_json_schema('{"type": "object"}', defaults=whitespace)
     elif kind == "regex":
         grammar = matcher.grammar_from_regex(text)
     elif kind == "choice":
@@ -53,6 +56,38 @@ def guidance_grammar(params: StructuredOutputsParams, special_end: bool = False)
     if params.reasoning_end is None:
         return grammar
     return _after_reasoning(json.loads(grammar)["grammars"], params.reasoning_end, special_end)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMAS = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
+            "contains", "propertyNames", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def no_additional_properties(schema, in_all_of: bool = False):
+    """`schema` (parsed, changed in place) with additionalProperties false on each object schema that says nothing
+    of additional or unevaluated properties (disable_additional_properties): llguidance otherwise lets the model
+    add properties the schema does not name, which xgrammar does not. Only schemas are visited, not the data of
+    enum, const or default. allOf's own branches are left as they are: each would forbid the others' properties."""
+    if not isinstance(schema, dict):
+        return schema
+    types = schema.get("type")
+    is_object = ("object" in types if isinstance(types, list) else types == "object" if types is not None
+                 else "properties" in schema)
+    if (is_object and not in_all_of and "additionalProperties" not in schema
+            and "unevaluatedProperties" not in schema):
+        schema["additionalProperties"] = False
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for child in schema[key].values():
+                no_additional_properties(child)
+    for key in _SCHEMAS:
+        no_additional_properties(schema.get(key))
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for child in schema[key]:
+                no_additional_properties(child, in_all_of=key == "allOf")
+    return schema
 
 
 def _lark(text: str) -> str:

@@ -7,8 +7,9 @@ Two forms are accepted, as by vLLM:
 - xgrammar's format object, {"type": "structural_tag", "format": {...}}: any of its formats (tag,
   triggered_tags, sequence, or, json_schema, regex, grammar, any_text, ...), nested.
 
-JSON in a tag is written as everywhere else in the engine, compactly: every plain json_schema format (the
-"json" style, no other option) becomes the grammar that grammar.py makes of its schema. Token formats must
+JSON in a tag is written compactly (whatever structured_outputs_config's disable_any_whitespace says): every
+plain json_schema format (the "json" style, no other option) becomes the grammar that grammar.py makes of its
+schema. Token formats must
 give token ids: a token given by its text needs the tokenizer, which the frontend's check does not have.
 """
 
