@@ -681,9 +681,12 @@ class ServerConfig:
     enable_log_requests: bool = False
     """Log each generation request as it is added (its id, prompt, prompt token ids and sampling parameters);
     --disable-log-requests, vLLM's older flag, keeps this off."""
+    enable_log_outputs: bool = False
+    """With --enable-log-requests, also log each request's output once it has finished (per choice: its text,
+    token ids and finish reason)."""
     max_log_len: int | None = None
-    """With --enable-log-requests, the most characters of the prompt and token ids of the prompt a request's log
-    line shows; unset: all."""
+    """With --enable-log-requests, the most characters and token ids of the prompt a request's log line shows
+    (and of the output with --enable-log-outputs); unset: all."""
     root_path: str | None = None
     """The path prefix under which a proxy serves this server (e.g. '/llm'): the OpenAPI document's server URL
     carries it, and routes answer with or without it (proxies that strip it and proxies that do not)."""
@@ -747,6 +750,8 @@ class ServerConfig:
                 items.extend(listed)
             object.__setattr__(self, name, items)
         self._check_transport()
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("--enable-log-outputs needs --enable-log-requests")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be non-negative, got {self.max_log_len}")
         from tokenmill.engine.generation_config import check_override, generation_config_file

@@ -1,7 +1,7 @@
 """Server limits and failures: overload (503), /metrics without auth, profiling (POST /start_profile and
 /stop_profile with --profiler-dir: a gzipped chrome trace whose steps are named by their composition; without
 the flag the routes are 404s, tests/e2e/test_server.py), the engine-core process dying, and shutdown after
-that; and the serve flags of vLLM's that change no test above (--root-path, --enable-log-requests,
+that; and the serve flags of vLLM's that change no test above (--root-path, --enable-log-requests and -outputs,
 --response-role, --return-tokens-as-token-ids, --generation-config, --override-generation-config). Dummy weights:
 these tests need tokens to flow, not good ones."""
 
@@ -51,9 +51,9 @@ def server(smollm2_path, trace_dir, tmp_path_factory):
     server = RemoteServer(
         smollm2_path, "--load-format", "dummy", "--kv-cache-space", "0.1", "--max-model-len", "512",
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING), "--metrics-no-auth",
-        "--profiler-dir", str(trace_dir), "--root-path", ROOT_PATH, "--enable-log-requests", "--max-log-len",
-        str(MAX_LOG_LEN), "--response-role", RESPONSE_ROLE, "--return-tokens-as-token-ids", "--generation-config",
-        str(defaults), "--override-generation-config", json.dumps(OVERRIDE), api_key=API_KEY,
+        "--profiler-dir", str(trace_dir), "--root-path", ROOT_PATH, "--enable-log-requests", "--enable-log-outputs",
+        "--max-log-len", str(MAX_LOG_LEN), "--response-role", RESPONSE_ROLE, "--return-tokens-as-token-ids",
+        "--generation-config", str(defaults), "--override-generation-config", json.dumps(OVERRIDE), api_key=API_KEY,
     )
     yield server
     server.stop()
@@ -161,6 +161,35 @@ def test_requests_are_logged_with_their_prompt_cut_to_max_log_len(server):
     request_id = response.json()["id"]
     line = next(line for line in server.log_tail(100_000).splitlines() if f"request {request_id}: " in line)
     assert f"prompt {prompt[:MAX_LOG_LEN]!r}, prompt_token_ids [" in line and "max_tokens=1" in line, line
+
+
+def log_line(server: RemoteServer, start: str) -> str:
+    return next(line for line in server.log_tail(100_000).splitlines() if start in line)
+
+
+def test_outputs_are_logged_cut_to_max_log_len(server):
+    # Not streamed, a completion: its text and token ids (this server names logprobs' tokens by id).
+    body = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": MAX_LOG_LEN + 4, "ignore_eos": True,
+                                            "logprobs": 0}).json()
+    [choice] = body["choices"]
+    token_ids = [int(token.removeprefix("token_id:")) for token in choice["logprobs"]["tokens"]]
+    assert len(token_ids) == MAX_LOG_LEN + 4
+    line = log_line(server, f"request {body['id']} output 0: ")
+    assert line.endswith(f"{choice['text'][:MAX_LOG_LEN]!r}, output_token_ids {token_ids[:MAX_LOG_LEN]}, "
+                         "finish_reason length"), line
+    # Streamed, a chat: once, whole, at its end.
+    text, chat_id = "", None
+    with httpx.stream("POST", server.url("/v1/chat/completions"), headers=server.headers, timeout=60,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "ignore_eos": True,
+                            "stream": True}) as stream:
+        for data in stream.iter_lines():
+            if data.startswith("data: {"):
+                chunk = json.loads(data[6:])
+                chat_id = chunk["id"]
+                text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+    line = log_line(server, f"request {chat_id} output 0: ")
+    assert f"output 0: {text[:MAX_LOG_LEN]!r}, output_token_ids [" in line and line.endswith("finish_reason length")
+    assert len(json.loads(line[line.index("output_token_ids ") + 17:line.index("], finish") + 1])) == 3
 
 
 def test_response_role_names_the_message_the_model_writes(server):

@@ -22,6 +22,7 @@ VLLM_FLAGS = ["--max-model-len", "--gpu-memory-utilization", "--max-num-seqs", "
               "--enable-prefix-caching", "--no-enable-prefix-caching", "--chat-template", "--dtype",
               "--block-size", "--seed", "--trust-remote-code", "--scheduling-policy", "--served-model-name",
               "--api-key", "--host", "--port", "--enable-log-requests", "--disable-log-requests", "--max-log-len",
+              "--enable-log-outputs",
               "--root-path", "--uds", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
               "--response-role", "--return-tokens-as-token-ids", "--generation-config",
               "--override-generation-config"]
@@ -40,6 +41,14 @@ def test_serve_has_vllm_flags():
 def test_disable_log_requests_is_vllms_older_spelling():
     assert server_config_from_args(serve_args("m", "--disable-log-requests")).enable_log_requests is False
     assert server_config_from_args(serve_args("m", "--enable-log-requests")).enable_log_requests is True
+
+
+def test_enable_log_outputs_needs_enable_log_requests():
+    # As vLLM's: outputs are logged only beside the requests they answer.
+    with pytest.raises(ValueError, match="--enable-log-outputs needs --enable-log-requests"):
+        server_config_from_args(serve_args("m", "--enable-log-outputs"))
+    config = server_config_from_args(serve_args("m", "--enable-log-requests", "--enable-log-outputs"))
+    assert config.enable_log_outputs is True
 
 
 def test_override_generation_config_takes_a_json_object(capsys):
@@ -96,7 +105,8 @@ def test_help_comes_from_field_docstrings():
                          "max_request_body_bytes", "metrics_no_auth", "enable_request_id_headers", "allowed_origins",
                          "allowed_methods", "allowed_headers", "allow_credentials", "uvicorn_log_level",
                          "trust_request_chat_template", "enable_auto_tool_choice", "tool_call_parser",
-                         "reasoning_parser", "profiler_dir", "enable_log_requests", "max_log_len", "root_path", "uds",
+                         "reasoning_parser", "profiler_dir", "enable_log_requests", "enable_log_outputs", "max_log_len",
+                         "root_path", "uds",
                          "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "response_role",
                          "return_tokens_as_token_ids", "generation_config", "override_generation_config"}
     assert "Tokens per KV-cache block" in field_docs(CacheConfig)["block_size"]

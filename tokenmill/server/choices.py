@@ -18,24 +18,38 @@ class Choice:
     stop_reason: int | str | None = None
 
 
-async def collect(stream: AsyncIterator[RequestOutput], params: SamplingParams) -> tuple[RequestOutput, list[Choice]]:
-    """The last output (prompt, prompt logprobs) and the request's choices in index order."""
-    # With best_of > n the engine sends only the final output, whole, holding the n best samples.
-    is_delta = params.num_samples == params.n
-    choices: dict[int, Choice] = {}
-    last = None
-    async for output in stream:
-        last = output
+class ChoiceGatherer:
+    """A request's DELTA outputs added up into whole choices."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        # With best_of > n the engine sends only the final output, whole, holding the n best samples.
+        self.is_delta = params.num_samples == params.n
+        self._choices: dict[int, Choice] = {}
+        self.last: RequestOutput | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.last = output
         for position, completion in enumerate(output.outputs):
-            index = completion.index if is_delta else position
-            choice = choices.setdefault(index, Choice())
+            index = completion.index if self.is_delta else position
+            choice = self._choices.setdefault(index, Choice())
             choice.text += completion.text
             choice.token_ids += completion.token_ids
             if completion.logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + completion.logprobs
             choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
-    assert last is not None, "a request stream ends with a finished output"
-    return last, [choices[i] for i in sorted(choices)]
+
+    def choices(self) -> list[Choice]:
+        """In index order."""
+        return [self._choices[i] for i in sorted(self._choices)]
+
+
+async def collect(stream: AsyncIterator[RequestOutput], params: SamplingParams) -> tuple[RequestOutput, list[Choice]]:
+    """The last output (prompt, prompt logprobs) and the request's choices in index order."""
+    gatherer = ChoiceGatherer(params)
+    async for output in stream:
+        gatherer.add(output)
+    assert gatherer.last is not None, "a request stream ends with a finished output"
+    return gatherer.last, gatherer.choices()
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -10,6 +10,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.choices import ChoiceGatherer
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import Decode, token_id_text
 from tokenmill.server.openai_protocol import SamplingRequest
@@ -120,6 +122,8 @@ class ServerState:
         try:
             for rid, prompt, p in zip(ids, prompts, params):
                 streams.append(self.engine.add_request(rid, prompt, p, priority, cache_salt))
+            if self.config.enable_log_outputs:
+                streams = [self._logged_outputs(rid, s, p) for rid, s, p in zip(ids, streams, params)]
         except BaseException as e:
             # Whatever failed, no part of the request stays behind (abort ignores ids it does not hold).
             self.engine.abort(ids[: len(streams) + 1])
@@ -135,6 +139,21 @@ class ServerState:
         logger.info("request %s: prompt %r, prompt_token_ids %s, params %s", request_id,
                     text if text is None or limit is None else text[:limit],
                     token_ids if token_ids is None or limit is None else token_ids[:limit], params)
+
+    async def _logged_outputs(self, request_id: str, stream: AsyncIterator[RequestOutput],
+                              params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The stream as it is, and each choice's whole output logged once it has finished (streamed or not,
+        one line a choice rather than one a chunk)."""
+        gatherer = ChoiceGatherer(params)
+        async with aclosing(stream):  # a consumer that leaves early aborts the request, as without the log
+            async for output in stream:
+                gatherer.add(output)
+                yield output
+        limit = self.config.max_log_len
+        for index, choice in enumerate(gatherer.choices()):
+            logger.info("request %s output %d: %r, output_token_ids %s, finish_reason %s", request_id, index,
+                        choice.text if limit is None else choice.text[:limit],
+                        choice.token_ids if limit is None else choice.token_ids[:limit], choice.finish_reason)
 
     def token_namer(self, req: SamplingRequest) -> Decode:
         """How the request's logprobs name tokens: by id (--return-tokens-as-token-ids, or the request's own
