@@ -49,6 +49,8 @@ def test_generation_config_gives_the_defaults_of_calls_without_sampling_params(t
               generation_config=str(tmp_path), override_generation_config={"top_k": 7, "top_p": None})
     defaults = llm.get_default_sampling_params()
     assert defaults == SamplingParams(temperature=0.0, top_k=7, max_tokens=3)
+    # Those set, apart: the offline CLIs put the flags given over them (tests/unit/test_cli.py).
+    assert llm.sampling_defaults == {"temperature": 0.0, "top_k": 7, "max_tokens": 3}
     defaults.max_tokens = 1  # the caller's own copy
     assert llm.get_default_sampling_params().max_tokens == 3
     prompt = {"prompt_token_ids": [1, 2, 3]}

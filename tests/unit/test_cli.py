@@ -1,6 +1,7 @@
 """The command line: flags generated from the config dataclasses, with vLLM's spellings."""
 
 import argparse
+import json
 import os
 import pathlib
 import re
@@ -124,6 +125,32 @@ def test_generate_takes_sampling_flags():
     assert (args.prompts, args.max_tokens, args.temperature, args.stop) == (["Hi"], 5, 0.0, ["a", "b"])
 
 
+def test_offline_sampling_flags_left_out_take_the_models_defaults(tmp_path):
+    """vLLM's rule for generation_config.json: its defaults where no flag was given; the flags given win."""
+    from tokenmill.cli.chat import local_sampling_params
+    from tokenmill.cli.generate import sampling_params_from_args
+    from tokenmill.engine.generation_config import sampling_defaults
+    from tokenmill.sampling_params import SamplingParams
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 300, "do_sample": True}))
+
+    def model_defaults(args):  # what LLM(model, generation_config=...).sampling_defaults holds
+        return sampling_defaults(args.generation_config, str(tmp_path))
+
+    args = make_parser().parse_args(["generate", "Hi", "--top-k", "5", "--min-p", "0.1"])
+    assert sampling_params_from_args(args, model_defaults(args)) == SamplingParams(
+        temperature=0.6, top_p=0.95, top_k=5, min_p=0.1, max_tokens=300)
+    # None of the model's: the flags, and 128 tokens rather than SamplingParams' 16.
+    args = make_parser().parse_args(["generate", "Hi", "--generation-config", "vllm", "--temperature", "0"])
+    assert sampling_params_from_args(args, model_defaults(args)) == SamplingParams(temperature=0.0, max_tokens=128)
+    args = make_parser().parse_args(["chat", "--local", "--temperature", "0"])
+    assert local_sampling_params(args, model_defaults(args)) == SamplingParams(
+        temperature=0.0, top_p=0.95, top_k=20, max_tokens=300)
+    args = make_parser().parse_args(["chat", "--local", "--max-tokens", "7", "--generation-config", "vllm"])
+    assert local_sampling_params(args, model_defaults(args)) == SamplingParams(max_tokens=7)
+
+
 def test_bench_hands_its_arguments_to_the_benchmark_module(capsys):
     from tokenmill.cli import main
 
@@ -157,7 +184,7 @@ def test_serve_starts_the_engine_core_before_the_heavy_imports():
 
 HELP_PAGES = {
     "serve": "(default: 8000)",
-    "generate": "(default: 128)",
+    "generate": "(default: the model's generation_config.json, else 128)",
     "chat": "(default: http://127.0.0.1:8000/v1)",
     "bench serve": "(default: 100)",
     "bench throughput": "(default: 1000)",

@@ -27,6 +27,7 @@ from tokenmill.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from tokenmill.sampling_params import SamplingParams
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
 
@@ -221,10 +222,12 @@ def add_dataclass_args(
     only: tuple[str, ...] | None = None,
     defaults: dict[str, Any] | None = None,
     helps: dict[str, str] | None = None,
+    unset: dict[str, str] | None = None,
 ) -> None:
     """One flag per field; `defaults` replaces a field's own default for this command, `helps` gives the
-    help of fields that have no docstring."""
-    defaults = defaults or {}
+    help of fields that have no docstring, `unset` says what a flag left out means where that is not the field's
+    default (shown as its default; the flag stays unset)."""
+    defaults, unset = defaults or {}, unset or {}
     docs = {**(helps or {}), **field_docs(cls)}
     for f in dataclasses.fields(cls):
         if f.name in skip or (only is not None and f.name not in only):
@@ -237,6 +240,8 @@ def add_dataclass_args(
         doc = docs.get(f.name, "").replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": f.name, "default": default if f.name in defaults else argparse.SUPPRESS,
                                   "help": help_with_default(doc, default)}
+        if f.name in unset:
+            kwargs["help"] = f"{doc} (default: {unset[f.name]})"
         if element is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -287,6 +292,22 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
     group.add_argument("--guided-decoding-backend", dest="guided_decoding_backend", default=None,
                        choices=STRUCTURED_OUTPUTS_BACKENDS, help="vLLM's older name of --structured-outputs-config's "
                                                                  "backend")
+
+
+def add_generation_config_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--generation-config of the offline commands (the server's is ServerConfig.generation_config)."""
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="where sampling flags left out take their values from: 'auto' the model folder's "
+                             "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                             "max_new_tokens as max_tokens), 'vllm' none, or a folder's generation_config.json")
+
+
+def cli_sampling_params(model_defaults: dict[str, Any], given: dict[str, Any],
+                        fallback: dict[str, Any] | None = None) -> SamplingParams:
+    """The sampling parameters of an offline command, by vLLM's rule: the flags given, the model's
+    generation_config.json defaults (LLM.sampling_defaults) for those left out, and the command's own `fallback`
+    where neither sets one."""
+    return SamplingParams(**{**(fallback or {}), **model_defaults, **given})
 
 
 def _speculative_keys() -> str:

@@ -9,13 +9,17 @@ from collections.abc import Callable, Iterator
 from tokenmill.cli.args import (
     API_KEY_ENV,
     add_engine_args,
+    add_generation_config_arg,
     api_key_or_env,
     check_text_prompts,
+    cli_sampling_params,
     engine_kwargs_from_args,
     http_url,
 )
 
 EXIT_COMMANDS = ("/exit", "/quit")
+FALLBACK_MAX_TOKENS = 512
+"""Most tokens a reply, where neither --max-tokens nor (with --local) the model's generation_config.json says."""
 
 Reply = Callable[[list[dict]], str]
 
@@ -29,9 +33,14 @@ def register(subparsers) -> None:
     parser.add_argument("--system-prompt", default=None, help="a system message to start the conversation")
     parser.add_argument("-q", "--quick", metavar="MESSAGE", default=None,
                         help="send one message, print the reply, exit")
-    parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
-    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
+    # Left out, these are the model's (its generation_config.json), as vLLM's: the server's defaults, or with --local
+    # the defaults --generation-config names.
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"most tokens per reply (default: the model's, else {FALLBACK_MAX_TOKENS})")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature, 0: greedy (default: the model's, else 1)")
     parser.add_argument("--local", action="store_true", help="load the model here instead of calling a server")
+    add_generation_config_arg(parser)  # used with --local
     add_engine_args(parser, model_positional=False)  # used with --local
     # url_flag, model_flag: what the hint of a connection or model-not-found error names (cli/errors.py).
     parser.set_defaults(handler=run, url_flag="--url", model_flag="--model-name")
@@ -43,10 +52,13 @@ def _server_reply(args: argparse.Namespace) -> Reply:
     client = OpenAI(base_url=args.url, api_key=api_key_or_env(args.api_key) or "EMPTY")
     model = args.model_name or client.models.list().data[0].id
 
+    # The server caps max_tokens by the model's max_new_tokens itself; a temperature left out is the server's.
+    sampling = {"max_tokens": FALLBACK_MAX_TOKENS if args.max_tokens is None else args.max_tokens}
+    if args.temperature is not None:
+        sampling["temperature"] = args.temperature
+
     def reply(conversation: list[dict]) -> str:
-        stream = client.chat.completions.create(
-            model=model, messages=conversation, max_tokens=args.max_tokens, temperature=args.temperature, stream=True
-        )
+        stream = client.chat.completions.create(model=model, messages=conversation, stream=True, **sampling)
         parts = []
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -79,13 +91,19 @@ def stream_local_reply(llm, conversation: list[dict], params) -> Iterator[str]:
             engine.abort_request([request_id])
 
 
+def local_sampling_params(args: argparse.Namespace, model_defaults: dict):
+    """--max-tokens and --temperature where given, over the model's defaults (LLM.sampling_defaults)."""
+    given = {name: getattr(args, name) for name in ("max_tokens", "temperature") if getattr(args, name) is not None}
+    return cli_sampling_params(model_defaults, given, {"max_tokens": FALLBACK_MAX_TOKENS})
+
+
 def _local_reply(args: argparse.Namespace) -> Reply:
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
 
     model, engine_kwargs = engine_kwargs_from_args(args)
     check_text_prompts(engine_kwargs, "chat")
-    llm = LLM(model, **engine_kwargs)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    llm = LLM(model, generation_config=args.generation_config, **engine_kwargs)
+    params = local_sampling_params(args, llm.sampling_defaults)
 
     def reply(conversation: list[dict]) -> str:
         parts = []

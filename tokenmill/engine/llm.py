@@ -32,6 +32,12 @@ class LLM:
         self._sampling_defaults = sampling_defaults(generation_config, model, override_generation_config)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling parameters generation_config sets (a copy): those get_default_sampling_params() does not
+        leave at SamplingParams' own defaults."""
+        return dict(self._sampling_defaults)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() sample with when given no sampling_params (a new object each call: the
         caller may change it); sampling_params given are used as they are, with none of these merged in."""
