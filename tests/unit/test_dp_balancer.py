@@ -97,6 +97,27 @@ def test_hashes_are_the_prefix_cache_own():
     assert request.block_hashes == balancer.prefix_hashes(tokens, "s")
 
 
+def test_long_prompts_hash_apart_as_the_cache_keeps_them():
+    """With a LongRoPE model (KVCacheSpec.long_prompt_len) a longer prompt shares no block with a shorter one that
+    starts alike: the replica caching the short one holds nothing for the long one, nor the other way round."""
+    long_prompt_len = 2 * BLOCK + 3
+    balancer = DataParallelBalancer(2, BLOCK, long_prompt_len=long_prompt_len)
+    for salt in (None, "s"):
+        for length in (long_prompt_len, long_prompt_len + 1, 4 * BLOCK):  # at the limit, past it, well past it
+            tokens = prompt(11, length)
+            manager = KVCacheManager(16, BLOCK, enable_caching=True, long_prompt_len=long_prompt_len)
+            request = Request("r", tokens, SamplingParams(max_tokens=1), cache_salt=salt)
+            manager.get_computed_blocks(request)
+            assert request.block_hashes == balancer.prefix_hashes(tokens, salt), (salt, length)
+    short, long = prompt(11, long_prompt_len), prompt(11, 4 * BLOCK)
+    first = route(balancer, [IDLE, IDLE], short)
+    assert route(balancer, [IDLE, IDLE], long) == 1 - first  # no match on `first`: round robin's next turn
+    assert balancer.records[first].match(balancer.prefix_hashes(long)) == 0
+    # A model without the limit: one prefix.
+    plain = DataParallelBalancer(2, BLOCK)
+    assert plain.prefix_hashes(long)[:2] == plain.prefix_hashes(short)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 12),
        st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=30))

@@ -106,7 +106,8 @@ class AsyncEngine:
         self.tokenizer = frontend.tokenizer
         self.input_processor, self.output_processor = frontend.input_processor, frontend.output_processor
         self.balancer = DataParallelBalancer(num_replicas, config.cache_config.block_size,
-                                             prefix_aware=config.cache_config.enable_prefix_caching)
+                                             prefix_aware=config.cache_config.enable_prefix_caching,
+                                             long_prompt_len=self.replicas[0].core.long_prompt_len)
         self._streams: dict[str, asyncio.Queue] = {}
         self._routes: dict[str, tuple[int, int]] = {}
         """Open request id -> (its replica's index, its number of samples)."""

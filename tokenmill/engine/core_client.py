@@ -109,6 +109,8 @@ class CoreProcessClient:
         self._input.bind(input_address)
         self._output: zmq.asyncio.Socket | None = None
         self._closed = False
+        self.long_prompt_len: int | None = None
+        """The core's KVCacheSpec.long_prompt_len, known once it is ready."""
         # spawn, not fork: a forked copy of a process that already holds threads, CUDA or an
         # event loop is unsafe.
         mp = multiprocessing.get_context("spawn")
@@ -134,6 +136,7 @@ class CoreProcessClient:
             raise EngineCoreStartError("the engine core exited during startup") from None
         if status != "ready":
             raise EngineCoreStartError(f"the engine core failed to start:\n{info}")
+        self.long_prompt_len = info["long_prompt_len"]
         # The core connected before it said ready, but this side may not have seen the connection yet (a
         # loaded machine): until it has, a non-blocking send would fail with EAGAIN.
         if not self._input.poll(_CONNECT_TIMEOUT_MS, zmq.POLLOUT):

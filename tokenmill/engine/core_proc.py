@@ -64,7 +64,8 @@ def run_engine_core(
         ready.close()
         raise SystemExit(1) from None
     freeze_startup_heap("engine core")
-    ready.send(("ready", None))
+    # What the frontend must know of the core's KV cache: its router hashes prompts as the cache does.
+    ready.send(("ready", {"long_prompt_len": core.scheduler.kv.long_prompt_len}))
     ready.close()
     proc.run()
 

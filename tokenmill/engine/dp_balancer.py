@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.kv_cache.hashing import hash_block
+from tokenmill.kv_cache.hashing import first_block_extra_keys, hash_block
 
 DEFAULT_RECORD_BLOCKS = 1 << 16
 """Block hashes remembered per replica (about 10 MB each at most)."""
@@ -91,10 +91,12 @@ class DataParallelBalancer:
         load_margin: int = 4,
         load_margin_ratio: float = 0.25,
         kv_usage_limit: float = 0.95,
+        long_prompt_len: int | None = None,
     ) -> None:
         """A replica holding a prompt's prefix is preferred while its load is at most
         max(load_margin, load_margin_ratio * least load) above the least-loaded replica's and its KV usage
-        below `kv_usage_limit`. `prefix_aware` off (no prefix caching, or one replica): load alone."""
+        below `kv_usage_limit`. `prefix_aware` off (no prefix caching, or one replica): load alone.
+        `long_prompt_len`: the replicas' KVCacheSpec.long_prompt_len (their caches keep longer prompts apart)."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be positive, got {num_replicas}")
         self.num_replicas = num_replicas
@@ -104,6 +106,7 @@ class DataParallelBalancer:
         self.load_margin = load_margin
         self.load_margin_ratio = load_margin_ratio
         self.kv_usage_limit = kv_usage_limit
+        self.long_prompt_len = long_prompt_len
         self._turn = itertools.count()
 
     def prefix_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
@@ -111,8 +114,9 @@ class DataParallelBalancer:
         if not self.prefix_aware:
             return []
         size, hashes = self.block_size, []
+        first_extra = first_block_extra_keys(cache_salt, len(token_ids), self.long_prompt_len)
         for i in range(min(len(token_ids) // size, MAX_PREFIX_BLOCKS)):
-            extra = (cache_salt,) if i == 0 and cache_salt is not None else ()
+            extra = first_extra if i == 0 else ()
             hashes.append(hash_block(hashes[-1] if i else None, list(token_ids[i * size:(i + 1) * size]), extra))
         return hashes
 

@@ -18,3 +18,12 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int], extra_keys: tupl
         digest.update(repr(extra_keys).encode())
     return digest.digest()
 
+
+def first_block_extra_keys(cache_salt: str | None, num_prompt_tokens: int, long_prompt_len: int | None) -> tuple:
+    """The extra keys of a prompt's first block (the chain carries them to every later block): its cache salt,
+    and for a prompt longer than KVCacheSpec.long_prompt_len (a LongRoPE model's pretrained context, past which
+    positions take other frequencies) a mark that keeps its blocks apart from shorter prompts'."""
+    extra = () if cache_salt is None else (cache_salt,)
+    if long_prompt_len is not None and num_prompt_tokens > long_prompt_len:
+        extra += ("long prompt",)
+    return extra

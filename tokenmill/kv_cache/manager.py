@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tokenmill.kv_cache.block import KVCacheBlock
 from tokenmill.kv_cache.block_pool import BlockPool
-from tokenmill.kv_cache.hashing import hash_block
+from tokenmill.kv_cache.hashing import first_block_extra_keys, hash_block
 from tokenmill.request import Request
 
 
@@ -160,9 +160,7 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request, num_tokens: int | None = None) -> None:
         num_tokens = request.num_tokens if num_tokens is None else num_tokens
         hashes, size = request.block_hashes, self.block_size
-        first_extra = () if request.cache_salt is None else (request.cache_salt,)
-        if self.long_prompt_len is not None and request.num_prompt_tokens > self.long_prompt_len:
-            first_extra += ("long prompt",)
+        first_extra = first_block_extra_keys(request.cache_salt, request.num_prompt_tokens, self.long_prompt_len)
         for i in range(len(hashes), num_tokens // size):
             extra = first_extra if i == 0 else ()
             tokens = request.token_ids_slice(i * size, (i + 1) * size)
