@@ -277,6 +277,24 @@ def test_prompt_forms_and_echo(client, smollm2_tokenizer):
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
 
 
+def test_chat_echo_starts_the_answer_with_the_last_message_of_its_role(server):
+    """vLLM's chat echo (before: ignored, a warning in the log): the last message's content, if it has the answer's
+    role, then the answer; streamed, in a chunk per choice after the role's. A user's last message is no echo."""
+    prefill = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    body = {"model": MODEL, "messages": prefill, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed == {"role": "assistant", "content": "My favourite is" + plain}
+    first, second, *rest = sse_events(post(server, "/v1/chat/completions", {**body, "echo": True, "stream": True}))[:-1]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert second["choices"][0]["delta"] == {"content": "My favourite is"}
+    assert "My favourite is" + "".join(c["choices"][0]["delta"].get("content", "") for c in rest) == echoed["content"]
+    asked = {**body, "messages": prefill[:1], "add_generation_prompt": True, "continue_final_message": False}
+    assert (post(server, "/v1/chat/completions", {**asked, "echo": True}).json()["choices"][0]["message"]["content"]
+            == post(server, "/v1/chat/completions", asked).json()["choices"][0]["message"]["content"])
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(client):
     """vLLM's prompt scoring (before: a 400 for max_tokens 0). The prompt's logprobs of the tokens greedy decoding
     produced are those it gave them while decoding (one a prefill, the other decode steps)."""

@@ -365,6 +365,9 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     """False: at most one call."""
     # vLLM's chat extras
+    echo: bool = False
+    """The answer's content starts with the last message's, if that message has the answer's role (an assistant
+    message continued with add_generation_prompt false, say); streamed, in a chunk of its own after the role's."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -124,6 +124,9 @@ class ChatResponder:
         # The role of the message the model writes: the one the generation prompt starts (the server's
         # --response-role), else that of the last message, which the model continues.
         self.role = state.config.response_role if req.add_generation_prompt else req.messages[-1].role
+        last = req.messages[-1]
+        self.echo = _content_text(last.content) if req.echo and last.role == self.role else ""
+        """vLLM's chat echo: the last message's content, which the answer's content starts with."""
         self.vocab_bytes = vocab_bytes
         self.created = int(time.time())
 
@@ -137,6 +140,8 @@ class ChatResponder:
         for index, choice in enumerate(choices):
             text = ChoiceText(self.plan, self.reasoning)
             message = {"content": choice.text} if self.plain else text.full(choice.text)
+            if self.echo:
+                message["content"] = self.echo + (message["content"] or "")
             body.append({
                 "index": index,
                 "message": {"role": self.role, **message},
@@ -184,6 +189,9 @@ class ChatResponder:
             for index in range(req.n):  # the prompt's ids (return_token_ids) in the first chunk alone
                 yield chunk([{"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                               "finish_reason": None}], **(self._prompt_token_ids() if index == 0 else {}))
+            for index in range(req.n if self.echo else 0):  # as vLLM's: after every choice's role chunk
+                yield chunk([{"index": index, "delta": {"content": self.echo}, "logprobs": None,
+                              "finish_reason": None}])
             async with aclosing(stream):  # so that a client leaving aborts the request now, not once collected
                 async for output in stream:
                     for completion in output.outputs:
@@ -216,3 +224,10 @@ class ChatResponder:
         except EngineDeadError as e:
             yield sse(error_body(503, f"the engine is not running: {e}", code="engine_dead"))
         yield DONE
+
+
+def _content_text(content) -> str:
+    """A message's content as text: its text parts joined with newlines, as the chat template sees them."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(part.text for part in content)
