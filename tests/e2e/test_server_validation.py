@@ -6,6 +6,7 @@ here) render off the event loop. On the shared `tokenmill serve` of conftest.py 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -277,6 +278,20 @@ def test_unknown_fields_are_served_and_logged_once(server):
     log = server.log_tail(100_000)
     assert log.count(f"the request's fields min_token, {field} are not known and were ignored") == 1, log[-2000:]
     assert log.count(f"the request's fields {field} are not known and were ignored") == 1
+
+
+VLLM_EXTRAS = {"completion-add_special_tokens": completion(add_special_tokens=False),
+               "chat-add_special_tokens": chat(add_special_tokens=True)}
+"""Requests with vLLM extras once ignored (a warning in the log), each now served (its test is the field's own)."""
+
+
+@pytest.mark.parametrize("request_", list(VLLM_EXTRAS.values()), ids=list(VLLM_EXTRAS))
+def test_vllm_extras_are_served_not_ignored(server, request_):
+    start = os.path.getsize(server.log.name)
+    assert post(server, *request_).status_code == 200
+    with open(server.log.name) as log:
+        log.seek(start)
+        assert "are not known and were ignored" not in log.read()
 
 
 def test_a_completion_prompt_that_fills_the_context_is_named(server):

@@ -56,9 +56,11 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    add_special_tokens: bool = False,
     **template_kwargs: Any,
 ) -> tuple[str, list[int]]:
-    """The prompt text and its token ids; ValueError when the template cannot render the conversation."""
+    """The prompt text and its token ids; ValueError when the template cannot render the conversation.
+    add_special_tokens: the tokenizer's special tokens (a BOS) added on top of those the template wrote."""
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("the model has no chat template; pass one (--chat-template FILE)")
     try:
@@ -73,5 +75,5 @@ def render_chat(
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template failed: {e}") from e
     check_unicode(text, "the rendered conversation")
-    # The rendered text already holds the special tokens (BOS) the template wants.
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    # The rendered text already holds the special tokens (BOS) the template wants: by default none are added.
+    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)

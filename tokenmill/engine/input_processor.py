@@ -52,8 +52,9 @@ class InputProcessor:
         self.grammar_vocab_size = grammar_vocab_size(tokenizer, vocab_size) if tokenizer is not None else vocab_size
 
     def tokenize_prompt(self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None,
-                        ) -> tuple[str | None, list[int]]:
-        """(text, token ids); `tokenizer`: another copy of the engine's, for a thread of its own."""
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids); `tokenizer`: another copy of the engine's, for a thread of its own. add_special_tokens:
+        whether the tokenizer adds its special tokens (a BOS) to a text prompt; token ids are taken as they are."""
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
@@ -70,7 +71,8 @@ class InputProcessor:
             if not isinstance(text, str):
                 raise ValueError(f"a prompt's 'prompt' must be a string, got {text!r}")
             check_unicode(text, "the prompt")
-            return text, (tokenizer if tokenizer is not None else self.tokenizer).encode(text)
+            return text, (tokenizer if tokenizer is not None else self.tokenizer).encode(
+                text, add_special_tokens=add_special_tokens)
         # Plain ints (numpy's and 0-d tensors' too): a float got past the range check and failed later.
         return text, as_token_ids(token_ids, "prompt_token_ids")
 

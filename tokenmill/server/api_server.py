@@ -110,7 +110,7 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
         else:
             token_ids = await state.tokenize(lambda tokenizer, text, **kwargs: tokenizer.encode(text, **kwargs),
                                              req.prompt, text_chars=len(req.prompt),
-                                             add_special_tokens=req.add_special_tokens)
+                                             add_special_tokens=req.add_special_tokens is not False)
         body = {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids}
         if req.return_token_strs:
             body["token_strs"] = await state.off_loop(engine.tokenizer.convert_ids_to_tokens, token_ids)

@@ -347,6 +347,10 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None
+    # vLLM's completion extras
+    add_special_tokens: bool = True
+    """The tokenizer adds its special tokens (a BOS, for most models) to text prompts; token-id prompts are taken as
+    they are."""
     """Not supported (no fill-in-the-middle): a 400 unless null or absent."""
 
 
@@ -370,6 +374,9 @@ class ChatCompletionRequest(SamplingRequest):
     message continued with add_generation_prompt false, say); streamed, in a chunk of its own after the role's."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False
+    """The tokenizer's special tokens (a BOS) added on top of those the chat template writes (most templates write
+    the BOS themselves: true then doubles it)."""
     chat_template: str | None = None
     """A Jinja chat template to use instead of the model's; refused unless the server was started with
     --trust-request-chat-template."""
@@ -385,7 +392,9 @@ class TokenizeRequest(RequestBody):
     prompt: str | None = None
     messages: Messages | None = None
     tools: list[ChatTool] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    """The tokenizer's special tokens (a BOS) added; unset: true for a prompt, false for messages (whose chat template
+    writes them), as vLLM's."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False

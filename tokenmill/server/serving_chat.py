@@ -59,6 +59,7 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
             chat_template=chat_template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            add_special_tokens=bool(req.add_special_tokens),  # /tokenize's None: false for messages, as vLLM's
             **template_kwargs,
         )
     except (ValueError, TypeError) as e:

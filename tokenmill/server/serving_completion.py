@@ -37,11 +37,11 @@ def split_prompts(prompt: str | list) -> list[dict]:
 
 
 def tokenize_prompts(tokenizer: PreTrainedTokenizerBase | None, input_processor: InputProcessor,
-                     prompts: list[dict]) -> list[dict]:
+                     prompts: list[dict], add_special_tokens: bool = True) -> list[dict]:
     tokenized = []
     for prompt in prompts:
         try:
-            text, token_ids = input_processor.tokenize_prompt(prompt, tokenizer)
+            text, token_ids = input_processor.tokenize_prompt(prompt, tokenizer, add_special_tokens)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), param="prompt") from e
         if not token_ids:  # here, not in the engine's check, which knows no request field to name
@@ -68,7 +68,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     constraint = constraint_of(req)
     if constraint is not None:
         await state.grammar_checker.check(constraint, state.engine.input_processor)
-    prompts = await state.tokenize(tokenize_prompts, engine.input_processor, prompts,
+    prompts = await state.tokenize(tokenize_prompts, engine.input_processor, prompts, req.add_special_tokens,
                                    text_chars=sum(len(p.get("prompt", "")) for p in prompts))
     # Echoed logprobs and vLLM's prompt_logprobs come from the same prompt scores: the larger count serves both.
     wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
