@@ -295,6 +295,24 @@ def test_chat_echo_starts_the_answer_with_the_last_message_of_its_role(server):
             == post(server, "/v1/chat/completions", asked).json()["choices"][0]["message"]["content"])
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, smollm2_tokenizer):
+    """vLLM's truncate_prompt_tokens (before: ignored, a warning in the log): the model sees the prompt's last k
+    tokens, as if they were the prompt (echo gives their text); in chat, the rendered conversation's."""
+    text = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and"
+    ids = smollm2_tokenizer.encode(text)
+    options = {"model": MODEL, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    [cut] = post(server, "/v1/completions", {**options, "prompt": text, "truncate_prompt_tokens": 5,
+                                             "echo": True}).json()["choices"]
+    [kept] = post(server, "/v1/completions", {**options, "prompt": ids[-5:]}).json()["choices"]
+    assert cut["prompt_token_ids"] == ids[-5:] and cut["token_ids"] == kept["token_ids"]
+    assert cut["text"] == smollm2_tokenizer.decode(ids[-5:]) + kept["text"]
+
+    body = {**options, "messages": [{"role": "user", "content": text}]}
+    whole = post(server, "/v1/chat/completions", body).json()["prompt_token_ids"]
+    chat = post(server, "/v1/chat/completions", {**body, "truncate_prompt_tokens": 7}).json()
+    assert chat["prompt_token_ids"] == whole[-7:] and chat["usage"]["prompt_tokens"] == 7
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(client):
     """vLLM's prompt scoring (before: a 400 for max_tokens 0). The prompt's logprobs of the tokens greedy decoding
     produced are those it gave them while decoding (one a prefill, the other decode steps)."""

@@ -281,7 +281,9 @@ def test_unknown_fields_are_served_and_logged_once(server):
 
 
 VLLM_EXTRAS = {"completion-add_special_tokens": completion(add_special_tokens=False),
-               "chat-add_special_tokens": chat(add_special_tokens=True)}
+               "chat-add_special_tokens": chat(add_special_tokens=True),
+               "completion-truncate_prompt_tokens": completion(truncate_prompt_tokens=1),
+               "chat-truncate_prompt_tokens": chat(truncate_prompt_tokens=3)}
 """Requests with vLLM extras once ignored (a warning in the log), each now served (its test is the field's own)."""
 
 
@@ -304,6 +306,18 @@ def test_a_completion_prompt_that_fills_the_context_is_named(server):
         fields = {} if max_tokens == "default" else {"max_tokens": max_tokens}
         error = assert_openai_error(post(server, "/v1/completions", {"prompt": [1] * 1030, **fields}))
         assert error["param"] == "prompt" and "the prompt has 1030: no room is left" in error["message"], error
+
+
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(server):
+    # A prompt past the context, cut to what leaves max_tokens room (the one token EOS is the whole output).
+    ids = list(range(100, 1130))
+    response = post(server, *completion(prompt=ids, max_tokens=1020, truncate_prompt_tokens=-1, return_token_ids=True,
+                                        allowed_token_ids=[2]))
+    assert response.json()["choices"][0]["prompt_token_ids"] == ids[-4:], response.text
+    for past in (0, 1025):  # -1 or 1 up to max_model_len
+        error = assert_openai_error(post(server, *chat(truncate_prompt_tokens=past)))
+        assert error["param"] == "truncate_prompt_tokens" and f"got {past}" in error["message"], error
+    assert post(server, *chat(truncate_prompt_tokens=1024)).status_code == 200
 
 
 @pytest.mark.parametrize("prompt", ["", ["Hi", ""]])

@@ -319,6 +319,9 @@ class SamplingRequest(RequestBody):
     top of a chat completion; streamed, in the first chunk) and each choice's generated ones (token_ids; streamed,
     those of each chunk)."""
     cache_salt: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=MAX_TOKEN_COUNT), INTEGRAL] | None = None
+    """vLLM's: only the prompt's last k tokens are kept (those of the rendered conversation, in chat); -1: as many as
+    leave room for max_tokens (for 1 token if unset). -1 or 1 up to the model's context length."""
     # Structured outputs: at most one of response_format (other than text), structured_outputs and the
     # guided_* aliases; a second one is a 400, as is a schema, regex or grammar that does not compile.
     response_format: ResponseFormat | None = None

@@ -32,6 +32,19 @@ def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: i
     return max_tokens
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, requested: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens); -1: as many as leave room for the
+    `requested` output (max_tokens; unset: 1 token)."""
+    if keep is None:
+        return token_ids
+    if keep == 0 or keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or from 1 to the model's context length "
+                          f"({max_model_len}), got {keep}", param="truncate_prompt_tokens")
+    if keep == -1:
+        keep = max(1, max_model_len - (requested or 1))
+    return token_ids[-keep:]
+
+
 def to_sampling_params(
     req: SamplingRequest,
     max_tokens: int,

@@ -16,7 +16,13 @@ from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
-from tokenmill.server.sampling import check_combinations, continuous_usage, resolve_max_tokens, to_sampling_params
+from tokenmill.server.sampling import (
+    check_combinations,
+    continuous_usage,
+    resolve_max_tokens,
+    to_sampling_params,
+    truncate_prompt,
+)
 from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
@@ -90,6 +96,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     engine = state.engine
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    kept = truncate_prompt(token_ids, req.truncate_prompt_tokens, requested, engine.max_model_len)
+    if len(kept) < len(token_ids):
+        text, token_ids = None, kept
     max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, param, "messages")
     params = to_sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 prompt_logprobs=req.prompt_logprobs,

@@ -19,7 +19,13 @@ from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.limits import MAX_SEQUENCES
 from tokenmill.server.logprobs import CompletionLogprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import CompletionRequest
-from tokenmill.server.sampling import check_combinations, continuous_usage, resolve_max_tokens, to_sampling_params
+from tokenmill.server.sampling import (
+    check_combinations,
+    continuous_usage,
+    resolve_max_tokens,
+    to_sampling_params,
+    truncate_prompt,
+)
 from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, merge_streams, sse
 from tokenmill.server.structured_outputs import constraint_of
@@ -70,6 +76,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         await state.grammar_checker.check(constraint, state.engine.input_processor)
     prompts = await state.tokenize(tokenize_prompts, engine.input_processor, prompts, req.add_special_tokens,
                                    text_chars=sum(len(p.get("prompt", "")) for p in prompts))
+    for prompt in prompts:
+        kept = truncate_prompt(prompt["prompt_token_ids"], req.truncate_prompt_tokens, req.max_tokens,
+                               engine.max_model_len)
+        if len(kept) < len(prompt["prompt_token_ids"]):  # echo then gives the text of the tokens kept
+            prompt.update(prompt=None, prompt_token_ids=kept)
     # Echoed logprobs and vLLM's prompt_logprobs come from the same prompt scores: the larger count serves both.
     wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
     params = [
