@@ -291,6 +291,16 @@ def test_refused(client, kwargs, param, words):
                param, *words)
 
 
+@pytest.mark.parametrize("kwargs", [{"functions": [TOOLS[0]["function"]]},
+                                    {"functions": [TOOLS[0]["function"]], "function_call": {"name": "get_weather"}},
+                                    {"tools": TOOLS, "function_call": "auto"}], ids=["functions", "both", "call"])
+def test_the_legacy_functions_form_is_refused_for_tools(plain_client, kwargs):
+    # Before: ignored (a warning in the log), so the model answered in text where the client asked for a call.
+    param = "functions" if "functions" in kwargs else "function_call"
+    expect_400(lambda: plain_client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs),
+               param, "tools", "tool_choice")
+
+
 def test_bad_tool_messages(client):
     bad_arguments = [*ASK, {"role": "assistant", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}]}]

@@ -371,6 +371,10 @@ class ChatCompletionRequest(SamplingRequest):
     outputs; "auto" needs the server's --enable-auto-tool-choice and --tool-call-parser."""
     parallel_tool_calls: bool = True
     """False: at most one call."""
+    functions: Any = None
+    """OpenAI's deprecated form of tools: not supported, a 400 unless null or absent (vLLM ignores it)."""
+    function_call: Any = None
+    """OpenAI's deprecated form of tool_choice: likewise a 400 unless null or absent."""
     # vLLM's chat extras
     echo: bool = False
     """The answer's content starts with the last message's, if that message has the answer's role (an assistant

@@ -75,6 +75,11 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
+    # Ignored, a client of the legacy form would get no call where it asked for one (and none in the legacy form).
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(req, legacy) is not None:
+            raise bad_request(f"{legacy} (OpenAI's deprecated form of {current}) is not supported: pass the functions "
+                              f"in tools and the choice in tool_choice", param=legacy)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
 
