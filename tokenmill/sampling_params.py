@@ -165,6 +165,9 @@ class SamplingParams:
     keep_special_token_ids: list[int] | None = None
     """Special tokens whose text stays in the output when skip_special_tokens drops the others (the server keeps
     a reasoning parser's <think> and </think>, which some tokenizers make special)."""
+    spaces_between_special_tokens: bool = True
+    """False: with skip_special_tokens false, an added token right after another comes out without the space some
+    decoders (WordPiece's) put between tokens (vLLM's; byte-level BPE and SentencePiece decoders put none)."""
     detokenize: bool = True
     logits_processors: list[LogitsProcessor] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -283,7 +283,9 @@ def test_unknown_fields_are_served_and_logged_once(server):
 VLLM_EXTRAS = {"completion-add_special_tokens": completion(add_special_tokens=False),
                "chat-add_special_tokens": chat(add_special_tokens=True),
                "completion-truncate_prompt_tokens": completion(truncate_prompt_tokens=1),
-               "chat-truncate_prompt_tokens": chat(truncate_prompt_tokens=3)}
+               "chat-truncate_prompt_tokens": chat(truncate_prompt_tokens=3),
+               "spaces_between_special_tokens": completion(spaces_between_special_tokens=False,
+                                                           skip_special_tokens=False)}
 """Requests with vLLM extras once ignored (a warning in the log), each now served (its test is the field's own)."""
 
 

@@ -96,6 +96,36 @@ def test_kept_special_tokens_show_and_the_others_stay_skipped(smollm2_tokenizer,
     assert "".join(feed(detokenizer, ids)) == " so<|im_start|> ok"
 
 
+@pytest.fixture(scope="module")
+def wordpiece_tokenizer():
+    """A WordPiece tokenizer (BERT's kind), whose decoder puts a space before every token, special ones included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "##s": 5}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+
+@pytest.mark.parametrize("python", [False, True], ids=["stream", "python"])
+def test_spaces_between_special_tokens_false_joins_consecutive_added_tokens(wordpiece_tokenizer, python):
+    """vLLM's option (before: ignored by the server, unknown to SamplingParams). Only between two added tokens, and
+    only where they are not skipped; True (the default) is the tokenizer's own decoding."""
+    tok = wordpiece_tokenizer
+    prompt, ids = tok.encode("hello", add_special_tokens=False), tok.encode("[CLS] [SEP] [SEP] worlds")
+
+    def text(skip: bool, spaces: bool) -> str:
+        detokenizer = make_detokenizer(tok, prompt, skip, spaces_between_special_tokens=spaces)
+        if python:
+            detokenizer = IncrementalDetokenizer(tok, prompt, skip, joiner=detokenizer.joiner)
+        return "".join(feed(detokenizer, ids))
+
+    assert text(False, True) == tok.decode(prompt + ids)[len("hello"):] == " [CLS] [SEP] [SEP] worlds"
+    assert text(False, False) == " [CLS][SEP][SEP] worlds"
+    assert text(True, False) == text(True, True) == tok.decode(prompt + ids, skip_special_tokens=True)[len("hello"):]
+
+
 def test_a_fast_tokenizer_gets_the_streaming_detokenizer(smollm2_tokenizer):
     tok = smollm2_tokenizer
     assert isinstance(make_detokenizer(tok, tok.encode("Hello there"), True), StreamDetokenizer)

@@ -13,11 +13,29 @@ from transformers import PreTrainedTokenizerBase
 _CONTEXT_TOKENS = 5
 
 
+class AddedTokenJoiner:
+    """vLLM's spaces_between_special_tokens=False: an added token (special or not) right after another comes out as
+    its own text, without the space some decoders (WordPiece's) put before every token."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.added = _added_token_texts(tokenizer)
+        self.after_added = False
+
+    def __call__(self, token_id: int, piece: str) -> str:
+        text = self.added.get(token_id)
+        if text is not None and self.after_added:
+            piece = text
+        self.after_added = text is not None
+        return piece
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 dropped_ids: frozenset[int] = frozenset()):
-        """dropped_ids: tokens left out before decoding (special tokens skipped but for some, see make_detokenizer)."""
+                 dropped_ids: frozenset[int] = frozenset(), joiner: AddedTokenJoiner | None = None):
+        """dropped_ids: tokens left out before decoding (special tokens skipped but for some, see make_detokenizer);
+        joiner: what spaces_between_special_tokens=False asks of added tokens' text."""
         self.tokenizer = tokenizer
+        self.joiner = joiner
         self.skip_special_tokens = skip_special_tokens
         self.dropped_ids = dropped_ids
         self.token_ids = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in dropped_ids]
@@ -27,7 +45,9 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the text they complete (may be empty while a character is partial)."""
         # One at a time: text a token completes is out even if a later token of the step starts a character.
-        return "".join(self._add(token_id) for token_id in new_token_ids)
+        if self.joiner is None:
+            return "".join(self._add(token_id) for token_id in new_token_ids)
+        return "".join(self.joiner(token_id, self._add(token_id)) for token_id in new_token_ids)
 
     def _add(self, token_id: int) -> str:
         if token_id in self.dropped_ids:
@@ -55,24 +75,27 @@ class StreamDetokenizer:
     streams that cost decides how soon each token reaches its client."""
 
     def __init__(self, backend, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 dropped_ids: frozenset[int] = frozenset()) -> None:
+                 dropped_ids: frozenset[int] = frozenset(), joiner: AddedTokenJoiner | None = None) -> None:
         from tokenizers.decoders import DecodeStream
 
         self.backend = backend
         self.dropped_ids = dropped_ids
+        self.joiner = joiner
         # Primed with the prompt's last tokens: the first output token's leading space comes out right.
         self.stream = DecodeStream(ids=[t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in dropped_ids],
                                    skip_special_tokens=skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str:
-        pieces = [self.stream.step(self.backend, token_id) for token_id in new_token_ids
+        pieces = [(token_id, self.stream.step(self.backend, token_id) or "") for token_id in new_token_ids
                   if token_id not in self.dropped_ids]
-        return "".join(piece for piece in pieces if piece)
+        if self.joiner is not None:
+            return "".join(self.joiner(token_id, piece) for token_id, piece in pieces)
+        return "".join(piece for _, piece in pieces)
 
 
 def make_detokenizer(
     tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool,
-    keep_special_token_ids: list[int] | None = None,
+    keep_special_token_ids: list[int] | None = None, spaces_between_special_tokens: bool = True,
 ) -> IncrementalDetokenizer | StreamDetokenizer:
     """The streaming detokenizer where it gives exactly what IncrementalDetokenizer would: a fast tokenizer
     whose decode adds no Python-side clean-up, and a prompt that does not end inside a character (primed
@@ -80,7 +103,11 @@ def make_detokenizer(
 
     keep_special_token_ids: special tokens whose text stays when skip_special_tokens drops the others (a reasoning
     parser's </think>, which some tokenizers make special): the text is then decoded with special tokens, all
-    but these dropped first, as skip_special_tokens itself drops them."""
+    but these dropped first, as skip_special_tokens itself drops them.
+
+    spaces_between_special_tokens: False joins consecutive added tokens without a space (AddedTokenJoiner); as
+    vLLM's, only where special tokens are not skipped."""
+    joiner = None if spaces_between_special_tokens or skip_special_tokens else AddedTokenJoiner(tokenizer)
     dropped_ids: frozenset[int] = frozenset()
     if skip_special_tokens and keep_special_token_ids:
         special_ids = _special_ids(tokenizer)
@@ -89,11 +116,11 @@ def make_detokenizer(
     backend = getattr(tokenizer, "_tokenizer", None)
     if (not _has_decode_stream() or not isinstance(backend, Tokenizer) or not tokenizer.is_fast
             or getattr(tokenizer, "clean_up_tokenization_spaces", False)):
-        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, dropped_ids)
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, dropped_ids, joiner)
     context = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in dropped_ids]
     if context and backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
-        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, dropped_ids)
-    return StreamDetokenizer(backend, prompt_token_ids, skip_special_tokens, dropped_ids)
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, dropped_ids, joiner)
+    return StreamDetokenizer(backend, prompt_token_ids, skip_special_tokens, dropped_ids, joiner)
 
 
 @functools.lru_cache(maxsize=8)
@@ -102,6 +129,11 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     added = getattr(tokenizer, "added_tokens_decoder", {})
     return frozenset(i for i, token in added.items() if getattr(token, "special", False)) | frozenset(
         tokenizer.all_special_ids)
+
+
+@functools.lru_cache(maxsize=8)
+def _added_token_texts(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
+    return {i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
 
 
 @functools.cache

@@ -92,7 +92,7 @@ class OutputProcessor:
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
                 detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                               params.keep_special_token_ids)
+                                               params.keep_special_token_ids, params.spaces_between_special_tokens)
             sample = SampleState(sample_id, index, parent, sample_params, detokenizer)
             parent.samples.append(sample)
         # Tracked only once all is built: a request tracked and never sent to the core would keep every later

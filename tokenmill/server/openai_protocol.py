@@ -302,6 +302,9 @@ class SamplingRequest(RequestBody):
     repetition_penalty: float | None = Field(None, gt=0.0)
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    """False: with skip_special_tokens false, consecutive added tokens are joined without the space some decoders
+    (WordPiece's) put between tokens."""
     include_stop_str_in_output: bool = False
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None

@@ -89,6 +89,7 @@ def to_sampling_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             keep_special_token_ids=keep_special_token_ids,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
             structured_outputs=structured_outputs,
         )
     except ValueError as e:
