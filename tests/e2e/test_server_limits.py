@@ -23,7 +23,7 @@ from server_harness import RemoteServer, descendants, is_alive
 
 from tokenmill.cli import make_parser
 from tokenmill.cli.args import given_fields
-from tokenmill.config import ServerConfig
+from tokenmill.server.config import ServerConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from tokenmill.config import ServerConfig
 from tokenmill.engine.chat_template import normalize_messages
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.protocol import EngineCoreOutput
 from tokenmill.sampling_params import RequestOutputKind
+from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import get_reasoning_parser

@@ -15,7 +15,8 @@ import pytest
 from tokenmill.cli import make_parser
 from tokenmill.cli.args import engine_config_from_args, field_docs
 from tokenmill.cli.serve import server_config_from_args
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.server.config import ServerConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

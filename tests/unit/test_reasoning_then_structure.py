@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from tokenmill.config import ServerConfig
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.config import ServerConfig
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import get_reasoning_parser
 from tokenmill.server.structured_outputs import constraint_of

@@ -9,8 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from tokenmill.config import ServerConfig
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.tool_parsers import TOOL_PARSERS, get_tool_parser

@@ -15,7 +15,8 @@ from tokenmill.cli.args import (
     given_fields,
     json_object_flag,
 )
-from tokenmill.config import EngineConfig, ParallelConfig, ServerConfig
+from tokenmill.config import EngineConfig, ParallelConfig
+from tokenmill.server.config import ServerConfig
 
 if TYPE_CHECKING:
     from tokenmill.engine.core_client import CoreProcessClient

@@ -15,11 +15,12 @@ import socket
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.core_client import CoreProcessClient
 from tokenmill.engine.generation_config import sampling_defaults
 from tokenmill.server.api_server import build_app
+from tokenmill.server.config import ServerConfig
 from tokenmill.server.metrics import PrometheusStatLogger
 from tokenmill.server.profiling import prepare_profiler_dir
 from tokenmill.server.startup import claim_listen_address

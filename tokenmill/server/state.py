@@ -14,12 +14,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.choices import ChoiceGatherer
+from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import Decode, token_id_text
 from tokenmill.server.openai_protocol import SamplingRequest

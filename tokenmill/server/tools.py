@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tokenmill.config import ServerConfig
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import bad_request
 from tokenmill.server.forced_calls import Scanner, scan
 from tokenmill.server.openai_protocol import ChatCompletionRequest
