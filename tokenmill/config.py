@@ -466,7 +466,7 @@ _REASONING_KEYS = {
                              "(offline, StructuredOutputsParams(reasoning_end=\"</think>\") starts the structure "
                              "after the reasoning)"),
     "reasoning_parser_plugin": ("", "reasoning parser plugins are not supported; the server's --reasoning-parser "
-                                    "takes deepseek_r1 or qwen3"),
+                                    "takes deepseek_r1, deepseek_v3, glm45, granite, mistral or qwen3"),
     "enable_in_reasoning": (False, "with --reasoning-parser the structure applies once the reasoning is over; to "
                                    "constrain from the first token, serve without --reasoning-parser (or with "
                                    "thinking off in the chat template)"),

@@ -144,6 +144,25 @@ def test_markers_that_are_special_tokens_still_split(smollm2_tokenizer, tools):
         **strip_ids(message), "finish_reason": "tool_calls" if tools else "stop"}
 
 
+def test_a_reasoning_parsers_own_special_markers_are_kept(smollm2_tokenizer):
+    """Magistral's [THINK] and [/THINK] are special tokens: kept in the text for the mistral parser, as <think> is
+    for the others; Granite's plain-text sentences need nothing kept."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    req = request()
+    plan, reasoning = plan_tools(req, AUTO, False), get_reasoning_parser("mistral")
+    options = decode_options(plan, reasoning, tok)
+    assert options == {"keep_special_token_ids": tok.convert_tokens_to_ids(["[THINK]", "[/THINK]"])}
+    assert decode_options(plan, get_reasoning_parser("granite"), tok) == {"keep_special_token_ids": []}
+    params = to_sampling_params(req, 100, defaults={}, **options)
+    params.output_kind = RequestOutputKind.DELTA
+    processor = OutputProcessor(tok)
+    processor.add_request("r", None, tok.encode("Hi"), params, arrival_time=0.0)
+    ids = tok.encode("[THINK]Add them.<|im_start|>[/THINK]4")
+    deltas = [processor.process_outputs([EngineCoreOutput("r", [t])])[0][0].outputs[0].text for t in ids]
+    assert ChoiceText(plan, reasoning).full("".join(deltas)) == {"reasoning_content": "Add them.", "content": "4"}
+
+
 def test_auto_without_calls_is_content():
     plan = plan_tools(request(tools=[WEATHER]), AUTO, False)
     text = ChoiceText(plan, None)

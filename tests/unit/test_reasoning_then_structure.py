@@ -214,3 +214,34 @@ def test_a_forced_call_cut_while_thinking_with_qwen3_is_not_an_error():
     output = '<think>They want {"c:\\path": 1} and'
     assert text.full(output) == {"content": output, "reasoning_content": None}
     assert text.finish_reason("length") == "length"
+
+
+def test_each_parser_thinks_first_up_to_its_own_marker():
+    """Magistral's [/THINK] and Granite's "Here is my response:" end the free text, not </think>."""
+    req = request(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
+    constraint = constraint_of(req)
+    for parser, thought in (("mistral", '[THINK]{"answer": "?"} maybe</think>[/THINK]'),
+                            ("granite", 'Here is my thought process: {"answer": 3}? no. Here is my response:\n')):
+        reasoning = reasoning_parser_of(ServerConfig(reasoning_parser=parser), "<s>[INST]2+2?[/INST]")
+        params = think_first(constraint, reasoning).params
+        assert accepts(params, thought + '{"answer": 4}') and not accepts(params, thought + "4")
+        text = ChoiceText(plan_tools(req, ServerConfig(), False), reasoning)
+        assert text.full(thought + '{"answer": 4}')["content"].lstrip() == '{"answer": 4}'
+
+
+def test_deepseek_v3_reasoning_follows_the_requests_thinking_switch():
+    """--reasoning-parser deepseek_v3: thinking on in chat_template_kwargs (DeepSeek-V3.1's template then opens
+    <think> in the prompt) splits as deepseek_r1 and thinks first; off (the default) the output is all content,
+    constrained from the first token."""
+    config = ServerConfig(reasoning_parser="deepseek_v3")
+    req = request(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
+    on = reasoning_parser_of(config, "<｜User｜>2+2?<｜Assistant｜><think>", {"thinking": True})
+    assert on is get_reasoning_parser("deepseek_r1")
+    assert think_first(constraint_of(req), on).params.reasoning_end == "</think>"
+    for kwargs in (None, {}, {"thinking": False}):
+        off = reasoning_parser_of(config, "<｜User｜>2+2?<｜Assistant｜></think>", kwargs)
+        assert off is None and think_first(constraint_of(req), off).params.reasoning_end is None
+        assert ChoiceText(plan_tools(request(), config, False), off).full("4, no </think> here") == {
+            "content": "4, no </think> here"}
+    text = ChoiceText(plan_tools(request(), config, False), on)
+    assert text.full("Add them.</think>4") == {"reasoning_content": "Add them.", "content": "4"}

@@ -95,7 +95,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if constraint is not None:
         await state.grammar_checker.check(constraint, state.engine.input_processor)
     text, token_ids = await render_messages(state, req)
-    reasoning = reasoning_parser_of(state.config, text)
+    reasoning = reasoning_parser_of(state.config, text, req.chat_template_kwargs)
     if constraint is not None:  # the model may think first: the constraint (strict tools' too) starts after it
         constraint = think_first(constraint, reasoning)
     engine = state.engine

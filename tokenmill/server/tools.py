@@ -12,11 +12,12 @@ tool_choice decides how calls come out:
 
 --reasoning-parser splits the reasoning off first; what is left is the content, which the tool parser reads.
 A constrained output (tool calls forced, response_format, structured outputs) may think first, as in vLLM: its
-constraint applies only after the parser's end marker ("</think>"); the text before it is free and goes to
-reasoning_content. So does the structural tag of strict tools under "auto": a trigger written while thinking
-("<tool_call>" mentioned) would otherwise force a call into the reasoning. A prompt that already ends the
-reasoning (Qwen3's enable_thinking=false writes an empty think block, DeepSeek-V3.1's thinking=false a
-"</think>") turns the reasoning parser off: the output is the answer, constrained from the start.
+constraint applies only after the parser's end marker ("</think>", "[/THINK]", ...); the text before it is free
+and goes to reasoning_content. So does the structural tag of strict tools under "auto": a trigger written while
+thinking ("<tool_call>" mentioned) would otherwise force a call into the reasoning. A prompt that already ends
+the reasoning (Qwen3's enable_thinking=false writes an empty think block, DeepSeek-V3.1's thinking=false a
+"</think>"), or chat_template_kwargs that turn thinking off for the parser (deepseek_v3's `thinking`), turn the
+reasoning parser off: the output is the answer, constrained from the start.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ from tokenmill.server.errors import bad_request
 from tokenmill.server.forced_calls import Scanner, scan
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
-from tokenmill.server.reasoning_parsers.base import END as REASONING_END
-from tokenmill.server.reasoning_parsers.base import START as REASONING_START
 from tokenmill.server.structured_outputs import Constraint
 from tokenmill.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, get_tool_parser, make_tool_call_id
 
@@ -299,46 +298,49 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def reasoning_parser_of(config: ServerConfig, prompt: str) -> type[ReasoningParser] | None:
-    """The server's reasoning parser; None when there is none, or when the prompt already closed the think block:
+def reasoning_parser_of(config: ServerConfig, prompt: str,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> type[ReasoningParser] | None:
+    """The server's reasoning parser for a request; None when there is none, when the request's
+    chat_template_kwargs turned thinking off (deepseek_v3), or when the prompt already closed the think block:
     the output is then all answer (deepseek_r1 would take it all for reasoning, as it has no </think>), and a
     constraint applies from the start."""
-    if config.reasoning_parser is None or prompt_ends_reasoning(prompt):
+    if config.reasoning_parser is None:
         return None
-    return get_reasoning_parser(config.reasoning_parser)
+    parser = get_reasoning_parser(config.reasoning_parser).for_request(chat_template_kwargs or {})
+    if parser is None or parser.prompt_ends_reasoning(prompt):
+        return None
+    return parser
 
 
 def decode_options(plan: ToolPlan, reasoning: type[ReasoningParser] | None, tokenizer) -> dict[str, Any]:
     """How the output is decoded for the parsers, whose markers may be special tokens (GGUF conversions and some
     models make them so): skipped, the parsers would not see them, and reasoning, answer and calls would run
     together. Under "auto" the text keeps every special token ([TOOL_CALLS], <tool_call>, ...), as vLLM's tool
-    parsers ask for; a reasoning parser keeps its <think> and </think>, the other special tokens skipped."""
+    parsers ask for; a reasoning parser keeps its markers (<think> and </think>, [THINK] and [/THINK]), the other
+    special tokens skipped."""
     if plan.mode == "auto":
         return {"skip_special_tokens": False}
     if reasoning is None:
         return {}
     ids = []
-    for marker in (REASONING_START, REASONING_END):
+    for marker in reasoning.starts + reasoning.ends:
         token_id = tokenizer.convert_tokens_to_ids(marker)
         if token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == marker:  # one token, not unk
             ids.append(token_id)
     return {"keep_special_token_ids": ids}
 
 
-def prompt_ends_reasoning(prompt: str) -> bool:
-    """The chat template closed the think block itself (enable_thinking=false): the model answers at once."""
-    return prompt.rstrip().endswith(REASONING_END)
-
-
 def think_first(constraint: Constraint, reasoning: type[ReasoningParser] | None) -> Constraint:
-    """The constraint applied only once the reasoning is over (after "</think>"), when there is a parser. A free
-    structural tag's output may also end while thinking (none of its tags was due), as it may end without a tag."""
+    """The constraint applied only once the reasoning is over (after the parser's end marker as the chat template
+    writes it: "</think>"), when there is a parser. A free structural tag's output may also end while thinking
+    (none of its tags was due), as it may end without a tag."""
     if reasoning is None:
         return constraint
+    end = reasoning.ends[0]
     if not constraint.free:
-        return replace(constraint, params=replace(constraint.params, reasoning_end=REASONING_END))
-    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": REASONING_END}
+        return replace(constraint, params=replace(constraint.params, reasoning_end=end))
+    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end}
     then = {"type": "sequence", "elements": [thinking, constraint.params.structural_tag["format"]]}
     tag = {"type": "structural_tag",
-           "format": {"type": "or", "elements": [{"type": "any_text", "excludes": [REASONING_END]}, then]}}
+           "format": {"type": "or", "elements": [{"type": "any_text", "excludes": [end]}, then]}}
     return replace(constraint, params=replace(constraint.params, structural_tag=tag))

@@ -3,6 +3,7 @@
     parser_class = get_reasoning_parser("deepseek_r1")
     parser_class.split(text) -> (reasoning, content)
     parser = parser_class(); parser.feed(delta) -> (reasoning_delta, content_delta); parser.finish() -> (...)
+    parser_class.for_request(chat_template_kwargs) -> the class a request uses, None: no reasoning to split
 
 A new parser is a module here with a ReasoningParser subclass, and one line in _PARSERS.
 """
@@ -11,10 +12,18 @@ from __future__ import annotations
 
 from tokenmill.server.reasoning_parsers.base import ReasoningParser
 from tokenmill.server.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
+from tokenmill.server.reasoning_parsers.deepseek_v3 import DeepSeekV3ReasoningParser
+from tokenmill.server.reasoning_parsers.glm45 import Glm45ReasoningParser
+from tokenmill.server.reasoning_parsers.granite import GraniteReasoningParser
+from tokenmill.server.reasoning_parsers.mistral import MistralReasoningParser
 from tokenmill.server.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 
 _PARSERS: dict[str, type[ReasoningParser]] = {
     DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
+    DeepSeekV3ReasoningParser.name: DeepSeekV3ReasoningParser,
+    Glm45ReasoningParser.name: Glm45ReasoningParser,
+    GraniteReasoningParser.name: GraniteReasoningParser,
+    MistralReasoningParser.name: MistralReasoningParser,
     Qwen3ReasoningParser.name: Qwen3ReasoningParser,
 }
 

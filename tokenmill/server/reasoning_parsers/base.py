@@ -1,14 +1,15 @@
-"""The think-block machine both reasoning parsers share: `<think>` reasoning `</think>` content.
+"""The think-block machine every reasoning parser shares: a start marker, reasoning, an end marker, content
+(`<think>` reasoning `</think>` content, Magistral's [THINK] ... [/THINK], Granite's sentences).
 
 `split(text)` answers (reasoning, content), each None when empty; a parser object streams the same thing:
 `feed(delta)` and `finish()` answer (reasoning_delta, content_delta), each None when empty. Text that could be
-the start of a tag ("</thi") is held back until the next delta shows what it is, and so are the blanks that
+the start of a marker ("</thi") is held back until the next delta shows what it is, and so are the blanks that
 start a part until something else follows them: a part that is all blanks ("<think>\n\n</think>") is None.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tokenmill.server.tool_parsers.base import held_suffix
 
@@ -19,10 +20,24 @@ def non_blank(text: str) -> str | None:
     return text if text.strip() else None
 
 
+def find_first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
+    """Where the first of the markers is in `text`, and which (the longest where two start there); (-1, "")."""
+    where, found = -1, ""
+    for marker in markers:
+        i = text.find(marker)
+        if i >= 0 and (where < 0 or i < where or (i == where and len(marker) > len(found))):
+            where, found = i, marker
+    return where, found
+
+
 class ReasoningParser:
-    """Subclasses say what text not opened by <think> is (`unopened_is_reasoning`) and may refine `split`."""
+    """Subclasses name their markers (`starts`, `ends`: the first of each is the one the chat template writes,
+    the others variants the models also write), say what text not opened by a start marker is
+    (`unopened_is_reasoning`) and may refine `split`."""
 
     name: ClassVar[str] = ""
+    starts: ClassVar[tuple[str, ...]] = (START,)
+    ends: ClassVar[tuple[str, ...]] = (END,)
     unopened_is_reasoning: ClassVar[bool] = True
 
     def __init__(self) -> None:
@@ -31,6 +46,17 @@ class ReasoningParser:
         self._finished = False
         self._blanks = {"reasoning": "", "content": ""}  # a part's leading blanks, held
         self._started = {"reasoning": False, "content": False}
+
+    @classmethod
+    def for_request(cls, chat_template_kwargs: dict[str, Any]) -> type[ReasoningParser] | None:
+        """The parser of a request rendered with these chat_template_kwargs: this one, or None where they
+        turned thinking off so that the whole output is the answer (DeepSeek-V3's `thinking`)."""
+        return cls
+
+    @classmethod
+    def prompt_ends_reasoning(cls, prompt: str) -> bool:
+        """The chat template closed the think block itself (enable_thinking=false): the model answers at once."""
+        return prompt.rstrip().endswith(cls.ends)
 
     @classmethod
     def split(cls, text: str) -> tuple[str | None, str | None]:
@@ -55,18 +81,19 @@ class ReasoningParser:
         reasoning = content = ""
         if self._state == "start":
             head = self._buf.lstrip()
-            if head.startswith(START):
-                self._buf, self._state = head[len(START):], "reasoning"
-            elif final or not (START.startswith(head)):  # not blanks or a partial "<think>"
+            opened = next((start for start in self.starts if head.startswith(start)), None)
+            if opened is not None:
+                self._buf, self._state = head[len(opened):], "reasoning"
+            elif final or not any(start.startswith(head) for start in self.starts):  # not blanks or a partial start
                 self._state = "reasoning" if self.unopened_is_reasoning else "content"
             else:
                 return None, None
         if self._state == "reasoning":
-            end = self._buf.find(END)
+            end, marker = find_first(self._buf, self.ends)
             if end >= 0:
-                reasoning, self._buf, self._state = self._buf[:end], self._buf[end + len(END):], "content"
+                reasoning, self._buf, self._state = self._buf[:end], self._buf[end + len(marker):], "content"
             else:
-                keep = 0 if final else held_suffix(self._buf, (END,))
+                keep = 0 if final else held_suffix(self._buf, self.ends)
                 reasoning, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         if self._state == "content":
             content, self._buf = self._buf, ""

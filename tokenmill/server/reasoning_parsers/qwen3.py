@@ -7,11 +7,12 @@ stream decides at the start: an output that opens with <think> streams as reason
 as content. It differs from `split` in two cases only, both off the template's path: an output that opens
 <think> and never closes it (cut off by max_tokens: streamed as reasoning, `split` gives it all as content)
 and one with a </think> it never opened (streamed as content, `split` gives the text before it as reasoning).
+The parsers of other models that open their reasoning themselves (GLM-4.5, Granite) work the same way.
 """
 
 from __future__ import annotations
 
-from tokenmill.server.reasoning_parsers.base import END, START, ReasoningParser, non_blank
+from tokenmill.server.reasoning_parsers.base import ReasoningParser, find_first, non_blank
 
 
 class Qwen3ReasoningParser(ReasoningParser):
@@ -20,10 +21,12 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     @classmethod
     def split(cls, text: str) -> tuple[str | None, str | None]:
-        if END not in text:
+        end, marker = find_first(text, cls.ends)
+        if end < 0:
             return None, non_blank(text)
-        reasoning, _, content = text.partition(END)
+        reasoning, content = text[:end], text[end + len(marker):]
         head = reasoning.lstrip()
-        if head.startswith(START):
-            reasoning = head[len(START):]
+        opened = next((start for start in cls.starts if head.startswith(start)), None)
+        if opened is not None:
+            reasoning = head[len(opened):]
         return non_blank(reasoning), non_blank(content)
