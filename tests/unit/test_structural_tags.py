@@ -87,7 +87,7 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-STRICT_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
+STRICT_PARSERS = ("deepseek_v3", "deepseek_v31", "hermes", "llama3_json", "qwen3_coder")
 
 
 def call_text(parser: str, name: str, arguments: dict) -> str:
@@ -96,6 +96,11 @@ def call_text(parser: str, name: str, arguments: dict) -> str:
         return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
     if parser == "llama3_json":
         return f'{{"name": "{name}", "parameters": {json.dumps(arguments)}}}'
+    if parser.startswith("deepseek"):  # a section of one call (V3 fences the arguments, V3.1 does not)
+        head, tail = ("function<｜tool▁sep｜>" + name + "\n```json\n", "\n```") if parser == "deepseek_v3" else (
+            name + "<｜tool▁sep｜>", "")
+        return (f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{head}{json.dumps(arguments)}{tail}<｜tool▁call▁end｜>"
+                "<｜tool▁calls▁end｜>")
     parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
     return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
 

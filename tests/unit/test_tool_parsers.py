@@ -18,7 +18,11 @@ from tokenmill.server.tool_parsers import (
     get_tool_parser,
 )
 
+DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                                                      "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 MARKERS = {
+    "deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP, "```"),
+    "deepseek_v31": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP),
     "hermes": ("<tool_call>", "</tool_call>"),
     "qwen3_coder": ("<tool_call>", "</tool_call>", "<function=", "<parameter="),
     "llama3_json": ("<|python_tag|>", '"parameters"'),
@@ -285,9 +289,42 @@ def test_qwen3_coder_end_tag_inside_a_parameter():
     assert result.content == "tail" and calls(result) == [("f", {"a": "x"})]
 
 
+DEEPSEEK_V3 = (f"Let me check both.{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
+               f'{{"city": "Paris", "opts": {{"s": "a }} ``` {DS_CALL_END}"}}}}\n```{DS_CALL_END}\n'
+               f"{DS_CALL}function{DS_SEP}get_time\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}")
+DEEPSEEK_V31 = (f'Sure.{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{"city": "Zürich"}}{DS_CALL_END}'
+                f"{DS_CALL}get_time{DS_SEP}{{}}{DS_CALL_END}{DS_CALLS_END}")
+
+
+def test_deepseek_v3_and_v31():
+    v3 = get_tool_parser("deepseek_v3").parse(DEEPSEEK_V3)
+    assert v3.content == "Let me check both."
+    assert calls(v3) == [("get_weather", {"city": "Paris", "opts": {"s": f"a }} ``` {DS_CALL_END}"}}),
+                         ("get_time", {})]
+    v31 = get_tool_parser("deepseek_v31").parse(DEEPSEEK_V31 + "\n\nDone.")
+    assert v31.content == "Sure.Done." and calls(v31) == [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+    # Each reads only its own format: V3.1's calls have no type and no fence, V3's do.
+    assert get_tool_parser("deepseek_v31").parse(DEEPSEEK_V3).tool_calls == []
+    assert get_tool_parser("deepseek_v3").parse(DEEPSEEK_V31).tool_calls == []
+
+
+@pytest.mark.parametrize("text", [
+    f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n{{\"a\": 1}}\n```",  # no end token
+    f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n[1]\n```{DS_CALL_END}{DS_CALLS_END}",  # not an object
+    f"{DS_CALLS}{DS_CALL}function{DS_SEP}bad name\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}",
+    f"{DS_CALLS}{DS_CALL}function{DS_SEP}f{DS_CALL_END}{DS_CALLS_END}",  # no arguments
+    f"{DS_CALLS}just text",
+    f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n{{\"a\": 1}}\n``` stray {DS_CALL_END}",
+])
+def test_deepseek_v3_malformed_stays_text(text):
+    assert get_tool_parser("deepseek_v3").parse(text) == ParsedToolCalls(text, [])
+
+
 # -- streaming
 
 WELL_FORMED = {
+    "deepseek_v3": [DEEPSEEK_V3, "No call here <｜tool▁calls", DEEPSEEK_V3 + "\nAfter."],
+    "deepseek_v31": [DEEPSEEK_V31, DEEPSEEK_V31 + " and then text", "Nothing <｜tool"],
     "hermes": [HERMES_TWO, '<tool_call>\n{"name": "f", "arguments": {"q": "日本語"}}\n</tool_call>\nAfter.',
                "No call <tool_ here, <tool_call is just text", HERMES_TAG_IN_ARGUMENT, HERMES_NULL],
     "llama3_json": ['{"name": "a", "parameters": {"x": "}{"}}; {"name": "b", "parameters": {}}',
@@ -299,6 +336,10 @@ WELL_FORMED = {
     "qwen3_coder": [QWEN3_CODER, "Nothing to call here <tool_", QWEN3_CODER_TAG_IN_VALUE],
 }
 MALFORMED = {
+    "deepseek_v3": [f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n{{\"a\": 1}}\n```",
+                    f"{DS_CALLS}{DS_CALL}function{DS_SEP}f x\n```json\n{{}}\n```{DS_CALL_END} tail",
+                    f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n{{}}\n```{DS_CALL_END}{DS_CALL}oops{DS_CALLS_END}"],
+    "deepseek_v31": [f"{DS_CALLS}{DS_CALL}f{DS_SEP}{{\"a\": 1}}", f"{DS_CALLS}{DS_CALL}f{DS_SEP}[]{DS_CALL_END} x"],
     "hermes": ['<tool_call>{"name": "f"</tool_call> and <tool_call>{"name": "g", "arguments": {}}</tool_call> x',
                'Hi <tool_call>\n{"name": "f", "arguments": {"a": 1}}',
                '<tool_call>{"name": "f", "arguments": {"s": "x}}</tool_call> <tool_call>{"name": "g"}</tool_call>'],
@@ -366,6 +407,13 @@ def qwen3_value(value) -> str:
 
 
 def render(name: str, generated: list[tuple[str, dict]], before: str, after: str) -> tuple[str, list[dict] | None]:
+    if name == "deepseek_v3":
+        body = "\n".join(f"{DS_CALL}function{DS_SEP}{n}\n```json\n{json.dumps(a, ensure_ascii=False)}\n```{DS_CALL_END}"
+                         for n, a in generated)
+        return f"{before}{DS_CALLS}{body}{DS_CALLS_END}{after}", None
+    if name == "deepseek_v31":
+        body = "".join(f"{DS_CALL}{n}{DS_SEP}{json.dumps(a, ensure_ascii=False)}{DS_CALL_END}" for n, a in generated)
+        return f"{before}{DS_CALLS}{body}{DS_CALLS_END}{after}", None
     if name == "hermes":
         body = "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
                          for n, a in generated)
@@ -426,7 +474,8 @@ def test_generated_calls_round_trip(name, generated, before, after, points):
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "hermes", "llama3_json", "mistral", "pythonic",
+                                 "qwen3_coder"}
     for name in TOOL_PARSERS:
         assert issubclass(get_tool_parser(name), ToolParser) and get_tool_parser(name).name == name
     with pytest.raises(ValueError, match="hermes"):

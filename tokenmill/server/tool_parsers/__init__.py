@@ -18,6 +18,8 @@ from tokenmill.server.tool_parsers.base import (
     assemble,
     make_tool_call_id,
 )
+from tokenmill.server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from tokenmill.server.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from tokenmill.server.tool_parsers.hermes import HermesToolParser
 from tokenmill.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from tokenmill.server.tool_parsers.mistral import MistralToolParser
@@ -25,6 +27,8 @@ from tokenmill.server.tool_parsers.pythonic import PythonicToolParser
 from tokenmill.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 _PARSERS: dict[str, type[ToolParser]] = {
+    DeepSeekV3ToolParser.name: DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser.name: DeepSeekV31ToolParser,
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
     MistralToolParser.name: MistralToolParser,
