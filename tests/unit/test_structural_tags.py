@@ -87,7 +87,7 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-STRICT_PARSERS = ("deepseek_v3", "deepseek_v31", "hermes", "llama3_json", "qwen3_coder")
+STRICT_PARSERS = ("deepseek_v3", "deepseek_v31", "granite", "hermes", "llama3_json", "phi4_mini_json", "qwen3_coder")
 
 
 def call_text(parser: str, name: str, arguments: dict) -> str:
@@ -96,6 +96,9 @@ def call_text(parser: str, name: str, arguments: dict) -> str:
         return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
     if parser == "llama3_json":
         return f'{{"name": "{name}", "parameters": {json.dumps(arguments)}}}'
+    if parser in ("granite", "phi4_mini_json"):
+        marker = "<|tool_call|>" if parser == "granite" else "functools"
+        return f'{marker}[{{"name": "{name}", "arguments": {json.dumps(arguments)}}}]'
     if parser.startswith("deepseek"):  # a section of one call (V3 fences the arguments, V3.1 does not)
         head, tail = ("function<｜tool▁sep｜>" + name + "\n```json\n", "\n```") if parser == "deepseek_v3" else (
             name + "<｜tool▁sep｜>", "")
@@ -140,6 +143,11 @@ def test_strict_tag_with_a_reasoning_parser_applies_after_thinking(name):
     good = call_text(name, "get_weather", {"city": "Paris", "days": 3})
     assert accepts(params, f"Use {trigger}.</think>\n{good}")
     assert not accepts(params, "Paris.</think>\n" + call_text(name, "get_weather", {"city": "Paris"}))
+
+
+def test_phi4_mini_tag_leaves_the_word_functools_free():
+    tag = get_tool_parser("phi4_mini_json").structural_tag(TOOLS)
+    assert accepts(tag, "Use functools.partial, or functools [see the docs].")
 
 
 def test_parsers_without_a_tag():

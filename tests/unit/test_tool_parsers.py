@@ -23,7 +23,9 @@ DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP = ("<｜tool▁calls▁begi
 MARKERS = {
     "deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP, "```"),
     "deepseek_v31": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP),
+    "granite": ("<|tool_call|>", "<tool_call>", "</tool_call>", '"arguments"'),
     "hermes": ("<tool_call>", "</tool_call>"),
+    "phi4_mini_json": ("functools[", '"arguments"'),  # "functools" alone is a word
     "qwen3_coder": ("<tool_call>", "</tool_call>", "<function=", "<parameter="),
     "llama3_json": ("<|python_tag|>", '"parameters"'),
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
@@ -320,9 +322,48 @@ def test_deepseek_v3_malformed_stays_text(text):
     assert get_tool_parser("deepseek_v3").parse(text) == ParsedToolCalls(text, [])
 
 
+GRANITE = ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"x": "]"}]}}, '
+           '{"name": "get_time", "arguments": {}}]')
+PHI4_MINI = ('functools[{"name": "get_weather", "arguments": {"city": "Zürich"}}, '
+             '{"name": "get_time", "parameters": {}}]')
+
+
+def test_granite_and_phi4_mini_json_lists():
+    granite = get_tool_parser("granite").parse
+    result = granite(GRANITE)
+    assert result.content is None
+    assert calls(result) == [("get_weather", {"city": "Paris", "days": [1, {"x": "]"}]}), ("get_time", {})]
+    # Granite 3.1's text marker, a bare list at the start (as vLLM reads both), Granite 4's one object in tags.
+    for text in ('<tool_call>[{"name": "f", "arguments": {"a": 1}}]', '\n[{"name": "f", "arguments": {"a": 1}}]',
+                 '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'):
+        result = granite(text)
+        assert result.content is None and calls(result) == [("f", {"a": 1})]
+    phi = get_tool_parser("phi4_mini_json").parse
+    result = phi("I will look both up. " + PHI4_MINI)
+    assert result.content == "I will look both up. "
+    assert calls(result) == [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": 1}}'),  # unclosed
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": 1}}, {"oops": 1}]'),  # one is not a call
+    ("granite", '[{"name": "Ann", "age": 3}] is the answer'),  # a bare list of objects that are not calls
+    ("granite", "[1] Smith (2020)"),
+    ("granite", "<|tool_call|>sorry"),
+    ("phi4_mini_json", "import functools\nfunctools.partial(f)"),
+    ("phi4_mini_json", 'functools[{"name": "f", "arguments": [1]}]'),
+    ("phi4_mini_json", "functools[]"),
+])
+def test_json_lists_malformed_stay_text(name, text):
+    assert get_tool_parser(name).parse(text) == ParsedToolCalls(text, [])
+
+
 # -- streaming
 
 WELL_FORMED = {
+    "granite": [GRANITE, '<tool_call>{"name": "f", "arguments": {"q": "ü"}}</tool_call> After.', "[1] a footnote",
+                "Plain <|tool answer"],
+    "phi4_mini_json": [PHI4_MINI, "Text first. " + PHI4_MINI + " and after", "functools is a module"],
     "deepseek_v3": [DEEPSEEK_V3, "No call here <｜tool▁calls", DEEPSEEK_V3 + "\nAfter."],
     "deepseek_v31": [DEEPSEEK_V31, DEEPSEEK_V31 + " and then text", "Nothing <｜tool"],
     "hermes": [HERMES_TWO, '<tool_call>\n{"name": "f", "arguments": {"q": "日本語"}}\n</tool_call>\nAfter.',
@@ -336,6 +377,9 @@ WELL_FORMED = {
     "qwen3_coder": [QWEN3_CODER, "Nothing to call here <tool_", QWEN3_CODER_TAG_IN_VALUE],
 }
 MALFORMED = {
+    "granite": ['<|tool_call|>[{"name": "f", "arguments": {"a": 1}}', '<|tool_call|>[{"name": 1}] tail',
+                '[{"name": "Ann", "age": 3}] x'],
+    "phi4_mini_json": ['functools[{"name": "f", "arguments": {}}', 'functools [{"name": "f"}, 3] tail'],
     "deepseek_v3": [f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n{{\"a\": 1}}\n```",
                     f"{DS_CALLS}{DS_CALL}function{DS_SEP}f x\n```json\n{{}}\n```{DS_CALL_END} tail",
                     f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n{{}}\n```{DS_CALL_END}{DS_CALL}oops{DS_CALLS_END}"],
@@ -414,6 +458,9 @@ def render(name: str, generated: list[tuple[str, dict]], before: str, after: str
     if name == "deepseek_v31":
         body = "".join(f"{DS_CALL}{n}{DS_SEP}{json.dumps(a, ensure_ascii=False)}{DS_CALL_END}" for n, a in generated)
         return f"{before}{DS_CALLS}{body}{DS_CALLS_END}{after}", None
+    if name in ("granite", "phi4_mini_json"):
+        body = json.dumps([{"name": n, "arguments": a} for n, a in generated], ensure_ascii=False)
+        return f"{before}{'<|tool_call|>' if name == 'granite' else 'functools'}{body}{after}", None
     if name == "hermes":
         body = "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
                          for n, a in generated)
@@ -474,8 +521,8 @@ def test_generated_calls_round_trip(name, generated, before, after, points):
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "hermes", "llama3_json", "mistral", "pythonic",
-                                 "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "granite", "hermes", "llama3_json", "mistral",
+                                 "phi4_mini_json", "pythonic", "qwen3_coder"}
     for name in TOOL_PARSERS:
         assert issubclass(get_tool_parser(name), ToolParser) and get_tool_parser(name).name == name
     with pytest.raises(ValueError, match="hermes"):

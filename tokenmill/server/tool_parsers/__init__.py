@@ -20,18 +20,22 @@ from tokenmill.server.tool_parsers.base import (
 )
 from tokenmill.server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from tokenmill.server.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
+from tokenmill.server.tool_parsers.granite import GraniteToolParser
 from tokenmill.server.tool_parsers.hermes import HermesToolParser
 from tokenmill.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from tokenmill.server.tool_parsers.mistral import MistralToolParser
+from tokenmill.server.tool_parsers.phi4_mini_json import Phi4MiniJsonToolParser
 from tokenmill.server.tool_parsers.pythonic import PythonicToolParser
 from tokenmill.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 _PARSERS: dict[str, type[ToolParser]] = {
     DeepSeekV3ToolParser.name: DeepSeekV3ToolParser,
     DeepSeekV31ToolParser.name: DeepSeekV31ToolParser,
+    GraniteToolParser.name: GraniteToolParser,
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
     MistralToolParser.name: MistralToolParser,
+    Phi4MiniJsonToolParser.name: Phi4MiniJsonToolParser,
     PythonicToolParser.name: PythonicToolParser,
     Qwen3CoderToolParser.name: Qwen3CoderToolParser,
 }
