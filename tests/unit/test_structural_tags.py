@@ -151,7 +151,8 @@ def test_phi4_mini_tag_leaves_the_word_functools_free():
 
 
 def test_parsers_without_a_tag():
-    assert {name for name in TOOL_PARSERS if get_tool_parser(name).strict_trigger is None} == {"mistral", "pythonic"}
+    assert {name for name in TOOL_PARSERS if get_tool_parser(name).strict_trigger is None} == {
+        "llama4_pythonic", "mistral", "pythonic"}
 
 
 def request(**kwargs) -> ChatCompletionRequest:

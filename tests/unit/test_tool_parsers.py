@@ -28,6 +28,8 @@ MARKERS = {
     "phi4_mini_json": ("functools[", '"arguments"'),  # "functools" alone is a word
     "qwen3_coder": ("<tool_call>", "</tool_call>", "<function=", "<parameter="),
     "llama3_json": ("<|python_tag|>", '"parameters"'),
+    "llama4_json": ("<|python_tag|>", '"parameters"'),
+    "llama4_pythonic": ("<|python_start|>", "<|python_end|>", "<|python_tag|>", "get_weather("),
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
     "pythonic": ("<|python_start|>", "<|python_end|>", "<|python_tag|>", "get_weather("),
 }
@@ -372,6 +374,10 @@ WELL_FORMED = {
                     'Checking.<|python_tag|>{"name": "a", "parameters": {"s": "ü"}}\nDone.', "Plain {text} answer."],
     "mistral": ['[TOOL_CALLS] [{"name": "a", "arguments": {"x": [1]}}, {"name": "b", "arguments": {}}]',
                 'Ok.[TOOL_CALLS]a[ARGS]{"x": "]["}[TOOL_CALLS]b[CALL_ID]abcDEF123[ARGS]{}', "A [TOOL list."],
+    # Llama 4 Scout's calls: the pythonic list between <|python_start|> and <|python_end|>, and its JSON ones.
+    "llama4_pythonic": ['<|python_start|>[get_weather(city="Paris", days=3), get_time()]<|python_end|>',
+                        '[get_weather(city="Zürich")]'],
+    "llama4_json": ['{"name": "get_weather", "parameters": {"city": "Paris"}}'],
     "pythonic": ['[get_weather(city="Paris"), b(x=[1, {"k": "v)"}])]',
                  'Looking.<|python_start|>[get_weather(city="Zürich")]<|python_end|> Done.', "[1] a footnote"],
     "qwen3_coder": [QWEN3_CODER, "Nothing to call here <tool_", QWEN3_CODER_TAG_IN_VALUE],
@@ -390,6 +396,8 @@ MALFORMED = {
     "llama3_json": ['{"name": "a", "parameters": {"x": 1}', '{"name": "a", "parameters": {}} ; {"bad": 1} tail',
                     '<|python_tag|>print(1)'],
     "mistral": ['[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]bad name[ARGS]{}', "[TOOL_CALLS] [{\"name\": 1}] tail"],
+    "llama4_pythonic": ["<|python_start|>[f(x=1)"],
+    "llama4_json": ['{"name": "a", "parameters": {"x": 1}'],
     "pythonic": ["[f(x=1), g(open(1))] tail", "[f(x='unclosed)]"],
     "qwen3_coder": ["<tool_call>\n<function=f>\n<parameter=a>\n1\n", "<tool_call>oops</tool_call> then text"],
 }
@@ -465,13 +473,13 @@ def render(name: str, generated: list[tuple[str, dict]], before: str, after: str
         body = "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
                          for n, a in generated)
         return f"{before}\n\n{body}{after}", None
-    if name == "llama3_json":
+    if name in ("llama3_json", "llama4_json"):
         body = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in generated)
         return f"{before}<|python_tag|>{body}{after}", None
     if name == "mistral":
         body = "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a, ensure_ascii=False)}" for n, a in generated)
         return f"{before}{body}{after}", None
-    if name == "pythonic":
+    if name in ("pythonic", "llama4_pythonic"):
         body = ", ".join(f"{n}({', '.join(f'{k}={python_literal(v)}' for k, v in a.items())})" for n, a in generated)
         return f"{before}<|python_start|>[{body}]<|python_end|>{after}", None
     tools, blocks = [], []
@@ -491,9 +499,9 @@ def fits(name: str, generated, before: str, after: str) -> bool:
     text = before + after
     if any(m in text or m[:-1] in text for m in MARKERS[name] + ("<|python", "[TOOL", "<tool")):
         return False
-    if name == "llama3_json" and after.lstrip().startswith(";"):
+    if name in ("llama3_json", "llama4_json") and after.lstrip().startswith(";"):
         return False
-    if name == "pythonic" and after.lstrip().startswith("<|"):
+    if name in ("pythonic", "llama4_pythonic") and after.lstrip().startswith("<|"):
         return False
     if name == "qwen3_coder":
         if len({n for n, _ in generated}) != len(generated):
@@ -521,8 +529,8 @@ def test_generated_calls_round_trip(name, generated, before, after, points):
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "granite", "hermes", "llama3_json", "mistral",
-                                 "phi4_mini_json", "pythonic", "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "granite", "hermes", "llama3_json", "llama4_json",
+                                 "llama4_pythonic", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder"}
     for name in TOOL_PARSERS:
         assert issubclass(get_tool_parser(name), ToolParser) and get_tool_parser(name).name == name
     with pytest.raises(ValueError, match="hermes"):

@@ -22,10 +22,10 @@ from tokenmill.server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from tokenmill.server.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from tokenmill.server.tool_parsers.granite import GraniteToolParser
 from tokenmill.server.tool_parsers.hermes import HermesToolParser
-from tokenmill.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from tokenmill.server.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
 from tokenmill.server.tool_parsers.mistral import MistralToolParser
 from tokenmill.server.tool_parsers.phi4_mini_json import Phi4MiniJsonToolParser
-from tokenmill.server.tool_parsers.pythonic import PythonicToolParser
+from tokenmill.server.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
 from tokenmill.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 _PARSERS: dict[str, type[ToolParser]] = {
@@ -34,6 +34,8 @@ _PARSERS: dict[str, type[ToolParser]] = {
     GraniteToolParser.name: GraniteToolParser,
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
+    Llama4JsonToolParser.name: Llama4JsonToolParser,
+    Llama4PythonicToolParser.name: Llama4PythonicToolParser,
     MistralToolParser.name: MistralToolParser,
     Phi4MiniJsonToolParser.name: Phi4MiniJsonToolParser,
     PythonicToolParser.name: PythonicToolParser,

@@ -61,3 +61,9 @@ class Llama3JsonToolParser(ToolParser):
         if j == len(text):
             return None if not final else (i, None)
         return (i, i + 1) if text[j] == "{" else (i, None)
+
+
+class Llama4JsonToolParser(Llama3JsonToolParser):
+    """vLLM's name for Llama 4 served with a JSON tool-calling template: the same format."""
+
+    name = "llama4_json"

@@ -108,3 +108,10 @@ class PythonicToolParser(ToolParser):
         if not final and self.end.startswith(text[i:]):
             return None  # all blanks, or the start of <|python_end|>
         return pos, None
+
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    """vLLM's name for Llama 4's calls: the same Python list, which Llama 4 wraps in <|python_start|> and
+    <|python_end|> (read above)."""
+
+    name = "llama4_pythonic"
