@@ -87,7 +87,8 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-STRICT_PARSERS = ("deepseek_v3", "deepseek_v31", "granite", "hermes", "llama3_json", "phi4_mini_json", "qwen3_coder")
+STRICT_PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "llama3_json", "phi4_mini_json",
+                  "qwen3_coder")
 
 
 def call_text(parser: str, name: str, arguments: dict) -> str:
@@ -96,6 +97,9 @@ def call_text(parser: str, name: str, arguments: dict) -> str:
         return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
     if parser == "llama3_json":
         return f'{{"name": "{name}", "parameters": {json.dumps(arguments)}}}'
+    if parser == "glm45":
+        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in arguments.items())
+        return f"<tool_call>{name}\n{pairs}</tool_call>"
     if parser in ("granite", "phi4_mini_json"):
         marker = "<|tool_call|>" if parser == "granite" else "functools"
         return f'{marker}[{{"name": "{name}", "arguments": {json.dumps(arguments)}}}]'

@@ -23,6 +23,7 @@ DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP = ("<｜tool▁calls▁begi
 MARKERS = {
     "deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP, "```"),
     "deepseek_v31": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP),
+    "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>"),
     "granite": ("<|tool_call|>", "<tool_call>", "</tool_call>", '"arguments"'),
     "hermes": ("<tool_call>", "</tool_call>"),
     "phi4_mini_json": ("functools[", '"arguments"'),  # "functools" alone is a word
@@ -360,9 +361,41 @@ def test_json_lists_malformed_stay_text(name, text):
     assert get_tool_parser(name).parse(text) == ParsedToolCalls(text, [])
 
 
+GLM45 = ("Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
+         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>where</arg_key>\n<arg_value>{\"lat\": 40.7}"
+         "</arg_value>\n<arg_key>note</arg_key>\n<arg_value>null</arg_value>\n</tool_call>\n<tool_call>write_file\n"
+         "<arg_key>content</arg_key>\n<arg_value>print(\"</tool_call>\")\n</arg_value>\n<arg_key>n</arg_key>\n"
+         "<arg_value>5</arg_value>\n</tool_call>")
+GLM47 = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+
+
+def test_glm45_values_as_the_template_writes_them():
+    result = get_tool_parser("glm45").parse(GLM45, WEATHER_TOOLS)
+    assert result.content == "Let me check.\n"
+    assert calls(result) == [
+        ("get_weather", {"city": "New York", "days": 3, "where": {"lat": 40.7}, "note": None}),
+        # no schema: JSON where the value is JSON, else the text; an end tag inside an open value is its text
+        ("write_file", {"content": 'print("</tool_call>")\n', "n": 5})]
+    assert calls(get_tool_parser("glm45").parse(GLM47)) == [("get_weather", {"city": "Paris"})]
+    string_days = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"days": {"type": "string"}}}}}]
+    assert calls(get_tool_parser("glm45").parse(GLM45, string_days))[0][1]["days"] == "3"
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n",  # unclosed
+    "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",  # no name
+    "<tool_call>f\nstray text<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',  # Hermes' JSON is not this format
+])
+def test_glm45_malformed_stays_text(text):
+    assert get_tool_parser("glm45").parse(text, WEATHER_TOOLS) == ParsedToolCalls(text, [])
+
+
 # -- streaming
 
 WELL_FORMED = {
+    "glm45": [GLM45, GLM47 + "\nDone.", "Nothing <tool_ here"],
     "granite": [GRANITE, '<tool_call>{"name": "f", "arguments": {"q": "ü"}}</tool_call> After.', "[1] a footnote",
                 "Plain <|tool answer"],
     "phi4_mini_json": [PHI4_MINI, "Text first. " + PHI4_MINI + " and after", "functools is a module"],
@@ -383,6 +416,7 @@ WELL_FORMED = {
     "qwen3_coder": [QWEN3_CODER, "Nothing to call here <tool_", QWEN3_CODER_TAG_IN_VALUE],
 }
 MALFORMED = {
+    "glm45": ["<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1", "<tool_call>oops <b></tool_call> then text"],
     "granite": ['<|tool_call|>[{"name": "f", "arguments": {"a": 1}}', '<|tool_call|>[{"name": 1}] tail',
                 '[{"name": "Ann", "age": 3}] x'],
     "phi4_mini_json": ['functools[{"name": "f", "arguments": {}}', 'functools [{"name": "f"}, 3] tail'],
@@ -458,7 +492,25 @@ def qwen3_value(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def typed_tools(generated: list[tuple[str, dict]]) -> list[dict]:
+    """Tools whose parameters are typed as the generated arguments are (for the formats whose values are text)."""
+    tools = []
+    for n, a in generated:
+        kinds = {k: {"type": {str: "string", bool: "boolean", int: "integer", dict: "object", list: "array",
+                              type(None): "null"}[type(v)]} for k, v in a.items()}
+        tools.append({"type": "function", "function": {"name": n, "parameters": {"type": "object",
+                                                                                  "properties": kinds}}})
+    return tools
+
+
 def render(name: str, generated: list[tuple[str, dict]], before: str, after: str) -> tuple[str, list[dict] | None]:
+    if name == "glm45":
+        tools, blocks = typed_tools(generated), []
+        for n, a in generated:
+            pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}"
+                            "</arg_value>\n" for k, v in a.items())
+            blocks.append(f"<tool_call>{n}\n{pairs}</tool_call>")
+        return before + "\n" + "\n".join(blocks) + after, tools
     if name == "deepseek_v3":
         body = "\n".join(f"{DS_CALL}function{DS_SEP}{n}\n```json\n{json.dumps(a, ensure_ascii=False)}\n```{DS_CALL_END}"
                          for n, a in generated)
@@ -482,12 +534,8 @@ def render(name: str, generated: list[tuple[str, dict]], before: str, after: str
     if name in ("pythonic", "llama4_pythonic"):
         body = ", ".join(f"{n}({', '.join(f'{k}={python_literal(v)}' for k, v in a.items())})" for n, a in generated)
         return f"{before}<|python_start|>[{body}]<|python_end|>{after}", None
-    tools, blocks = [], []
+    tools, blocks = typed_tools(generated), []
     for n, a in generated:
-        kinds = {k: {"type": {str: "string", bool: "boolean", int: "integer", dict: "object", list: "array",
-                              type(None): "null"}[type(v)]} for k, v in a.items()}
-        tools.append({"type": "function", "function": {"name": n, "parameters": {"type": "object",
-                                                                                  "properties": kinds}}})
         params = "".join(f"<parameter={k}>\n{qwen3_value(v)}\n</parameter>\n" for k, v in a.items())
         blocks.append(f"<tool_call>\n<function={n}>\n{params}</function>\n</tool_call>")
     return before + "\n\n" + "\n".join(blocks) + after, tools
@@ -503,6 +551,11 @@ def fits(name: str, generated, before: str, after: str) -> bool:
         return False
     if name in ("pythonic", "llama4_pythonic") and after.lstrip().startswith("<|"):
         return False
+    if name == "glm45":
+        if len({n for n, _ in generated}) != len(generated):
+            return False
+        if any(isinstance(v, str) and "</arg_value>" in v for _, a in generated for v in a.values()):
+            return False
     if name == "qwen3_coder":
         if len({n for n, _ in generated}) != len(generated):
             return False
@@ -523,14 +576,15 @@ def test_generated_calls_round_trip(name, generated, before, after, points):
     whole = assert_same(name, text, cut(text, points), tools, well_formed=True)
     assert calls(whole) == [(n, a) for n, a in generated]
     # Blanks after a call are dropped, and before the first one when nothing else came first.
-    before = before + "\n\n" if name in ("hermes", "qwen3_coder") else before
+    before = {"hermes": before + "\n\n", "qwen3_coder": before + "\n\n", "glm45": before + "\n"}.get(name, before)
     expected = (before if before.strip() else "") + after.lstrip()
     assert whole.content == (expected or None)
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "granite", "hermes", "llama3_json", "llama4_json",
-                                 "llama4_pythonic", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "llama3_json",
+                                 "llama4_json", "llama4_pythonic", "mistral", "phi4_mini_json", "pythonic",
+                                 "qwen3_coder"}
     for name in TOOL_PARSERS:
         assert issubclass(get_tool_parser(name), ToolParser) and get_tool_parser(name).name == name
     with pytest.raises(ValueError, match="hermes"):

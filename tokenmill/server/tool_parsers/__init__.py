@@ -20,6 +20,7 @@ from tokenmill.server.tool_parsers.base import (
 )
 from tokenmill.server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from tokenmill.server.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
+from tokenmill.server.tool_parsers.glm45 import Glm45ToolParser
 from tokenmill.server.tool_parsers.granite import GraniteToolParser
 from tokenmill.server.tool_parsers.hermes import HermesToolParser
 from tokenmill.server.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
@@ -31,6 +32,7 @@ from tokenmill.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 _PARSERS: dict[str, type[ToolParser]] = {
     DeepSeekV3ToolParser.name: DeepSeekV3ToolParser,
     DeepSeekV31ToolParser.name: DeepSeekV31ToolParser,
+    Glm45ToolParser.name: Glm45ToolParser,
     GraniteToolParser.name: GraniteToolParser,
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
