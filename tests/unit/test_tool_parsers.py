@@ -589,3 +589,15 @@ def test_registry():
         assert issubclass(get_tool_parser(name), ToolParser) and get_tool_parser(name).name == name
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
+
+
+def test_serve_help_names_every_registered_parser():
+    """--tool-call-parser's and --reasoning-parser's help come from ServerConfig's docstrings, written by hand."""
+    from tokenmill.cli.args import field_docs
+    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.reasoning_parsers import REASONING_PARSERS
+    from tokenmill.server.tool_parsers import TOOL_PARSERS
+
+    docs = field_docs(ServerConfig)
+    assert [n for n in TOOL_PARSERS if n not in docs["tool_call_parser"]] == []
+    assert [n for n in REASONING_PARSERS if n not in docs["reasoning_parser"]] == []

@@ -56,10 +56,11 @@ class ServerConfig:
     """Let the model decide when to call tools (tool_choice "auto", the default with tools); needs
     --tool-call-parser."""
     tool_call_parser: str | None = None
-    """How the model writes tool calls, for tool_choice "auto": hermes | llama3_json | mistral | pythonic |
-    qwen3_coder."""
+    """How the model writes tool calls, for tool_choice "auto": deepseek_v3 | deepseek_v31 | glm45 | granite |
+    hermes | llama3_json | llama4_json | llama4_pythonic | mistral | phi4_mini_json | pythonic | qwen3_coder."""
     reasoning_parser: str | None = None
-    """Split the model's reasoning into reasoning_content: deepseek_r1 | qwen3."""
+    """Split the model's reasoning into reasoning_content: deepseek_r1 | deepseek_v3 | glm45 | granite | mistral |
+    qwen3."""
     profiler_dir: str | None = None
     """Folder for torch profiler traces of the engine core(s), recorded between POST /start_profile and POST
     /stop_profile (vLLM's torch_profiler_dir); default: $TOKENMILL_TORCH_PROFILER_DIR; unset: those routes
