@@ -298,6 +298,21 @@ def test_vllm_extras_are_served_not_ignored(server, request_):
         assert "are not known and were ignored" not in log.read()
 
 
+@pytest.mark.parametrize("request_, param", [
+    (completion(logits_processors=["my_module.MyProcessor"]), "logits_processors"),
+    (chat(kv_transfer_params={"do_remote_prefill": True}), "kv_transfer_params"),
+    (completion(vllm_xargs={"my_key": 1}), "vllm_xargs"),
+    (chat(mm_processor_kwargs={"num_crops": 4}), "mm_processor_kwargs"),
+    (completion(prompt_embeds="AAAA"), "prompt_embeds"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_vllm_extras_without_a_counterpart_are_refused_by_name(server, request_, param):
+    # Before: ignored (a warning in the log), the request served as if they were not there.
+    error = assert_openai_error(post(server, *request_))
+    assert error["param"] == param and "not supported" in error["message"], error
+    path, body = request_
+    assert post(server, path, {**body, param: None}).status_code == 200  # null (or empty) is their default
+
+
 def test_a_completion_prompt_that_fills_the_context_is_named(server):
     # With max_tokens null no room is left for output: the prompt's fault (before: param "messages").
     error = assert_openai_error(post(server, *completion(prompt=[1] * 1024, max_tokens=None)))

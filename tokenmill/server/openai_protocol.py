@@ -342,6 +342,16 @@ class SamplingRequest(RequestBody):
     """Accepted and ignored: the server's --structured-outputs-config picks the backend."""
     guided_whitespace_pattern: str | None = None
     """Not supported: a 400 unless null or absent (whitespace in JSON output follows --structured-outputs-config)."""
+    # vLLM's extras this server has no counterpart for: each a 400 naming it unless null, absent or empty (see
+    # sampling.UNSUPPORTED), rather than ignored.
+    logits_processors: Any = None
+    """Not supported (no per-request logits processors)."""
+    kv_transfer_params: Any = None
+    """Not supported (no disaggregated prefill)."""
+    vllm_xargs: Any = None
+    """Not supported (no extensions to read them)."""
+    mm_processor_kwargs: Any = None
+    """Not supported (text-only models)."""
 
 
 class CompletionRequest(SamplingRequest):
@@ -353,11 +363,13 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None
+    """Not supported (no fill-in-the-middle): a 400 unless null or absent."""
     # vLLM's completion extras
     add_special_tokens: bool = True
     """The tokenizer adds its special tokens (a BOS, for most models) to text prompts; token-id prompts are taken as
     they are."""
-    """Not supported (no fill-in-the-middle): a 400 unless null or absent."""
+    prompt_embeds: Any = None
+    """Not supported (prompts are text or token ids): a 400 unless null, absent or empty."""
 
 
 class ChatCompletionRequest(SamplingRequest):

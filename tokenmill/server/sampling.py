@@ -102,6 +102,23 @@ def _field_named(message: str, req: SamplingRequest) -> str | None:
     return name.group() if name is not None and name.group() in type(req).model_fields else None
 
 
+UNSUPPORTED = {
+    "logits_processors": "per-request logits processors are not supported by this server",
+    "kv_transfer_params": "kv_transfer_params is not supported: this server does no disaggregated prefill",
+    "vllm_xargs": "vllm_xargs is not supported: this server has no extensions that would read it",
+    "mm_processor_kwargs": "mm_processor_kwargs is not supported: this server serves text-only models",
+    "prompt_embeds": "prompt_embeds is not supported: send the prompt as text or token ids",
+}
+"""vLLM's extras with no counterpart here. Ignored, they would change nothing the client can see but the output it
+expected (a logits processor's effect, a KV transfer); so each is a 400 unless null, absent or empty."""
+
+
+def refuse_unsupported(req: SamplingRequest) -> None:
+    for name, why in UNSUPPORTED.items():
+        if getattr(req, name, None) not in (None, "", [], {}):
+            raise bad_request(why, param=name)
+
+
 def check_combinations(req: SamplingRequest) -> None:
     """400s for fields that are valid alone but not together, each naming the field to change."""
     if req.stream_options is not None and not req.stream:

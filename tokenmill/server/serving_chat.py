@@ -19,6 +19,7 @@ from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequ
 from tokenmill.server.sampling import (
     check_combinations,
     continuous_usage,
+    refuse_unsupported,
     resolve_max_tokens,
     to_sampling_params,
     truncate_prompt,
@@ -87,6 +88,7 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     state.check_model(req.model)
     check_combinations(req)
+    refuse_unsupported(req)
     _check_unsupported(req)
     constraint = constraint_of(req)
     plan = plan_tools(req, state.config, constrained=constraint is not None)

@@ -22,6 +22,7 @@ from tokenmill.server.openai_protocol import CompletionRequest
 from tokenmill.server.sampling import (
     check_combinations,
     continuous_usage,
+    refuse_unsupported,
     resolve_max_tokens,
     to_sampling_params,
     truncate_prompt,
@@ -59,6 +60,7 @@ def tokenize_prompts(tokenizer: PreTrainedTokenizerBase | None, input_processor:
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_model(req.model)
     check_combinations(req)
+    refuse_unsupported(req)
     if req.suffix is not None:
         raise bad_request("suffix is not supported: this server does no fill-in-the-middle", param="suffix")
     if req.max_tokens == 0 and not req.echo:
