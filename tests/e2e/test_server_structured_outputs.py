@@ -110,6 +110,10 @@ INVALID = [  # (id, extra_body, param, words in the message)
     ("two_guided", {"guided_json": PERSON, "guided_regex": "a+"}, "guided_regex", ["guided_json", "guided_regex"]),
     ("structural_tag", {"structured_outputs": {"structural_tag": json.dumps({"structures": [], "triggers": []})}},
      "structured_outputs", ["structural tag", "triggers"]),
+    ("top_level_structural_tag", {"structural_tag": json.dumps({"structures": [], "triggers": []})},
+     "structural_tag", ["structural tag", "triggers"]),
+    ("top_level_structural_tag_and_guided", {"guided_regex": "a+", "structural_tag": "{}"}, "structural_tag",
+     ["guided_regex", "structural_tag"]),
     ("structural_tag_schema", {"structured_outputs": {"structural_tag": {"structures": [
         {"begin": "<p>", "schema": {"type": "nonsense"}, "end": "</p>"}], "triggers": ["<p>"]}}},
      "structured_outputs", ["structural tag", "structures[0].schema"]),
@@ -149,7 +153,8 @@ def test_invalid_chat_requests_are_400s(client, extra, param, words):
 
 
 @pytest.mark.parametrize("name", ["response_format_schema", "guided_regex", "structured_outputs_grammar",
-                                  "two_guided", "structural_tag", "grammar_token_past_the_vocabulary"])
+                                  "two_guided", "structural_tag", "top_level_structural_tag",
+                                  "grammar_token_past_the_vocabulary"])
 def test_invalid_completion_requests_are_400s(client, name):
     [(extra, param, words)] = [c[1:] for c in INVALID if c[0] == name]
     expect_400(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body=extra),
@@ -280,7 +285,7 @@ def test_chat_json_schema_streamed_with_n(client):
 
 def test_chat_structural_tags(client):
     """Free text, then tagged JSON: the legacy form (the model writes the trigger itself, copying it) and the
-    format object, in structured_outputs and in response_format (streamed)."""
+    format object, in structured_outputs and in response_format (streamed), and the legacy form at the top level."""
     copy = [{"role": "user", "content": 'Repeat exactly: <person>{"name": "Ann", "age": 31}</person>'}]
     legacy = {"structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}], "triggers": ["<person>"]}
     tag = {"type": "tag", "begin": "<person>", "content": {"type": "json_schema", "json_schema": PERSON},
@@ -291,6 +296,8 @@ def test_chat_structural_tags(client):
                                             response_format={"type": "structural_tag", "format": fmt}, **GREEDY)
     texts.append("".join(c.delta.content or "" for chunk in stream for c in chunk.choices))
     assert texts[1].startswith("Person: <person>")
+    # vLLM's older top-level structural_tag (before: ignored, with a warning in the log) is the legacy form's alias.
+    assert chat(client, copy, extra_body={"structural_tag": json.dumps(legacy)}, **GREEDY) == texts[0]
     for text in texts:
         parts = re.findall(r"<person>(.*?)</person>", text)
         assert parts, text

@@ -342,6 +342,8 @@ class SamplingRequest(RequestBody):
     """Accepted and ignored: the server's --structured-outputs-config picks the backend."""
     guided_whitespace_pattern: str | None = None
     """Not supported: a 400 unless null or absent (whitespace in JSON output follows --structured-outputs-config)."""
+    structural_tag: str | dict[str, Any] | None = None
+    """vLLM's older name of structured_outputs.structural_tag."""
     # vLLM's extras this server has no counterpart for: each a 400 naming it unless null, absent or empty (see
     # sampling.UNSUPPORTED), rather than ignored.
     logits_processors: Any = None

@@ -2,8 +2,9 @@
 
 Three ways to ask, one per request: OpenAI's response_format (json_object, json_schema, and vLLM's
 structural_tag), vLLM's structured_outputs object, and vLLM's older top-level guided_json / guided_regex /
-guided_choice / guided_grammar. A spec that does not compile (a bad schema, regex or grammar) is a 400 naming the field
-it came in; compiling it needs no tokenizer and runs off the event loop, as a large schema takes a while.
+guided_choice / guided_grammar / structural_tag. A spec that does not compile (a bad schema, regex or grammar) is a
+400 naming the field it came in; compiling it needs no tokenizer and runs off the event loop, as a large schema
+takes a while.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_protocol import SamplingRequest
 
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar"}
+                  "guided_grammar": "grammar", "structural_tag": "structural_tag"}
 
 
 @dataclass(frozen=True)
