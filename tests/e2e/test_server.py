@@ -383,6 +383,17 @@ def test_x_request_id_names_the_response_and_need_not_be_unique(server):
     assert chat.json()["id"] == "chatcmpl-trace-43" and chat.headers["x-request-id"] == "trace-43"
 
 
+def test_request_id_field_names_the_response_after_the_header(server):
+    """vLLM's request_id (before: ignored, a warning in the log) names the response as X-Request-Id does, which wins
+    over it; it need not be unique either."""
+    body = {"prompt": "Hi", "max_tokens": 1, "request_id": "job-7"}
+    assert [post(server, "/v1/completions", body).json()["id"] for _ in range(2)] == ["cmpl-job-7"] * 2
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "request_id": "job-8"}
+    assert post(server, "/v1/chat/completions", chat).json()["id"] == "chatcmpl-job-8"
+    assert post(server, "/v1/chat/completions", chat, headers={"X-Request-Id": "trace-44"}).json()["id"] == (
+        "chatcmpl-trace-44")
+
+
 def test_request_id_headers(server):
     """--enable-request-id-headers (before: refused as an unknown flag) answers each request's X-Request-Id, or a
     fresh one, on every route, refusals included."""

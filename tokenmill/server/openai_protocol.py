@@ -322,6 +322,9 @@ class SamplingRequest(RequestBody):
     top of a chat completion; streamed, in the first chunk) and each choice's generated ones (token_ids; streamed,
     those of each chunk)."""
     cache_salt: str | None = None
+    request_id: str | None = None
+    """vLLM's: the request's id, which the response's id carries ("cmpl-<id>", "chatcmpl-<id>") and the log names; an
+    X-Request-Id header, when given, comes first (as in vLLM). Need not be unique."""
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=MAX_TOKEN_COUNT), INTEGRAL] | None = None
     """vLLM's: only the prompt's last k tokens are kept (those of the rendered conversation, in chat); -1: as many as
     leave room for max_tokens (for 1 token if unset). -1 or 1 up to the model's context length."""

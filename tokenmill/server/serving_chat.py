@@ -114,7 +114,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 defaults=state.sampling_defaults)
     vocab_bytes = await state.vocab_bytes() if req.logprobs else None  # before the request is added: nothing to undo
     state.check_capacity(params.num_samples)
-    request_id, engine_request_id = make_request_ids("chatcmpl", raw.headers)
+    request_id, engine_request_id = make_request_ids("chatcmpl", raw.headers, req.request_id)
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
     [stream] = state.add_requests(engine_request_id, [prompt], [params], req.priority, req.cache_salt)
     responder = ChatResponder(state, req, request_id, token_ids, plan, reasoning, vocab_bytes)

@@ -100,7 +100,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         for p in prompts
     ]
     state.check_capacity(num_seqs)
-    request_id, engine_request_id = make_request_ids("cmpl", raw.headers)
+    request_id, engine_request_id = make_request_ids("cmpl", raw.headers, req.request_id)
     streams = state.add_requests(engine_request_id, prompts, params, req.priority, req.cache_salt)
     response = CompletionResponder(state, req, request_id, prompts)
     if req.stream:

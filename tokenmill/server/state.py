@@ -180,12 +180,13 @@ def _vocab_bytes(tokenizer) -> list[bytes]:
         return []
 
 
-def make_request_ids(prefix: str, headers: Mapping[str, str]) -> tuple[str, str]:
-    """(the response's id, the engine's). As vLLM's, the response's is the caller's X-Request-Id when given, so that
-    its logs and ours name the request alike; the engine's then has a unique part too: callers' ids need not be
-    unique, and a taken id would be refused (and its owner aborted by the refusal's cleanup)."""
+def make_request_ids(prefix: str, headers: Mapping[str, str], request_id: str | None = None) -> tuple[str, str]:
+    """(the response's id, the engine's). As vLLM's, the response's is the caller's X-Request-Id when given, else the
+    body's request_id, so that its logs and ours name the request alike; the engine's then has a unique part too:
+    callers' ids need not be unique, and a taken id would be refused (and its owner aborted by the refusal's
+    cleanup)."""
     fresh = uuid.uuid4().hex
-    given = headers.get("x-request-id")
+    given = headers.get("x-request-id") or request_id
     if not given:
         return f"{prefix}-{fresh}", f"{prefix}-{fresh}"
     return f"{prefix}-{given}", f"{prefix}-{given}-{fresh}"
