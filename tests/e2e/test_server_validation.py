@@ -374,6 +374,22 @@ def test_request_chat_template_renders(server, smollm2_tokenizer):
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
 
 
+def test_documents_and_reasoning_effort_reach_the_chat_template(server, smollm2_tokenizer):
+    # Before: both ignored (a warning in the log), the template rendered without them.
+    template = ("{{ reasoning_effort }} {{ enable_thinking }}"
+                "{% for d in documents or [] %} [{{ d.title }}: {{ d.text }}]{% endfor %}")
+    documents = [{"title": "A", "text": "one"}, {"title": "B", "text": "two"}]
+
+    def prompt(**fields) -> str:
+        response = post(server, *chat(chat_template=template, return_token_ids=True, **fields))
+        assert response.status_code == 200, response.text
+        return smollm2_tokenizer.decode(response.json()["prompt_token_ids"])
+
+    assert prompt(documents=documents, reasoning_effort="low") == "low True [A: one] [B: two]"
+    assert prompt(documents=[], reasoning_effort="none") == "none False"
+    assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == "none True"
+
+
 @pytest.mark.parametrize("template", ["{{ 1 // 0 }}", "{{ raise_exception('no') }}", "{% for %}"])
 def test_a_failing_request_chat_template_is_a_400(server, template):
     assert_openai_error(post(server, *chat(chat_template=template)))

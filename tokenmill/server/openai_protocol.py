@@ -410,6 +410,12 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template; not those the server passes itself (messages, tools, chat_template,
     add_generation_prompt, continue_final_message, tokenize)."""
+    documents: list[dict[str, str]] | None = None
+    """vLLM's: documents for retrieval-augmented generation, the chat template's `documents` (each best with "title"
+    and "text"); a template that does not read them ignores them."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    """The chat template's `reasoning_effort`, as in vLLM; with it, `enable_thinking` is true unless it is "none"
+    (unless chat_template_kwargs sets enable_thinking). A template that reads neither ignores it."""
 
 
 class TokenizeRequest(RequestBody):

@@ -53,6 +53,12 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
         raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: the server passes these itself "
                           "(send add_generation_prompt, continue_final_message and chat_template as request fields)",
                           param="chat_template_kwargs")
+    # vLLM's request fields that are template variables: over chat_template_kwargs' values of the same names.
+    for name in ("documents", "reasoning_effort"):
+        if (value := getattr(req, name, None)) is not None:
+            template_kwargs[name] = value
+    if (effort := getattr(req, "reasoning_effort", None)) is not None:  # as vLLM's: templates that need thinking on
+        template_kwargs.setdefault("enable_thinking", effort != "none")
     if req.tools:
         if "tools" in template_kwargs:
             raise bad_request("pass tools in tools, not in chat_template_kwargs", param="chat_template_kwargs")
