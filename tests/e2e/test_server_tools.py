@@ -193,6 +193,23 @@ def test_constrained_output_thinks_first(client):
     assert parts == {"reasoning_content": reasoning, "content": choice.message.content}
 
 
+def test_include_reasoning_false_drops_the_reasoning(client):
+    """vLLM's include_reasoning (before: ignored, a warning in the log): false leaves reasoning_content out, whole
+    and streamed, and the content as it is with the reasoning."""
+    kwargs = dict(messages=THINK_SHOT, max_tokens=30, **GREEDY)
+    [full] = client.chat.completions.create(model=MODEL, **kwargs).choices
+    assert full.message.model_extra["reasoning_content"] and full.message.content, full
+    [without] = client.chat.completions.create(model=MODEL, extra_body={"include_reasoning": False}, **kwargs).choices
+    assert "reasoning_content" not in without.message.model_extra and without.message.content == full.message.content
+    content = ""
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, extra_body={"include_reasoning": False},
+                                                **kwargs):
+        for c in chunk.choices:
+            assert "reasoning_content" not in (c.delta.model_extra or {}), chunk
+            content += c.delta.content or ""
+    assert content == full.message.content
+
+
 def test_forced_call_thinks_first(client):
     """A named tool_choice with a reasoning parser: reasoning first, then the call, whole and streamed alike."""
     messages = [THINK_SHOT[0], {"role": "user", "content": "What time is it in Rome?"},

@@ -410,6 +410,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template; not those the server passes itself (messages, tools, chat_template,
     add_generation_prompt, continue_final_message, tokenize)."""
+    include_reasoning: bool = True
+    """vLLM's: false leaves the reasoning (what --reasoning-parser splits off) out of the answer, which then has no
+    reasoning_content; the content is the same."""
     documents: list[dict[str, str]] | None = None
     """vLLM's: documents for retrieval-augmented generation, the chat template's `documents` (each best with "title"
     and "text"); a template that does not read them ignores them."""

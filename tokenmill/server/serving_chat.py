@@ -161,7 +161,7 @@ class ChatResponder:
     def full(self, choices: list, prompt_logprobs: list | None = None) -> dict:
         body = []
         for index, choice in enumerate(choices):
-            text = ChoiceText(self.plan, self.reasoning)
+            text = ChoiceText(self.plan, self.reasoning, self.req.include_reasoning)
             message = {"content": choice.text} if self.plain else text.full(choice.text)
             if self.echo:
                 message["content"] = self.echo + (message["content"] or "")
@@ -220,7 +220,9 @@ class ChatResponder:
                     for completion in output.outputs:
                         num_completion += len(completion.token_ids)
                         logprobs = self._logprobs(completion.token_ids, completion.logprobs)
-                        text = texts.setdefault(completion.index, ChoiceText(self.plan, self.reasoning))
+                        if (text := texts.get(completion.index)) is None:
+                            text = texts[completion.index] = ChoiceText(self.plan, self.reasoning,
+                                                                        req.include_reasoning)
                         if self.plain:
                             delta = {"content": completion.text}
                         else:

@@ -189,8 +189,10 @@ def _call_entries(deltas: list[ToolCallDelta]) -> list[dict]:
 class ChoiceText:
     """One choice's text -> its message fields (`full`) or its delta fields step by step (`feed`, `finish`)."""
 
-    def __init__(self, plan: ToolPlan, reasoning: type[ReasoningParser] | None) -> None:
+    def __init__(self, plan: ToolPlan, reasoning: type[ReasoningParser] | None, include_reasoning: bool = True) -> None:
         self.plan = plan
+        self.include_reasoning = include_reasoning
+        """False: the reasoning is split off and dropped (vLLM's include_reasoning)."""
         self.reasoning_cls = reasoning
         self.reasoning = reasoning() if reasoning is not None else None
         self.tool_parser = plan.parser(plan.tools) if plan.parser is not None else None
@@ -207,7 +209,8 @@ class ChoiceText:
         message: dict[str, Any] = {"content": text}
         if self.reasoning_cls is not None:
             reasoning, message["content"] = self.reasoning_cls.split(text)
-            message["reasoning_content"] = reasoning
+            if self.include_reasoning:
+                message["reasoning_content"] = reasoning
         if plan.mode == "forced":
             calls = forced_calls(message["content"] or "", plan.named, plan.make_id)
             self.cut = not _is_json(message["content"] or "")
@@ -242,7 +245,7 @@ class ChoiceText:
                 more_reasoning, more_content = self.reasoning.finish()
                 reasoning = (reasoning or "") + (more_reasoning or "") or None
                 content = (content or "") + (more_content or "") or None
-            if reasoning:
+            if reasoning and self.include_reasoning:
                 delta["reasoning_content"] = reasoning
         if plan.mode == "forced":
             return delta | self._forced_step(content or "", final)
