@@ -304,6 +304,7 @@ def test_vllm_extras_are_served_not_ignored(server, request_):
     (completion(vllm_xargs={"my_key": 1}), "vllm_xargs"),
     (chat(mm_processor_kwargs={"num_crops": 4}), "mm_processor_kwargs"),
     (completion(prompt_embeds="AAAA"), "prompt_embeds"),
+    (chat(thinking_token_budget=16), "thinking_token_budget"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_vllm_extras_without_a_counterpart_are_refused_by_name(server, request_, param):
     # Before: ignored (a warning in the log), the request served as if they were not there.

@@ -410,6 +410,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template; not those the server passes itself (messages, tools, chat_template,
     add_generation_prompt, continue_final_message, tokenize)."""
+    thinking_token_budget: Any = None
+    """vLLM's cap on reasoning tokens (the end-of-thinking marker forced after them): not supported yet, a 400 unless
+    null or absent."""
     include_reasoning: bool = True
     """vLLM's: false leaves the reasoning (what --reasoning-parser splits off) out of the answer, which then has no
     reasoning_content; the content is the same."""
