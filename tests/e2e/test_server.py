@@ -121,6 +121,39 @@ def test_completion_streamed_and_not_agree_and_count_tokens(server, client, smol
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
 
 
+def mean_logprob(server, prompt_ids: list[int], token_ids: list[int]) -> float:
+    """The tokens' mean logprob after the prompt, as the prompt's echo scores them."""
+    body = {"prompt": prompt_ids + token_ids, "max_tokens": 0, "echo": True, "logprobs": 0}
+    logprobs = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]["token_logprobs"]
+    return sum(logprobs[len(prompt_ids):]) / len(token_ids)
+
+
+def test_beam_search(server, client):
+    """vLLM's use_beam_search (before: ignored, a warning in the log, and the request sampled): n beams wide, the n
+    best beams are the choices, best first; one beam wide it is greedy; streamed, the same answer comes whole."""
+    prompt, beams = "The capital of France is", {"use_beam_search": True, "ignore_eos": True, "max_tokens": 4}
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **GREEDY).choices[0].text
+    assert post(server, "/v1/completions", {"prompt": prompt, **beams}).json()["choices"][0]["text"] == greedy
+    body = {"prompt": prompt, "n": 2, "return_token_ids": True, **beams}
+    choices = post(server, "/v1/completions", body).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1] and choices[0]["token_ids"] != choices[1]["token_ids"]
+    # Same length (ignore_eos): ranked by cumulative logprob, as the model scores the tokens.
+    first, second = (mean_logprob(server, c["prompt_token_ids"], c["token_ids"]) for c in choices)
+    assert first >= second - 1e-3, (first, second, choices)
+    events = sse_events(post(server, "/v1/completions", {**body, "stream": True}))
+    assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events[:-1]] == [
+        (c["index"], c["text"]) for c in choices]
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "n": 2, **beams}
+    answer = post(server, "/v1/chat/completions", chat).json()
+    texts = [c["message"]["content"] for c in answer["choices"]]
+    assert len(set(texts)) == 2 and answer["usage"]["completion_tokens"] == 8, answer
+    streamed = ["", ""]
+    for event in sse_events(post(server, "/v1/chat/completions", {**chat, "stream": True}))[:-1]:
+        for c in event["choices"]:
+            streamed[c["index"]] += c["delta"].get("content") or ""
+    assert streamed == texts
+
+
 def test_chat_streamed_and_not_agree_and_count_tokens(server, client, smollm2_tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6, **GREEDY)

@@ -314,6 +314,18 @@ def test_vllm_extras_without_a_counterpart_are_refused_by_name(server, request_,
     assert post(server, path, {**body, param: None}).status_code == 200  # null (or empty) is their default
 
 
+@pytest.mark.parametrize("request_, param", [
+    (completion(use_beam_search=True, top_p=0.5), "top_p"),
+    (chat(use_beam_search=True, temperature=0.7), "temperature"),
+    (completion(use_beam_search=True, n=2, best_of=3), "best_of"),
+    (chat(use_beam_search=True, logprobs=True), "logprobs"),
+    (chat(use_beam_search=True, response_format={"type": "json_object"}), "response_format"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_beam_search_refuses_the_sampling_fields_it_would_ignore(server, request_, param):
+    error = assert_openai_error(post(server, *request_))
+    assert error["param"] == param and "use_beam_search" in error["message"], error
+
+
 def test_a_completion_prompt_that_fills_the_context_is_named(server):
     # With max_tokens null no room is left for output: the prompt's fault (before: param "messages").
     error = assert_openai_error(post(server, *completion(prompt=[1] * 1024, max_tokens=None)))

@@ -322,6 +322,11 @@ class SamplingRequest(RequestBody):
     top of a chat completion; streamed, in the first chunk) and each choice's generated ones (token_ids; streamed,
     those of each chunk)."""
     cache_salt: str | None = None
+    use_beam_search: bool = False
+    """vLLM's: beam search, n beams wide, instead of sampling; the n best beams are the choices, best first. Sampling
+    fields are refused with it (temperature but 0, best_of but n); streamed, the answer comes whole at the end."""
+    length_penalty: float = 1.0
+    """With use_beam_search: beams are ranked by cumulative logprob / length ** length_penalty."""
     request_id: str | None = None
     """vLLM's: the request's id, which the response's id carries ("cmpl-<id>", "chatcmpl-<id>") and the log names; an
     X-Request-Id header, when given, comes first (as in vLLM). Need not be unique."""

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.chat_template import normalize_messages, render_chat
 from tokenmill.outputs import RequestOutput
+from tokenmill.server.beam_search import beam_search_params, run_beam_search
 from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -100,6 +101,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     plan = plan_tools(req, state.config, constrained=constraint is not None)
     if plan.constraint is not None:
         constraint = plan.constraint
+    if constraint is not None and req.use_beam_search:
+        raise bad_request("structured outputs (and tool_choice \"required\", a named function or strict tools) are "
+                          "not supported with use_beam_search", param=constraint.param)
     if constraint is not None:
         await state.grammar_checker.check(constraint, state.engine.input_processor)
     text, token_ids = await render_messages(state, req)
@@ -118,11 +122,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 structured_outputs=None if constraint is None else constraint.params,
                                 **decode_options(plan, reasoning, engine.tokenizer),
                                 defaults=state.sampling_defaults)
+    search = beam_search_params(req, max_tokens) if req.use_beam_search else None
     vocab_bytes = await state.vocab_bytes() if req.logprobs else None  # before the request is added: nothing to undo
     state.check_capacity(params.num_samples)
     request_id, engine_request_id = make_request_ids("chatcmpl", raw.headers, req.request_id)
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
-    [stream] = state.add_requests(engine_request_id, [prompt], [params], req.priority, req.cache_salt)
+    if search is not None:
+        stream = run_beam_search(state, engine_request_id, prompt, search, params, req.priority, req.cache_salt)
+    else:
+        [stream] = state.add_requests(engine_request_id, [prompt], [params], req.priority, req.cache_salt)
     responder = ChatResponder(state, req, request_id, token_ids, plan, reasoning, vocab_bytes)
     if req.stream:
         return SSEResponse(responder.stream(stream))

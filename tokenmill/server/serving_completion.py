@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import RequestOutput
+from tokenmill.server.beam_search import beam_search_params, run_beam_search
 from tokenmill.server.choices import collect, usage
 from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.limits import MAX_SEQUENCES
@@ -99,9 +100,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         )
         for p in prompts
     ]
+    searches = [beam_search_params(req, p.max_tokens) for p in params] if req.use_beam_search else None
     state.check_capacity(num_seqs)
     request_id, engine_request_id = make_request_ids("cmpl", raw.headers, req.request_id)
-    streams = state.add_requests(engine_request_id, prompts, params, req.priority, req.cache_salt)
+    if searches is not None:
+        streams = [run_beam_search(state, engine_request_id if len(prompts) == 1 else f"{engine_request_id}-{i}",
+                                   prompt, search, p, req.priority, req.cache_salt)
+                   for i, (prompt, search, p) in enumerate(zip(prompts, searches, params))]
+    else:
+        streams = state.add_requests(engine_request_id, prompts, params, req.priority, req.cache_salt)
     response = CompletionResponder(state, req, request_id, prompts)
     if req.stream:
         return SSEResponse(response.stream(streams))
