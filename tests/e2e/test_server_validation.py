@@ -320,6 +320,7 @@ def test_vllm_extras_without_a_counterpart_are_refused_by_name(server, request_,
     (completion(use_beam_search=True, n=2, best_of=3), "best_of"),
     (chat(use_beam_search=True, logprobs=True), "logprobs"),
     (chat(use_beam_search=True, response_format={"type": "json_object"}), "response_format"),
+    (completion(length_penalty=0.5), "length_penalty"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_beam_search_refuses_the_sampling_fields_it_would_ignore(server, request_, param):
     error = assert_openai_error(post(server, *request_))

@@ -126,6 +126,8 @@ def check_combinations(req: SamplingRequest) -> None:
     """400s for fields that are valid alone but not together, each naming the field to change."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+    if req.length_penalty != 1.0 and not req.use_beam_search:  # vLLM ignores it; the client meant a beam search
+        raise bad_request("length_penalty only ranks beams: it needs use_beam_search", param="length_penalty")
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs cannot be streamed", param="prompt_logprobs")
     if req.stream and req.best_of is not None and req.best_of > req.n:
