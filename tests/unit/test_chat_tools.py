@@ -218,3 +218,33 @@ def test_forced_calls_take_the_ids_of_the_servers_tool_parser():
         [call] = ChoiceText(plan, None).full(output)["tool_calls"]
         [streamed_call] = streamed(ChoiceText(plan, None), [output])["tool_calls"]
         assert re.fullmatch(pattern, call["id"]) and re.fullmatch(pattern, streamed_call["id"]), parser
+
+
+def test_kimi_k2_call_ids_are_the_heads_its_template_writes_back():
+    """Kimi-K2's chat template writes a call's id back as the call's head, `functions.NAME:IDX`, IDX counting the
+    conversation's calls: the parsed calls keep the head the model wrote, and forced ones number on from the
+    calls of the request's assistant messages, streamed or not."""
+    kimi = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="kimi_k2")
+    history = [{"role": "user", "content": "weather and time?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "functions.get_weather:0", "function": {"name": "get_weather", "arguments": "{}"}},
+                   {"id": "functions.get_time:1", "function": {"name": "get_time", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+               {"role": "tool", "tool_call_id": "functions.get_time:1", "content": "noon"},
+               {"role": "user", "content": "again"}]
+    output = '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Oslo"}}]'
+    plan = plan_tools(ChatCompletionRequest.model_validate({"messages": history, "tools": [WEATHER, TIME],
+                                                            "tool_choice": "required"}), kimi, False)
+    expected = ["functions.get_time:2", "functions.get_weather:3"]
+    assert [c["id"] for c in ChoiceText(plan, None).full(output)["tool_calls"]] == expected
+    assert [c["id"] for c in streamed(ChoiceText(plan, None), list(output))["tool_calls"]] == expected
+    named = plan_tools(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                       kimi, False)
+    [call] = ChoiceText(named, None).full('{"name": "get_weather", "parameters": {"city": "Oslo"}}')["tool_calls"]
+    assert call["id"] == "functions.get_weather:0"
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:7<|tool_call_argument_begin|>"
+            '{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>')
+    auto = plan_tools(request(tools=[WEATHER]), kimi, False)
+    for message in (ChoiceText(auto, None).full(text), streamed(ChoiceText(auto, None), list(text))):
+        assert [(c["id"], c["function"]["name"]) for c in message["tool_calls"]] == [("functions.get_weather:7",
+                                                                                      "get_weather")]

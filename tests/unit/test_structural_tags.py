@@ -87,8 +87,8 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-STRICT_PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "llama3_json", "phi4_mini_json",
-                  "qwen3_coder")
+STRICT_PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "kimi_k2", "llama3_json",
+                  "phi4_mini_json", "qwen3_coder")
 
 
 def call_text(parser: str, name: str, arguments: dict) -> str:
@@ -108,6 +108,9 @@ def call_text(parser: str, name: str, arguments: dict) -> str:
             name + "<｜tool▁sep｜>", "")
         return (f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{head}{json.dumps(arguments)}{tail}<｜tool▁call▁end｜>"
                 "<｜tool▁calls▁end｜>")
+    if parser == "kimi_k2":
+        return (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>"
+                f"{json.dumps(arguments)}<|tool_call_end|><|tool_calls_section_end|>")
     parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
     return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
 
@@ -152,6 +155,13 @@ def test_strict_tag_with_a_reasoning_parser_applies_after_thinking(name):
 def test_phi4_mini_tag_leaves_the_word_functools_free():
     tag = get_tool_parser("phi4_mini_json").structural_tag(TOOLS)
     assert accepts(tag, "Use functools.partial, or functools [see the docs].")
+
+
+def test_kimi_k2_tag_takes_the_call_number_after_the_fixed_head():
+    tag = get_tool_parser("kimi_k2").structural_tag(TOOLS)
+    good = call_text("kimi_k2", "get_weather", {"city": "Paris", "days": 3})
+    assert accepts(tag, good.replace(":0<", ":12<"))
+    assert not accepts(tag, good.replace(":0<", ":x<")) and not accepts(tag, good.replace(":0<", ":<"))
 
 
 def test_parsers_without_a_tag():

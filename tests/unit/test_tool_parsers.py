@@ -20,12 +20,16 @@ from tokenmill.server.tool_parsers import (
 
 DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                                                       "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = (
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_end|>",
+    "<|tool_call_argument_begin|>")
 MARKERS = {
     "deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP, "```"),
     "deepseek_v31": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP),
     "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>"),
     "granite": ("<|tool_call|>", "<tool_call>", "</tool_call>", '"arguments"'),
     "hermes": ("<tool_call>", "</tool_call>"),
+    "kimi_k2": (KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END, KIMI_ARGS),
     "phi4_mini_json": ("functools[", '"arguments"'),  # "functools" alone is a word
     "qwen3_coder": ("<tool_call>", "</tool_call>", "<function=", "<parameter="),
     "llama3_json": ("<|python_tag|>", '"parameters"'),
@@ -325,6 +329,43 @@ def test_deepseek_v3_malformed_stays_text(text):
     assert get_tool_parser("deepseek_v3").parse(text) == ParsedToolCalls(text, [])
 
 
+KIMI_K2 = (f"I will check both.{KIMI_CALLS}{KIMI_CALL}functions.get_weather:3{KIMI_ARGS}{{\"city\": \"Paris\", "
+           f"\"s\": \"{KIMI_CALL_END}\"}}{KIMI_CALL_END}{KIMI_CALL}functions.get_time:4{KIMI_ARGS}{{}}{KIMI_CALL_END}"
+           f"{KIMI_CALLS_END}")
+
+
+def test_kimi_k2_ids_are_the_heads_the_model_wrote():
+    """Kimi's chat template writes a call's id back as its head, so the id is the head as written."""
+    parser = get_tool_parser("kimi_k2")
+    result = parser.parse(KIMI_K2 + "\nDone.")
+    assert result.content == "I will check both.Done."
+    assert calls(result) == [("get_weather", {"city": "Paris", "s": KIMI_CALL_END}), ("get_time", {})]
+    assert [c.id for c in result.tool_calls] == ["functions.get_weather:3", "functions.get_time:4"]
+    streamed, _ = stream("kimi_k2", list(KIMI_K2))
+    assert [c.id for c in streamed.tool_calls] == ["functions.get_weather:3", "functions.get_time:4"]
+    # Without "functions." (as vLLM reads it), and a name with dots and colons of its own.
+    result = parser.parse(f"{KIMI_CALLS}{KIMI_CALL} get_time:0 {KIMI_ARGS} {{}} {KIMI_CALL_END}\n"
+                          f"{KIMI_CALL}functions.fs.read:v2:7{KIMI_ARGS}{{}}{KIMI_CALL_END}{KIMI_CALLS_END}")
+    assert [(c.id, c.name) for c in result.tool_calls] == [("get_time:0", "get_time"), ("functions.fs.read:v2:7",
+                                                                                         "fs.read:v2")]
+    assert parser.make_id("get_weather", 5) == "functions.get_weather:5"
+    # DeepSeek's tokens are not Kimi's, nor the other way round.
+    assert parser.parse(DEEPSEEK_V31).tool_calls == []
+    assert get_tool_parser("deepseek_v31").parse(KIMI_K2).tool_calls == []
+
+
+@pytest.mark.parametrize("text", [
+    f"{KIMI_CALLS}{KIMI_CALL}functions.f:0{KIMI_ARGS}{{\"a\": 1}}",  # no end token
+    f"{KIMI_CALLS}{KIMI_CALL}functions.f{KIMI_ARGS}{{}}{KIMI_CALL_END}{KIMI_CALLS_END}",  # no call number
+    f"{KIMI_CALLS}{KIMI_CALL}functions.f:0{{}}{KIMI_CALL_END}{KIMI_CALLS_END}",  # no argument token
+    f"{KIMI_CALLS}{KIMI_CALL}functions.f:0{KIMI_ARGS}[1]{KIMI_CALL_END}{KIMI_CALLS_END}",  # not an object
+    f"{KIMI_CALLS}{KIMI_CALL}functions.f:0{KIMI_ARGS}{KIMI_CALL_END}{KIMI_CALLS_END}",  # no arguments
+    f"{KIMI_CALLS}just text",
+])
+def test_kimi_k2_malformed_stays_text(text):
+    assert get_tool_parser("kimi_k2").parse(text) == ParsedToolCalls(text, [])
+
+
 GRANITE = ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"x": "]"}]}}, '
            '{"name": "get_time", "arguments": {}}]')
 PHI4_MINI = ('functools[{"name": "get_weather", "arguments": {"city": "Zürich"}}, '
@@ -401,6 +442,7 @@ WELL_FORMED = {
     "phi4_mini_json": [PHI4_MINI, "Text first. " + PHI4_MINI + " and after", "functools is a module"],
     "deepseek_v3": [DEEPSEEK_V3, "No call here <｜tool▁calls", DEEPSEEK_V3 + "\nAfter."],
     "deepseek_v31": [DEEPSEEK_V31, DEEPSEEK_V31 + " and then text", "Nothing <｜tool"],
+    "kimi_k2": [KIMI_K2, KIMI_K2 + " and then text", "Nothing <|tool_calls"],
     "hermes": [HERMES_TWO, '<tool_call>\n{"name": "f", "arguments": {"q": "日本語"}}\n</tool_call>\nAfter.',
                "No call <tool_ here, <tool_call is just text", HERMES_TAG_IN_ARGUMENT, HERMES_NULL],
     "llama3_json": ['{"name": "a", "parameters": {"x": "}{"}}; {"name": "b", "parameters": {}}',
@@ -424,6 +466,9 @@ MALFORMED = {
                     f"{DS_CALLS}{DS_CALL}function{DS_SEP}f x\n```json\n{{}}\n```{DS_CALL_END} tail",
                     f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n```json\n{{}}\n```{DS_CALL_END}{DS_CALL}oops{DS_CALLS_END}"],
     "deepseek_v31": [f"{DS_CALLS}{DS_CALL}f{DS_SEP}{{\"a\": 1}}", f"{DS_CALLS}{DS_CALL}f{DS_SEP}[]{DS_CALL_END} x"],
+    "kimi_k2": [f"{KIMI_CALLS}{KIMI_CALL}functions.f:0{KIMI_ARGS}{{\"a\": 1}}",
+                f"{KIMI_CALLS}{KIMI_CALL}functions.f:0{KIMI_ARGS}[]{KIMI_CALL_END} x",
+                f"{KIMI_CALLS}{KIMI_CALL}functions.f:0{KIMI_ARGS}{{}}{KIMI_CALL_END}{KIMI_CALL}oops{KIMI_CALLS_END}"],
     "hermes": ['<tool_call>{"name": "f"</tool_call> and <tool_call>{"name": "g", "arguments": {}}</tool_call> x',
                'Hi <tool_call>\n{"name": "f", "arguments": {"a": 1}}',
                '<tool_call>{"name": "f", "arguments": {"s": "x}}</tool_call> <tool_call>{"name": "g"}</tool_call>'],
@@ -518,6 +563,10 @@ def render(name: str, generated: list[tuple[str, dict]], before: str, after: str
     if name == "deepseek_v31":
         body = "".join(f"{DS_CALL}{n}{DS_SEP}{json.dumps(a, ensure_ascii=False)}{DS_CALL_END}" for n, a in generated)
         return f"{before}{DS_CALLS}{body}{DS_CALLS_END}{after}", None
+    if name == "kimi_k2":
+        body = "\n".join(f"{KIMI_CALL}functions.{n}:{i}{KIMI_ARGS}{json.dumps(a, ensure_ascii=False)}{KIMI_CALL_END}"
+                          for i, (n, a) in enumerate(generated))
+        return f"{before}{KIMI_CALLS}{body}{KIMI_CALLS_END}{after}", None
     if name in ("granite", "phi4_mini_json"):
         body = json.dumps([{"name": n, "arguments": a} for n, a in generated], ensure_ascii=False)
         return f"{before}{'<|tool_call|>' if name == 'granite' else 'functools'}{body}{after}", None
@@ -582,9 +631,9 @@ def test_generated_calls_round_trip(name, generated, before, after, points):
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "llama3_json",
-                                 "llama4_json", "llama4_pythonic", "mistral", "phi4_mini_json", "pythonic",
-                                 "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "kimi_k2",
+                                 "llama3_json", "llama4_json", "llama4_pythonic", "mistral", "phi4_mini_json",
+                                 "pythonic", "qwen3_coder"}
     for name in TOOL_PARSERS:
         assert issubclass(get_tool_parser(name), ToolParser) and get_tool_parser(name).name == name
     with pytest.raises(ValueError, match="hermes"):

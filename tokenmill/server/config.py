@@ -57,7 +57,8 @@ class ServerConfig:
     --tool-call-parser."""
     tool_call_parser: str | None = None
     """How the model writes tool calls, for tool_choice "auto": deepseek_v3 | deepseek_v31 | glm45 | granite |
-    hermes | llama3_json | llama4_json | llama4_pythonic | mistral | phi4_mini_json | pythonic | qwen3_coder."""
+    hermes | kimi_k2 | llama3_json | llama4_json | llama4_pythonic | mistral | phi4_mini_json | pythonic |
+    qwen3_coder."""
     reasoning_parser: str | None = None
     """Split the model's reasoning into reasoning_content: deepseek_r1 | deepseek_v3 | glm45 | granite | mistral |
     qwen3."""

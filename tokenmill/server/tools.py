@@ -34,7 +34,7 @@ from tokenmill.server.forced_calls import Scanner, scan
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from tokenmill.server.structured_outputs import Constraint
-from tokenmill.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, get_tool_parser, make_tool_call_id
+from tokenmill.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, get_tool_parser
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -52,8 +52,16 @@ class ToolPlan:
     """The schema forced calls are generated under; under auto, the structural tag of strict tools."""
     parser: type[ToolParser] | None = None
     """The parser of auto mode."""
-    make_id: Callable[[], str] = make_tool_call_id
-    """Forced calls' ids: of the server's tool parser when it has one (Mistral's templates take back 9 characters)."""
+    make_id: Callable[[str, int], str] = ToolParser.make_id
+    """Forced calls' ids: of the server's tool parser when it has one (Mistral's templates take back 9 characters,
+    Kimi-K2's "functions.NAME:IDX")."""
+    calls_before: int = 0
+    """The calls in the request's assistant messages: this response's first call is the conversation's call number
+    `calls_before` (Kimi-K2's ids count the whole conversation's)."""
+
+    def call_id(self, name: str, index: int) -> str:
+        """The id of a forced call to `name`, the response's call number `index`."""
+        return self.make_id(name, self.calls_before + index)
 
 
 def _call_schema(tool: dict[str, Any], at: str) -> dict[str, Any]:
@@ -129,9 +137,10 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig, constrained: bo
         constraint = Constraint(StructuredOutputsParams(json=schema), "tools")
     except ValueError as e:
         raise bad_request(str(e), param="tools") from e
-    make_id = get_tool_parser(config.tool_call_parser).make_id if config.tool_call_parser else make_tool_call_id
+    make_id = get_tool_parser(config.tool_call_parser).make_id if config.tool_call_parser else ToolParser.make_id
+    calls_before = sum(len(message.tool_calls or ()) for message in req.messages)
     return ToolPlan(tools, "forced", named=named, parallel=req.parallel_tool_calls, constraint=constraint,
-                    make_id=make_id)
+                    make_id=make_id, calls_before=calls_before)
 
 
 def _strict_constraint(tools: list[dict[str, Any]], parser: type[ToolParser], parallel: bool,
@@ -151,9 +160,10 @@ def _strict_constraint(tools: list[dict[str, Any]], parser: type[ToolParser], pa
                       note=" (in the structural tag made of the strict tools: its format.tags[i] is tools[i])")
 
 
-def forced_calls(text: str, named: str | None, make_id: Callable[[], str]) -> list[ToolCall]:
-    """The calls in the JSON a forced tool_choice generated; cut by max_tokens, the calls begun so far as a stream
-    of the same text sends them (up to the first without its name)."""
+def forced_calls(text: str, named: str | None, make_id: Callable[[str, int], str]) -> list[ToolCall]:
+    """The calls in the JSON a forced tool_choice generated, each id `make_id(name, index in the response)`; cut
+    by max_tokens, the calls begun so far as a stream of the same text sends them (up to the first without its
+    name)."""
     raw = scan(text, named is not None)
     try:
         value = json.loads(text)
@@ -165,10 +175,10 @@ def forced_calls(text: str, named: str | None, make_id: Callable[[], str]) -> li
         for call in raw:
             if call.name is None:
                 break
-            calls.append(ToolCall(make_id(), call.name, call.arguments))
+            calls.append(ToolCall(make_id(call.name, len(calls)), call.name, call.arguments))
         return calls
     # The arguments as generated (what a stream of the same text sends), "{}" where there were none.
-    return [ToolCall(make_id(), item["name"],
+    return [ToolCall(make_id(item["name"], i), item["name"],
                      raw[i].arguments if i < len(raw) and raw[i].complete else
                      json.dumps(item.get("parameters", {}), ensure_ascii=False))
             for i, item in enumerate(items)]
@@ -212,7 +222,7 @@ class ChoiceText:
             if self.include_reasoning:
                 message["reasoning_content"] = reasoning
         if plan.mode == "forced":
-            calls = forced_calls(message["content"] or "", plan.named, plan.make_id)
+            calls = forced_calls(message["content"] or "", plan.named, plan.call_id)
             self.cut = not _is_json(message["content"] or "")
             if calls:
                 self.called = True
@@ -274,7 +284,7 @@ class ChoiceText:
             if call.name is None:
                 break
             if index == len(self.streamed):
-                self.streamed.append([self.plan.make_id(), 0])
+                self.streamed.append([self.plan.call_id(call.name, index), 0])
                 deltas.append(ToolCallDelta(index, self.streamed[index][0], call.name, ""))
             sent = self.streamed[index][1]
             if len(call.arguments) > sent:

@@ -23,6 +23,7 @@ from tokenmill.server.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from tokenmill.server.tool_parsers.glm45 import Glm45ToolParser
 from tokenmill.server.tool_parsers.granite import GraniteToolParser
 from tokenmill.server.tool_parsers.hermes import HermesToolParser
+from tokenmill.server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from tokenmill.server.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
 from tokenmill.server.tool_parsers.mistral import MistralToolParser
 from tokenmill.server.tool_parsers.phi4_mini_json import Phi4MiniJsonToolParser
@@ -35,6 +36,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     Glm45ToolParser.name: Glm45ToolParser,
     GraniteToolParser.name: GraniteToolParser,
     HermesToolParser.name: HermesToolParser,
+    KimiK2ToolParser.name: KimiK2ToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
     Llama4JsonToolParser.name: Llama4JsonToolParser,
     Llama4PythonicToolParser.name: Llama4PythonicToolParser,

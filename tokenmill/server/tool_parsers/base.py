@@ -12,6 +12,8 @@ content, unchanged, and nothing raises. Whitespace right after a call, and befor
 else came first, is dropped.
 
 A subclass names its markers and scans one call's text (`_scan`); see HermesToolParser for the smallest one.
+A call's id is the one the model wrote (Kimi-K2's head); else `make_id(name, index)` makes one of the kind the
+model's chat template takes back, as it does for the calls a forced tool_choice made.
 
 A parser also says how its calls look to a grammar (`strict_trigger`, `call_begin`, `call_end`,
 `arguments_style`): with tool_choice "auto", tools marked strict have their arguments enforced by a structural
@@ -266,8 +268,10 @@ class ToolParser:
         return pos, None
 
     @classmethod
-    def make_id(cls) -> str:
-        """A call's id, of the kind the model's chat template takes back (also for calls a forced tool_choice made)."""
+    def make_id(cls, name: str, index: int) -> str:
+        """The id of a call to `name`, the conversation's call number `index` (counted from 0 over the assistant
+        messages' calls, then this response's), of the kind the model's chat template takes back: for the calls a
+        forced tool_choice made, and those the model wrote without an id."""
         return make_tool_call_id()
 
     # -- the machine
@@ -302,7 +306,7 @@ class ToolParser:
                     continue
                 self._pending = ""
                 for name, arguments, given_id in calls:
-                    out.append(ToolCallDelta(self._index, id=given_id or self.make_id(), name=name))
+                    out.append(ToolCallDelta(self._index, id=given_id or self.make_id(name, self._index), name=name))
                     out.append(ToolCallDelta(self._index, arguments=arguments))
                     self._index += 1
                 self._after_call = self._skip_blank = True

@@ -27,7 +27,7 @@ class MistralToolParser(ToolParser):
     # tokenizer's version, that the text alone does not tell apart before the call is written.
 
     @classmethod
-    def make_id(cls) -> str:
+    def make_id(cls, name: str, index: int) -> str:
         return random_id(9)
 
     def _begin(self) -> None:
