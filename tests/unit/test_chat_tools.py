@@ -144,6 +144,68 @@ def test_markers_that_are_special_tokens_still_split(smollm2_tokenizer, tools):
         **strip_ids(message), "finish_reason": "tool_calls" if tools else "stop"}
 
 
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+SPECIAL_MARKER_CALLS = {
+    "hermes": 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "deepseek_v31": ('Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "kimi_k2": ("Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'),
+}
+MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<|tool_call|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+                 "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<|tool_calls_section_begin|>",
+                 "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                 "<|tool_calls_section_end|>"]
+
+
+@pytest.fixture(scope="module")
+def marker_tokenizer(smollm2_tokenizer):
+    """SmolLM2's tokenizer with the tool parsers' markers as special tokens, as their models' tokenizers have them,
+    and the server's grammar compiler on it."""
+    from tokenmill.structured.compiler import GrammarCompiler
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": MARKER_TOKENS})
+    compiler = GrammarCompiler(lambda: tok, len(tok), num_threads=1)
+    yield tok, compiler
+    compiler.shutdown()
+
+
+@pytest.mark.parametrize("name", SPECIAL_MARKER_CALLS)
+def test_a_strict_tags_trigger_that_is_a_special_token_starts_the_call(marker_tokenizer, name):
+    """Under "auto", a strict tool's structural tag fires on its trigger when the model writes it as one special
+    token (xgrammar's vocabulary holds the added token's text), the call held to the schema from there; decoded as
+    the server asks, the text keeps the markers, and the call comes out valid."""
+    import xgrammar as xgr
+
+    (tok, compiler), text = marker_tokenizer, SPECIAL_MARKER_CALLS[name]
+    req = request(tools=[STRICT_WEATHER])
+    plan = plan_tools(req, ServerConfig(enable_auto_tool_choice=True, tool_call_parser=name), False)
+    compiled = compiler.get(plan.constraint.params)
+    ids = tok.encode(text)
+    assert tok.convert_tokens_to_ids(plan.parser.strict_trigger) in ids  # one token, not its text's pieces
+    matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[tok.eos_token_id])
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    for token in ids + [tok.eos_token_id]:
+        matcher.fill_next_token_bitmask(bitmask)
+        assert int(bitmask[0, token // 32]) >> (token % 32) & 1, tok.convert_ids_to_tokens(token)
+        assert matcher.accept_token(token), tok.convert_ids_to_tokens(token)
+    assert matcher.is_terminated()
+    off_schema = xgr.GrammarMatcher(compiled, override_stop_tokens=[tok.eos_token_id])
+    assert not all(off_schema.accept_token(t) for t in tok.encode(text.replace('"Paris"', "3")))
+    params = to_sampling_params(req, 100, defaults={}, **decode_options(plan, None, tok))
+    params.output_kind = RequestOutputKind.DELTA
+    processor = OutputProcessor(tok)
+    processor.add_request("r", None, tok.encode("Hi"), params, arrival_time=0.0)
+    deltas = [processor.process_outputs([EngineCoreOutput("r", [t])])[0][0].outputs[0].text for t in ids]
+    assert "".join(deltas) == text
+    for message in (ChoiceText(plan, None).full(text), streamed(ChoiceText(plan, None), deltas)):
+        [call] = message["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
 def test_a_reasoning_parsers_own_special_markers_are_kept(smollm2_tokenizer):
     """Magistral's [THINK] and [/THINK] are special tokens: kept in the text for the mistral parser, as <think> is
     for the others; Granite's plain-text sentences need nothing kept."""
