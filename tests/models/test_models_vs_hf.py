@@ -93,7 +93,7 @@ def test_greedy_tokens_match_hf_on_cuda(references, model_name: str, setting: st
     replays = []
     if runner.mixed_cuda_graphs is not None:  # absent for latent attention (MLA) models
         mixed_run = runner.mixed_cuda_graphs.run
-        runner.mixed_cuda_graphs.run = lambda *args: replays.append(mixed_run(*args)) or replays[-1]
+        runner.mixed_cuda_graphs.run = lambda *args, **kwargs: replays.append(mixed_run(*args, **kwargs)) or replays[-1]
     if "ngram" in setting:
         always_draft(llm)  # a random model's drafts gain little: draft every step anyway
     params = SamplingParams(temperature=0, max_tokens=len(ref.expected[0]), ignore_eos=True)
