@@ -20,6 +20,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 token and KV head."""
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
+"""What returned logprobs hold (vLLM's logprobs_mode); vLLM's processed_logprobs and processed_logits are refused:
+the sampling kernels apply penalties, temperature and top-k/p inside the draw, never writing the processed row."""
 
 
 def check_device(name: str) -> None:
@@ -60,6 +63,24 @@ class ModelConfig:
     linear layers' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized and multiplying them in place (the CPU
     default; in bfloat16 a small model keeps a dense copy beside them for steps of many rows, a larger one is
     dequantized). The GPU dequantizes at load unless quantization is gguf."""
+    max_logprobs: int = 20
+    """Most logprobs (and prompt_logprobs) a request may ask for, as vLLM's: more is refused (ValueError offline, a
+    400 naming the field on the server); -1: the vocabulary size."""
+    logprobs_mode: str = "raw_logprobs"
+    """What sampled tokens' logprobs hold: raw_logprobs (log_softmax of the model's logits, before logit_bias,
+    penalties, temperature and top-k/p: what the model thinks, whatever the sampling did) | raw_logits (the model's
+    logits themselves). vLLM's processed_logprobs / processed_logits (after that processing) are not supported.
+    Prompt logprobs are always log_softmax, as vLLM's."""
+
+    def __post_init__(self) -> None:
+        if type(self.max_logprobs) is not int or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or a non-negative integer, got "
+                             f"{self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            processed = self.logprobs_mode in ("processed_logprobs", "processed_logits")
+            raise ValueError(f"logprobs_mode {self.logprobs_mode!r} is not supported"
+                             + (" (the sampling kernels never write the processed logits)" if processed else "")
+                             + f"; choose one of {', '.join(LOGPROBS_MODES)}")
 
 
 @dataclass(frozen=True)

@@ -263,7 +263,11 @@ def test_suffix_is_refused_as_not_supported(server):
     (chat(n=3, best_of=2, temperature=1), "best_of (2) must be at least n (3)"),
     (completion(n=1, best_of=2, temperature=0), "best_of > n needs sampling"),
     (chat(min_tokens=5, max_tokens=2), "min_tokens (5) must not exceed max_tokens (2)"),
-], ids=["completion", "chat", "greedy", "min-tokens"])
+    # Past the engine's --max-logprobs (vLLM's default of 20), named as the request spells it.
+    (completion(logprobs=21), "logprobs must be at most 20 (the server's --max-logprobs), got 21"),
+    (chat(logprobs=True, top_logprobs=30), "top_logprobs must be at most 20"),
+    (completion(prompt_logprobs=21), "prompt_logprobs must be at most 20"),
+], ids=["completion", "chat", "greedy", "min-tokens", "max-logprobs", "max-top-logprobs", "max-prompt-logprobs"])
 def test_sampling_params_errors_name_their_field(server, request_, message):
     # Before: the same 400s with param null (SamplingParams' checks, which know no request fields).
     error = assert_openai_error(post(server, *request_))

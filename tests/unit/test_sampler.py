@@ -101,6 +101,18 @@ def test_logprobs_are_the_raw_log_softmax_with_ranks(logits):
     assert out.sampled_ranks.tolist() == expected_ranks
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits"])
+def test_logprobs_mode_picks_what_is_returned_and_not_what_is_drawn(logits, mode):
+    """vLLM's logprobs_mode: the raw log_softmax or the raw logits, both before the temperature and top-k that
+    the draw applies."""
+    params = [SamplingParams(temperature=0.5, top_k=3, logprobs=2, seed=1)] * 2
+    out = Sampler(mode)(logits[:2], build_sampling_metadata(params, {}, VOCAB, CPU))
+    expected = logits[:2] if mode == "raw_logits" else logits[:2].log_softmax(-1)
+    chosen = out.token_ids
+    torch.testing.assert_close(out.logprobs.logprobs[:, 0], expected[torch.arange(2), chosen])
+    torch.testing.assert_close(out.logprobs.logprobs[:, 1:], expected.topk(2).values)
+
+
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     keep = expected > 0

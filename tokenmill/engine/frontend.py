@@ -73,5 +73,5 @@ def load_frontend(model_config: ModelConfig, hf_config: PretrainedConfig | None 
     tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config, hf_config)
     tokenizer_info = make_tokenizer_info(tokenizer, hf_config, model_config)
     input_processor = InputProcessor(tokenizer, tokenizer_info, max_model_len, hf_config.vocab_size,
-                                     structured_outputs)
+                                     structured_outputs, model_config.max_logprobs)
     return Frontend(hf_config, max_model_len, tokenizer, input_processor, OutputProcessor(tokenizer))

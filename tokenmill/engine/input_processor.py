@@ -39,14 +39,16 @@ class InputProcessor:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase | None, tokenizer_info: TokenizerInfo,
         max_model_len: int, vocab_size: int, structured_outputs: StructuredOutputsConfig | None = None,
+        max_logprobs: int = 20,
     ) -> None:
         """`structured_outputs`: the engine's structured_outputs_config, for what a spec leaves unset (None: the
-        defaults)."""
+        defaults); `max_logprobs`: the most logprobs a request may ask for (-1: the vocabulary size)."""
         self.tokenizer = tokenizer
         self.structured_outputs = structured_outputs or StructuredOutputsConfig()
         self.tokenizer_info = tokenizer_info
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         # The ids grammars compile against (structured/vocab.py). Read now: later, the tokenizer may be busy on
         # another thread.
         self.grammar_vocab_size = grammar_vocab_size(tokenizer, vocab_size) if tokenizer is not None else vocab_size
@@ -126,6 +128,9 @@ class InputProcessor:
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), "
                                  f"got {getattr(params, name)}")
+            if (getattr(params, name) or 0) > self.max_logprobs:
+                raise ValueError(f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got "
+                                 f"{getattr(params, name)}")
         if params.allowed_token_ids is not None or params.logit_bias:
             self._check_an_allowed_token_is_left(params)
         if params.stop and self.tokenizer is None:

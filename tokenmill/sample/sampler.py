@@ -2,7 +2,8 @@
 
 The pipeline, in this fixed order (every stage is skipped when no row uses it):
   1. logprobs are taken from the raw model distribution (log_softmax of the unprocessed logits,
-     as vLLM's default `raw_logprobs` mode), before anything below changes the logits;
+     as vLLM's default `raw_logprobs` mode; the logits themselves in `raw_logits` mode), before anything
+     below changes the logits;
   2. per-request `logits_processors` (Python callables: the slow path);
   3. the logit mask: `logit_bias`, `allowed_token_ids`, `bad_words`, and EOS/stop tokens while
      fewer than `min_tokens` were generated;
@@ -59,10 +60,22 @@ class LogprobsTensors:
     sampled_ranks: torch.Tensor  # [num_reqs] int64, 1 = the most likely token
 
 
+def raw_scores(logits: torch.Tensor, logprobs_mode: str) -> torch.Tensor:
+    """What a sampled token's logprobs are read from: the model's logits in float32 (raw_logits), or their
+    log_softmax (raw_logprobs)."""
+    return logits.float() if logprobs_mode == "raw_logits" else logits.float().log_softmax(dim=-1)
+
+
 class Sampler(nn.Module):
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        """logprobs_mode: ModelConfig.logprobs_mode."""
+        super().__init__()
+        self.logprobs_mode = logprobs_mode
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_reqs, vocab] -> one token id per row (and logprobs if asked)."""
-        raw_logprobs = logits.float().log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        wants_logprobs = metadata.max_num_logprobs is not None
+        raw_logprobs = raw_scores(logits, self.logprobs_mode) if wants_logprobs else None
         penalties = penalties_on_load(metadata)
         row_maxima = None
         if penalties is None:

@@ -54,7 +54,7 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_spec(app)
+            app.openapi_schema = openapi_spec(app, engine.input_processor.max_logprobs)
         return app.openapi_schema
 
     app.openapi = openapi

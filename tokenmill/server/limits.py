@@ -7,8 +7,10 @@ from tokenmill.sampling_params import INT64_MAX, INT64_MIN  # noqa: F401 - the r
 
 MAX_N = 128
 """Most completions per prompt (`n`, `best_of`), as OpenAI allows."""
-MAX_LOGPROBS = 20
-"""Most alternatives per position (`logprobs`, `top_logprobs`), as OpenAI allows."""
+MAX_LOGPROBS = 2**31
+"""The request models' bound of `logprobs`, `top_logprobs` and `prompt_logprobs`: the engine's max_logprobs (20
+unless --max-logprobs says otherwise, as vLLM's) is checked per request, and /openapi.json publishes it
+(openapi.py)."""
 MAX_LOGIT_BIAS = 100.0
 """`logit_bias` values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's."""
 MAX_PROMPTS = 256

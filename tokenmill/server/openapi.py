@@ -23,13 +23,23 @@ INVALID_REQUEST = {
 }
 
 
-def openapi_spec(app: FastAPI) -> dict:
+LOGPROBS_FIELDS = {"CompletionRequest": ("logprobs", "prompt_logprobs"),
+                   "ChatCompletionRequest": ("top_logprobs", "prompt_logprobs")}
+"""Fields bounded by the engine's max_logprobs, not by the request models."""
+
+
+def openapi_spec(app: FastAPI, max_logprobs: int | None = None) -> dict:
+    """`max_logprobs`: the engine's, published as the bound of the logprobs fields."""
     spec = FastAPI.openapi(app)
     schemas = spec["components"]["schemas"]
     # FastAPI's OpenAPI model holds bounds as floats, which turns 2**63 - 1 (seed, priority) into 2**63.
     for model in REQUEST_MODELS:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update({model.__name__: schema, **schema.pop("$defs", {})})
+        for name in LOGPROBS_FIELDS.get(model.__name__, ()) if max_logprobs is not None else ():
+            for form in schema["properties"][name].get("anyOf", [schema["properties"][name]]):
+                if form.get("type") == "integer":
+                    form["maximum"] = max_logprobs
     # Validation errors are answered 400 (errors.py), not 422.
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)

@@ -97,6 +97,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             prompt_logprobs=max(wanted) if wanted else None,
             structured_outputs=None if constraint is None else constraint.params,
             defaults=state.sampling_defaults,
+            max_logprobs=engine.input_processor.max_logprobs,
         )
         for p in prompts
     ]

@@ -54,15 +54,17 @@ class ModelRunner:
         max_drafts: int = 0,
         num_batches_in_flight: int = 1,
         tree: TokenTree | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
-        """`max_drafts`: draft positions per request (a tree's depth); `tree`: the draft tree, None for chains."""
+        """`max_drafts`: draft positions per request (a tree's depth); `tree`: the draft tree, None for chains;
+        `logprobs_mode`: ModelConfig.logprobs_mode."""
         self.model = model
         self.attn_backend = attn_backend
         self.device = device
         self.block_size = block_size
         max_blocks_per_req = -(-max_model_len // block_size)
         self.states = RequestStates(max_num_reqs, max_model_len, max_blocks_per_req)
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, device)
         self.prompt_logprobs = PromptLogprobsCollector()
         self.cuda_graphs: CudaGraphRunner | None = None

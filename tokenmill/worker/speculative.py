@@ -20,7 +20,14 @@ import torch
 
 from tokenmill.device_copy import pack_to_device, to_device
 from tokenmill.sample.metadata import SamplingMetadata
-from tokenmill.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs, greedy_ids
+from tokenmill.sample.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplerOutput,
+    gather_logprobs,
+    greedy_ids,
+    raw_scores,
+)
 from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.spec.proposers import Proposer
@@ -247,4 +254,4 @@ class SpeculativeDecoding:
         column = np.arange(counts.sum()) - np.repeat(starts, counts)
         index = to_device(np.stack([row_of_position, column]), self.device)
         emitted = tokens[index[0], index[1]].clamp(min=0)
-        return gather_logprobs(logits.float().log_softmax(dim=-1), emitted, num_top)
+        return gather_logprobs(raw_scores(logits, self.sampler.logprobs_mode), emitted, num_top)

@@ -16,7 +16,7 @@ from torch import nn
 from tokenmill.device_copy import pack_to_device
 from tokenmill.layers.attention import Attention
 from tokenmill.sample.metadata import SamplingMetadata
-from tokenmill.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
+from tokenmill.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs, raw_scores
 from tokenmill.sample.state import SamplingState
 from tokenmill.spec.tree import TokenTree
 from tokenmill.spec.tree_rejection import TreeVerifyBatch, verify_tree
@@ -99,4 +99,5 @@ class TreeVerification:
         selected = torch.from_numpy(np.concatenate([i * width + np.arange(n) for i, n in enumerate(entries)]))
         selected = selected.to(logits.device)
         emitted = tokens.flatten()[selected].clamp(min=0)
-        return gather_logprobs(logits[index.flatten()[selected]].float().log_softmax(dim=-1), emitted, num_top)
+        scores = raw_scores(logits[index.flatten()[selected]], self.sampler.logprobs_mode)
+        return gather_logprobs(scores, emitted, num_top)

@@ -258,6 +258,7 @@ class Worker:
             max_drafts=0 if speculative is None else speculative.num_speculative_tokens,
             num_batches_in_flight=self.config.parallel_config.num_batches_in_flight,
             tree=self.token_tree,
+            logprobs_mode=self.config.model_config.logprobs_mode,
         )
         if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
             if self.config.parallel_config.pipeline_parallel_size > 1:
