@@ -63,6 +63,11 @@ class ModelConfig:
     linear layers' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized and multiplying them in place (the CPU
     default; in bfloat16 a small model keeps a dense copy beside them for steps of many rows, a larger one is
     dequantized). The GPU dequantizes at load unless quantization is gguf."""
+    hf_overrides: dict[str, Any] | None = None
+    """Keys set on the model's Hugging Face config before anything reads it (vLLM's hf_overrides), e.g.
+    {"max_position_embeddings": 4096} or {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+    "original_max_position_embeddings": 32768}}; a dict onto a nested config (text_config) updates its keys.
+    The frontend, the engine core and every worker apply it alike; a draft model keeps its own config."""
     max_logprobs: int = 20
     """Most logprobs (and prompt_logprobs) a request may ask for, as vLLM's: more is refused (ValueError offline, a
     400 naming the field on the server); -1: the vocabulary size."""
@@ -73,6 +78,9 @@ class ModelConfig:
     Prompt logprobs are always log_softmax, as vLLM's."""
 
     def __post_init__(self) -> None:
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config keys, got {type(self.hf_overrides).__name__} "
+                             f"(a function of the config is not supported)")
         if type(self.max_logprobs) is not int or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or a non-negative integer, got "
                              f"{self.max_logprobs!r}")

@@ -45,8 +45,10 @@ def test_generation_config_gives_the_defaults_of_calls_without_sampling_params(t
         {"temperature": 0.0, "top_p": 0.9, "max_new_tokens": 3, "do_sample": True}))
     with pytest.raises(ValueError, match="no generation_config.json in"):
         LLM(tiny_llama.path, generation_config=str(tmp_path / "missing"))
+    # hf_overrides too (one engine start for both): vLLM's keys set on the HF config the workers build from.
     llm = LLM(tiny_llama.path, skip_tokenizer_init=True, kv_cache_space=0.01, max_model_len=64,
-              generation_config=str(tmp_path), override_generation_config={"top_k": 7, "top_p": None})
+              generation_config=str(tmp_path), override_generation_config={"top_k": 7, "top_p": None},
+              hf_overrides={"rms_norm_eps": 0.5})
     defaults = llm.get_default_sampling_params()
     assert defaults == SamplingParams(temperature=0.0, top_k=7, max_tokens=3)
     # Those set, apart: the offline CLIs put the flags given over them (tests/unit/test_cli.py).
@@ -58,3 +60,22 @@ def test_generation_config_gives_the_defaults_of_calls_without_sampling_params(t
     greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(greedy[0].outputs[0].token_ids) == 5
     assert by_default.outputs[0].token_ids == greedy[0].outputs[0].token_ids[:3]
+    assert greedy[0].outputs[0].token_ids == hf_greedy(tiny_llama.model, [1, 2, 3], 5, rms_norm_eps=0.5)
+    assert greedy[0].outputs[0].token_ids != hf_greedy(tiny_llama.model, [1, 2, 3], 5)  # the override mattered
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int, **overrides) -> list[int]:
+    """transformers' greedy tokens of `model` with `overrides` set on a copy of its config."""
+    import copy
+
+    import torch
+
+    config = copy.deepcopy(model.config)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    other = type(model)(config).eval()
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        out = other.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

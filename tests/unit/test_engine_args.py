@@ -42,3 +42,23 @@ def test_requests_past_max_logprobs_are_refused_naming_the_field(max_logprobs, a
         processor.validate([1, 2], SamplingParams(**{name: allowed}))
         with pytest.raises(ValueError, match=f"^{name} must be at most (the vocabulary size \\(|){allowed}"):
             processor.validate([1, 2], SamplingParams(**{name: allowed + 1}))
+
+
+def test_hf_overrides_is_a_json_flag_and_a_kwarg(tiny_llama):
+    from tokenmill.engine.frontend import resolve_max_model_len
+    from tokenmill.model.loader import load_hf_config
+
+    rope = {"rope_type": "linear", "factor": 2.0}
+    config = serve_config("--hf-overrides", '{"max_position_embeddings": 128}', "--hf-overrides.rope_scaling",
+                          '{"rope_type": "linear", "factor": 2.0}')
+    assert config.model_config.hf_overrides == {"max_position_embeddings": 128, "rope_scaling": rope}
+    model_config = EngineConfig.from_kwargs(tiny_llama.path, hf_overrides=config.model_config.hf_overrides).model_config
+    hf_config = load_hf_config(model_config)
+    assert hf_config.max_position_embeddings == 128
+    assert hf_config.rope_scaling == {**rope, "rope_theta": 10000.0}  # the base kept (transformers 5 would drop it)
+    assert resolve_max_model_len(None, hf_config) == 256  # 128 positions, stretched twice by the linear RoPE
+    assert load_hf_config(EngineConfig.from_kwargs(tiny_llama.path).model_config).max_position_embeddings == 256
+    with pytest.raises(ValueError, match="hf_overrides must be a dict"):
+        EngineConfig.from_kwargs("m", hf_overrides=lambda c: c)
+    with pytest.raises(ValueError, match="--hf-overrides must be a JSON object"):
+        serve_config("--hf-overrides", "[1]")

@@ -273,8 +273,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
     for cls in ENGINE_CONFIGS:
         group = parser.add_argument_group(f"engine: {cls.__name__}")
         add_dataclass_args(group, cls, skip=("model",))
-    # A dict-typed field, which add_dataclass_args leaves out: a JSON object, as vLLM spells it. Parsed by
+    # Dict-typed fields, which add_dataclass_args leaves out: a JSON object, as vLLM spells it. Parsed by
     # engine_kwargs_from_args, so a bad value is the one-line ValueError of the CLI's error path.
+    parser.add_argument_group("engine: ModelConfig").add_argument(
+        "--hf-overrides", dest="hf_overrides", default=None, metavar="JSON",
+        help=f"{field_docs(ModelConfig)['hf_overrides']} Or one key at a time: --hf-overrides.max_position_embeddings "
+             f"4096 (default: none)".replace("%", "%%"))
     parser.add_argument_group("engine: SpeculativeConfig").add_argument(
         "--speculative-config", dest="speculative_config", default=None, metavar="JSON",
         help=f"Speculative decoding: a JSON object of vLLM's speculative_config keys ({_speculative_keys()}), "
@@ -363,6 +367,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> tuple[str, dict[str, An
     kwargs: dict[str, Any] = {}
     for cls in ENGINE_CONFIGS:
         kwargs.update(given_fields(args, cls, skip=("model",)))
+    if getattr(args, "hf_overrides", None) is not None:
+        kwargs["hf_overrides"] = json_object_flag(args.hf_overrides, "--hf-overrides",
+                                                  '{"max_position_embeddings": 4096}')
     speculative = parse_speculative_config(getattr(args, "speculative_config", None))
     if speculative is not None:
         kwargs["speculative_config"] = speculative

@@ -41,6 +41,31 @@ def is_gguf(path: str) -> bool:
 
 
 def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
+    """The model's config with ModelConfig.hf_overrides applied: every process that builds the model or sizes its
+    context (the frontend, the engine core, each worker) reads it here, so all see the same overrides."""
+    config = _read_hf_config(model_config)
+    if model_config.hf_overrides:
+        apply_hf_overrides(config, model_config.hf_overrides)
+    return config
+
+
+def apply_hf_overrides(config: PretrainedConfig, overrides: dict) -> None:
+    """vLLM's hf_overrides: each key set on the config; a dict onto a nested config (text_config, ...) updates
+    that config's keys."""
+    for key, value in overrides.items():
+        nested = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(nested, PretrainedConfig):
+            apply_hf_overrides(nested, value)
+        elif key in ("rope_scaling", "rope_parameters") and isinstance(value, dict) and "rope_theta" not in value:
+            # transformers 5 keeps rope_theta inside the RoPE parameters: a new scaling would drop the base.
+            theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+            theta = theta if theta is not None else getattr(config, "rope_theta", None)
+            setattr(config, key, value if theta is None else {**value, "rope_theta": theta})
+        else:
+            setattr(config, key, value)
+
+
+def _read_hf_config(model_config: ModelConfig) -> PretrainedConfig:
     path = model_config.model
     if is_gguf(path):
         return copy.deepcopy(remembered("config", path, lambda: _gguf_config(path)))  # callers may change it

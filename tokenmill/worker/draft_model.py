@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 def load_draft_model(config: EngineConfig, target: PretrainedConfig, device: torch.device, dtype: torch.dtype,
                      max_model_len: int) -> nn.Module:
     """The draft model of `speculative_config.model`, loaded as the target is (dtype, load_format, seed)."""
+    # The draft's own checkpoint says if it is quantized; the target's hf_overrides are the target's (as vLLM's).
     model_config = dataclasses.replace(config.model_config, model=config.speculative_config.model, tokenizer=None,
-                                       quantization=None)  # the draft's own checkpoint says if it is quantized
+                                       quantization=None, hf_overrides=None)
     draft = load_hf_config(model_config)
     check_fits("the draft model", draft, target, max_model_len)
     from tokenmill.executor.base import check_tensor_parallel  # (the executor module imports this one's users)
