@@ -564,7 +564,11 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        """Route vLLM-style flat engine arguments to the sub-config that owns each one."""
+        """Route vLLM-style flat engine arguments to the sub-config that owns each one (those without a field of
+        their own first mapped onto tokenmill's: engine_args.py)."""
+        from tokenmill.engine_args import vllm_engine_kwargs
+
+        kwargs = vllm_engine_kwargs(model, kwargs)
         parts: dict[str, dict[str, Any]] = {}
         speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
         structured = StructuredOutputsConfig.from_dict(kwargs.pop("structured_outputs_config", None))

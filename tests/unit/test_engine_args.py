@@ -62,3 +62,77 @@ def test_hf_overrides_is_a_json_flag_and_a_kwarg(tiny_llama):
         EngineConfig.from_kwargs("m", hf_overrides=lambda c: c)
     with pytest.raises(ValueError, match="--hf-overrides must be a JSON object"):
         serve_config("--hf-overrides", "[1]")
+
+
+@pytest.mark.parametrize("argv, kwargs, space", [
+    (["--kv-cache-memory", "4G"], {"kv_cache_memory_bytes": 4 * 2**30}, 4.0),
+    (["--kv-cache-memory-bytes", "1073741824"], {"kv_cache_memory_bytes": 2**30}, 1.0),
+    (["--kv-cache-memory-bytes", "512M"], {"kv_cache_memory_bytes": 2**29}, 0.5),
+])
+def test_kv_cache_memory_bytes_is_the_kv_cache_space(argv, kwargs, space):
+    assert serve_config(*argv).cache_config.kv_cache_space == space
+    assert EngineConfig.from_kwargs("m", **kwargs).cache_config.kv_cache_space == space
+    with pytest.raises(ValueError, match="both size the KV pool: give one"):
+        EngineConfig.from_kwargs("m", kv_cache_space=1, **kwargs)
+
+
+@pytest.mark.parametrize("argv, eager, largest", [
+    (["-O0"], True, None),
+    (["-O", "3"], False, None),
+    (["--compilation-config", "0"], True, None),
+    (["--compilation-config", '{"level": 3}'], False, None),
+    (["--compilation-config", '{"mode": "NONE", "cudagraph_mode": "FULL"}'], False, None),
+    (["--compilation-config", '{"cudagraph_mode": "NONE"}'], True, None),
+    (["--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'], False, 0),
+    (["--compilation-config", '{"cudagraph_capture_sizes": [1, 2, 4, 512]}'], False, 512),
+    (["--compilation-config.max_cudagraph_capture_size", "256"], False, 256),
+    (["--cuda-graph-sizes", "64"], False, 64),
+    (["--cuda-graph-sizes", "1", "2", "128"], False, 128),
+])
+def test_compilation_config_maps_onto_the_cuda_graph_settings(argv, eager, largest):
+    device = serve_config(*argv).device_config
+    assert (device.enforce_eager, device.max_cudagraph_capture_size) == (eager, largest)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"compilation_config": {"mode": 1}}, "mode 1 .*has no counterpart: tokenmill runs its own kernels"),
+    ({"compilation_config": {"level": 2}}, "mode 2 .*has no counterpart"),
+    ({"compilation_config": {"backend": "inductor", "splitting_ops": []}},
+     r"keys \['backend', 'splitting_ops'\] have no counterpart"),
+    ({"compilation_config": {"cudagraph_mode": "SOMETIMES"}}, "cudagraph_mode 'SOMETIMES' is not one of"),
+    ({"compilation_config": {"max_cudagraph_capture_size": 64}, "cuda_graph_sizes": [128]}, "disagree"),
+    ({"optimization_level": 0, "enforce_eager": False}, "enforce_eager=False disagrees"),
+    ({"optimization_level": 4}, "optimization_level"),
+])
+def test_compilation_settings_without_a_counterpart_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs("m", **kwargs)
+
+
+def test_vllm_flags_that_change_nothing_here_are_accepted_and_said(caplog):
+    config = serve_config("--swap-space", "4", "--revision", "main", "--tokenizer-revision", "v1", "--code-revision",
+                          "x", "--download-dir", "/tmp", "--disable-custom-all-reduce", "--disable-cascade-attn",
+                          "--tokenizer-mode", "auto", "--prefix-caching-hash-algo", "sha256_cbor",
+                          "--max-num-partial-prefills", "1", "--max-long-partial-prefills", "1",
+                          "--long-prefill-token-threshold", "0", "--no-calculate-kv-scales",
+                          "--safetensors-load-strategy", "lazy")
+    assert config == EngineConfig.from_kwargs("m")
+    said = caplog.text
+    assert "swap_space is ignored" in said and "revision='main' is ignored" in said
+    assert "download_dir='/tmp' is ignored" in said and "disable_cascade_attn: nothing to disable" in said
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tokenizer_mode": "slow"}, "tokenizer_mode other than 'auto' is not supported: .*ignores use_fast=False"),
+    ({"tokenizer_mode": "mistral"}, "tokenizer_mode other than 'auto'"),
+    ({"max_num_partial_prefills": 2}, "max_num_partial_prefills other than 1 is not supported"),
+    ({"long_prefill_token_threshold": 512}, "long_prefill_token_threshold other than 0 .*--max-num-batched-tokens"),
+    ({"calculate_kv_scales": True}, "calculate_kv_scales other than False .*--kv-cache-dtype int8"),
+    ({"safetensors_load_strategy": "eager"}, "safetensors_load_strategy other than 'lazy'"),
+    ({"prefix_caching_hash_algo": "xxhash"}, "prefix_caching_hash_algo 'xxhash' is not supported; choose one of "
+                                             "sha256, sha256_cbor"),
+    ({"disable_cascade_attn": "yes"}, "disable_cascade_attn must be true or false"),
+])
+def test_vllm_values_that_would_matter_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs("m", **kwargs)

@@ -276,13 +276,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
     # Dict-typed fields, which add_dataclass_args leaves out: a JSON object, as vLLM spells it. Parsed by
     # engine_kwargs_from_args, so a bad value is the one-line ValueError of the CLI's error path.
     parser.add_argument_group("engine: ModelConfig").add_argument(
-        "--hf-overrides", dest="hf_overrides", default=None, metavar="JSON",
+        "--hf-overrides", dest="hf_overrides", default=argparse.SUPPRESS, metavar="JSON",
         help=f"{field_docs(ModelConfig)['hf_overrides']} Or one key at a time: --hf-overrides.max_position_embeddings "
              f"4096 (default: none)".replace("%", "%%"))
     parser.add_argument_group("engine: SpeculativeConfig").add_argument(
         "--speculative-config", dest="speculative_config", default=None, metavar="JSON",
         help=f"Speculative decoding: a JSON object of vLLM's speculative_config keys ({_speculative_keys()}), "
              f"e.g. {SPECULATIVE_EXAMPLE!r} (default: off)")
+    group = parser.add_argument_group("engine: vLLM arguments mapped onto tokenmill's (engine_args.py)")
+    for flags, dest, keywords, text in _vllm_only_flags():
+        group.add_argument(*flags, dest=dest, default=argparse.SUPPRESS, help=text.replace("%", "%%"), **keywords)
     group = parser.add_argument_group("engine: StructuredOutputsConfig")
     group.add_argument(
         "--structured-outputs-config", dest="structured_outputs_config", default=None, metavar="JSON",
@@ -296,6 +299,44 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
     group.add_argument("--guided-decoding-backend", dest="guided_decoding_backend", default=None,
                        choices=STRUCTURED_OUTPUTS_BACKENDS, help="vLLM's older name of --structured-outputs-config's "
                                                                  "backend")
+
+
+def _vllm_only_flags() -> list[tuple[tuple[str, ...], str, dict[str, Any], str]]:
+    """vLLM's engine flags without a config field of their own (engine_args.py maps or refuses each):
+    (flags, dest, argparse keywords, help)."""
+    from tokenmill.engine_args import DEFAULT_ONLY, HUB_ARGS, NO_OPS, PREFIX_CACHING_HASH_ALGOS
+
+    boolean = {"action": argparse.BooleanOptionalAction}
+    flags = [
+        (("--kv-cache-memory-bytes", "--kv-cache-memory"), "kv_cache_memory_bytes", {"type": human_readable_int},
+         "KV pool size per device in bytes (vLLM's suffixes: 4G = 4 GiB, 4g = 4e9), in place of "
+         "gpu_memory_utilization's sizing: kv_cache_space in bytes"),
+        (("--compilation-config",), "compilation_config", {"metavar": "JSON"},
+         "vLLM's compilation_config: a mode (0: eager, no CUDA graphs; 3: CUDA graphs) or a JSON object of mode "
+         "(or level), cudagraph_mode (NONE = eager, FULL_DECODE_ONLY = graphs for decode-only steps alone, FULL, "
+         "PIECEWISE, FULL_AND_PIECEWISE = graphs for every step), cudagraph_capture_sizes / max_cudagraph_capture_size "
+         "(their largest is max_cudagraph_capture_size); other keys are refused. tokenmill never torch.compiles "
+         "the model: modes 1 and 2 are refused"),
+        (("-O", "--optimization-level"), "optimization_level", {"metavar": "0-3"},
+         "vLLM's optimization level: -O0 runs eagerly (no CUDA graphs); 1-3 are tokenmill's default"),
+        (("--cuda-graph-sizes",), "cuda_graph_sizes", {"type": int, "nargs": "+"},
+         "vLLM's older CUDA graph sizes: their largest is max_cudagraph_capture_size (tokenmill picks the sizes "
+         "below it)"),
+        (("--swap-space",), "swap_space", {"type": float},
+         "Ignored with a warning: preempted requests are recomputed, never swapped (as in vLLM's v1 engine)"),
+        (("--prefix-caching-hash-algo",), "prefix_caching_hash_algo", {"choices": PREFIX_CACHING_HASH_ALGOS},
+         "Block hashes are SHA-256 of a fixed encoding of the tokens (reproducible, like vLLM's sha256_cbor): "
+         "both names are accepted, xxhash is not"),
+    ]
+    flags += [((f"--{name.replace('_', '-')}",), name, boolean, f"Accepted, no effect: {why}")
+              for name, why in NO_OPS.items()]
+    flags += [((f"--{name.replace('_', '-')}",), name, {}, "Ignored with a warning: tokenmill loads local folders "
+               "and files only, not the Hugging Face Hub") for name in HUB_ARGS]
+    for name, (default, why) in DEFAULT_ONLY.items():
+        keywords = boolean if isinstance(default, bool) else {"type": type(default)}
+        flags.append(((f"--{name.replace('_', '-')}",), name, keywords,
+                      f"Only vLLM's {default!r}, what tokenmill does: {why}"))
+    return flags
 
 
 def add_generation_config_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -367,6 +408,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> tuple[str, dict[str, An
     kwargs: dict[str, Any] = {}
     for cls in ENGINE_CONFIGS:
         kwargs.update(given_fields(args, cls, skip=("model",)))
+    kwargs.update({dest: getattr(args, dest) for _, dest, _, _ in _vllm_only_flags() if hasattr(args, dest)})
     if getattr(args, "hf_overrides", None) is not None:
         kwargs["hf_overrides"] = json_object_flag(args.hf_overrides, "--hf-overrides",
                                                   '{"max_position_embeddings": 4096}')
