@@ -552,6 +552,36 @@ class StructuredOutputsConfig:
         return cls(**value)
 
 
+UNSUPPORTED_VLLM_ARGS = {
+    "enable_lora": "LoRA adapters",
+    "lora_modules": "LoRA adapters",
+    "max_loras": "LoRA adapters",
+    "max_lora_rank": "LoRA adapters",
+    "max_cpu_loras": "LoRA adapters",
+    "cpu_offload_gb": "offloading weights to CPU memory",
+    "kv_offloading_size": "offloading the KV cache to CPU memory",
+    "kv_offloading_backend": "offloading the KV cache to CPU memory",
+    "enable_sleep_mode": "sleep mode",
+    "limit_mm_per_prompt": "multimodal inputs",
+    "mm_processor_kwargs": "multimodal inputs",
+    "otlp_traces_endpoint": "OpenTelemetry tracing",
+    "kv_transfer_config": "KV-cache transfer between instances (disaggregated prefill)",
+    "enable_eplb": "expert-parallel load balancing",
+    "enable_dbo": "dual-batch overlap",
+}
+"""vLLM's engine and server arguments of features tokenmill does not have yet, and the feature each belongs to: the
+CLI's flags and LLM's keyword arguments are refused by name, not as unknown (a user moving from vLLM learns what is
+missing, not that they misspelled it)."""
+
+
+def unsupported_vllm_arg(name: str, spelling: str) -> str | None:
+    """Why `name` (an argument of UNSUPPORTED_VLLM_ARGS, written as `spelling`) is refused; None for other names."""
+    feature = UNSUPPORTED_VLLM_ARGS.get(name)
+    if feature is None:
+        return None
+    return f"{spelling}: tokenmill does not support {feature} yet (vLLM does); leave it out"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -587,7 +617,7 @@ class EngineConfig:
                     parts.setdefault(part, {})[key] = value
                     break
             else:
-                raise TypeError(f"unknown engine argument {key!r}")
+                raise TypeError(unsupported_vllm_arg(key, key) or f"unknown engine argument {key!r}")
         built = {part: klass(**parts.get(part, {})) for part, klass in owners.items() if part != "model_config"}
         return cls(model_config=ModelConfig(model=model, **parts.get("model_config", {})), **built,
                    speculative_config=speculative, structured_outputs_config=structured)

@@ -336,6 +336,31 @@ def model_folder(tmp_path):
     return tmp_path
 
 
+@pytest.mark.parametrize("argv", [["--enable-lora"], ["--lora-modules", "sql=/adapters/sql"], ["--max-loras=4"],
+                                  ["--cpu-offload-gb", "8"], ["--kv-transfer-config", "{}"], ["--enable-sleep-mode"]])
+def test_a_vllm_flag_of_a_missing_feature_is_named_in_one_line(argv, capsys):
+    """Not argparse's 'unrecognized arguments' (a misspelling?) and not in --help: a line naming the flag."""
+    from tokenmill.cli import main
+
+    flag = argv[0].partition("=")[0]
+    for run in (main, make_parser().parse_args):
+        with pytest.raises(SystemExit) as exited:
+            run(["serve", "m", "--port", "8001", *argv])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tokenmill serve: error: {flag}: tokenmill does not support ") and err.count("\n") == 1
+    assert flag not in make_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+
+
+def test_llm_refuses_a_vllm_argument_of_a_missing_feature_by_name(model_folder):
+    from tokenmill import LLM
+
+    with pytest.raises(TypeError, match="^enable_lora: tokenmill does not support LoRA adapters yet"):
+        LLM(str(model_folder), enable_lora=True, max_lora_rank=16)
+    with pytest.raises(TypeError, match="unknown engine argument 'enable_lorax'"):
+        EngineConfig.from_kwargs("m", enable_lorax=True)
+
+
 def no_config_json(folder):
     (folder / "config.json").unlink()
     return ["Hi", "--tokenizer", str(folder)]  # a tokenizer is no model

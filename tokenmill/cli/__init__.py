@@ -8,7 +8,7 @@ import signal
 import sys
 
 from tokenmill.cli import bench, chat, generate, serve
-from tokenmill.cli.args import CommandParser
+from tokenmill.cli.args import CommandParser, refuse_unknown
 from tokenmill.cli.errors import user_message
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_extra_args", False):
-        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        refuse_unknown(args.command_parser, extra)
     args.extra_args = extra
     from tokenmill.server.startup import exit_on_signal  # light: no server dependency
 

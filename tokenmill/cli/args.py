@@ -26,6 +26,7 @@ from tokenmill.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    unsupported_vllm_arg,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -149,9 +150,25 @@ class CommandParser(argparse.ArgumentParser):
             kept = _joined(kept, flag, keys)
         return kept
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            refuse_unknown(getattr(parsed, "command_parser", self), extra)
+        return parsed
+
     def error(self, message: str) -> NoReturn:
         """The error and where the flags are listed, not argparse's usage of every flag (dozens of lines)."""
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n")
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> NoReturn:
+    """Exits on arguments the command does not take: a vLLM flag of a feature tokenmill lacks in a line naming it
+    (its --help would not list it either), others as argparse's unrecognized arguments."""
+    for arg in extra:
+        flag = arg.partition("=")[0]
+        if flag.startswith("--") and (reason := unsupported_vllm_arg(flag[2:].replace("-", "_"), flag)):
+            parser.exit(2, f"{parser.prog}: error: {reason}\n")
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
 
 def _joined(args: list[str], flag: str, keys: dict[str, Any]) -> list[str]:
