@@ -27,7 +27,7 @@ VLLM_FLAGS = ["--max-model-len", "--gpu-memory-utilization", "--max-num-seqs", "
               "--enable-log-outputs",
               "--root-path", "--uds", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
               "--response-role", "--return-tokens-as-token-ids", "--generation-config",
-              "--override-generation-config"]
+              "--override-generation-config", "--config"]
 
 
 def serve_args(*argv):
@@ -322,6 +322,47 @@ def test_a_bad_flag_is_two_lines_not_the_usage_of_every_flag(argv, command, erro
         main(argv)
     assert exited.value.code == 2
     assert capsys.readouterr().err == f"{command}: error: {error}\n(`{command} --help` lists the flags)\n"
+
+
+def test_serve_takes_its_flags_from_a_yaml_config_file_under_the_command_line(tmp_path):
+    """vLLM's --config: long flag names (dashes or underscores) to values, `model` the MODEL argument; the command
+    line wins over the file, the file over the defaults."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: from-file.gguf\nport: 8123\nmax_model_len: 2k\nserved-model-name: [a, b]\n"
+                      "enable-prefix-caching: false\nenable-log-requests: true\ndisable-log-requests: false\n"
+                      "override-generation-config: {temperature: 0.5}\n"
+                      "speculative-config: {method: ngram, num_speculative_tokens: 4}\nhost: null\n")
+    args = serve_args("--config", str(config), "--port", "9000")
+    server, engine = server_config_from_args(args), engine_config_from_args(args)
+    assert (args.model, server.port, server.host, server.served_model_name) == ("from-file.gguf", 9000, "127.0.0.1",
+                                                                                ["a", "b"])
+    assert server.enable_log_requests and server.override_generation_config == {"temperature": 0.5}
+    assert engine.model_config.max_model_len == 2000 and engine.cache_config.enable_prefix_caching is False
+    assert engine.speculative_config.num_speculative_tokens == 4
+    # The command line's model and list flags replace the file's; a list flag of the file takes no positional.
+    args = serve_args("other.gguf", f"--config={config}", "--served-model-name", "x", "--enable-prefix-caching")
+    assert (args.model, args.served_model_name, args.port, args.enable_prefix_caching) == ("other.gguf", ["x"],
+                                                                                           8123, True)
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    (None, "--config {path}: No such file or directory"),
+    ("port: [8000", "--config {path}: not valid YAML"),
+    ("- port", "--config {path}: expected a mapping of flag names to values"),
+    ("no-such-flag: 1", "unrecognized arguments: --no-such-flag 1"),
+    ("enable-lora: true", "--enable-lora: tokenmill does not support LoRA adapters yet"),
+    ("port: eighty", "argument --port: invalid int value: 'eighty'"),
+])
+def test_a_bad_config_file_is_a_line_naming_it(tmp_path, text, error, capsys):
+    from tokenmill.cli import main
+
+    path = tmp_path / "serve.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--config", str(path)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("tokenmill serve: error: " + error.format(path=path))
 
 
 @pytest.fixture

@@ -105,8 +105,58 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        return super().parse_known_args(self._dotted_keys_joined(sys.argv[1:] if args is None else list(args)),
-                                        namespace)
+        args = self._dotted_keys_joined(sys.argv[1:] if args is None else list(args))
+        # Only `serve` has --config, and MODEL as its one positional argument.
+        config_file = _config_file_of(args) if "--config" in self._option_string_actions else None
+        if config_file is None:
+            return super().parse_known_args(args, namespace)
+        # vLLM's order: the command line over the file over the defaults. The file's flags are parsed first, into
+        # the namespace the command line's then go into: what it gives replaces them, what it leaves out stays (a
+        # flag left out sets nothing, its default being "not given"). Apart, so that a list flag of the file does
+        # not take the command line's model for one of its items.
+        file_args, model = self._config_file_args(config_file)
+        # MODEL filled with a stand-in, so that no stray value of the file (an unknown flag's) becomes the model.
+        namespace, file_extra = super().parse_known_args(["-", *file_args], namespace)
+        del namespace.model
+        namespace, extra = super().parse_known_args(args, namespace)
+        if model is not None and namespace.model is None:
+            namespace.model = model  # the command line's MODEL wins, as in vLLM
+        return namespace, file_extra + extra
+
+    def _config_file_args(self, path: str) -> tuple[list[str], str | None]:
+        """--config's YAML file as flags (a key is a flag's long name, dashes or underscores; `model` the MODEL
+        argument), and its model."""
+        import yaml
+
+        try:
+            with open(path) as f:
+                values = yaml.safe_load(f)
+        except OSError as e:
+            self.error(f"--config {path}: {e.strerror or e}")
+        except yaml.YAMLError as e:
+            self.error(f"--config {path}: not valid YAML ({' '.join(str(e).split())})")
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            self.error(f"--config {path}: expected a mapping of flag names to values, e.g. 'port: 8001'")
+        args, model = [], None
+        for key, value in values.items():
+            flag = "--" + str(key).replace("_", "-")
+            if flag == "--model":
+                model = None if value is None else str(value)
+            elif flag == "--config":
+                self.error(f"--config {path}: a config file cannot name another (config: {value})")
+            elif value is None:
+                continue  # null: the flag's default
+            elif isinstance(value, bool):
+                # A switch: --flag, or for false its --no-flag (none: false is its absence, as with --disable-*).
+                negated = "--no-" + flag[2:]
+                args += [flag] if value else [negated] if negated in self._option_string_actions else []
+            elif isinstance(value, list):
+                args += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+            else:
+                args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        return args, model
 
     def _dotted_keys_joined(self, args: list[str]) -> list[str]:
         """vLLM's dotted spelling of a JSON flag's keys, `--structured-outputs-config.backend guidance` (or
@@ -159,6 +209,19 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """The error and where the flags are listed, not argparse's usage of every flag (dozens of lines)."""
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n")
+
+
+def _config_file_of(args: list[str]) -> str | None:
+    """--config's value (the last one given), if any; the file is read before the other flags are parsed."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg == "--config" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--config="):
+            found = arg[len("--config="):]
+    return found
 
 
 def refuse_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> NoReturn:

@@ -35,6 +35,9 @@ def register(subparsers) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).",
     )
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="Flags from a YAML file, as vLLM's: each key a flag's long name (e.g. max-model-len: "
+                             "4096; model: the MODEL argument); flags given on the command line win")
     add_engine_args(parser, model_positional=True)
     server = parser.add_argument_group("server")
     add_dataclass_args(server, ServerConfig)
