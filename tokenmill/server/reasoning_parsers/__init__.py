@@ -5,7 +5,8 @@
     parser = parser_class(); parser.feed(delta) -> (reasoning_delta, content_delta); parser.finish() -> (...)
     parser_class.for_request(chat_template_kwargs) -> the class a request uses, None: no reasoning to split
 
-A new parser is a module here with a ReasoningParser subclass, and one line in _PARSERS.
+A new parser is a module here with a ReasoningParser subclass, and one line in _PARSERS; outside tokenmill, a
+plugin file (--reasoning-parser-plugin) passes its subclass to register_reasoning_parser.
 """
 
 from __future__ import annotations
@@ -35,7 +36,17 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     try:
         return _PARSERS[name]
     except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSERS)}") from None
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(_PARSERS))}") from None
 
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "get_reasoning_parser"]
+def register_reasoning_parser(parser_class: type[ReasoningParser]) -> type[ReasoningParser]:
+    """Makes a ReasoningParser subclass a parser of --reasoning-parser under its `name` (a plugin file's way in,
+    --reasoning-parser-plugin; also a class decorator); a built-in parser of that name is replaced."""
+    if not (isinstance(parser_class, type) and issubclass(parser_class, ReasoningParser)) or not parser_class.name:
+        raise TypeError(f"register_reasoning_parser takes a ReasoningParser subclass with a `name`, got "
+                        f"{parser_class!r}")
+    _PARSERS[parser_class.name] = parser_class
+    return parser_class
+
+
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "get_reasoning_parser", "register_reasoning_parser"]

@@ -4,7 +4,8 @@
     parser_class.parse(text, tools) -> ParsedToolCalls(content, tool_calls)
     parser = parser_class(tools); parser.feed(delta_text) -> [str | ToolCallDelta]; parser.finish() -> [...]
 
-A new parser is a module here with a ToolParser subclass, and one line in _PARSERS.
+A new parser is a module here with a ToolParser subclass, and one line in _PARSERS; outside tokenmill, a
+plugin file (--tool-parser-plugin) passes its subclass to register_tool_parser.
 """
 
 from __future__ import annotations
@@ -54,8 +55,17 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     try:
         return _PARSERS[name]
     except KeyError:
-        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(TOOL_PARSERS)}") from None
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(_PARSERS))}") from None
+
+
+def register_tool_parser(parser_class: type[ToolParser]) -> type[ToolParser]:
+    """Makes a ToolParser subclass a parser of --tool-call-parser under its `name` (a plugin file's way in,
+    --tool-parser-plugin; also a class decorator); a built-in parser of that name is replaced."""
+    if not (isinstance(parser_class, type) and issubclass(parser_class, ToolParser)) or not parser_class.name:
+        raise TypeError(f"register_tool_parser takes a ToolParser subclass with a `name`, got {parser_class!r}")
+    _PARSERS[parser_class.name] = parser_class
+    return parser_class
 
 
 __all__ = ["TOOL_PARSERS", "Delta", "ParsedToolCalls", "ToolCall", "ToolCallDelta", "ToolParser", "assemble",
-           "get_tool_parser", "make_tool_call_id"]
+           "get_tool_parser", "register_tool_parser", "make_tool_call_id"]
