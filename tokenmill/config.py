@@ -552,6 +552,12 @@ class StructuredOutputsConfig:
         return cls(**value)
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+"""vLLM's chat_template_content_format: how a message's content reaches the chat template. 'string': one string
+(text parts joined with newlines); 'openai': a list of {"type": "text", "text": ...} parts (string content too, none
+as no parts); 'auto': openai for a template that loops over a message's content, else string."""
+
+
 UNSUPPORTED_VLLM_ARGS = {
     "enable_lora": "LoRA adapters",
     "lora_modules": "LoRA adapters",

@@ -13,14 +13,27 @@ _last_user = pytest.StashKey[tuple[pytest.Item, RemoteServer]]()
 """The last test that uses the shared server, and the server."""
 
 
+SHARED_SERVER_CONFIG = """
+trust-request-chat-template: true
+enable_server_load_tracking: true
+default-chat-template-kwargs: {tm_default: server, tm_other: server}
+max-model-len: 4096
+"""
+"""Some of the shared server's flags, given through vLLM's --config YAML file (its max-model-len overridden on the
+command line)."""
+
+
 @pytest.fixture(scope="session")
-def shared_server(smollm2_path, request):
+def shared_server(smollm2_path, request, tmp_path_factory):
     """Started on first use; stopped after the last test that uses it (pytest_runtest_teardown below), not at
     the session's end, so that it holds no memory through the rest of the run."""
-    # What its users need together: an API key (test_cli_errors), request chat templates (test_server_validation),
-    # and no tool or reasoning flags (test_server_tools' plain client, test_server_structured_outputs).
+    # What its users need together: an API key (test_cli_errors), request chat templates, load tracking and default
+    # chat template variables (test_server_validation), and no tool or reasoning flags (test_server_tools' plain
+    # client, test_server_structured_outputs).
+    config = tmp_path_factory.mktemp("shared_server") / "serve.yaml"
+    config.write_text(SHARED_SERVER_CONFIG)
     server = RemoteServer(smollm2_path, "--served-model-name", SHARED_SERVER_MODEL, "--kv-cache-space", "0.25",
-                          "--max-model-len", "1024", "--trust-request-chat-template", api_key=SHARED_SERVER_API_KEY)
+                          "--config", str(config), "--max-model-len", "1024", api_key=SHARED_SERVER_API_KEY)
     users = [item for item in request.session.items if _FIXTURE in item.fixturenames]
     request.config.stash[_last_user] = (users[-1], server)
     yield server

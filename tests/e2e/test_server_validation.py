@@ -1,7 +1,7 @@
 """The edge of the server: every bound a request field has is published in /openapi.json and enforced
 with a 400 in OpenAI's format, before anything reaches the engine; request chat templates (trusted
 here) render off the event loop. On the shared `tokenmill serve` of conftest.py (SmolLM2, with
---trust-request-chat-template and an API key)."""
+--trust-request-chat-template, load tracking, default chat template variables and an API key)."""
 
 from __future__ import annotations
 
@@ -406,6 +406,46 @@ def test_documents_and_reasoning_effort_reach_the_chat_template(server, smollm2_
     assert prompt(documents=documents, reasoning_effort="low") == "low True [A: one] [B: two]"
     assert prompt(documents=[], reasoning_effort="none") == "none False"
     assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == "none True"
+
+
+def test_default_chat_template_kwargs_and_the_content_format_reach_the_template(server, smollm2_tokenizer):
+    """The server's --default-chat-template-kwargs (set in its --config file), under a request's own; the content
+    format (auto) follows the template: parts for one that loops over content, one string for one that does not."""
+    loops = ("{{ tm_default }} {{ tm_other }}|{% for m in messages %}{% if m.content is string %}S:{{ m.content }}"
+             "{% else %}{% for p in m.content %}P:{{ p.text }};{% endfor %}{% endif %}{% endfor %}")
+    prints = "{{ tm_default }} {{ tm_other }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+
+    def prompt(template, messages, **fields) -> str:
+        response = post(server, *chat(messages=messages, chat_template=template, return_token_ids=True, **fields))
+        assert response.status_code == 200, response.text
+        return smollm2_tokenizer.decode(response.json()["prompt_token_ids"])
+
+    assert prompt(loops, HI) == "server server|P:Hi;"
+    assert prompt(prints, parts, chat_template_kwargs={"tm_other": "request"}) == "server request|a\nb"
+    # And the file's max-model-len gave way to the command line's.
+    assert post(server, "/tokenize", {"prompt": "Hi"}).json()["max_model_len"] == 1024
+
+
+def test_load_counts_the_generation_requests_in_flight(server):
+    """vLLM's /load with --enable-server-load-tracking: a stream counts until it ends."""
+    def load() -> int:
+        return httpx.get(server.url("/load"), headers=server.headers, timeout=30).json()["server_load"]
+
+    def settles_at_zero() -> None:
+        deadline = time.monotonic() + 20
+        while load() != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+    settles_at_zero()
+    body = {"messages": HI, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url("/v1/chat/completions"), json=body, headers=server.headers,
+                      timeout=60) as response:
+        lines = response.iter_lines()  # held: a dropped iterator closes the connection
+        assert next(lines).startswith("data: ")
+        assert load() == 1
+    settles_at_zero()  # the client went away: the stream ended
 
 
 @pytest.mark.parametrize("template", ["{{ 1 // 0 }}", "{{ raise_exception('no') }}", "{% for %}"])

@@ -27,7 +27,9 @@ VLLM_FLAGS = ["--max-model-len", "--gpu-memory-utilization", "--max-num-seqs", "
               "--enable-log-outputs",
               "--root-path", "--uds", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
               "--response-role", "--return-tokens-as-token-ids", "--generation-config",
-              "--override-generation-config", "--config"]
+              "--override-generation-config", "--config", "--disable-log-stats", "--api-server-count",
+              "--enable-server-load-tracking", "--chat-template-content-format", "--default-chat-template-kwargs",
+              "--tool-parser-plugin", "--reasoning-parser-plugin"]
 
 
 def serve_args(*argv):
@@ -110,7 +112,10 @@ def test_help_comes_from_field_docstrings():
                          "reasoning_parser", "profiler_dir", "enable_log_requests", "enable_log_outputs", "max_log_len",
                          "root_path", "uds",
                          "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "response_role",
-                         "return_tokens_as_token_ids", "generation_config", "override_generation_config"}
+                         "return_tokens_as_token_ids", "generation_config", "override_generation_config",
+                         "tool_parser_plugin", "reasoning_parser_plugin", "chat_template_content_format",
+                         "default_chat_template_kwargs", "enable_server_load_tracking", "disable_log_stats",
+                         "api_server_count"}
     assert "Tokens per KV-cache block" in field_docs(CacheConfig)["block_size"]
 
 
@@ -365,6 +370,72 @@ def test_a_bad_config_file_is_a_line_naming_it(tmp_path, text, error, capsys):
     assert capsys.readouterr().err.startswith("tokenmill serve: error: " + error.format(path=path))
 
 
+def test_vllms_serve_flags_of_what_tokenmill_has():
+    config = server_config_from_args(serve_args(
+        "m", "--disable-log-stats", "--api-server-count", "1", "--enable-server-load-tracking",
+        "--chat-template-content-format", "openai", "--default-chat-template-kwargs", '{"enable_thinking": false}'))
+    assert (config.disable_log_stats, config.api_server_count, config.enable_server_load_tracking) == (True, 1, True)
+    assert config.chat_template_content_format == "openai"
+    assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    assert server_config_from_args(serve_args("m")).chat_template_content_format == "auto"
+    # One API server process serves every replica: more is said at start-up, not ignored.
+    with pytest.raises(ValueError, match="--api-server-count 4: tokenmill runs one API server process"):
+        server_config_from_args(serve_args("m", "-asc", "4"))
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto | string | openai"):
+        server_config_from_args(serve_args("m", "--chat-template-content-format", "parts"))
+    with pytest.raises(ValueError, match="default_chat_template_kwargs may not set add_generation_prompt, tools"):
+        server_config_from_args(serve_args("m", "--default-chat-template-kwargs",
+                                           '{"tools": [], "add_generation_prompt": false}'))
+    with pytest.raises(SystemExit):
+        serve_args("m", "--default-chat-template-kwargs", "[1]")
+
+
+PLUGIN = """
+from tokenmill.server.reasoning_parsers import ReasoningParser, register_reasoning_parser
+from tokenmill.server.tool_parsers import register_tool_parser
+from tokenmill.server.tool_parsers.hermes import HermesToolParser
+
+
+@register_tool_parser
+class MyToolParser(HermesToolParser):
+    name = "my_tools"
+
+
+class MyReasoningParser(ReasoningParser):
+    name = "my_reasoning"
+    starts = ("<reason>",)
+    ends = ("</reason>",)
+
+
+register_reasoning_parser(MyReasoningParser)
+"""
+
+
+def test_parser_plugins_register_parsers_the_flags_then_name(tmp_path, monkeypatch):
+    """vLLM's --tool-parser-plugin and --reasoning-parser-plugin: a Python file, run at start-up, whose parsers
+    --tool-call-parser and --reasoning-parser may then name."""
+    from tokenmill.server import reasoning_parsers, tool_parsers
+
+    monkeypatch.setattr(tool_parsers, "_PARSERS", dict(tool_parsers._PARSERS))  # the registries as they were after
+    monkeypatch.setattr(reasoning_parsers, "_PARSERS", dict(reasoning_parsers._PARSERS))
+    with pytest.raises(ValueError, match="unknown tool parser 'my_tools'"):
+        server_config_from_args(serve_args("m", "--tool-call-parser", "my_tools"))
+    plugin = tmp_path / "my_parsers.py"
+    plugin.write_text(PLUGIN)
+    config = server_config_from_args(serve_args(
+        "m", "--tool-parser-plugin", str(plugin), "--enable-auto-tool-choice", "--tool-call-parser", "my_tools",
+        "--reasoning-parser-plugin", str(plugin), "--reasoning-parser", "my_reasoning"))
+    parsed = tool_parsers.get_tool_parser(config.tool_call_parser).parse(
+        'Sure.<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+    assert parsed.content == "Sure." and [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("f", {"x": 1})]
+    assert reasoning_parsers.get_reasoning_parser("my_reasoning").split("<reason>why</reason>so") == ("why", "so")
+    with pytest.raises(ValueError, match="--tool-parser-plugin: no file '/no/such/plugin.py'"):
+        server_config_from_args(serve_args("m", "--tool-parser-plugin", "/no/such/plugin.py"))
+    with pytest.raises(TypeError, match="register_tool_parser takes a ToolParser subclass with a `name`"):
+        tool_parsers.register_tool_parser(reasoning_parsers.get_reasoning_parser("my_reasoning"))
+
+
 @pytest.fixture
 def model_folder(tmp_path):
     """A tiny Llama's config.json alone: what the CLI reads before any weights."""
@@ -397,7 +468,7 @@ def test_llm_refuses_a_vllm_argument_of_a_missing_feature_by_name(model_folder):
     from tokenmill import LLM
 
     with pytest.raises(TypeError, match="^enable_lora: tokenmill does not support LoRA adapters yet"):
-        LLM(str(model_folder), enable_lora=True, max_lora_rank=16)
+        LLM(str(model_folder), disable_log_stats=False, enable_lora=True)  # vLLM's disable_log_stats is taken
     with pytest.raises(TypeError, match="unknown engine argument 'enable_lorax'"):
         EngineConfig.from_kwargs("m", enable_lorax=True)
 

@@ -44,3 +44,39 @@ def test_chat_adds_the_tokenizers_special_tokens_only_when_asked(bos_tokenizer, 
     text, ids = render_chat(bos_tokenizer, normalize_messages(HI), add_special_tokens=req.add_special_tokens)
     template_only = bos_tokenizer.encode(text, add_special_tokens=False)
     assert ids == ([bos_tokenizer.bos_token_id] + template_only if given else template_only)
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}{% if m.content is string %}S:{{ m.content }}{% else %}"
+                  "{% for p in m['content'] %}P:{{ p.text }};{% endfor %}{% endif %}|{% endfor %}")
+"""A template that reads a message's content either way, as the templates of multimodal models do."""
+
+
+@pytest.mark.parametrize(("template", "loops"), [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+    (PARTS_TEMPLATE, True),
+    ("{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
+     "{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}", False),
+])
+def test_auto_content_format_is_openai_for_templates_that_loop_over_content(smollm2_tokenizer, template, loops):
+    from tokenmill.engine.chat_template import loops_over_content, resolve_content_format
+
+    assert loops_over_content(template) is loops
+    assert resolve_content_format("auto", smollm2_tokenizer, template) == ("openai" if loops else "string")
+    assert resolve_content_format("string", smollm2_tokenizer, PARTS_TEMPLATE) == "string"
+    assert resolve_content_format("auto", smollm2_tokenizer, None) == "string"  # SmolLM2's own template
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto | string | openai"):
+        resolve_content_format("parts", smollm2_tokenizer, None)
+
+
+@pytest.mark.parametrize(("content_format", "rendered"), [("string", "S:a\nb|S:c|S:|"),
+                                                          ("openai", "P:a;P:b;|P:c;||")])
+def test_the_content_format_decides_what_the_template_gets(smollm2_tokenizer, content_format, rendered):
+    # vLLM's: 'string' joins text parts with newlines (no content: ""); 'openai' gives text parts, a string content
+    # as one part and no content as none.
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}]},
+                {"role": "assistant", "content": "c"}, {"role": "user", "content": None}]
+    text, _ = render_chat(smollm2_tokenizer, normalize_messages(messages, content_format), PARTS_TEMPLATE,
+                          add_generation_prompt=False)
+    assert text == rendered

@@ -35,7 +35,8 @@ ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, Paral
 FLAG_NAMES = {"policy": "scheduling-policy"}
 """Fields whose vLLM flag is not simply the field name with dashes."""
 
-SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
+               "api_server_count": "-asc"}
 """vLLM's short spellings."""
 
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tokenmill.cli.args import (
@@ -43,18 +44,23 @@ def register(subparsers) -> None:
     add_dataclass_args(server, ServerConfig)
     server.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                         default=argparse.SUPPRESS, help="vLLM's older spelling of --no-enable-log-requests")
-    # A dict-typed field, which add_dataclass_args leaves out: a JSON object, as vLLM spells it.
-    server.add_argument("--override-generation-config", dest="override_generation_config", type=json_object,
-                        default=argparse.SUPPRESS, metavar="JSON",
-                        help=field_docs(ServerConfig)["override_generation_config"].replace("%", "%%"))
+    # Dict-typed fields, which add_dataclass_args leaves out: JSON objects, as vLLM spells them.
+    for name, example in (("override_generation_config", '{"temperature": 0.5}'),
+                          ("default_chat_template_kwargs", '{"enable_thinking": false}')):
+        flag = "--" + name.replace("_", "-")
+        server.add_argument(flag, dest=name, type=json_object(flag, example), default=argparse.SUPPRESS,
+                            metavar="JSON", help=field_docs(ServerConfig)[name].replace("%", "%%"))
     parser.set_defaults(handler=run)
 
 
-def json_object(text: str) -> dict:
-    try:
-        return json_object_flag(text, "--override-generation-config", '{"temperature": 0.5}')
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def json_object(flag: str, example: str) -> Callable[[str], dict]:
+    def parse(text: str) -> dict:
+        try:
+            return json_object_flag(text, flag, example)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def served_model_names(args: argparse.Namespace, model_path: str) -> list[str]:

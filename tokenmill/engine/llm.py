@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
-from tokenmill.engine.chat_template import normalize_messages, render_chat
+from tokenmill.engine.chat_template import normalize_messages, render_chat, resolve_content_format
 from tokenmill.engine.generation_config import sampling_defaults
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
@@ -19,11 +19,13 @@ from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 
 class LLM:
     def __init__(self, model: str | None = None, generation_config: str = "auto",
-                 override_generation_config: dict[str, Any] | None = None, **engine_args: Any) -> None:
+                 override_generation_config: dict[str, Any] | None = None, disable_log_stats: bool = True,
+                 **engine_args: Any) -> None:
         """generation_config: where generate() and chat() called without sampling_params take their sampling
         parameters from, as vLLM's: 'auto' the model folder's generation_config.json (temperature, top_p, top_k,
         min_p, repetition_penalty, max_new_tokens as max_tokens), 'vllm' none (SamplingParams()), or a folder's;
-        override_generation_config: keys of that file set on top of it."""
+        override_generation_config: keys of that file set on top of it; disable_log_stats: vLLM's, taken for its
+        callers' sake (tokenmill logs no periodic stats)."""
         if model is None:
             from tokenmill.default_model import default_model_path
 
@@ -88,17 +90,20 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
-        """`tools` and `chat_template_kwargs` (enable_thinking=False, ...) go to the template, as in vLLM."""
+        """`tools` and `chat_template_kwargs` (enable_thinking=False, ...) go to the template, as in vLLM;
+        `chat_template_content_format`: how message content reaches it (auto, string or openai: CONTENT_FORMATS)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this engine has none")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         template_kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+        content_format = resolve_content_format(chat_template_content_format, tokenizer, chat_template, tools)
         prompts = []
         for conversation in conversations:
-            # OpenAI's forms, as the server takes them: content parts joined, None content as "".
-            text, token_ids = render_chat(tokenizer, normalize_messages(conversation), chat_template,
+            # OpenAI's forms, as the server takes them: content as one string or a list of text parts.
+            text, token_ids = render_chat(tokenizer, normalize_messages(conversation, content_format), chat_template,
                                           add_generation_prompt, continue_final_message, **template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -17,6 +17,7 @@ from tokenmill.server.middleware import (
     ALWAYS_OPEN_PATHS,
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
+    LoadTrackingMiddleware,
     RequestIdHeaderMiddleware,
     RootPathMiddleware,
 )
@@ -72,6 +73,11 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
     @app.get("/version")
     async def version() -> dict:
         return {"version": tokenmill.__version__}
+
+    @app.get("/load")
+    async def load() -> dict:
+        """vLLM's: the generation requests in flight (with --enable-server-load-tracking; else 0)."""
+        return {"server_load": state.server_load}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -134,6 +140,8 @@ def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
     async def stop_profiler() -> dict:
         return await stop_profile(state)
 
+    if state.config.enable_server_load_tracking:  # innermost: requests refused on the way in are not counted
+        app.add_middleware(LoadTrackingMiddleware, state=state)
     # Added last, so it runs first: a request without the key is refused before its body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)
     if state.config.api_key:

@@ -3,12 +3,20 @@ beside the engine's (tokenmill/config.py), which knows nothing of HTTP."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.config import CONTENT_FORMATS
+
+TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "chat_template", "add_generation_prompt",
+                                "continue_final_message", "tokenize"})
+"""What render_chat and the template already get from the request: in chat_template_kwargs each would collide
+with it (a TypeError naming internal functions)."""
 UNIX_SOCKET_PATH_MAX = 108
 """sockaddr_un's sun_path on Linux, its terminating NUL included."""
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -55,10 +63,17 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     """Let the model decide when to call tools (tool_choice "auto", the default with tools); needs
     --tool-call-parser."""
+    tool_parser_plugin: str | None = None
+    """A Python file run at start-up that registers tool parsers for --tool-call-parser (as vLLM's): it subclasses
+    tokenmill.server.tool_parsers.ToolParser, sets the class's `name` and passes it to register_tool_parser."""
     tool_call_parser: str | None = None
     """How the model writes tool calls, for tool_choice "auto": deepseek_v3 | deepseek_v31 | glm45 | granite |
     hermes | kimi_k2 | llama3_json | llama4_json | llama4_pythonic | mistral | phi4_mini_json | pythonic |
     qwen3_coder."""
+    reasoning_parser_plugin: str | None = None
+    """A Python file run at start-up that registers reasoning parsers for --reasoning-parser (as vLLM's): it subclasses
+    tokenmill.server.reasoning_parsers.ReasoningParser, sets the class's `name` and passes it to
+    register_reasoning_parser."""
     reasoning_parser: str | None = None
     """Split the model's reasoning into reasoning_content: deepseek_r1 | deepseek_v3 | glm45 | granite | mistral |
     qwen3."""
@@ -103,9 +118,32 @@ class ServerConfig:
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     """Sampling defaults set on top of --generation-config's (a JSON object of its keys, e.g. '{"temperature":
     0.5}'; null unsets one); with 'vllm', the only ones, as vLLM's flag."""
+    chat_template_content_format: str = "auto"
+    """How a message's content reaches the chat template: string (one string, text parts joined with newlines),
+    openai (a list of {"type": "text", "text": ...} parts, a string content too) or auto (openai for a template that
+    loops over a message's content, else string)."""
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables every chat request's template gets (a JSON object, e.g. '{"enable_thinking": false}'); a request's
+    chat_template_kwargs win over them."""
+    enable_server_load_tracking: bool = False
+    """Count the completions and chat completions in flight (a stream until it ends): GET /load answers
+    {"server_load": N} (0 without this flag)."""
+    disable_log_stats: bool = False
+    """vLLM's switch for its periodic stats log lines; tokenmill's server writes none (its numbers are in /metrics),
+    so there is nothing to turn off."""
+    api_server_count: int = 1
+    """API server processes: tokenmill runs one (over all -dp replicas); another count is refused."""
 
     def __post_init__(self) -> None:
-        # The parsers' registries import nothing heavy (no fastapi): checked here, at start-up.
+        if self.api_server_count != 1:
+            raise ValueError(f"--api-server-count {self.api_server_count}: tokenmill runs one API server process "
+                             "(it serves every --data-parallel-size replica); leave the flag out")
+        # The parsers' registries import nothing heavy (no fastapi): checked here, at start-up, after the plugins
+        # have registered theirs.
+        if self.tool_parser_plugin is not None:
+            load_plugin(self.tool_parser_plugin, "--tool-parser-plugin")
+        if self.reasoning_parser_plugin is not None:
+            load_plugin(self.reasoning_parser_plugin, "--reasoning-parser-plugin")
         if self.tool_call_parser is not None:
             from tokenmill.server.tool_parsers import get_tool_parser
 
@@ -142,6 +180,12 @@ class ServerConfig:
             raise ValueError("--enable-log-outputs needs --enable-log-requests")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be non-negative, got {self.max_log_len}")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {' | '.join(CONTENT_FORMATS)}, got "
+                             f"{self.chat_template_content_format!r}")
+        if taken := sorted((TEMPLATE_ARGUMENTS | {"tools"}) & self.default_chat_template_kwargs.keys()):
+            raise ValueError(f"default_chat_template_kwargs may not set {', '.join(taken)}: the server passes these "
+                             "itself")
         from tokenmill.engine.generation_config import check_override, generation_config_file
 
         generation_config_file(self.generation_config, None)  # a folder without the file: said before the model loads
@@ -190,3 +234,16 @@ class ServerConfig:
                                  f"({UNIX_SOCKET_PATH_MAX - 1} bytes); pass a shorter one")
             if os.path.exists(self.uds) and not stat.S_ISSOCK(os.stat(self.uds).st_mode):
                 raise ValueError(f"uds: {self.uds!r} exists and is not a socket; pass another path")
+
+
+def load_plugin(path: str, flag: str) -> None:
+    """Runs a plugin file, whose code registers what it brings (a parser) as it is imported, as vLLM's do."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag}: no file {path!r}")
+    module_name = f"tokenmill_plugin_{os.path.splitext(os.path.basename(path))[0]}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{flag}: {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # so that its classes pickle and dataclasses resolve their module
+    spec.loader.exec_module(module)

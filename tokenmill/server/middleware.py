@@ -1,4 +1,4 @@
-"""ASGI middleware: API-key check, request-body size limit, request ids, the proxy's root path.
+"""ASGI middleware: API-key check, request-body size limit, request ids, the proxy's root path, the load count.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would buffer streamed responses and
 hide client disconnects from the routes.
@@ -38,6 +38,28 @@ class RootPathMiddleware:
         if scope["type"] in ("http", "websocket"):
             scope = {**scope, "root_path": self.root_path}
         await self.app(scope, receive, send)
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""The routes whose requests --enable-server-load-tracking counts (those that take the engine's time)."""
+
+
+class LoadTrackingMiddleware:
+    """Counts the generation requests in flight (vLLM's server_load) into `state.server_load`: from when one passes
+    the checks before it to its response's last byte, a stream's end included."""
+
+    def __init__(self, app: ASGIApp, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or route_path(scope) not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
 
 
 class APIKeyMiddleware:

@@ -10,10 +10,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from tokenmill.engine.async_engine import EngineDeadError
-from tokenmill.engine.chat_template import normalize_messages, render_chat
+from tokenmill.engine.chat_template import normalize_messages, render_chat, resolve_content_format
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.beam_search import beam_search_params, run_beam_search
 from tokenmill.server.choices import collect, usage
+from tokenmill.server.config import TEMPLATE_ARGUMENTS
 from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
@@ -30,11 +31,6 @@ from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, 
 from tokenmill.server.structured_outputs import constraint_of
 from tokenmill.server.tools import ChoiceText, ToolPlan, decode_options, plan_tools, reasoning_parser_of, think_first
 
-TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "chat_template", "add_generation_prompt",
-                                "continue_final_message", "tokenize"})
-"""What render_chat and the template already get from the request: in chat_template_kwargs each would collide
-with it (a TypeError naming internal functions)."""
-
 
 async def render_messages(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
     """The prompt of a chat request (also used by /tokenize); 400 for anything the template rejects."""
@@ -49,7 +45,8 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
     if chat_template is not None and not state.config.trust_request_chat_template:
         raise bad_request("chat templates sent in requests are refused unless the server is started with "
                           "--trust-request-chat-template", param="chat_template")
-    template_kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    requested = getattr(req, "chat_template_kwargs", None) or {}
+    template_kwargs = {**state.config.default_chat_template_kwargs, **requested}  # the request's win, as vLLM's
     if taken := sorted(TEMPLATE_ARGUMENTS & template_kwargs.keys()):
         raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: the server passes these itself "
                           "(send add_generation_prompt, continue_final_message and chat_template as request fields)",
@@ -66,9 +63,11 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
         template_kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
     try:
         conversation = [message.model_dump(exclude_none=True) for message in req.messages]
+        content_format = resolve_content_format(state.config.chat_template_content_format, state.engine.tokenizer,
+                                                chat_template, template_kwargs.get("tools"))
         return await state.tokenize(
             render_chat,
-            normalize_messages(conversation),
+            normalize_messages(conversation, content_format),
             text_chars=sum(len(str(message.get("content") or "")) for message in conversation),
             chat_template=chat_template,
             add_generation_prompt=req.add_generation_prompt,
@@ -107,7 +106,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if constraint is not None:
         await state.grammar_checker.check(constraint, state.engine.input_processor)
     text, token_ids = await render_messages(state, req)
-    reasoning = reasoning_parser_of(state.config, text, req.chat_template_kwargs)
+    reasoning = reasoning_parser_of(state.config, text, {**state.config.default_chat_template_kwargs,
+                                                         **(req.chat_template_kwargs or {})})
     if constraint is not None:  # the model may think first: the constraint (strict tools' too) starts after it
         constraint = think_first(constraint, reasoning)
     engine = state.engine

@@ -57,6 +57,8 @@ class ServerState:
     grammar_checker: GrammarChecker = field(default_factory=GrammarChecker)
     """Structured outputs' schemas, regexes and grammars are checked on a thread of their own."""
     _vocab_bytes: list[bytes] | None = field(default=None, init=False, repr=False)
+    server_load: int = field(default=0, init=False)
+    """Completions and chat completions in flight, counted with --enable-server-load-tracking (GET /load)."""
 
     async def off_loop(self, fn: Callable[..., T], /, *args, **kwargs) -> T:
         """fn(*args, **kwargs) on the tokenizer thread: chat templates and tokenization of long prompts
