@@ -128,6 +128,10 @@ class SchedulerConfig:
     """fcfs | priority (lower `priority` value runs first, as in vLLM)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one request computes in a step (after its prefix-cache hit), as in vLLM: a longer prompt
+    is prefilled in chunks of this size, leaving the rest of the budget to other prompts, so that a short one is
+    not stuck behind a long one's big chunks. Needs chunked prefill. 0: a chunk is bounded only by the budget."""
     async_scheduling: bool | None = None
     """Schedule step N+1 while the device runs step N (None: on for CUDA, off for the CPU, where the
     same cores would do both)."""
@@ -664,6 +668,13 @@ class EngineConfig:
         if cache.num_gpu_blocks_override is not None and cache.num_gpu_blocks_override <= 0:
             raise ValueError(f"num_gpu_blocks_override must be a positive number of blocks, got "
                              f"{cache.num_gpu_blocks_override}")
+        if sched.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be 0 (no cap) or a positive number of tokens, got "
+                             f"{sched.long_prefill_token_threshold}")
+        if sched.long_prefill_token_threshold and not sched.enable_chunked_prefill:
+            # Its cap splits prompts into chunks, which is what disabling chunked prefill forbids.
+            raise ValueError("long_prefill_token_threshold caps each step's prompt chunk, which needs chunked "
+                             "prefill: enable chunked prefill or leave the threshold at 0")
         if sched.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {sched.policy!r}")
         if self.model_config.dtype not in DTYPES:

@@ -29,12 +29,12 @@ HUB_ARGS = ("revision", "tokenizer_revision", "code_revision", "download_dir")
 """Hugging Face Hub arguments: tokenmill loads local folders and files only, for which they mean nothing."""
 
 DEFAULT_ONLY = {
-    "max_num_partial_prefills": (1, "prompts are prefilled one chunk after another within each step's token budget "
-                                    "(vLLM's v1 engine refuses it too)"),
-    "max_long_partial_prefills": (1, "prompts are prefilled one chunk after another within each step's token "
-                                     "budget (vLLM's v1 engine refuses it too)"),
-    "long_prefill_token_threshold": (0, "a prompt's chunk is bounded only by the step's token budget: lower "
-                                        "--max-num-batched-tokens to keep long prompts from crowding a step"),
+    "max_num_partial_prefills": (1, "prompts are prefilled within each step's token budget, a chunk per prompt of "
+                                    "at most --long-prefill-token-threshold where given (vLLM's v1 engine refuses "
+                                    "it too)"),
+    "max_long_partial_prefills": (1, "prompts are prefilled within each step's token budget, a chunk per prompt of "
+                                     "at most --long-prefill-token-threshold where given (vLLM's v1 engine refuses "
+                                     "it too)"),
     "calculate_kv_scales": (False, "fp8 KV caches take the checkpoint's k_scale/v_scale (1.0 without them); for "
                                    "scales computed from the data, use --kv-cache-dtype int8 (a scale per token and "
                                    "KV head, computed as each token is written)"),

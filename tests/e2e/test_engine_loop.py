@@ -68,3 +68,33 @@ def test_bad_requests_fail_before_scheduling_and_leave_others_running(engine):
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
     assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outputs] == [("ok", 5)]
+
+
+def test_long_prefill_token_threshold_changes_the_chunks_not_the_greedy_tokens(engine, monkeypatch):
+    """A long and a short prompt together, prefilled in the budget's chunks and then in chunks capped at 5 (the cap
+    LLM(long_prefill_token_threshold=5) gives this engine's scheduler): the same greedy tokens."""
+    scheduler, schedule, chunks = engine.core.scheduler, engine.core.scheduler.schedule, []
+
+    def recording_schedule():
+        out = schedule()
+        chunks.append(out.num_scheduled_tokens)
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(salt):  # salted apart, so that the second run computes every prompt token again
+        engine.add_request(f"long-{salt}", {"prompt_token_ids": list(range(3, 50))}, params, cache_salt=salt)
+        engine.add_request(f"short-{salt}", {"prompt_token_ids": [9, 8, 7, 6, 5]}, params, cache_salt=salt)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id.split("-")[0], o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        return outputs
+
+    reference = run("uncapped")
+    assert max(n for step in chunks for n in step.values()) == 16
+    chunks.clear()
+    monkeypatch.setattr(scheduler, "max_chunk_tokens", 5)
+    assert run("capped") == reference
+    assert max(n for step in chunks for n in step.values()) == 5
+    assert chunks[0] == {"long-capped": 5, "short-capped": 5}

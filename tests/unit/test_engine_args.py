@@ -109,6 +109,12 @@ def test_compilation_settings_without_a_counterpart_are_refused_by_name(kwargs, 
         EngineConfig.from_kwargs("m", **kwargs)
 
 
+def test_long_prefill_token_threshold_reaches_the_scheduler_config_from_flags_and_kwargs():
+    assert serve_config("--long-prefill-token-threshold", "256").scheduler_config.long_prefill_token_threshold == 256
+    config = EngineConfig.from_kwargs("m", long_prefill_token_threshold=64)  # what LLM(**kwargs) builds
+    assert config.scheduler_config.long_prefill_token_threshold == 64
+
+
 def test_vllm_flags_that_change_nothing_here_are_accepted_and_said(caplog):
     config = serve_config("--swap-space", "4", "--revision", "main", "--tokenizer-revision", "v1", "--code-revision",
                           "x", "--download-dir", "/tmp", "--disable-custom-all-reduce", "--disable-cascade-attn",
@@ -126,7 +132,9 @@ def test_vllm_flags_that_change_nothing_here_are_accepted_and_said(caplog):
     ({"tokenizer_mode": "slow"}, "tokenizer_mode other than 'auto' is not supported: .*ignores use_fast=False"),
     ({"tokenizer_mode": "mistral"}, "tokenizer_mode other than 'auto'"),
     ({"max_num_partial_prefills": 2}, "max_num_partial_prefills other than 1 is not supported"),
-    ({"long_prefill_token_threshold": 512}, "long_prefill_token_threshold other than 0 .*--max-num-batched-tokens"),
+    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be 0 .* or a positive number"),
+    ({"long_prefill_token_threshold": 64, "enable_chunked_prefill": False},
+     "long_prefill_token_threshold caps each step's prompt chunk, which needs chunked prefill"),
     ({"calculate_kv_scales": True}, "calculate_kv_scales other than False .*--kv-cache-dtype int8"),
     ({"safetensors_load_strategy": "eager"}, "safetensors_load_strategy other than 'lazy'"),
     ({"prefix_caching_hash_algo": "xxhash"}, "prefix_caching_hash_algo 'xxhash' is not supported; choose one of "

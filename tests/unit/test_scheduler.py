@@ -16,8 +16,10 @@ BLOCK = 4
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, budget=32, max_seqs=8, policy="fcfs", max_model_len=64, caching=True):
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+def make_scheduler(num_blocks=64, budget=32, max_seqs=8, policy="fcfs", max_model_len=64, caching=True,
+                   long_prefill=0):
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy,
+                             long_prefill_token_threshold=long_prefill)
     return Scheduler(config, KVCacheManager(num_blocks, BLOCK, enable_caching=caching), max_model_len)
 
 
@@ -63,6 +65,41 @@ def test_decodes_come_first_and_prefill_fills_the_rest_of_the_budget():
     out = run_step(s)
     assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
     assert out.total_num_scheduled_tokens <= 16
+
+
+def test_long_prefill_token_threshold_caps_each_chunk_so_a_short_prompt_runs_beside_a_long_one():
+    def chunks(long_prefill):
+        s = make_scheduler(budget=32, long_prefill=long_prefill)
+        s.add_request(make_request("long", 40, max_tokens=2))
+        s.add_request(make_request("short", 6, max_tokens=3, first_token=50))
+        return [dict(o.num_scheduled_tokens) for o in drain(s)]
+
+    # Without the cap the long prompt's 32-token chunk takes the whole budget; the short one waits a step.
+    assert chunks(0)[:3] == [{"long": 32}, {"long": 8, "short": 6}, {"long": 1, "short": 1}]
+    # With it each step computes at most 10 of the long prompt, the rest of the budget goes to the short one.
+    assert chunks(10) == [{"long": 10, "short": 6}, {"long": 10, "short": 1}, {"long": 10, "short": 1},
+                          {"long": 10}, {"long": 1}]
+
+
+def test_long_prefill_token_threshold_counts_the_tokens_after_the_prefix_cache_hit():
+    s = make_scheduler(long_prefill=8)
+    s.add_request(make_request("a", 13, max_tokens=1))
+    assert [o.num_scheduled_tokens["a"] for o in drain(s)] == [8, 5]
+    s.add_request(make_request("b", 30, max_tokens=1))  # its first 12 tokens are a's three full blocks
+    outs = drain(s)
+    assert outs[0].new_requests[0].num_computed_tokens == 12
+    assert [o.num_scheduled_tokens["b"] for o in outs] == [8, 8, 2]
+
+
+def test_long_prefill_token_threshold_caps_the_recompute_of_a_preempted_request():
+    s = make_scheduler(num_blocks=6, budget=64, max_model_len=24, long_prefill=5)
+    for i, rid in enumerate("abc"):
+        s.add_request(make_request(rid, 7, max_tokens=12, arrival=i, first_token=10 * i + 1))
+    requests = dict(s.requests)
+    outs = drain(s)
+    assert s.num_preemptions >= 1 and s.kv.pool.num_free_blocks == 6
+    assert max(n for o in outs for n in o.num_scheduled_tokens.values()) == 5
+    assert all(r.num_output_tokens == 12 for r in requests.values())
 
 
 def test_budget_and_max_num_seqs_are_never_exceeded():

@@ -16,10 +16,10 @@ reads it.
 Random sequences of adds (shared prefixes, n > 1 forks, priorities, salts, a grammar to wait for: the prompt
 computed but the first token held until its compile ends, which the script decides), compiles ending, aborts,
 stop-string stops and steps run on tiny pools, under FCFS and priority, with and without prefix caching, chunked
-prefill, async scheduling, speculative decoding and pipeline micro-batches (two or three steps in flight). After every
-step: waiting requests hold no blocks, the block reference counts add up, the limits hold; at the end every
-request finished exactly once with the right tokens, and every block is free. A step that schedules nothing
-while work waits raises SchedulerStalledError.
+prefill (and a long_prefill_token_threshold capping each chunk), async scheduling, speculative decoding and pipeline
+micro-batches (two or three steps in flight). After every step: waiting requests hold no blocks, the block reference
+counts add up, the limits hold; at the end every request finished exactly once with the right tokens, and every block
+is free. A step that schedules nothing while work waits raises SchedulerStalledError.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class FakeRunner:
     """Sample id -> its cache salt, which the KV content includes: a cross-salt hit reads foreign KV."""
     cached_blocks: Callable[[], Iterable[KVCacheBlock]]
     """The blocks the prefix cache may hand out now."""
+    long_prefill_token_threshold: int = 0
+    """Most known tokens (drafts aside) a request may compute in one step; 0: no cap."""
     rows: dict[str, Row] = field(default_factory=dict)
     kv: dict[tuple[int, int], tuple] = field(default_factory=dict)
     num_steps: int = 0
@@ -129,6 +131,7 @@ class FakeRunner:
             assert len(row.block_ids) >= cdiv(row.num_computed + n, self.block_size)  # room for every draft
             n -= lookahead
             assert row.num_computed + n <= len(row.token_ids)
+            assert n <= (self.long_prefill_token_threshold or n), "a chunk over long_prefill_token_threshold"
             drafts = []
             if lookahead:
                 assert row.num_computed + n == len(row.token_ids), "lookahead for a request mid-prompt"
@@ -209,6 +212,7 @@ def engine_configs(draw):
         async_scheduling=draw(st.booleans()),
         num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         num_batches_in_flight=draw(st.sampled_from([1, 1, 2, 3])),
+        long_prefill=draw(st.sampled_from([0, 0, 1, 3, 8])) if chunked else 0,
     )
 
 
@@ -249,7 +253,7 @@ class Driver:
         self.max_model_len = config["max_model_len"]
         scheduler_config = SchedulerConfig(
             max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=config["budget"], policy=config["policy"],
-            enable_chunked_prefill=config["chunked"],
+            enable_chunked_prefill=config["chunked"], long_prefill_token_threshold=config.get("long_prefill", 0),
         )
         self.kv = KVCacheManager(config["num_blocks"], config["block_size"], enable_caching=config["caching"])
         k = config.get("num_speculative_tokens", 0)
@@ -258,7 +262,7 @@ class Driver:
                                    DraftBudget(k, cost=None) if k else None, num_batches)
         self.salts: dict[str, str | None] = {}
         self.runner = FakeRunner(config["block_size"], config["budget"], self.salts,
-                                 lambda: self.kv.pool.cached_blocks.values())
+                                 lambda: self.kv.pool.cached_blocks.values(), config.get("long_prefill", 0))
         self.compiles = ScriptedCompiles()
         self.core = EngineCore(self.scheduler, self.runner, config["async_scheduling"], self.compiles,
                                num_batches_in_flight=num_batches)

@@ -62,6 +62,8 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
+        self.max_chunk_tokens = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        """Most tokens a request computes in one step, its drafts aside (long_prefill_token_threshold)."""
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
@@ -139,7 +141,7 @@ class Scheduler:
             )):
                 continue  # a micro-batch in flight computes its next token, or the step in flight its last one
             num_left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            num_new = min(num_left, budget)
+            num_new = min(num_left, budget, self.max_chunk_tokens)
             if (room := self.gate.room(request, request.num_computed_tokens)) is not None:
                 if room <= 0:
                     continue  # its prompt's tail waits until it may sample
@@ -176,10 +178,11 @@ class Scheduler:
             # Waiting requests hold no blocks: what running requests free is always enough to admit one.
             assert request.num_computed_tokens == 0
             computed = self._get_computed_blocks(request)
-            num_new = request.num_tokens - computed.num_tokens
+            num_left = request.num_tokens - computed.num_tokens
+            num_new = min(num_left, self.max_chunk_tokens)  # the cap counts the tokens after the cached prefix
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            reaches_end = num_new <= budget
+            reaches_end = num_new == num_left and num_new <= budget
             if (room := self.gate.room(request, computed.num_tokens)) is not None:
                 # (Without chunked prefill its prompt waits whole, as one step's.)
                 if room <= 0 or not self.config.enable_chunked_prefill:
