@@ -66,8 +66,10 @@ def is_alive(pid: int) -> bool:
 
 
 class RemoteServer:
-    def __init__(self, model: str, *args: str, api_key: str | None = None, uds: str | None = None) -> None:
-        """uds: serve on this Unix socket path (--uds) rather than a TCP port; reach it with http()."""
+    def __init__(self, model: str, *args: str, api_key: str | None = None, uds: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """uds: serve on this Unix socket path (--uds) rather than a TCP port; reach it with http(). env: variables
+        set for the server on top of this process's."""
         self.api_key, self.uds = api_key, uds
         if uds is None:
             self.port = free_port()
@@ -80,7 +82,7 @@ class RemoteServer:
         if api_key is not None:
             command += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-server-", suffix=".log", delete=False)
-        env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
+        env = {**{k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}, **(env or {})}
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,8 @@ def test_the_offline_llm_refuses_data_parallelism():
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    server = RemoteServer(tiny_model, *SERVER_ARGS)
+    # Stats lines every half second: test_greedy_text_matches... reads them.
+    server = RemoteServer(tiny_model, *SERVER_ARGS, env={"TOKENMILL_LOG_STATS_INTERVAL": "0.5"})
     yield server
     server.stop()
 
@@ -92,6 +94,16 @@ def wait_for(condition, what: str, timeout: float = 30):
     return value
 
 
+STATS_LINE = re.compile(r"Engine (\d{3}): Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
+                        r"([\d.]+) tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: [\d.]+%, "
+                        r"Prefix cache hit rate: [\d.]+%")
+
+
+def stats_lines(server: RemoteServer) -> list[tuple[str, float]]:
+    """(engine, generation tokens/s) of each periodic stats line the server logged."""
+    return [(m[1], float(m[2])) for m in STATS_LINE.finditer(server.log_tail(10_000_000))]
+
+
 def complete(server: RemoteServer, prompt: str, max_tokens: int = 12) -> str:
     response = server.openai_client().completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
                                                          temperature=0.0, extra_body={"ignore_eos": True})
@@ -110,6 +122,9 @@ def test_greedy_text_matches_one_engine_and_spreads_over_both_replicas(server, t
     after = finished(server)
     assert sum(after.values()) - sum(before.values()) == len(PROMPTS)
     assert all(after[e] > before[e] for e in ("0", "1")), (before, after)
+    # Each replica's periodic stats line (vLLM's) shows the tokens it served.
+    wait_for(lambda: {"000", "001"} <= {engine for engine, generated in stats_lines(server) if generated > 0},
+             "a stats line of each replica with generated tokens")
 
 
 def test_a_shared_prefix_lands_on_one_replica(server):

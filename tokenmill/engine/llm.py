@@ -25,7 +25,7 @@ class LLM:
         parameters from, as vLLM's: 'auto' the model folder's generation_config.json (temperature, top_p, top_k,
         min_p, repetition_penalty, max_new_tokens as max_tokens), 'vllm' none (SamplingParams()), or a folder's;
         override_generation_config: keys of that file set on top of it; disable_log_stats: vLLM's, taken for its
-        callers' sake (tokenmill logs no periodic stats)."""
+        callers' sake (offline, tokenmill logs no periodic stats; the server does, as vLLM's)."""
         if model is None:
             from tokenmill.default_model import default_model_path
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -32,19 +33,24 @@ from tokenmill.server.profiling import start_profile, stop_profile
 from tokenmill.server.serving_chat import create_chat_completion, render_messages
 from tokenmill.server.serving_completion import create_completion
 from tokenmill.server.state import ServerState
+from tokenmill.server.stats_log import LoggingStatLogger
 from tokenmill.server.streaming import ClientDisconnected
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
 
 
-def build_app(state: ServerState, registry: CollectorRegistry) -> FastAPI:
+def build_app(state: ServerState, registry: CollectorRegistry, stats_log: LoggingStatLogger | None = None) -> FastAPI:
+    """`stats_log`: writes its periodic stats lines while the app runs (None: --disable-log-stats)."""
     engine = state.engine
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
         freeze_startup_heap("server")
+        stats_task = None if stats_log is None else asyncio.create_task(stats_log.run(), name="stats-log")
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         state.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
         state.long_text_executor.shutdown(wait=False, cancel_futures=True)
         state.grammar_checker.shutdown()

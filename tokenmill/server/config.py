@@ -129,8 +129,9 @@ class ServerConfig:
     """Count the completions and chat completions in flight (a stream until it ends): GET /load answers
     {"server_load": N} (0 without this flag)."""
     disable_log_stats: bool = False
-    """vLLM's switch for its periodic stats log lines; tokenmill's server writes none (its numbers are in /metrics),
-    so there is nothing to turn off."""
+    """Turn off the periodic stats lines: every $TOKENMILL_LOG_STATS_INTERVAL seconds (vLLM's
+    VLLM_LOG_STATS_INTERVAL; default 10) while requests run, each engine core's "Engine 000: Avg prompt throughput:
+    ..." line (and its speculative decoding acceptance, while speculating), as vLLM's."""
     api_server_count: int = 1
     """API server processes: tokenmill runs one (over all -dp replicas); another count is refused."""
 

@@ -25,6 +25,7 @@ from tokenmill.server.metrics import PrometheusStatLogger
 from tokenmill.server.profiling import prepare_profiler_dir
 from tokenmill.server.startup import claim_listen_address
 from tokenmill.server.state import ServerState
+from tokenmill.server.stats_log import LoggingStatLogger, StatLoggers, log_stats_interval
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +62,23 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, model_n
         listen_socket = claim_listen_address(server_config.host, server_config.port, server_config.uds)
     if server_config.profiler_dir is not None:
         prepare_profiler_dir(server_config.profiler_dir)
+    num_engines = engine_config.parallel_config.data_parallel_size
+    stats_log = None if server_config.disable_log_stats else LoggingStatLogger(num_engines, log_stats_interval())
     registry = CollectorRegistry()
     speculative = engine_config.speculative_config
     model_name, *also_served_as = model_names
     stat_logger = PrometheusStatLogger(model_name, registry,
                                        None if speculative is None else speculative.num_speculative_tokens,
-                                       num_engines=engine_config.parallel_config.data_parallel_size)
-    engine = AsyncEngine(engine_config, stat_logger=stat_logger, started_core=started_core)
+                                       num_engines=num_engines)
+    engine = AsyncEngine(engine_config, stat_logger=stat_logger if stats_log is None
+                         else StatLoggers(stat_logger, stats_log), started_core=started_core)
     try:
         # Every data-parallel replica runs max_num_seqs sequences.
         max_num_seqs = engine_config.scheduler_config.max_num_seqs * engine_config.parallel_config.data_parallel_size
         defaults = sampling_defaults(server_config.generation_config, engine_config.model_config.model,
                                      server_config.override_generation_config)
         state = ServerState(engine, server_config, model_name, max_num_seqs, tuple(also_served_as), defaults)
-        app = build_app(state, registry)
+        app = build_app(state, registry, stats_log)
         config = uvicorn.Config(
             app,
             host=server_config.host,
