@@ -427,6 +427,27 @@ def test_default_chat_template_kwargs_and_the_content_format_reach_the_template(
     assert post(server, "/tokenize", {"prompt": "Hi"}).json()["max_model_len"] == 1024
 
 
+def test_tokenize_renders_messages_as_the_chat_completion_does(server, smollm2_tokenizer):
+    # Before: /tokenize ignored chat_template and chat_template_kwargs (the model's template, no variables).
+    template = ("{{ tm_default }} {{ tm_other }} {{ add_generation_prompt }}|{% for m in messages %}{{ m.role }}:"
+                "{{ m.content }};{% endfor %}{% for t in tools or [] %}T:{{ t.function.name }};{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    continued = [*HI, {"role": "assistant", "content": "Sure"}]
+    for fields, expected in (
+        ({"chat_template_kwargs": {"tm_other": "request"}, "tools": tools},
+         "server request True|user:Hi;T:get_weather;"),
+        ({"messages": continued, "add_generation_prompt": False, "continue_final_message": True},
+         "server server False|user:Hi;assistant:Sure"),
+    ):
+        body = {"messages": HI, "chat_template": template, **fields}
+        tokenized = post(server, "/tokenize", body)
+        # tool_choice "none": this server has no tool parser for "auto"; the tools still reach the template.
+        chat_response = post(server, *chat(return_token_ids=True, tool_choice="none", **body))
+        assert tokenized.status_code == chat_response.status_code == 200, (tokenized.text, chat_response.text)
+        assert tokenized.json()["tokens"] == chat_response.json()["prompt_token_ids"]
+        assert smollm2_tokenizer.decode(tokenized.json()["tokens"]) == expected
+
+
 def test_load_counts_the_generation_requests_in_flight(server):
     """vLLM's /load with --enable-server-load-tracking: a stream counts until it ends."""
     def load() -> int:

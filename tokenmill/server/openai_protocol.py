@@ -441,6 +441,10 @@ class TokenizeRequest(RequestBody):
     writes them), as vLLM's."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    """As a chat completion's: messages render exactly as there (serving_chat.render_messages)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """As a chat completion's."""
     return_token_strs: bool = False
     """Also answer each token's string (`token_strs`), as the tokenizer's vocabulary spells it."""
 

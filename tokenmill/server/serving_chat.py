@@ -39,13 +39,13 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
                           "set add_generation_prompt to false", param="continue_final_message")
-    chat_template = getattr(req, "chat_template", None)
+    chat_template = req.chat_template
     # A template is code the server runs. render_chat renders through tokenizer.apply_chat_template,
     # i.e. in transformers' sandboxed Jinja environment, but even sandboxed a template can run for long.
     if chat_template is not None and not state.config.trust_request_chat_template:
         raise bad_request("chat templates sent in requests are refused unless the server is started with "
                           "--trust-request-chat-template", param="chat_template")
-    requested = getattr(req, "chat_template_kwargs", None) or {}
+    requested = req.chat_template_kwargs or {}
     template_kwargs = {**state.config.default_chat_template_kwargs, **requested}  # the request's win, as vLLM's
     if taken := sorted(TEMPLATE_ARGUMENTS & template_kwargs.keys()):
         raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: the server passes these itself "
