@@ -33,10 +33,10 @@ def build_llama(folder, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=301, max_position_embeddings=256, bos_token_id=1,
-                         eos_token_id=2, initializer_range=0.2,  # peaked logits: no greedy step is a near tie
-                         **overrides)
+    config = LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=301, max_position_embeddings=256, bos_token_id=1,
+                                   eos_token_id=2, initializer_range=0.2),  # peaked logits: no greedy near tie
+                            **overrides})
     LlamaForCausalLM(config).eval().save_pretrained(folder)
 
 
@@ -240,17 +240,20 @@ def test_two_stages_of_a_mixture_of_experts_give_transformers_greedy_tokens(tmp_
         llm.engine.core.shutdown()
 
 
-def test_two_stages_mask_by_grammar_and_end_a_request_left_no_token(smollm2_path):
-    """Structured outputs on two stages of the default model: the last stage masks by the grammars and
-    samples, and a request whose bans leave its grammar no token ends there with "error" (the driver, on the
-    last stage, reports the mark; the first stage embeds the drawn token, and the request ends before it
-    matters), as test_structured_outputs.py checks in one process."""
+def test_two_stages_mask_by_grammar_and_end_a_request_left_no_token(tmp_path, smollm2_tokenizer):
+    """Structured outputs on two stages (the tiny Llama under the default model's tokenizer: the grammars, not
+    the weights, decide what may be drawn): the last stage masks by the grammars and samples, and a request
+    whose bans leave its grammar no token ends there with "error" (the driver, on the last stage, reports the
+    mark; the first stage embeds the drawn token, and the request ends before it matters), as
+    test_structured_outputs.py checks in one process."""
     from tokenmill.sampling_params import StructuredOutputsParams
 
+    build_llama(tmp_path, vocab_size=len(smollm2_tokenizer), bos_token_id=smollm2_tokenizer.bos_token_id,
+                eos_token_id=smollm2_tokenizer.eos_token_id)
+    smollm2_tokenizer.save_pretrained(tmp_path)
     ask = [{"role": "user", "content": "Which city is the capital of France?"}]
     choice = StructuredOutputsParams(choice=["Paris", "London", "Rome"])
-    llm = LLM(smollm2_path, kv_cache_space=0.1, max_model_len=256, dtype="float32", gguf_dequantize=True,
-              pipeline_parallel_size=2)
+    llm = LLM(str(tmp_path), kv_cache_space=0.01, max_model_len=256, dtype="float32", pipeline_parallel_size=2)
     try:
         paris = llm.get_tokenizer().encode("Paris", add_special_tokens=False)
         params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice, allowed_token_ids=paris),
