@@ -8,6 +8,7 @@ import ipaddress
 import json
 import os
 import re
+import signal
 import socket
 import ssl
 import subprocess
@@ -32,6 +33,24 @@ def tokenmill(*argv: str, api_key_env: str | None = None, timeout: float = 180) 
         env[API_KEY_ENV] = api_key_env
     return subprocess.run([sys.executable, "-m", "tokenmill.cli", *argv], capture_output=True, text=True, env=env,
                           timeout=timeout)
+
+
+def serve_in_process(capfd, *argv: str) -> subprocess.CompletedProcess:
+    """`tokenmill serve` through the command's entry function in this process, for failures that come after the
+    model path is read: a subprocess would spend seconds importing the server's dependencies, which this process
+    holds already (the exit status and stderr of a real process: the tests above). stderr is the file descriptor's,
+    so a stray traceback of the engine core's process would show too; without the start-up's INFO lines."""
+    from tokenmill.cli import main
+
+    handler = signal.getsignal(signal.SIGTERM)  # main() makes SIGTERM unwind, for the process it runs in
+    capfd.readouterr()
+    try:
+        returncode = main(["serve", *argv])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out, err = capfd.readouterr()
+    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("INFO"))
+    return subprocess.CompletedProcess(["tokenmill", "serve", *argv], returncode, out, err)
 
 
 def assert_short_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -94,16 +113,16 @@ def test_the_port_is_held_from_before_the_model_loads():
         other.bind((HOST, port))
 
 
-def test_serve_reports_a_missing_model_in_one_line(tmp_path):
-    result = tokenmill("serve", str(tmp_path / "missing.gguf"), "--port", str(free_port()))
+def test_serve_reports_a_missing_model_in_one_line(tmp_path, capfd):
+    result = serve_in_process(capfd, str(tmp_path / "missing.gguf"), "--port", str(free_port()))
     assert_short_error(result, "missing.gguf")
 
 
-def test_serve_reports_an_unsupported_architecture_in_one_line(tmp_path):
+def test_serve_reports_an_unsupported_architecture_in_one_line(tmp_path, capfd):
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 2,
               "vocab_size": 100, "bos_token_id": 0, "eos_token_id": 0}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = tokenmill("serve", str(tmp_path), "--load-format", "dummy", "--port", str(free_port()))
+    result = serve_in_process(capfd, str(tmp_path), "--load-format", "dummy", "--port", str(free_port()))
     assert_short_error(result, "GPT2LMHeadModel", "not supported")
 
 
@@ -174,31 +193,28 @@ def test_serve_over_https(tiny_llama, tmp_path):
         process.communicate(timeout=30)
 
 
-def test_an_engine_that_fails_to_start_reports_it_in_one_line(tmp_path, tiny_llama):
+def test_an_engine_that_fails_to_start_reports_it_in_one_line(tmp_path, tiny_llama, capfd):
     """The engine core's process fails after loading (an AWQ method on a 16-bit checkpoint) and the frontend
     stops it: its error, and no stray traceback from that stop."""
-    result = tokenmill("serve", tiny_llama.path, "--load-format", "dummy", "--quantization", "awq",
-                       "--skip-tokenizer-init", "--port", str(free_port()))
     # Past the start-up's own INFO lines (the engine got that far), the error alone.
-    result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True) if not line.startswith("INFO"))
+    result = serve_in_process(capfd, tiny_llama.path, "--load-format", "dummy", "--quantization", "awq",
+                              "--skip-tokenizer-init", "--port", str(free_port()))
     assert_short_error(result, "the engine failed to start", "awq")
 
 
-def test_a_pool_too_small_names_the_block_override_that_sized_it(tiny_llama):
+def test_a_pool_too_small_names_the_block_override_that_sized_it(tiny_llama, capfd):
     """Not the memory settings, which the override makes moot."""
-    result = tokenmill("serve", tiny_llama.path, "--load-format", "dummy", "--skip-tokenizer-init",
-                       "--num-gpu-blocks-override", "2", "--port", str(free_port()))
-    result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True) if not line.startswith("INFO"))
+    result = serve_in_process(capfd, tiny_llama.path, "--load-format", "dummy", "--skip-tokenizer-init",
+                              "--num-gpu-blocks-override", "2", "--port", str(free_port()))
     assert_short_error(result, "the KV cache holds 32 tokens (2 blocks of 16), fewer than max_model_len=256: give "
                                "the pool more memory (num_gpu_blocks_override) or lower max_model_len")
 
 
-def test_serve_refuses_a_chat_template_that_is_no_jinja(tmp_path, smollm2_path):
+def test_serve_refuses_a_chat_template_that_is_no_jinja(tmp_path, smollm2_path, capfd):
     """It used to start, then answer every chat request with a 400 blaming the request."""
     template = tmp_path / "broken.jinja"
     template.write_text("{% for message in messages %}{{ message.content }\n")
-    result = tokenmill("serve", smollm2_path, "--chat-template", str(template), "--port", str(free_port()))
-    result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True) if not line.startswith("INFO"))
+    result = serve_in_process(capfd, smollm2_path, "--chat-template", str(template), "--port", str(free_port()))
     assert_short_error(result, f"chat template file '{template}' is not valid Jinja: unexpected '}}' (line 1)")
 
 
