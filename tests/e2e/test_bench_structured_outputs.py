@@ -3,18 +3,13 @@
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from test_benchmark_spec_decode import run_benchmark
 
 
-def test_smoke_run_writes_every_measurement_and_its_outputs_validate(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/structured_outputs.py"), "--smoke",
-                             "--num-requests", "4", "--output-len", "32", "--out", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_smoke_run_writes_every_measurement_and_its_outputs_validate(tmp_path, monkeypatch):
+    assert run_benchmark(monkeypatch, "structured_outputs.py", "--smoke", "--num-requests", "4", "--output-len",
+                         "32", "--out", str(tmp_path)) == 0
     results = json.loads((tmp_path / "structured_outputs.json").read_text())
     for key in ("compile: cold, 4 schemas", "compile: cached (same spec again)", "ratio: structured, cached grammars",
                 "mask: total per step", "throughput: unconstrained, structured run's lengths"):
