@@ -209,7 +209,7 @@ def ray_cluster(monkeypatch):
     import subprocess
     import sys
     import tempfile
-    import time
+    import threading
 
     ray = pytest.importorskip("ray")
     from tokenmill.executor.ray_executor import free_port
@@ -219,12 +219,18 @@ def ray_cluster(monkeypatch):
     port = free_port()
     head = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
                              f"--port={port}", f"--temp-dir={folder}", "--num-cpus=4", "--include-dashboard=false",
-                             "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--disable-usage-stats"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     monkeypatch.setenv("RAY_ADDRESS", f"{ray.util.get_node_ip_address()}:{port}")
-    deadline = time.monotonic() + 60
-    while subprocess.run([sys.executable, "-c", "import ray; ray.init()"], capture_output=True).returncode:
-        assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
-        time.sleep(1)
+    started, output = threading.Event(), []
+
+    def read() -> None:  # to the end, so that the head never blocks on a full pipe
+        for line in head.stdout:
+            output.append(line)
+            if "Ray runtime started" in line:  # printed once its node is up (seconds sooner than a probe's ray.init())
+                started.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert started.wait(60) and head.poll() is None, f"the Ray head did not start: {''.join(output)[-2000:]}"
     yield
     head.terminate()
     head.wait(30)
