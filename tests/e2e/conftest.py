@@ -47,3 +47,11 @@ def pytest_runtest_teardown(item, nextitem):
     if item is last:
         server.stop()
     return result
+
+
+@pytest.fixture
+def unmeasured_step_cost(monkeypatch):
+    """test_spec_decode.skip_step_cost_measurement, for the test's engines."""
+    from tests.e2e.test_spec_decode import skip_step_cost_measurement
+
+    skip_step_cost_measurement(monkeypatch)

@@ -68,6 +68,13 @@ def always_draft(llm: LLM) -> None:
     budget.cost, budget.min_gain = None, 0.0
 
 
+def skip_step_cost_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process engines built after this start without timing their steps for the draft budget (~1.3 s on the
+    default model, float32, on a small CPU): for those the test then makes draft every step (always_draft), which
+    throws the measured cost away."""
+    monkeypatch.setattr("tokenmill.worker.step_cost.measure_step_cost", lambda worker, max_tokens: None)
+
+
 def workload():
     shared = [(5 * j) % 200 + 1 for j in range(20)]  # a common prefix: prefix-cache hits
     prompts = [{"prompt_token_ids": shared + [(7 * i + 3 * j) % 200 + 1 for j in range(3 + 7 * i)]} for i in range(6)]

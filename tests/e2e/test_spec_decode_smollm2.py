@@ -3,7 +3,7 @@ given text) drafts long runs, and the output is exactly plain greedy decoding's,
 
 import pytest
 
-from tests.e2e.test_spec_decode import always_draft
+from tests.e2e.test_spec_decode import always_draft, skip_step_cost_measurement
 from tokenmill import LLM, SamplingParams
 
 CODE = '''def mean(values):
@@ -17,9 +17,11 @@ PROMPT = [{"role": "user", "content": f"Repeat this Python function exactly, the
 
 @pytest.fixture(scope="module")
 def speculative_llm(smollm2_path):
-    llm = LLM(smollm2_path, kv_cache_space=0.5, max_model_len=2048, dtype="float32",  # as smollm2_llm
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                  "prompt_lookup_min": 2})
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        skip_step_cost_measurement(monkeypatch)  # always_draft below throws it away
+        llm = LLM(smollm2_path, kv_cache_space=0.5, max_model_len=2048, dtype="float32",  # as smollm2_llm
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                      "prompt_lookup_min": 2})
     # The step cost measured at start-up decides whether drafting pays; on a loaded CI machine it can say no.
     always_draft(llm)
     return llm

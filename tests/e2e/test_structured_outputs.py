@@ -261,7 +261,7 @@ def test_bans_that_leave_a_grammar_no_token_end_that_request_with_error(engine, 
     assert (dead.finish_reason, dead.token_ids) == ("error", [])
 
 
-def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm, monkeypatch):
+def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm, monkeypatch, unmeasured_step_cost):
     """Speculation on a constrained request: the grammar masks every draft position, and the tokens are
     exactly those of the same request without speculation (its matchers in a grammar process, the plain
     engine's, smollm2_llm's, in its own process)."""
@@ -323,7 +323,8 @@ def write_random_eagle_head(folder, target) -> str:
     return str(folder)
 
 
-def test_constrained_requests_verify_an_eagle_heads_chain_exactly(smollm2_path, smollm2_llm, tmp_path):
+def test_constrained_requests_verify_an_eagle_heads_chain_exactly(smollm2_path, smollm2_llm, tmp_path,
+                                                                unmeasured_step_cost):
     """An EAGLE head drafts each next chain right after the verification (spec/eagle.py draft_after_verify); the
     grammar masks every draft position of it: greedy tokens are those of the same requests without speculation."""
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec) for spec in SPECS[:4]]
@@ -341,7 +342,7 @@ def test_constrained_requests_verify_an_eagle_heads_chain_exactly(smollm2_path, 
 
 
 def test_eagle_steps_launched_ahead_beside_constrained_requests_change_no_token(smollm2_path, smollm2_llm, tmp_path,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, unmeasured_step_cost):
     """Async scheduling with an EAGLE head: once the constrained request ends, the others' verifying steps launch
     before the last one's tokens reach the host (worker/verify_ahead.py) in an engine with a grammar process;
     greedy tokens are those of the same requests without speculation."""
@@ -371,7 +372,7 @@ def test_eagle_steps_launched_ahead_beside_constrained_requests_change_no_token(
 
 
 def test_constrained_requests_draft_trees_and_verify_exactly(smollm2_path, smollm2_llm, tmp_path, monkeypatch,
-                                                            capfd):
+                                                            capfd, unmeasured_step_cost):
     """Draft trees on constrained requests: the grammar masks the logits row of every node (with its path
     accepted), so greedy tokens are exactly those of the same requests without speculation (smollm2_llm, its
     matchers in its own process; here in a grammar process), and a sampled request obeys its spec. The trees
@@ -414,7 +415,7 @@ def test_constrained_requests_draft_trees_and_verify_exactly(smollm2_path, smoll
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_requests_left_no_token_beside_drafting_ones_end_with_error_alone(smollm2_path, smollm2_llm,
-                                                                          async_scheduling):
+                                                                          async_scheduling, unmeasured_step_cost):
     """Requests that cannot draft (a grammar with bans; bad_words) share verifying steps with one that drafts. Their
     one position was not checked for a token left there (the draw emitted token 0, outside their bans and grammar);
     and the -1 that marks such a row reached the next step's inputs on the host (an IndexError that failed the
