@@ -352,7 +352,14 @@ def test_requests_still_running_past_the_shutdown_grace_get_a_503(smollm2_path, 
         threads = [threading.Thread(target=fn) for fn in (full, streamed)]
         for thread in threads:
             thread.start()
-        time.sleep(2)  # both generating (1,500 tokens each: tens of seconds on the CPU)
+        # Both generating (1,500 tokens each: tens of seconds on the CPU), and tokens past the first step.
+        with server.http(timeout=10) as http:
+            deadline = time.monotonic() + 60
+            while not (re.search(r"^tokenmill:num_requests_running\{.*\} 2\.0$", metrics := http.get("/metrics").text,
+                                 re.MULTILINE) and re.search(r"^tokenmill:generation_tokens_total\{.*\} [1-9]",
+                                                             metrics, re.MULTILINE)):
+                assert time.monotonic() < deadline, "the two requests did not both start"
+                time.sleep(0.05)
         server.proc.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(timeout=30)
