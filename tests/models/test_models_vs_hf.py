@@ -3,7 +3,8 @@
 Float32 on CPU, so the tokens must be identical, under these schedules: one prefill per prompt,
 prefill chunked into 16-token steps, a KV pool so small that requests get preempted and recomputed,
 and speculative decoding (n-gram drafts verified in one pass) alone and with the last two; and on two
-tensor-parallel ranks (gloo). The tiny models and their reference outputs come from conftest.py.
+pipeline stages of two tensor-parallel ranks each (gloo). The tiny models and their reference outputs come from
+conftest.py.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ ENGINE_SETTINGS = {
     "ngram": {"speculative_config": NGRAM},
     "ngram-chunked-preemption": {"num_gpu_blocks_override": 6, "max_model_len": 64, "max_num_batched_tokens": 16,
                                  "speculative_config": NGRAM, "async_scheduling": True},
-    # Two ranks in processes of their own (gloo), their layers sliced: every architecture shards.
-    "tensor-parallel": {"tensor_parallel_size": 2, "max_num_batched_tokens": 16, "async_scheduling": True},
-    # Two stages of two ranks, each stage building and loading only its layers, sliced, two micro-batches in flight:
-    # every architecture splits both ways (two stages alone: tests/e2e/test_pipeline_parallel.py).
-    "tensor-pipeline-parallel": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "max_num_batched_tokens": 16},
+    # Two stages of two ranks in processes of their own (gloo), each stage building and loading only its layers,
+    # sliced, two micro-batches in flight, async scheduling: every architecture shards and splits both ways. (Two
+    # ranks of one stage had a setting of their own, which sliced the same layers the same way: the one-stage path
+    # is the architecture-independent one, tests/e2e/test_tensor_parallel.py's; two stages alone:
+    # tests/e2e/test_pipeline_parallel.py.)
+    "tensor-pipeline-parallel": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "max_num_batched_tokens": 16,
+                                 "async_scheduling": True},
 }
 
 
