@@ -35,11 +35,11 @@ def tokenmill(*argv: str, api_key_env: str | None = None, timeout: float = 180) 
                           timeout=timeout)
 
 
-def serve_in_process(capfd, *argv: str) -> subprocess.CompletedProcess:
+def serve_in_process(capfd, *argv: str, info: bool = False) -> subprocess.CompletedProcess:
     """`tokenmill serve` through the command's entry function in this process, for failures that come after the
     model path is read: a subprocess would spend seconds importing the server's dependencies, which this process
     holds already (the exit status and stderr of a real process: the tests above). stderr is the file descriptor's,
-    so a stray traceback of the engine core's process would show too; without the start-up's INFO lines."""
+    so a stray traceback of the engine core's process would show too; `info`: with the start-up's INFO lines."""
     from tokenmill.cli import main
 
     handler = signal.getsignal(signal.SIGTERM)  # main() makes SIGTERM unwind, for the process it runs in
@@ -49,7 +49,8 @@ def serve_in_process(capfd, *argv: str) -> subprocess.CompletedProcess:
     finally:
         signal.signal(signal.SIGTERM, handler)
     out, err = capfd.readouterr()
-    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("INFO"))
+    if not info:
+        err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("INFO"))
     return subprocess.CompletedProcess(["tokenmill", "serve", *argv], returncode, out, err)
 
 
@@ -114,7 +115,7 @@ def test_the_port_is_held_from_before_the_model_loads():
 
 
 def test_serve_reports_a_missing_model_in_one_line(tmp_path, capfd):
-    result = serve_in_process(capfd, str(tmp_path / "missing.gguf"), "--port", str(free_port()))
+    result = serve_in_process(capfd, str(tmp_path / "missing.gguf"), "--port", str(free_port()), info=True)
     assert_short_error(result, "missing.gguf")
 
 
@@ -122,7 +123,7 @@ def test_serve_reports_an_unsupported_architecture_in_one_line(tmp_path, capfd):
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 2,
               "vocab_size": 100, "bos_token_id": 0, "eos_token_id": 0}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = serve_in_process(capfd, str(tmp_path), "--load-format", "dummy", "--port", str(free_port()))
+    result = serve_in_process(capfd, str(tmp_path), "--load-format", "dummy", "--port", str(free_port()), info=True)
     assert_short_error(result, "GPT2LMHeadModel", "not supported")
 
 
