@@ -154,8 +154,9 @@ def check_engine() -> None:
 
 def run_script(path: str, timeout: float, *args: str) -> None:
     """A benchmark script of this folder in a subprocess; its last lines go to the summary."""
+    path_dirs = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]  # the device's wheels stay on it
     proc = subprocess.run([sys.executable, path, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(path_dirs)})
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     print("\n".join(lines[-80:]))
     if proc.returncode != 0:
