@@ -31,6 +31,12 @@ def check_device(name: str) -> None:
         raise ValueError(f"device {name!r} is not supported; choose one of auto, cuda, cpu")
 
 
+def check_model_path(path: str) -> None:
+    """FileNotFoundError unless `path` is a model folder or a .gguf file (what the loader reads: no Hub here)."""
+    if not (os.path.isdir(path) or (path.endswith(".gguf") and os.path.isfile(path))):
+        raise FileNotFoundError(f"model path {path!r} is neither a model folder nor a .gguf file")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str

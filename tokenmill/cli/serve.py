@@ -16,7 +16,7 @@ from tokenmill.cli.args import (
     given_fields,
     json_object_flag,
 )
-from tokenmill.config import EngineConfig, ParallelConfig
+from tokenmill.config import EngineConfig, ParallelConfig, check_model_path
 from tokenmill.server.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     listen_socket = claim_listen_address(server_config.host, server_config.port, server_config.uds)
     try:
         engine_config = serving_engine_config(args)
+        check_model_path(engine_config.model_config.model)  # at once, not after the core's start and the imports
         # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C (cli.main): the core started below stops.
         core = start_core_ahead(engine_config)
         try:

@@ -17,7 +17,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import ModelConfig, check_model_path
 from tokenmill.cpu_compile import cpu_flags
 from tokenmill.layers.quant import (
     check_moe_experts,
@@ -69,8 +69,7 @@ def _read_hf_config(model_config: ModelConfig) -> PretrainedConfig:
     path = model_config.model
     if is_gguf(path):
         return copy.deepcopy(remembered("config", path, lambda: _gguf_config(path)))  # callers may change it
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model path {path!r} is neither a model folder nor a .gguf file")
+    check_model_path(path)
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"model folder {path!r} has no config.json: pass a Hugging Face model folder "
