@@ -245,3 +245,23 @@ def test_deepseek_v3_reasoning_follows_the_requests_thinking_switch():
             "content": "4, no </think> here"}
     text = ChoiceText(plan_tools(request(), config, False), on)
     assert text.full("Add them.</think>4") == {"reasoning_content": "Add them.", "content": "4"}
+
+
+def test_the_reasoning_parser_sees_the_template_variables_the_template_sees():
+    """reasoning_effort turns enable_thinking on for the template; deepseek_v3's parser must read the same variables,
+    the server's --default-chat-template-kwargs under the request's included."""
+    from types import SimpleNamespace
+
+    from tokenmill.server.serving_chat import template_variables
+
+    prompt = "<｜User｜>2+2?<｜Assistant｜><think>"
+    plain = SimpleNamespace(config=ServerConfig(reasoning_parser="deepseek_v3"))
+    effort = request(reasoning_effort="high")
+    assert template_variables(plain, effort)["enable_thinking"] is True
+    assert reasoning_parser_of(plain.config, prompt, template_variables(plain, effort)) is get_reasoning_parser(
+        "deepseek_r1")
+    thinking = SimpleNamespace(config=ServerConfig(reasoning_parser="deepseek_v3",
+                                                   default_chat_template_kwargs={"thinking": True}))
+    assert reasoning_parser_of(thinking.config, prompt, template_variables(thinking, request())) is not None
+    off = request(chat_template_kwargs={"thinking": False})
+    assert reasoning_parser_of(thinking.config, prompt, template_variables(thinking, off)) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -32,6 +33,19 @@ from tokenmill.server.structured_outputs import constraint_of
 from tokenmill.server.tools import ChoiceText, ToolPlan, decode_options, plan_tools, reasoning_parser_of, think_first
 
 
+def template_variables(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The chat template's variables of a request, as the template and the reasoning parser both see them: the
+    server's --default-chat-template-kwargs under the request's chat_template_kwargs (as vLLM's), and vLLM's request
+    fields that are template variables (documents, reasoning_effort) over both."""
+    variables = {**state.config.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    for name in ("documents", "reasoning_effort"):
+        if (value := getattr(req, name, None)) is not None:
+            variables[name] = value
+    if (effort := getattr(req, "reasoning_effort", None)) is not None:  # as vLLM's: templates that need thinking on
+        variables.setdefault("enable_thinking", effort != "none")
+    return variables
+
+
 async def render_messages(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
     """The prompt of a chat request (also used by /tokenize); 400 for anything the template rejects."""
     if state.engine.tokenizer is None:
@@ -45,18 +59,11 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
     if chat_template is not None and not state.config.trust_request_chat_template:
         raise bad_request("chat templates sent in requests are refused unless the server is started with "
                           "--trust-request-chat-template", param="chat_template")
-    requested = req.chat_template_kwargs or {}
-    template_kwargs = {**state.config.default_chat_template_kwargs, **requested}  # the request's win, as vLLM's
+    template_kwargs = template_variables(state, req)
     if taken := sorted(TEMPLATE_ARGUMENTS & template_kwargs.keys()):
         raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: the server passes these itself "
                           "(send add_generation_prompt, continue_final_message and chat_template as request fields)",
                           param="chat_template_kwargs")
-    # vLLM's request fields that are template variables: over chat_template_kwargs' values of the same names.
-    for name in ("documents", "reasoning_effort"):
-        if (value := getattr(req, name, None)) is not None:
-            template_kwargs[name] = value
-    if (effort := getattr(req, "reasoning_effort", None)) is not None:  # as vLLM's: templates that need thinking on
-        template_kwargs.setdefault("enable_thinking", effort != "none")
     if req.tools:
         if "tools" in template_kwargs:
             raise bad_request("pass tools in tools, not in chat_template_kwargs", param="chat_template_kwargs")
@@ -106,8 +113,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if constraint is not None:
         await state.grammar_checker.check(constraint, state.engine.input_processor)
     text, token_ids = await render_messages(state, req)
-    reasoning = reasoning_parser_of(state.config, text, {**state.config.default_chat_template_kwargs,
-                                                         **(req.chat_template_kwargs or {})})
+    reasoning = reasoning_parser_of(state.config, text, template_variables(state, req))
     if constraint is not None:  # the model may think first: the constraint (strict tools' too) starts after it
         constraint = think_first(constraint, reasoning)
     engine = state.engine
