@@ -86,6 +86,9 @@ class StreamDetokenizer:
                                    skip_special_tokens=skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str:
+        if not self.dropped_ids and self.joiner is None:  # every stream's every token: the plain path stays lean
+            pieces = [self.stream.step(self.backend, token_id) for token_id in new_token_ids]
+            return "".join(piece for piece in pieces if piece)
         pieces = [(token_id, self.stream.step(self.backend, token_id) or "") for token_id in new_token_ids
                   if token_id not in self.dropped_ids]
         if self.joiner is not None:
