@@ -504,8 +504,8 @@ _REASONING_KEYS = {
     "reasoning_parser": ("", "tokenmill's reasoning parser is the server's: `tokenmill serve --reasoning-parser NAME` "
                              "(offline, StructuredOutputsParams(reasoning_end=\"</think>\") starts the structure "
                              "after the reasoning)"),
-    "reasoning_parser_plugin": ("", "reasoning parser plugins are not supported; the server's --reasoning-parser "
-                                    "takes deepseek_r1, deepseek_v3, glm45, granite, mistral or qwen3"),
+    "reasoning_parser_plugin": ("", "a reasoning parser plugin is the server's: `tokenmill serve "
+                                    "--reasoning-parser-plugin FILE --reasoning-parser NAME`"),
     "enable_in_reasoning": (False, "with --reasoning-parser the structure applies once the reasoning is over; to "
                                    "constrain from the first token, serve without --reasoning-parser (or with "
                                    "thinking off in the chat template)"),
