@@ -134,13 +134,16 @@ class ServerState:
             raise
         return streams
 
-    def _log_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def _logged(self, value):
+        """A prompt's or an output's text or token ids as the log shows them: cut to --max-log-len."""
         limit = self.config.max_log_len
+        return value if value is None or limit is None else value[:limit]
+
+    def _log_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         text, token_ids = (prompt.get("prompt"), prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else (
             prompt, None)
-        logger.info("request %s: prompt %r, prompt_token_ids %s, params %s", request_id,
-                    text if text is None or limit is None else text[:limit],
-                    token_ids if token_ids is None or limit is None else token_ids[:limit], params)
+        logger.info("request %s: prompt %r, prompt_token_ids %s, params %s", request_id, self._logged(text),
+                    self._logged(token_ids), params)
 
     async def _logged_outputs(self, request_id: str, stream: AsyncIterator[RequestOutput],
                               params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -151,11 +154,9 @@ class ServerState:
             async for output in stream:
                 gatherer.add(output)
                 yield output
-        limit = self.config.max_log_len
         for index, choice in enumerate(gatherer.choices()):
             logger.info("request %s output %d: %r, output_token_ids %s, finish_reason %s", request_id, index,
-                        choice.text if limit is None else choice.text[:limit],
-                        choice.token_ids if limit is None else choice.token_ids[:limit], choice.finish_reason)
+                        self._logged(choice.text), self._logged(choice.token_ids), choice.finish_reason)
 
     def token_namer(self, req: SamplingRequest) -> Decode:
         """How the request's logprobs name tokens: by id (--return-tokens-as-token-ids, or the request's own
