@@ -71,6 +71,8 @@ class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
+    prefix_cache_requests: int = 0
+    """Requests looked up in the prefix cache (cumulative, like the queries and hits)."""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0

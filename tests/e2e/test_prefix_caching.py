@@ -28,6 +28,7 @@ def test_shared_prefix_is_computed_once_and_outputs_are_identical(tiny_llama):
     stats = llm.engine.last_stats
     assert stats.prefix_cache_hits == 32
     assert stats.prefix_cache_queries == len(first) + len(second)
+    assert stats.prefix_cache_requests == 2
     assert [out1.outputs[0].token_ids, out2.outputs[0].token_ids] == expected
 
 

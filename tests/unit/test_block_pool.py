@@ -145,3 +145,4 @@ def test_shared_prefix_blocks_are_reference_counted():
     kv.free(b)
     assert kv.pool.num_free_blocks == 8
     assert kv.prefix_cache_stats.queries == 18 and kv.prefix_cache_stats.hits == 8
+    assert kv.prefix_cache_stats.requests == 2

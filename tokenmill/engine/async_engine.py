@@ -151,6 +151,7 @@ class AsyncEngine:
             num_running_reqs=sum(s.num_running_reqs for s in reported),
             num_waiting_reqs=sum(s.num_waiting_reqs for s in reported),
             kv_cache_usage=sum(s.kv_cache_usage for s in reported) / len(reported),
+            prefix_cache_requests=sum(s.prefix_cache_requests for s in reported),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in reported),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in reported),
             num_preemptions=sum(s.num_preemptions for s in reported),

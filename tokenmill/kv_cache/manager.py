@@ -33,6 +33,8 @@ NO_HIT = ComputedBlocks([], 0)
 
 @dataclass
 class PrefixCacheStats:
+    requests: int = 0
+    """Requests looked up (each admission of a request, its queries and hits counted together)."""
     queries: int = 0
     """Prompt tokens looked up."""
     hits: int = 0
@@ -112,6 +114,7 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(computed.blocks)
             if self.enable_caching and computed.is_prefix_cache_hit:
                 # Counted once per admission, so a retry after a failed allocation is not counted twice.
+                self.prefix_cache_stats.requests += 1
                 self.prefix_cache_stats.queries += request.num_tokens
                 self.prefix_cache_stats.hits += computed.num_tokens
         self.pool.touch(computed.blocks)

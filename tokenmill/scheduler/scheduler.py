@@ -417,6 +417,7 @@ class Scheduler:
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.gate.parked),
             kv_cache_usage=self.kv.usage,
+            prefix_cache_requests=self.kv.prefix_cache_stats.requests,
             prefix_cache_queries=self.kv.prefix_cache_stats.queries,
             prefix_cache_hits=self.kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,

@@ -4,9 +4,11 @@
     Engine 000: Avg prompt throughput: 12.3 tokens/s, Avg generation throughput: 45.6 tokens/s, Running: 2 reqs,
     Waiting: 0 reqs, GPU KV cache usage: 3.1%, Prefix cache hit rate: 25.0%
 
-followed, while speculating, by a "SpecDecoding metrics: ..." line. Prompt tokens count when a request's first token
-arrives (the prefill is done), generated tokens as they arrive. An engine is quiet once idle: no tokens in this
-interval and none running or waiting, after one last line that shows it drained.
+The prefix cache hit rate is that of the most recent 1,000 requests (vLLM's CachingMetrics), not since start, so
+a change in the traffic shows in it. Followed, while speculating, by a "SpecDecoding metrics: ..." line. Prompt
+tokens count when a request's first token arrives (the prefill is done), generated tokens as they arrive. An engine
+is quiet once idle: no tokens in this interval and none running or waiting, after one last line that shows it
+drained.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import SchedulerStats, SpecDecodingStats
@@ -39,6 +42,41 @@ def log_stats_interval() -> float:
     return interval
 
 
+class CachingMetrics:
+    """The prefix cache hit rate of the most recent `max_recent_requests` requests (vLLM's CachingMetrics).
+
+    Fed one group of requests at a time (those whose lookups one stats update brought); the oldest groups
+    leave once the window holds more requests than the limit, the newest group always stays.
+    """
+
+    def __init__(self, max_recent_requests: int = 1000) -> None:
+        self.max_recent_requests = max_recent_requests
+        self._groups: deque[tuple[int, int, int]] = deque()
+        """(requests, queries, hits) per group, oldest first."""
+        self.num_requests = self.num_queries = self.num_hits = 0
+
+    def observe(self, num_requests: int, num_queries: int, num_hits: int) -> None:
+        if num_requests == 0:  # nothing looked up: keeps the window's requests in it
+            return
+        self._groups.append((num_requests, num_queries, num_hits))
+        self.num_requests += num_requests
+        self.num_queries += num_queries
+        self.num_hits += num_hits
+        while len(self._groups) > 1 and self.num_requests > self.max_recent_requests:
+            old_requests, old_queries, old_hits = self._groups.popleft()
+            self.num_requests -= old_requests
+            self.num_queries -= old_queries
+            self.num_hits -= old_hits
+
+    def reset(self) -> None:
+        self._groups.clear()
+        self.num_requests = self.num_queries = self.num_hits = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / self.num_queries if self.num_queries else 0.0
+
+
 class _EngineWindow:
     """One engine core's counts since the last line, and its latest (cumulative) stats."""
 
@@ -46,6 +84,7 @@ class _EngineWindow:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.stats = SchedulerStats()
+        self.prefix_cache = CachingMetrics()
         self.spec_at_last_line: SpecDecodingStats | None = None
         self.was_active = False
 
@@ -69,6 +108,7 @@ class LoggingStatLogger:
             if output.finished:
                 self._prefilled.discard(output.request_id)
         if stats is not None:
+            _observe_prefix_cache(engine, stats)
             engine.stats = stats
 
     def log(self) -> None:
@@ -81,13 +121,12 @@ class LoggingStatLogger:
             has_tokens = engine.num_prompt_tokens > 0 or engine.num_generation_tokens > 0
             is_active = has_tokens or stats.num_running_reqs > 0 or stats.num_waiting_reqs > 0
             if is_active or engine.was_active:
-                queries = stats.prefix_cache_queries
                 logger.info(
                     "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                     index, engine.num_prompt_tokens / elapsed, engine.num_generation_tokens / elapsed,
                     stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage * 100,
-                    stats.prefix_cache_hits / queries * 100 if queries else 0.0)
+                    engine.prefix_cache.hit_rate * 100)
                 self._log_spec_decoding(engine, elapsed)
             engine.was_active = is_active
             engine.num_prompt_tokens = engine.num_generation_tokens = 0
@@ -127,6 +166,18 @@ class LoggingStatLogger:
                 self.log()
             except Exception:  # stats must never stop serving
                 logger.exception("stats line failed")
+
+
+def _observe_prefix_cache(engine: _EngineWindow, stats: SchedulerStats) -> None:
+    """Feed the window the lookups since the engine's last stats (the scheduler's counts are cumulative)."""
+    last = engine.stats
+    totals = (stats.prefix_cache_requests, stats.prefix_cache_queries, stats.prefix_cache_hits)
+    previous = (last.prefix_cache_requests, last.prefix_cache_queries, last.prefix_cache_hits)
+    if any(total < old for total, old in zip(totals, previous)):
+        # A new core (or the empty stats of one that failed), counting from zero with an empty cache.
+        engine.prefix_cache.reset()
+        previous = (0, 0, 0)
+    engine.prefix_cache.observe(*(total - old for total, old in zip(totals, previous)))
 
 
 class StatLoggers:
