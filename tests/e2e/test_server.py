@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import time
@@ -14,6 +15,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import HOST, RemoteServer, descendants, is_alive
+
+from tokenmill.server.stats_log import INTERVAL_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +29,11 @@ WEB_UI = "http://ui.example"
 MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 64 * 1024
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+STATS_INTERVAL_S = 0.2
+STATS_LINE = re.compile(r"Engine 000: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: ([\d.]+) "
+                        r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: [\d.]+%, "
+                        r"Prefix cache hit rate: [\d.]+%")
+"""vLLM's periodic stats line (test_server_limits' server, with --disable-log-stats, writes none)."""
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +45,7 @@ def server(smollm2_path):
         "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY_BYTES),
         "--allowed-origins", json.dumps([WEB_UI]),  # vLLM's spelling: a JSON list
         "--enable-request-id-headers", api_key=API_KEY,
+        env={INTERVAL_ENV: str(STATS_INTERVAL_S)},  # test_periodic_stats_lines_show_the_work
     )
     yield server
     server.stop()
@@ -84,8 +93,6 @@ def test_models_health_version(server, client):
 
 def test_engine_core_and_server_freeze_their_startup_heap(server):
     """Both long-lived processes take their start-up objects out of the garbage collector's full passes."""
-    import re
-
     frozen = dict(re.findall(r"(engine core|server): (\d+) start-up objects frozen", server.log_tail(10**6)))
     assert set(frozen) == {"engine core", "server"}, server.log_tail()
     assert all(int(count) > 10_000 for count in frozen.values()), frozen
@@ -678,6 +685,15 @@ def test_metrics_parse_and_count(server):
     assert samples["tokenmill:prefix_cache_hits_total"] > 0
     finished = finished_counts(server)
     assert finished["abort"] >= 2 and finished["length"] >= 64 and finished["stop"] >= 1
+
+
+def test_periodic_stats_lines_show_the_work(server, client):
+    log_before = len(server.log_tail(10**9))
+    client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=16, **GREEDY)
+    deadline = time.monotonic() + 20 * STATS_INTERVAL_S
+    while not any(float(m[1]) > 0 for m in STATS_LINE.finditer(server.log_tail(10**9)[log_before:])):
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(STATS_INTERVAL_S / 4)
 
 
 def test_sigterm_stops_server_and_engine(server):

@@ -24,6 +24,7 @@ from server_harness import RemoteServer, descendants, is_alive
 from tokenmill.cli import make_parser
 from tokenmill.cli.args import given_fields
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.stats_log import INTERVAL_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +35,8 @@ ROOT_PATH = "/proxy"
 MAX_LOG_LEN = 12
 RESPONSE_ROLE = "narrator"
 OVERRIDE = {"top_p": 0.95, "min_p": 0.01}
+STATS_INTERVAL_S = 0.2
+"""What the server's stats lines would come every, but for --disable-log-stats (test_server's server writes them)."""
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,8 @@ def server(smollm2_path, trace_dir, tmp_path_factory):
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING), "--metrics-no-auth",
         "--profiler-dir", str(trace_dir), "--root-path", ROOT_PATH, "--enable-log-requests", "--enable-log-outputs",
         "--max-log-len", str(MAX_LOG_LEN), "--response-role", RESPONSE_ROLE, "--return-tokens-as-token-ids",
-        "--generation-config", str(defaults), "--override-generation-config", json.dumps(OVERRIDE), api_key=API_KEY,
+        "--generation-config", str(defaults), "--override-generation-config", json.dumps(OVERRIDE),
+        "--disable-log-stats", api_key=API_KEY, env={INTERVAL_ENV: str(STATS_INTERVAL_S)},
     )
     yield server
     server.stop()
@@ -161,6 +165,13 @@ def test_requests_are_logged_with_their_prompt_cut_to_max_log_len(server):
     request_id = response.json()["id"]
     line = next(line for line in server.log_tail(100_000).splitlines() if f"request {request_id}: " in line)
     assert f"prompt {prompt[:MAX_LOG_LEN]!r}, prompt_token_ids [" in line and "max_tokens=1" in line, line
+
+
+def test_disable_log_stats_silences_the_periodic_stats_line(server):
+    response = post(server, "/v1/completions", {"prompt": "Count to ten:", "max_tokens": 16, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    time.sleep(5 * STATS_INTERVAL_S)  # lines while it ran, and the one that shows it drained, would be out by now
+    assert "Avg prompt throughput" not in server.log_tail(10**9)
 
 
 def log_line(server: RemoteServer, start: str) -> str:
