@@ -155,7 +155,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
-    """Return the log probabilities of the top `logprobs` tokens (and the sampled one) per step."""
+    """Return the log probabilities of the top `logprobs` tokens (and the sampled one) per step; -1: of every token
+    of the vocabulary (as vLLM's, allowed where the engine's max_logprobs is -1)."""
     prompt_logprobs: int | None = None
     """Likewise for each prompt token (the first has none)."""
     truncate_prompt_tokens: int | None = None
@@ -237,9 +238,10 @@ class SamplingParams:
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(all(self.stop), "stop strings must be non-empty")
-        _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}")
-        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-               f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        _check(self.logprobs is None or self.logprobs >= -1,
+               f"logprobs must be non-negative or -1 (the whole vocabulary), got {self.logprobs}")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+               f"prompt_logprobs must be non-negative or -1 (the whole vocabulary), got {self.prompt_logprobs}")
         _check(self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
                f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
         _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,

@@ -17,8 +17,9 @@ def tiny(tiny_llama):
 @pytest.fixture(scope="module")
 def llm(tiny):
     # float32: compared with transformers' float32 logprobs (dtype 'auto' picks bfloat16 on a CPU with
-    # bfloat16 units)
-    return LLM(tiny[0], skip_tokenizer_init=True, kv_cache_space=0.01, max_num_batched_tokens=16, dtype="float32")
+    # bfloat16 units); max_logprobs -1: test_logprobs_minus_one_are_the_whole_vocabulary's
+    return LLM(tiny[0], skip_tokenizer_init=True, kv_cache_space=0.01, max_num_batched_tokens=16, dtype="float32",
+               max_logprobs=-1)
 
 
 def run(llm, prompts, params):
@@ -72,6 +73,25 @@ def test_prompt_logprobs_across_prefill_chunks(tiny, llm):
         entry, token = out.prompt_logprobs[pos], prompt[pos]
         assert entry[token].logprob == pytest.approx(float(reference[pos - 1, token]), abs=1e-4)
         assert entry[token].rank == int((reference[pos - 1] > reference[pos - 1, token]).sum()) + 1
+
+
+def test_logprobs_minus_one_are_the_whole_vocabulary(tiny, llm):
+    """vLLM's -1: every token's logprob, sampled and prompt ones, where the engine's max_logprobs is -1."""
+    _, model = tiny
+    prompt = PROMPTS[0]
+    out = run(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=-1, prompt_logprobs=-1,
+                                            ignore_eos=True))[0]
+    completion = out.outputs[0]
+    reference = hf_logprobs(model, prompt + completion.token_ids)  # [positions, vocab]
+    vocab_size = reference.shape[1]
+    entries = out.prompt_logprobs[1:] + completion.logprobs  # predicting prompt[1:], then each sampled token
+    assert len(entries) == len(prompt) - 1 + 3
+    for position, entry in enumerate(entries):
+        assert sorted(entry) == list(range(vocab_size))
+        got = torch.tensor([entry[t].logprob for t in range(vocab_size)])
+        torch.testing.assert_close(got, reference[position], atol=1e-4, rtol=0)
+        token = (prompt + completion.token_ids)[position + 1]
+        assert entry[token].rank == int((reference[position] > reference[position, token]).sum()) + 1
 
 
 def test_seeded_top_k_draw_is_the_same_on_the_candidate_and_the_full_vocabulary_path(llm):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import signal
 import socket
@@ -44,7 +45,7 @@ def server(smollm2_path):
         smollm2_path, "--served-model-name", MODEL, ALIAS, "--kv-cache-space", "0.25", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY_BYTES),
         "--allowed-origins", json.dumps([WEB_UI]),  # vLLM's spelling: a JSON list
-        "--enable-request-id-headers", api_key=API_KEY,
+        "--enable-request-id-headers", "--max-logprobs", "-1", api_key=API_KEY,
         env={INTERVAL_ENV: str(STATS_INTERVAL_S)},  # test_periodic_stats_lines_show_the_work
     )
     yield server
@@ -353,6 +354,27 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, smollm2_to
     assert chat["prompt_token_ids"] == whole[-7:] and chat["usage"]["prompt_tokens"] == 7
 
 
+def test_minus_one_logprobs_are_the_whole_vocabulary(server, smollm2_tokenizer):
+    """vLLM's -1, with --max-logprobs -1: chat's top_logprobs and prompt_logprobs give every token's logprob
+    (completions' logprobs takes no -1, as vLLM's)."""
+    vocab_size = len(smollm2_tokenizer)  # 49152, the model's too
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0.0,
+            "logprobs": True, "top_logprobs": -1}
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text[:2000]
+    [entry] = response.json()["choices"][0]["logprobs"]["content"]
+    top = [alternative["logprob"] for alternative in entry["top_logprobs"]]
+    assert len(top) == vocab_size and top == sorted(top, reverse=True) and top[0] == entry["logprob"]  # greedy
+    assert math.fsum(math.exp(logprob) for logprob in top) == pytest.approx(1.0, abs=1e-3)
+    response = post(server, "/v1/completions", {"model": MODEL, "prompt": [504, 3458], "max_tokens": 1,
+                                                 "prompt_logprobs": -1})
+    assert response.status_code == 200, response.text[:2000]
+    [first, second] = response.json()["choices"][0]["prompt_logprobs"]
+    assert first is None and len(second) == vocab_size and second["3458"]["rank"] >= 1
+    refused = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "logprobs": -1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs", refused.text
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(client):
     """vLLM's prompt scoring (before: a 400 for max_tokens 0). The prompt's logprobs of the tokens greedy decoding
     produced are those it gave them while decoding (one a prefill, the other decode steps)."""
@@ -529,7 +551,9 @@ BAD_REQUESTS = [
     ("n_zero", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 0}, 400),
     ("empty_prompt", "/v1/completions", {"prompt": []}, 400),
     ("token_out_of_vocab", "/v1/completions", {"prompt": [10**9]}, 400),
-    ("too_many_logprobs", "/v1/completions", {"prompt": "Hi", "logprobs": 50}, 400),
+    # Past the vocabulary's 49152 tokens: this server's --max-logprobs is -1 (the shared one's cap of 20 is tested in
+    # test_server_validation).
+    ("too_many_logprobs", "/v1/completions", {"prompt": "Hi", "logprobs": 49153}, 400),
     ("stream_options_without_stream", "/v1/completions", {"prompt": "Hi", "stream_options": {}}, 400),
     ("no_messages", "/v1/chat/completions", {"messages": []}, 400),
     ("image_content", "/v1/chat/completions",

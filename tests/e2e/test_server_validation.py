@@ -137,6 +137,8 @@ BOUNDS = [  # (name, request at the bound, request just past it)
     ("chat_n_max", chat(n=128), chat(n=129)),
     ("max_completion_tokens_min", chat(max_completion_tokens=1), chat(max_completion_tokens=0)),
     ("top_logprobs_max", chat(logprobs=True, top_logprobs=20), chat(logprobs=True, top_logprobs=21)),
+    ("top_logprobs_min", chat(logprobs=True, top_logprobs=0), chat(logprobs=True, top_logprobs=-2)),
+    ("prompt_logprobs_min", completion(prompt_logprobs=0), completion(prompt_logprobs=-2)),
     ("messages_length", chat(messages=HI), chat(messages=[])),
     ("role", chat(messages=[{"role": "developer", "content": "Hi"}]),
      chat(messages=[{"role": "robot", "content": "Hi"}])),
@@ -267,7 +269,12 @@ def test_suffix_is_refused_as_not_supported(server):
     (completion(logprobs=21), "logprobs must be at most 20 (the server's --max-logprobs), got 21"),
     (chat(logprobs=True, top_logprobs=30), "top_logprobs must be at most 20"),
     (completion(prompt_logprobs=21), "prompt_logprobs must be at most 20"),
-], ids=["completion", "chat", "greedy", "min-tokens", "max-logprobs", "max-top-logprobs", "max-prompt-logprobs"])
+    # vLLM's -1 (the whole vocabulary) needs --max-logprobs -1.
+    (chat(logprobs=True, top_logprobs=-1), "top_logprobs -1 asks for the whole vocabulary (49152 tokens), more than "
+                                           "the server's --max-logprobs (20)"),
+    (chat(prompt_logprobs=-1), "prompt_logprobs -1 asks for the whole vocabulary (49152 tokens)"),
+], ids=["completion", "chat", "greedy", "min-tokens", "max-logprobs", "max-top-logprobs", "max-prompt-logprobs",
+        "all-top-logprobs", "all-prompt-logprobs"])
 def test_sampling_params_errors_name_their_field(server, request_, message):
     # Before: the same 400s with param null (SamplingParams' checks, which know no request fields).
     error = assert_openai_error(post(server, *request_))

@@ -44,6 +44,21 @@ def test_requests_past_max_logprobs_are_refused_naming_the_field(max_logprobs, a
             processor.validate([1, 2], SamplingParams(**{name: allowed + 1}))
 
 
+def test_minus_one_logprobs_are_the_vocabulary_allowed_only_where_max_logprobs_is_minus_one():
+    """vLLM's -1: the whole vocabulary, past any cap short of it (a message naming the cap)."""
+    capped = InputProcessor(None, TokenizerInfo(frozenset()), 64, 100, max_logprobs=20)
+    whole = InputProcessor(None, TokenizerInfo(frozenset()), 64, 100, max_logprobs=-1)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"^{name} -1 asks for the whole vocabulary \\(100 tokens\\), more than "
+                                             f"the engine's max_logprobs \\(20\\)"):
+            capped.process("r", {"prompt_token_ids": [1, 2]}, SamplingParams(**{name: -1}))
+        params = SamplingParams(**{name: -1})
+        _, request = whole.process("r", {"prompt_token_ids": [1, 2]}, params)
+        assert getattr(request.sampling_params, name) == 100 and getattr(params, name) == -1  # the caller's kept
+        with pytest.raises(ValueError, match=f"^{name} must be non-negative or -1"):
+            SamplingParams(**{name: -2})
+
+
 def test_hf_overrides_is_a_json_flag_and_a_kwarg(tiny_llama):
     from tokenmill.engine.frontend import resolve_max_model_len
     from tokenmill.model.loader import load_hf_config

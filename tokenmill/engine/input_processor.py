@@ -100,6 +100,10 @@ class InputProcessor:
         if params.bad_words and not params.bad_words_token_ids:
             # A copy: the caller's params may go to another engine, whose tokenizer gives other ids.
             params = dataclasses.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
+        if -1 in (params.logprobs, params.prompt_logprobs):
+            # The core takes counts: -1 is the whole vocabulary. A copy, as below.
+            params = dataclasses.replace(params, **{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
+                                                    if getattr(params, name) == -1})
         if spec is not params.structured_outputs:
             # As the compiler builds it: its backend and the engine's options. A copy, as above.
             params = dataclasses.replace(params, structured_outputs=spec)
@@ -125,12 +129,15 @@ class InputProcessor:
         self._check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
         self._check_token_ids(list(params.logit_bias or {}), "logit_bias keys")
         for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > self.vocab_size:
-                raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), "
-                                 f"got {getattr(params, name)}")
-            if (getattr(params, name) or 0) > self.max_logprobs:
+            value = getattr(params, name)
+            if value == -1 and self.max_logprobs < self.vocab_size:
+                raise ValueError(f"{name} -1 asks for the whole vocabulary ({self.vocab_size} tokens), more than the "
+                                 f"engine's max_logprobs ({self.max_logprobs}); allowed where max_logprobs is -1")
+            if (value or 0) > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), got {value}")
+            if (value or 0) > self.max_logprobs:
                 raise ValueError(f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got "
-                                 f"{getattr(params, name)}")
+                                 f"{value}")
         if params.allowed_token_ids is not None or params.logit_bias:
             self._check_an_allowed_token_is_left(params)
         if params.stop and self.tokenizer is None:

@@ -32,9 +32,9 @@ def _token_text(token_id: int, logprob: Logprob | None, decode: Decode) -> str:
 
 
 def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
-    """The `num` most likely alternatives of a position, most likely first."""
+    """The `num` most likely alternatives of a position (-1: all of them), most likely first."""
     ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
-    return ranked[:num]
+    return ranked if num == -1 else ranked[:num]
 
 
 class CompletionLogprobs:

@@ -58,6 +58,9 @@ TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_END), INTEGRAL]
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKEN_COUNT), INTEGRAL]
 SampleCount = Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]
+NumLogprobsOrAll = Annotated[int, Field(ge=-1, le=MAX_LOGPROBS), INTEGRAL]
+"""-1: every token of the vocabulary (vLLM's, for prompt_logprobs and chat's top_logprobs; not completions'
+logprobs), allowed where the server's --max-logprobs is -1."""
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 LogitBias = Annotated[
@@ -313,7 +316,7 @@ class SamplingRequest(RequestBody):
     return_tokens_as_token_ids: bool | None = None
     """Logprobs name tokens 'token_id:N' rather than by their text; unset: the server's
     --return-tokens-as-token-ids."""
-    prompt_logprobs: NumLogprobs | None = None
+    prompt_logprobs: NumLogprobsOrAll | None = None
     """vLLM's: the logprob of each prompt token (null for the first) and of the N most likely at its place, as
     {token id: {logprob, rank, decoded_token}}; in each completion choice, at the top of a chat completion. Not
     streamable."""
@@ -388,7 +391,7 @@ class ChatCompletionRequest(SamplingRequest):
     """Deprecated by OpenAI in favour of max_completion_tokens; both are honoured."""
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: NumLogprobs | None = None
+    top_logprobs: NumLogprobsOrAll | None = None
     tools: list[ChatTool] | None = None
     """Function tools, passed to the chat template."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

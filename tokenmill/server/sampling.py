@@ -55,14 +55,20 @@ def to_sampling_params(
     keep_special_token_ids: list[int] | None = None,
     defaults: Mapping[str, Any] | None = None,
     max_logprobs: int | None = None,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     """skip_special_tokens: overrides the request's (the server needs them to parse tool calls);
     keep_special_token_ids: those decoded even when skipped (a reasoning parser's markers). defaults: the
     values of the fields the request leaves unset, and a limit on max_tokens (generation_config.sampling_defaults).
-    max_logprobs: the engine's (a 400 naming the field that asks for more)."""
+    max_logprobs: the engine's (a 400 naming the field that asks for more); vocab_size: the model's, what -1 asks
+    for."""
     defaults = defaults or {}
     for name, value in (("top_logprobs" if hasattr(req, "top_logprobs") else "logprobs", logprobs),
                         ("prompt_logprobs", prompt_logprobs)):
+        if value == -1 and max_logprobs is not None and vocab_size is not None and max_logprobs < vocab_size:
+            raise bad_request(f"{name} -1 asks for the whole vocabulary ({vocab_size} tokens), more than the "
+                              f"server's --max-logprobs ({max_logprobs}); allowed where --max-logprobs is -1",
+                              param=name)
         if max_logprobs is not None and value is not None and value > max_logprobs:
             raise bad_request(f"{name} must be at most {max_logprobs} (the server's --max-logprobs), got {value}",
                               param=name)

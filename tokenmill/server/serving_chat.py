@@ -127,7 +127,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 prompt_logprobs=req.prompt_logprobs,
                                 structured_outputs=None if constraint is None else constraint.params,
                                 **decode_options(plan, reasoning, engine.tokenizer),
-                                defaults=state.sampling_defaults, max_logprobs=engine.input_processor.max_logprobs)
+                                defaults=state.sampling_defaults, max_logprobs=engine.input_processor.max_logprobs,
+                                vocab_size=engine.input_processor.vocab_size)
     search = beam_search_params(req, max_tokens) if req.use_beam_search else None
     vocab_bytes = await state.vocab_bytes() if req.logprobs else None  # before the request is added: nothing to undo
     state.check_capacity(params.num_samples)

@@ -94,10 +94,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             max(1, resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), engine.max_model_len,
                                       "max_tokens", "prompt")),
             logprobs=req.logprobs,
-            prompt_logprobs=max(wanted) if wanted else None,
+            prompt_logprobs=(-1 if -1 in wanted else max(wanted)) if wanted else None,  # -1: all of them
             structured_outputs=None if constraint is None else constraint.params,
             defaults=state.sampling_defaults,
             max_logprobs=engine.input_processor.max_logprobs,
+            vocab_size=engine.input_processor.vocab_size,
         )
         for p in prompts
     ]
