@@ -1,7 +1,8 @@
 """Linear layers on the CPU through oneDNN, with each weight reordered once into oneDNN's blocked layout (bfloat16
 weights on CPUs with AMX: into layers.cpu_amx_gemm's tiles instead, which read faster at a decode step's rows and
-match oneDNN up to the CPU's 512-token budget; float32 weights on CPUs with AVX-512: into layers.cpu_f32_gemm's
-panels, 1.1x oneDNN at a decode step's rows and level at a prefill's).
+match oneDNN up to the CPU's 512-token budget; float32 weights on CPUs with AVX-512, and bfloat16 ones on CPUs with
+AVX512_BF16 but no AMX: into layers.cpu_panel_gemm's panels, 1.1-1.5x oneDNN at a decode step's rows and level at
+a prefill's).
 
 F.linear on the CPU calls MKL's sgemm, which on AMD CPUs takes a generic code path: on the 2-core EPYC
 development machine it reaches ~80 GFLOP/s in float32 where oneDNN's prepacked kernels reach ~190
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.cpu_amx_gemm import AMXWeight, amx_applies, amx_linear, pack_amx
-from tokenmill.layers.cpu_f32_gemm import F32Panels, f32_applies, f32_linear, pack_f32
+from tokenmill.layers.cpu_panel_gemm import PanelWeight, pack_panels, panel_applies, panel_linear
 
 _PACKED_ATTR = "_tokenmill_onednn_weight"
 
@@ -35,33 +36,33 @@ def prepacked_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and x.shape[0] > 0 and not torch.is_grad_enabled() and _onednn_available())
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | AMXWeight | F32Panels | None:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | AMXWeight | PanelWeight | None:
     """A float32 or bfloat16 weight [n, k] reordered for packed_linear (needs no other copy): for bfloat16 on CPUs
-    with AMX the AMX kernel's tiles (layers.cpu_amx_gemm), for float32 on CPUs with AVX-512 the float32 kernel's
-    panels (layers.cpu_f32_gemm), else oneDNN's opaque tensor; None where none takes it."""
+    with AMX the AMX kernel's tiles (layers.cpu_amx_gemm), else on CPUs with AVX-512 (bfloat16: and AVX512_BF16)
+    the panel kernel's panels (layers.cpu_panel_gemm), else oneDNN's opaque tensor; None where none takes it."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if amx_applies(weight):
         return pack_amx(weight)
-    if f32_applies(weight):
-        return pack_f32(weight)
+    if panel_applies(weight):
+        return pack_panels(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if _onednn_available() else None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor | AMXWeight | F32Panels, bias: torch.Tensor | None,
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | AMXWeight | PanelWeight, bias: torch.Tensor | None,
                   out_float32: bool = False) -> torch.Tensor:
     """x [m, k] (m > 0, the packed weight's dtype) @ weight.T + bias, from pack_weight's copy; in float32 where
     `out_float32` (written so by the AMX kernel, converted after oneDNN's)."""
     if isinstance(packed, AMXWeight):
         y = amx_linear(x, packed, torch.float32 if out_float32 else x.dtype)
         return y if bias is None else y + bias
-    if isinstance(packed, F32Panels):
-        return f32_linear(x, packed, bias)
+    if isinstance(packed, PanelWeight):
+        return panel_linear(x, packed, bias, out_float32)
     y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return y.float() if out_float32 else y
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor | AMXWeight | F32Panels:
+def _packed(weight: torch.Tensor) -> torch.Tensor | AMXWeight | PanelWeight:
     cached = getattr(weight, _PACKED_ATTR, None)
     if cached is not None and cached[0] == weight._version:
         return cached[1]
