@@ -23,10 +23,11 @@ In bfloat16 on the CPU the kernel wins only for the few rows of a decode step (m
 weight against 16), and oneDNN's bfloat16 GEMM wins from a handful of rows on. So a small model
 (GGUFConfig(dense_copy=True), chosen by the loader under DENSE_COPY_MAX_BYTES) keeps both forms of each
 layer: its blocks, multiplied by the kernel's float32 path for up to FEW_ROWS rows (the bfloat16 activations
-converted exactly, the float32 sums rounded to bfloat16 once), and a dense copy, the dequantized model's
-bfloat16 weights in oneDNN's prepacked layout, for more rows. The two differ by the bfloat16 rounding of
-the weights and by the sums' order. In float32 the same holds at twice the bytes (the blocks win up to
-FEW_ROWS_FLOAT32 rows): a small model keeps both forms there too, the two differing by the sums' order only.
+converted exactly, the float32 sums rounded to bfloat16 once), and a dense copy, the dequantized model's bfloat16
+weights prepacked (layers.cpu_gemm: AMX tiles, AVX-512 panels or oneDNN's layout), for more rows. The two differ by
+the bfloat16 rounding of the weights and by the sums' order. In float32 the same holds at twice the bytes (the
+blocks win up to FEW_ROWS_FLOAT32 rows): a small model keeps both forms there too, the two differing by the sums'
+order only.
 """
 
 from __future__ import annotations
@@ -79,9 +80,11 @@ DENSE_GEMM_ROWS = 128
 # copy at batch 2 / 4 / 6 / 8: 1.23x / 1.11x / 0.90x / 0.93x. The kernel itself leaves its register path for
 # tiles above 8 rows (SMALL_M in gguf_cpu's source), past the crossing.
 FEW_ROWS = 4
-FEW_ROWS_FLOAT32 = 8
+FEW_ROWS_FLOAT32 = 5
 """The same in float32, whose dense copy reads twice bfloat16's bytes: the default model end to end, blocks against
-copy at batch 6 / 8 / 12 / 16 (same machine, float32): 1.32x / 1.19x / 0.89x / 0.94x."""
+the copy through layers.cpu_panel_gemm at batch 4 / 5 / 6 / 8 / 12 (same machine, float32): 1.18x / 1.21x / 0.96x /
+0.92x / 0.83x (against oneDNN's copy the crossing was past 8). In bfloat16 the panel kernel moved it to ~4: 1.34x /
+1.25x / 1.09x / 0.90-1.04x / 0.84x at 1 / 2 / 3 / 4 / 8."""
 
 
 def few_rows(dtype: torch.dtype) -> int:
