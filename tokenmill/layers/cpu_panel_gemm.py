@@ -45,23 +45,27 @@ _SOURCE = r"""
 #define CHUNK_BLOCKS 32  /* row blocks (of MR) whose activations stay cached while every panel passes */
 
 /* w [N, K] -> float32 [ceil(N / NR)][K][NR], or bfloat16 (K even) [ceil(N / NR)][K / 2][NR][2]; features past N
-   zero. `pair` is 1 for float32, 2 for bfloat16: the inputs that sit together for one feature. */
-static void pack(void *dst, const void *w, int64_t N, int64_t K, int pair, int num_threads) {
-    const int64_t panels = (N + NR - 1) / NR, size = pair == 1 ? 4 : 2;
+   zero. Each feature's row is read in order (the panel, written with a stride, stays in L2). */
+void f32_pack(float *dst, const float *w, int64_t N, int64_t K, int num_threads) {
+    const int64_t panels = (N + NR - 1) / NR;
     _Pragma("omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 8)")
     for (int64_t p = 0; p < panels; p++)
-        for (int64_t k = 0; k < K; k += pair)
-            for (int j = 0; j < NR; j++)
-                for (int i = 0; i < pair; i++) {
-                    const int64_t n = p * NR + j, at = ((p * (K / pair) + k / pair) * NR + j) * pair + i;
-                    if (size == 4) ((float *)dst)[at] = n < N ? ((const float *)w)[n * K + k + i] : 0.0f;
-                    else ((uint16_t *)dst)[at] = n < N ? ((const uint16_t *)w)[n * K + k + i] : 0;
-                }
+        for (int j = 0; j < NR; j++) {
+            const int64_t n = p * NR + j;
+            float *d = dst + p * K * NR + j;
+            for (int64_t k = 0; k < K; k++) d[k * NR] = n < N ? w[n * K + k] : 0.0f;
+        }
 }
 
-void f32_pack(float *dst, const float *w, int64_t N, int64_t K, int num_threads) { pack(dst, w, N, K, 1, num_threads); }
 void bf16_pack(uint16_t *dst, const uint16_t *w, int64_t N, int64_t K, int num_threads) {
-    pack(dst, w, N, K, 2, num_threads);
+    const int64_t panels = (N + NR - 1) / NR;
+    _Pragma("omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 8)")
+    for (int64_t p = 0; p < panels; p++)
+        for (int j = 0; j < NR; j++) {
+            const int64_t n = p * NR + j;
+            uint16_t *d = dst + p * K * NR + j * 2;
+            for (int64_t k = 0; k < K; k++) d[k / 2 * NR * 2 + k % 2] = n < N ? w[n * K + k] : 0;
+        }
 }
 
 /* The sums (+ bias) of `rows` rows x `cols` features to y: float32, or bfloat16 rounded to nearest even */
