@@ -182,8 +182,10 @@ static void panel_linear(void *y, int64_t ldy, int out_f32, const void *x, int64
     }
 }
 
+/* float32 in, float32 out: out_f32 is there for bf16_linear's signature only */
 void f32_linear(float *y, int64_t ldy, int out_f32, const float *x, int64_t ldx, const float *wp, const float *bias,
                 int64_t M, int64_t N, int64_t K, int num_threads) {
+    (void)out_f32;
     panel_linear(y, ldy, 1, x, ldx, wp, bias, M, N, K, 0, num_threads);
 }
 
