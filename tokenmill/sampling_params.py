@@ -305,7 +305,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     """Finished beams are ranked by cumulative logprob / length ** length_penalty."""
     temperature: float = 0.0
-    """Beams are ranked by the model's own logprobs (as vLLM's): only 0 is accepted."""
+    """Each step's token is sampled at this temperature and joins the candidates (as vLLM's), but beams are ranked by
+    the model's own logprobs (raw, as returned logprobs are): a sampled token outside its beam's top 2 * beam_width is
+    outranked by them, so the beams are those of temperature 0."""
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -313,5 +315,5 @@ class BeamSearchParams:
             _check(isinstance(value, numbers.Integral) and value >= 1,
                    f"{name} must be a positive integer, got {value!r}")
         _check(math.isfinite(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty}")
-        _check(self.temperature == 0.0, f"temperature {self.temperature} is not supported with beam search: beams are "
-                                        f"ranked by the model's own logprobs")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0.0,
+               f"temperature must be a non-negative number, got {self.temperature}")

@@ -287,7 +287,8 @@ def test_beam_search_salts_its_beams_as_the_prompt_says(llm):
 
 @pytest.mark.parametrize("fields, match", [
     (dict(beam_width=0), "beam_width must be a positive integer"), (dict(max_tokens=0), "max_tokens must be"),
-    (dict(temperature=0.7), "not supported with beam search"), (dict(length_penalty=float("nan")), "length_penalty"),
+    (dict(temperature=-0.5), "temperature must be a non-negative"),
+    (dict(length_penalty=float("nan")), "length_penalty"),
 ])
 def test_beam_search_params_are_checked_on_construction(fields, match):
     from tokenmill import BeamSearchParams

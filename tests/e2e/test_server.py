@@ -162,6 +162,24 @@ def test_beam_search(server, client):
     assert streamed == texts
 
 
+def test_beam_search_takes_a_temperature(client):
+    """vLLM's beam search takes a temperature (before: a 400): each step samples its token at it, which joins the
+    candidates, but beams are ranked by the model's own (raw) logprobs, so they are those of temperature 0."""
+    beams = {"use_beam_search": True, "ignore_eos": True, "return_token_ids": True}
+
+    def search(temperature: float) -> list[tuple[str, list[int]]]:
+        answer = client.completions.create(model=MODEL, prompt="The capital of France is", n=3, max_tokens=4,
+                                           temperature=temperature, extra_body=beams)
+        return [(c.text, c.model_extra["token_ids"]) for c in answer.choices]
+
+    greedy = search(0.0)
+    assert len({tuple(ids) for _, ids in greedy}) == 3, greedy
+    assert search(1.5) == search(0.7) == greedy
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], n=2,
+                                          max_completion_tokens=3, temperature=1.0, extra_body=beams)
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == 6, chat
+
+
 def test_chat_streamed_and_not_agree_and_count_tokens(server, client, smollm2_tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6, **GREEDY)

@@ -327,7 +327,7 @@ def test_vllm_extras_without_a_counterpart_are_refused_by_name(server, request_,
 
 @pytest.mark.parametrize("request_, param", [
     (completion(use_beam_search=True, top_p=0.5), "top_p"),
-    (chat(use_beam_search=True, temperature=0.7), "temperature"),
+    (chat(use_beam_search=True, top_k=5), "top_k"),
     (completion(use_beam_search=True, n=2, best_of=3), "best_of"),
     (chat(use_beam_search=True, logprobs=True), "logprobs"),
     (chat(use_beam_search=True, response_format={"type": "json_object"}), "response_format"),

@@ -47,8 +47,9 @@ class BeamSearch:
         self.prompts = [list(p) for p in prompts_token_ids]
         self.params, self.eos_token_ids, self.max_model_len = params, eos_token_ids, max_model_len
         width = params.beam_width
-        self.step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
-                                          detokenize=False)
+        # As vLLM's: the step samples its token at the search's temperature; that token joins the candidates.
+        self.step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * width,
+                                          ignore_eos=True, detokenize=False)
         self.live = [[BeamSearchSequence(list(p))] for p in self.prompts]
         self.finished: list[list[BeamSearchSequence]] = [[] for _ in self.prompts]
         self.steps = 0

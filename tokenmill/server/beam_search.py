@@ -4,7 +4,7 @@
 As in vLLM, n is the beam width and the n best beams are the choices (best first), ranked by cumulative logprob /
 length ** length_penalty; the answer is known only at the end, so a stream gets it whole, one chunk per choice.
 Sampling fields have no meaning in a search that takes the most likely tokens: each is a 400 unless left at its
-default, rather than ignored.
+default, rather than ignored; temperature is taken, as vLLM's BeamSearchParams does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_protocol import SamplingRequest
 
 BEAM_SEARCH_FIELDS = frozenset({
-    "use_beam_search", "length_penalty", "n", "ignore_eos", "max_tokens", "max_completion_tokens", "seed",
+    "use_beam_search", "length_penalty", "n", "ignore_eos", "max_tokens", "max_completion_tokens", "temperature",
+    "seed",
     # what the prompt is and how it is rendered
     "model", "prompt", "messages", "add_special_tokens", "truncate_prompt_tokens", "add_generation_prompt",
     "continue_final_message", "chat_template", "chat_template_kwargs", "documents", "reasoning_effort", "tools",
@@ -31,28 +32,25 @@ BEAM_SEARCH_FIELDS = frozenset({
     "return_token_ids", "include_reasoning", "guided_decoding_backend", "request_id", "user", "priority",
     "cache_salt",
 })
-"""The fields beam search honours (seed: the search is deterministic anyway; include_stop_str_in_output: there are
-no stop strings); temperature (0 only) and best_of (n only) are checked on their own."""
+"""The fields beam search honours (temperature: each step samples its token at it, as vLLM's, but beams are ranked by
+the model's own logprobs, see BeamSearchParams; seed: the beams do not depend on it; include_stop_str_in_output:
+there are no stop strings); best_of (n only) is checked on its own."""
 
 
 def beam_search_params(req: SamplingRequest, max_tokens: int) -> BeamSearchParams:
     """The request's search; a 400 naming the first field it would ignore."""
     for name, info in type(req).model_fields.items():
-        if name not in BEAM_SEARCH_FIELDS and getattr(req, name) != info.default and name not in (
-                "temperature", "best_of"):
+        if name not in BEAM_SEARCH_FIELDS and getattr(req, name) != info.default and name != "best_of":
             raise bad_request(f"{name} is not supported with use_beam_search (the search takes the most likely "
                               f"tokens, n beams wide); leave it out", param=name)
-    if req.temperature not in (None, 0.0):
-        raise bad_request("temperature is not supported with use_beam_search: beams are ranked by the model's own "
-                          "logprobs; leave it out or set it to 0", param="temperature")
     if req.best_of not in (None, req.n):
         raise bad_request("with use_beam_search, n is the beam width (as in vLLM): leave best_of out",
                           param="best_of")
     try:
         return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                length_penalty=req.length_penalty)
+                                length_penalty=req.length_penalty, temperature=req.temperature or 0.0)
     except ValueError as e:
-        raise bad_request(str(e), param="length_penalty") from e
+        raise bad_request(str(e), param="temperature" if "temperature" in str(e) else "length_penalty") from e
 
 
 async def run_beam_search(state, request_id: str, prompt: dict, params: BeamSearchParams, decode: SamplingParams,

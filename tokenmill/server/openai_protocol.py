@@ -327,7 +327,8 @@ class SamplingRequest(RequestBody):
     cache_salt: str | None = None
     use_beam_search: bool = False
     """vLLM's: beam search, n beams wide, instead of sampling; the n best beams are the choices, best first. Sampling
-    fields are refused with it (temperature but 0, best_of but n); streamed, the answer comes whole at the end."""
+    fields are refused with it (best_of but n; temperature is taken, as vLLM's, and leaves the beams as they are);
+    streamed, the answer comes whole at the end."""
     length_penalty: float = 1.0
     """With use_beam_search: beams are ranked by cumulative logprob / length ** length_penalty."""
     request_id: str | None = None
