@@ -203,6 +203,23 @@ def test_outputs_are_logged_cut_to_max_log_len(server):
     assert len(json.loads(line[line.index("output_token_ids ") + 17:line.index("], finish") + 1])) == 3
 
 
+def test_a_beam_search_is_logged_once_not_each_step(server):
+    """Before: each step's one-token request of each beam was logged as a request of its own (and its output too),
+    one line per beam per token; as vLLM's, the client's request is logged once, with its search's parameters, and
+    (--enable-log-outputs) each beam once at the end."""
+    body = post(server, "/v1/completions", {"prompt": "Hello", "use_beam_search": True, "n": 2, "max_tokens": 3,
+                                            "ignore_eos": True}).json()
+    request_id, lines = body["id"], server.log_tail(100_000).splitlines()
+    requests = [line for line in lines if re.search(rf"request {re.escape(request_id)}\S*: ", line)]  # steps': -beamN
+    assert len(requests) == 1, requests
+    assert f"request {request_id}: prompt 'Hello'" in requests[0], requests
+    assert "params BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True" in requests[0], requests
+    outputs = [line for line in lines if re.search(rf"request {re.escape(request_id)}\S* output \d+: ", line)]
+    assert len(outputs) == 2, outputs
+    for index, choice in enumerate(body["choices"]):
+        assert f"request {request_id} output {index}: {choice['text'][:MAX_LOG_LEN]!r}, " in outputs[index], outputs
+
+
 def test_response_role_names_the_message_the_model_writes(server):
     hi = [{"role": "user", "content": "Hi"}]
     body = post(server, "/v1/chat/completions", {"messages": hi, "max_tokens": 1}).json()

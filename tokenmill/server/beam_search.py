@@ -53,11 +53,17 @@ def beam_search_params(req: SamplingRequest, max_tokens: int) -> BeamSearchParam
         raise bad_request(str(e), param="temperature" if "temperature" in str(e) else "length_penalty") from e
 
 
-async def run_beam_search(state, request_id: str, prompt: dict, params: BeamSearchParams, decode: SamplingParams,
-                          priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+def run_beam_search(state, request_id: str, prompt: dict, params: BeamSearchParams, decode: SamplingParams,
+                    priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
     """One prompt's search; yields a single finished output holding the beams (best first). `decode`: how their
     text is decoded (skip_special_tokens, a reasoning parser's markers kept, ...). Closing it mid-search aborts the
-    step under way."""
+    step under way. With --enable-log-requests the request is logged here, once, not each step's."""
+    return state.logged_search(request_id, prompt, params, decode,
+                               _search(state, request_id, prompt, params, decode, priority, cache_salt))
+
+
+async def _search(state, request_id: str, prompt: dict, params: BeamSearchParams, decode: SamplingParams,
+                  priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
     engine = state.engine
     prompt_ids = prompt["prompt_token_ids"]
     eos_ids = engine.input_processor.tokenizer_info.eos_token_ids
@@ -67,7 +73,7 @@ async def run_beam_search(state, request_id: str, prompt: dict, params: BeamSear
         beams = search.step_prompts()
         streams = state.add_requests(f"{request_id}-beam{search.steps}",
                                      [{"prompt_token_ids": tokens} for _, tokens in beams],
-                                     [search.step_params] * len(beams), priority, cache_salt)
+                                     [search.step_params] * len(beams), priority, cache_salt, log=False)
         search.advance(await asyncio.gather(*(_last(stream) for stream in streams)))
     outputs = []
     for index, beam in enumerate(search.results()[0].sequences):

@@ -17,7 +17,7 @@ from typing import TypeVar
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.server.choices import ChoiceGatherer
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, bad_request
@@ -113,18 +113,19 @@ class ServerState:
 
     def add_requests(
         self, request_id: str, prompts: list[PromptType], params: list[SamplingParams], priority: int,
-        cache_salt: str | None,
+        cache_salt: str | None, log: bool = True,
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Enqueue one engine request per prompt, all or none (400 if the engine refuses one)."""
+        """Enqueue one engine request per prompt, all or none (400 if the engine refuses one). log: False for the
+        steps of a request logged as a whole (a beam search's, see logged_search)."""
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         streams = []
-        if self.config.enable_log_requests:
+        if log and self.config.enable_log_requests:
             for rid, prompt, p in zip(ids, prompts, params):
                 self._log_request(rid, prompt, p)
         try:
             for rid, prompt, p in zip(ids, prompts, params):
                 streams.append(self.engine.add_request(rid, prompt, p, priority, cache_salt))
-            if self.config.enable_log_outputs:
+            if log and self.config.enable_log_outputs:
                 streams = [self._logged_outputs(rid, s, p) for rid, s, p in zip(ids, streams, params)]
         except BaseException as e:
             # Whatever failed, no part of the request stays behind (abort ignores ids it does not hold).
@@ -134,12 +135,20 @@ class ServerState:
             raise
         return streams
 
+    def logged_search(self, request_id: str, prompt: PromptType, search: BeamSearchParams, decode: SamplingParams,
+                      stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """A beam search's request logged once, with its search's parameters (as vLLM logs it), and its beams once
+        they are out (--enable-log-outputs); the one-token requests of its steps are not logged."""
+        if self.config.enable_log_requests:
+            self._log_request(request_id, prompt, search)
+        return self._logged_outputs(request_id, stream, decode) if self.config.enable_log_outputs else stream
+
     def _logged(self, value):
         """A prompt's or an output's text or token ids as the log shows them: cut to --max-log-len."""
         limit = self.config.max_log_len
         return value if value is None or limit is None else value[:limit]
 
-    def _log_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def _log_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> None:
         text, token_ids = (prompt.get("prompt"), prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else (
             prompt, None)
         logger.info("request %s: prompt %r, prompt_token_ids %s, params %s", request_id, self._logged(text),
