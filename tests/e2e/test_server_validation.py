@@ -338,6 +338,18 @@ def test_beam_search_refuses_the_sampling_fields_it_would_ignore(server, request
     assert error["param"] == param and "use_beam_search" in error["message"], error
 
 
+@pytest.mark.parametrize("logprobs", [{}, {"logprobs": False}], ids=["absent", "false"])
+def test_top_logprobs_0_needs_no_logprobs(server, logprobs):
+    """As vLLM's: top_logprobs without logprobs is refused only when it asks for some (above 0, or -1: the whole
+    vocabulary); 0 asks for none and the answer comes without logprobs (before: a 400)."""
+    response = post(server, *chat(top_logprobs=0, **logprobs))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"] is None
+    for top in (1, -1):
+        error = assert_openai_error(post(server, *chat(top_logprobs=top, **logprobs)))
+        assert error["param"] == "top_logprobs" and "logprobs=true" in error["message"], error
+
+
 def test_a_completion_prompt_that_fills_the_context_is_named(server):
     # With max_tokens null no room is left for output: the prompt's fault (before: param "messages").
     error = assert_openai_error(post(server, *completion(prompt=[1] * 1024, max_tokens=None)))

@@ -94,7 +94,7 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
         if getattr(req, legacy) is not None:
             raise bad_request(f"{legacy} (OpenAI's deprecated form of {current}) is not supported: pass the functions "
                               f"in tools and the choice in tool_choice", param=legacy)
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs not in (None, 0) and not req.logprobs:  # 0 asks for none: served, as vLLM does
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
 
 
