@@ -1,4 +1,4 @@
-"""Linear layers on the CPU through oneDNN, with each weight reordered once into oneDNN's blocked layout (bfloat16
+"""Linear layers on the CPU through prepacked weights: oneDNN's blocked layout, each weight reordered once (bfloat16
 weights on CPUs with AMX: into layers.cpu_amx_gemm's tiles instead, which read faster at a decode step's rows and
 match oneDNN up to the CPU's 512-token budget; float32 weights on CPUs with AVX-512, and bfloat16 ones on CPUs with
 AVX512_BF16 but no AMX: into layers.cpu_panel_gemm's panels, 1.1-1.5x oneDNN at a decode step's rows and level at
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tokenmill.layers.cpu_amx_gemm import AMXWeight, amx_applies, amx_linear, pack_amx
 from tokenmill.layers.cpu_panel_gemm import PanelWeight, pack_panels, panel_applies, panel_linear
 
-_PACKED_ATTR = "_tokenmill_onednn_weight"
+_PACKED_ATTR = "_tokenmill_packed_weight"  # pack_weight's copy, kept on the weight tensor
 
 
 @functools.cache
