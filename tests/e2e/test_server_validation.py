@@ -338,6 +338,15 @@ def test_beam_search_refuses_the_sampling_fields_it_would_ignore(server, request
     assert error["param"] == param and "use_beam_search" in error["message"], error
 
 
+def test_beam_search_takes_logprob_fields_that_ask_for_nothing(server):
+    # Before: top_logprobs 0 (and logprobs false) were refused as fields the search would ignore.
+    response = post(server, *chat(use_beam_search=True, n=2, logprobs=False, top_logprobs=0))
+    assert response.status_code == 200, response.text
+    assert [choice["logprobs"] for choice in response.json()["choices"]] == [None, None]
+    error = assert_openai_error(post(server, *chat(use_beam_search=True, logprobs=True, top_logprobs=0)))
+    assert error["param"] == "logprobs", error
+
+
 @pytest.mark.parametrize("logprobs", [{}, {"logprobs": False}], ids=["absent", "false"])
 def test_top_logprobs_0_needs_no_logprobs(server, logprobs):
     """As vLLM's: top_logprobs without logprobs is refused only when it asks for some (above 0, or -1: the whole

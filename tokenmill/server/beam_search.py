@@ -37,10 +37,17 @@ the model's own logprobs, see BeamSearchParams; seed: the beams do not depend on
 there are no stop strings); best_of (n only) is checked on its own."""
 
 
+def _asks_nothing(name: str, value) -> bool:
+    """Chat's logprobs false and top_logprobs 0 ask for no logprobs, as leaving them out does."""
+    return value is False or (name == "top_logprobs" and value == 0)
+
+
 def beam_search_params(req: SamplingRequest, max_tokens: int) -> BeamSearchParams:
     """The request's search; a 400 naming the first field it would ignore."""
     for name, info in type(req).model_fields.items():
-        if name not in BEAM_SEARCH_FIELDS and getattr(req, name) != info.default and name != "best_of":
+        value = getattr(req, name)
+        if (name not in BEAM_SEARCH_FIELDS and value != info.default and name != "best_of"
+                and not _asks_nothing(name, value)):
             raise bad_request(f"{name} is not supported with use_beam_search (the search takes the most likely "
                               f"tokens, n beams wide); leave it out", param=name)
     if req.best_of not in (None, req.n):
