@@ -330,6 +330,7 @@ def test_vllm_extras_without_a_counterpart_are_refused_by_name(server, request_,
     (chat(use_beam_search=True, top_k=5), "top_k"),
     (completion(use_beam_search=True, n=2, best_of=3), "best_of"),
     (chat(use_beam_search=True, logprobs=True), "logprobs"),
+    (completion(use_beam_search=True, logprobs=0), "logprobs"),  # 0 asks for the sampled token's
     (chat(use_beam_search=True, response_format={"type": "json_object"}), "response_format"),
     (completion(length_penalty=0.5), "length_penalty"),
 ], ids=lambda value: value if isinstance(value, str) else None)

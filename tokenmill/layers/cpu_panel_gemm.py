@@ -45,26 +45,16 @@ _SOURCE = r"""
 #define CHUNK_BLOCKS 32  /* row blocks (of MR) whose activations stay cached while every panel passes */
 
 /* w [N, K] -> float32 [ceil(N / NR)][K][NR], or bfloat16 (K even) [ceil(N / NR)][K / 2][NR][2]; features past N
-   zero. Each feature's row is read in order (the panel, written with a stride, stays in L2). */
-void f32_pack(float *dst, const float *w, int64_t N, int64_t K, int num_threads) {
+   zero. Either way [panel][K32][NR] of 32-bit units, K32 units a row: a float32, or a bfloat16 input pair (the
+   order the dot product takes). Each feature's row is read in order (the panel, written with a stride, stays in L2). */
+void panel_pack(uint32_t *dst, const uint32_t *w, int64_t N, int64_t K32, int num_threads) {
     const int64_t panels = (N + NR - 1) / NR;
     _Pragma("omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 8)")
     for (int64_t p = 0; p < panels; p++)
         for (int j = 0; j < NR; j++) {
             const int64_t n = p * NR + j;
-            float *d = dst + p * K * NR + j;
-            for (int64_t k = 0; k < K; k++) d[k * NR] = n < N ? w[n * K + k] : 0.0f;
-        }
-}
-
-void bf16_pack(uint16_t *dst, const uint16_t *w, int64_t N, int64_t K, int num_threads) {
-    const int64_t panels = (N + NR - 1) / NR;
-    _Pragma("omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 8)")
-    for (int64_t p = 0; p < panels; p++)
-        for (int j = 0; j < NR; j++) {
-            const int64_t n = p * NR + j;
-            uint16_t *d = dst + p * K * NR + j * 2;
-            for (int64_t k = 0; k < K; k++) d[k / 2 * NR * 2 + k % 2] = n < N ? w[n * K + k] : 0;
+            uint32_t *d = dst + p * K32 * NR + j;
+            for (int64_t k = 0; k < K32; k++) d[k * NR] = n < N ? w[n * K32 + k] : 0;
         }
 }
 
@@ -136,7 +126,7 @@ static inline __attribute__((always_inline)) void micro_bf16(const int rows, con
 #endif
 
 /* y [M, N] (row stride ldy; float32, or bfloat16 unless out_f32) = x [M, K] (row stride ldx) @ w.T (+ bias float32),
-   w packed by f32_pack (x float32) or bf16_pack (x bfloat16, `bf16` set) */
+   w packed by panel_pack (x float32, or bfloat16 with `bf16` set) */
 static void panel_linear(void *y, int64_t ldy, int out_f32, const void *x, int64_t ldx, const void *wp,
                          const float *bias, int64_t M, int64_t N, int64_t K, int bf16, int num_threads) {
     const int64_t panels = (N + NR - 1) / NR, all_blocks = (M + MR - 1) / MR, out_size = out_f32 ? 4 : 2;
@@ -214,9 +204,9 @@ def load_kernel() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as error:
         logger.warning("CPU: the AVX-512 GEMM could not be built (%s); linears use oneDNN", build_error_message(error))
         return None
+    lib.panel_pack.restype = None
+    lib.panel_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     for dtype in ("f32", "bf16"):
-        getattr(lib, f"{dtype}_pack").restype = None
-        getattr(lib, f"{dtype}_pack").argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         getattr(lib, f"{dtype}_linear").restype = None
         getattr(lib, f"{dtype}_linear").argtypes = (
             [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
@@ -249,8 +239,8 @@ def pack_panels(weight: torch.Tensor) -> PanelWeight:
     n, k = weight.shape
     weight = weight.detach().contiguous()
     packed = torch.empty((n + PANEL - 1) // PANEL * PANEL * k, dtype=weight.dtype)
-    pack = load_kernel().f32_pack if weight.dtype == torch.float32 else load_kernel().bf16_pack
-    pack(packed.data_ptr(), weight.data_ptr(), n, k, torch.get_num_threads())
+    units_per_row = k * weight.element_size() // 4  # float32s, or bfloat16 pairs
+    load_kernel().panel_pack(packed.data_ptr(), weight.data_ptr(), n, units_per_row, torch.get_num_threads())
     return PanelWeight(packed, n, k)
 
 

@@ -38,8 +38,9 @@ there are no stop strings); best_of (n only) is checked on its own."""
 
 
 def _asks_nothing(name: str, value) -> bool:
-    """Chat's logprobs false and top_logprobs 0 ask for no logprobs, as leaving them out does."""
-    return value is False or (name == "top_logprobs" and value == 0)
+    """Chat's logprobs false and top_logprobs 0 ask for no logprobs, as leaving them out does (completions' logprobs
+    0 asks for the sampled token's: `is False`, not `== 0`)."""
+    return (name == "logprobs" and value is False) or (name == "top_logprobs" and value == 0)
 
 
 def beam_search_params(req: SamplingRequest, max_tokens: int) -> BeamSearchParams:
