@@ -562,6 +562,44 @@ class StructuredOutputsConfig:
         return cls(**value)
 
 
+@dataclass(frozen=True)
+class ReasoningConfig:
+    """The markers of a reasoning block, with vLLM's `reasoning_config` keys: what a request's thinking_token_budget
+    counts between (and forces the end of). `tokenmill serve --reasoning-parser NAME` sets them from its parser
+    unless --reasoning-config does."""
+
+    reasoning_start_str: str = ""
+    """The text that opens a reasoning block ("<think>"); empty: none (thinking_token_budget refused)."""
+    reasoning_end_str: str = ""
+    """The text that closes it ("</think>")."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), str):
+                raise ValueError(f"reasoning_config's {f.name} must be a string, got {getattr(self, f.name)!r}")
+        if bool(self.reasoning_start_str) != bool(self.reasoning_end_str):
+            raise ValueError("reasoning_config needs both reasoning_start_str and reasoning_end_str (or neither)")
+
+    @property
+    def has_markers(self) -> bool:
+        return bool(self.reasoning_start_str)
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | ReasoningConfig | None) -> ReasoningConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, ReasoningConfig):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"reasoning_config must be a dict, got {type(value).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        if unknown := sorted(set(value) - set(known)):
+            raise ValueError(f"unknown reasoning_config keys {unknown}; known: {known}"
+                             + (" (the reasoning parser is the server's --reasoning-parser)"
+                                if "reasoning_parser" in unknown else ""))
+        return cls(**value)
+
+
 CONTENT_FORMATS = ("auto", "string", "openai")
 """vLLM's chat_template_content_format: how a message's content reaches the chat template. 'string': one string
 (text parts joined with newlines); 'openai': a list of {"type": "text", "text": ...} parts (string content too, none
@@ -607,6 +645,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    reasoning_config: ReasoningConfig = field(default_factory=ReasoningConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -620,6 +659,7 @@ class EngineConfig:
         structured = StructuredOutputsConfig.from_dict(kwargs.pop("structured_outputs_config", None))
         if (backend := kwargs.pop("guided_decoding_backend", None)) is not None:  # vLLM's older name
             structured = dataclasses.replace(structured, backend=backend)
+        reasoning = ReasoningConfig.from_dict(kwargs.pop("reasoning_config", None))
         owners = {
             "model_config": ModelConfig,
             "cache_config": CacheConfig,
@@ -636,7 +676,7 @@ class EngineConfig:
                 raise TypeError(unsupported_vllm_arg(key, key) or f"unknown engine argument {key!r}")
         built = {part: klass(**parts.get(part, {})) for part, klass in owners.items() if part != "model_config"}
         return cls(model_config=ModelConfig(model=model, **parts.get("model_config", {})), **built,
-                   speculative_config=speculative, structured_outputs_config=structured)
+                   speculative_config=speculative, structured_outputs_config=structured, reasoning_config=reasoning)
 
     def with_parts(self, **parts: Any) -> EngineConfig:
         """A copy with some sub-configs replaced (derived from this one's, e.g. a data-parallel replica's place),

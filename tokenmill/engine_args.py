@@ -54,6 +54,7 @@ def vllm_engine_kwargs(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with vLLM's arguments above replaced by tokenmill's (ValueError for a value with no counterpart)."""
     kwargs = dict(kwargs)
     _kv_cache_memory(kwargs)
+    _reasoning_parser(kwargs)
     _compilation(kwargs)
     for name, why in NO_OPS.items():
         value = kwargs.pop(name, False)
@@ -79,6 +80,21 @@ def vllm_engine_kwargs(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
                          f"{', '.join(PREFIX_CACHING_HASH_ALGOS)} (tokenmill's block hashes are SHA-256 of a fixed "
                          f"encoding of the tokens)")
     return kwargs
+
+
+def _reasoning_parser(kwargs: dict[str, Any]) -> None:
+    """vLLM's reasoning_parser engine argument (offline, `LLM(..., reasoning_parser="qwen3")`): its markers as the
+    reasoning_config's, what a thinking_token_budget counts between, unless reasoning_config gives them. (Splitting
+    reasoning_content off is the server's: `tokenmill serve --reasoning-parser NAME`.)"""
+    name = kwargs.pop("reasoning_parser", None)
+    if not name:
+        return
+    from tokenmill.config import ReasoningConfig
+    from tokenmill.server.reasoning_parsers import get_reasoning_parser
+
+    parser = get_reasoning_parser(name)
+    if not ReasoningConfig.from_dict(kwargs.get("reasoning_config")).has_markers:
+        kwargs["reasoning_config"] = ReasoningConfig(parser.starts[0], parser.ends[0])
 
 
 def _kv_cache_memory(kwargs: dict[str, Any]) -> None:

@@ -176,9 +176,16 @@ class SamplingParams:
     """Constrain the output to a JSON schema, regex, choice or grammar (logprobs are then those of the
     constrained distribution: the bitmask is applied before everything else). The output ends where the structure
     does: ignore_eos and min_tokens are refused with it."""
+    thinking_token_budget: int | None = None
+    """At most this many generated tokens inside reasoning blocks (from the engine's reasoning_config start marker,
+    `<think>`, to its end marker), over the whole output; once they are spent, the end marker is forced token by
+    token (vLLM's). A prompt that ends inside a block starts the count there. None (or -1): no limit."""
 
     # Token ids of bad_words, filled by the input processor (it owns the tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Token ids of the engine's reasoning markers, for thinking_token_budget; filled by the input processor too.
+    thinking_start_token_ids: list[int] = field(default_factory=list, repr=False)
+    thinking_end_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -199,6 +206,8 @@ class SamplingParams:
             self.allowed_token_ids = list(dict.fromkeys(as_token_ids(self.allowed_token_ids, "allowed_token_ids")))
         if self.top_k == -1:
             self.top_k = 0
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         if isinstance(self.structured_outputs, dict):  # as JSON gives it: it failed at the request's validation
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -212,7 +221,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         for name in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                     "truncate_prompt_tokens"):
+                     "truncate_prompt_tokens", "thinking_token_budget"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, numbers.Integral), f"{name} must be an integer, got {value!r}")
             _check(value is None or INT64_MIN <= value <= INT64_MAX, f"{name} must fit in 64 bits, got {value}")
@@ -244,6 +253,8 @@ class SamplingParams:
                f"prompt_logprobs must be non-negative or -1 (the whole vocabulary), got {self.prompt_logprobs}")
         _check(self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
                f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
+        _check(self.thinking_token_budget is None or self.thinking_token_budget >= 0,
+               f"thinking_token_budget must be non-negative or -1 (no limit), got {self.thinking_token_budget}")
         _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
                "allowed_token_ids must not be empty")
         # NaN would win every greedy step (argmax takes it for the largest) and +inf turns the softmax into NaNs;

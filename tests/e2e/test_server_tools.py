@@ -326,3 +326,26 @@ def test_bad_tool_messages(client):
     no_id = [*ASK, {"role": "tool", "content": "21"}]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=no_id, max_tokens=4)
+
+
+def test_thinking_token_budget_forces_the_end_of_thinking(client):
+    """vLLM's thinking_token_budget (before: a 400): the markers are --reasoning-parser's; after the budget's tokens
+    of reasoning the server's engine forces </think>, and the model answers. The assistant's turn is opened with
+    <think> (continue_final_message), as DeepSeek-R1's template opens it."""
+    opened = [{"role": "user", "content": "What is 4 + 4? Think step by step."},
+              {"role": "assistant", "content": "<think>"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    kwargs = dict(model=MODEL, messages=opened, **GREEDY)
+    [free] = client.chat.completions.create(max_tokens=5, extra_body=body, **kwargs).choices
+    first_five = free.message.model_extra["reasoning_content"]
+    assert first_five and free.message.content is None, free  # free, it goes on thinking
+    capped_body = {**body, "thinking_token_budget": 5}
+    [capped] = client.chat.completions.create(max_tokens=30, extra_body=capped_body, **kwargs).choices
+    assert capped.message.model_extra["reasoning_content"] == first_five, capped
+    assert capped.message.content and capped.message.content.strip(), capped
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(max_tokens=30, stream=True, extra_body=capped_body, **kwargs):
+        for c in chunk.choices:
+            parts["content"] += c.delta.content or ""
+            parts["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+    assert parts == {"reasoning_content": first_five, "content": capped.message.content}

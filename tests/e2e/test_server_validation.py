@@ -315,7 +315,6 @@ def test_vllm_extras_are_served_not_ignored(server, request_):
     (completion(vllm_xargs={"my_key": 1}), "vllm_xargs"),
     (chat(mm_processor_kwargs={"num_crops": 4}), "mm_processor_kwargs"),
     (completion(prompt_embeds="AAAA"), "prompt_embeds"),
-    (chat(thinking_token_budget=16), "thinking_token_budget"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_vllm_extras_without_a_counterpart_are_refused_by_name(server, request_, param):
     # Before: ignored (a warning in the log), the request served as if they were not there.
@@ -323,6 +322,17 @@ def test_vllm_extras_without_a_counterpart_are_refused_by_name(server, request_,
     assert error["param"] == param and "not supported" in error["message"], error
     path, body = request_
     assert post(server, path, {**body, param: None}).status_code == 200  # null (or empty) is their default
+
+
+def test_a_thinking_token_budget_needs_the_reasoning_markers(server):
+    """This server has no --reasoning-parser (nor --reasoning-config): nothing to count between, a 400 saying what
+    gives the markers (test_server_tools.py serves a budget with them)."""
+    error = assert_openai_error(post(server, *chat(thinking_token_budget=16)))
+    assert "thinking_token_budget" in error["message"] and "--reasoning-parser" in error["message"], error
+    for no_cap in (None, -1):
+        assert post(server, *chat(thinking_token_budget=no_cap)).status_code == 200
+    error = assert_openai_error(post(server, *chat(thinking_token_budget=-2)))
+    assert error["param"] == "thinking_token_budget", error
 
 
 @pytest.mark.parametrize("request_, param", [

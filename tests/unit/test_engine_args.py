@@ -159,3 +159,18 @@ def test_vllm_flags_that_change_nothing_here_are_accepted_and_said(caplog):
 def test_vllm_values_that_would_matter_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_kwargs("m", **kwargs)
+
+
+def test_reasoning_parser_gives_the_offline_engine_its_markers():
+    """vLLM's LLM(reasoning_parser=...): the parser's markers become the reasoning_config (what thinking_token_budget
+    counts between) unless reasoning_config names its own; an unknown parser is refused by name."""
+    from tokenmill.config import ReasoningConfig
+
+    assert EngineConfig.from_kwargs("m", reasoning_parser="deepseek_r1").reasoning_config == ReasoningConfig(
+        "<think>", "</think>")
+    given = {"reasoning_start_str": "<t>", "reasoning_end_str": "</t>"}
+    assert EngineConfig.from_kwargs("m", reasoning_parser="qwen3", reasoning_config=given).reasoning_config == \
+        ReasoningConfig("<t>", "</t>")
+    assert EngineConfig.from_kwargs("m").reasoning_config == ReasoningConfig()
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
+        EngineConfig.from_kwargs("m", reasoning_parser="nope")

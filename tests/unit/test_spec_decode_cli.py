@@ -8,7 +8,7 @@ import pytest
 from tokenmill.cli import main, make_parser
 from tokenmill.cli.args import engine_config_from_args, engine_kwargs_from_args
 from tokenmill.cli.bench import BENCHMARKS
-from tokenmill.config import SpeculativeConfig, StructuredOutputsConfig
+from tokenmill.config import ReasoningConfig, SpeculativeConfig, StructuredOutputsConfig
 
 VLLM_SPELLING = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
@@ -132,3 +132,41 @@ def test_a_bad_dotted_structured_outputs_key_is_a_one_line_error(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --structured-outputs-config: unknown structured_outputs_config keys ['backnd']")
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ([], ReasoningConfig()),
+    (["--reasoning-config", '{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}'],
+     ReasoningConfig("<think>", "</think>")),
+    (["--reasoning-config.reasoning_start_str", "[THINK]", "--reasoning-config.reasoning_end_str", "[/THINK]"],
+     ReasoningConfig("[THINK]", "[/THINK]")),
+])
+def test_reasoning_markers_reach_the_engine_config(flags, expected):
+    assert engine_config_from_args(make_parser().parse_args(["serve", "m", *flags])).reasoning_config == expected
+
+
+def test_serve_takes_the_reasoning_parsers_markers_unless_given():
+    from tokenmill.cli.serve import server_config_from_args, serving_engine_config, with_reasoning_markers
+
+    def markers(*flags):
+        args = make_parser().parse_args(["serve", "m", *flags])
+        return with_reasoning_markers(serving_engine_config(args), server_config_from_args(args)).reasoning_config
+
+    assert markers() == ReasoningConfig()
+    assert markers("--reasoning-parser", "mistral") == ReasoningConfig("[THINK]", "[/THINK]")
+    assert markers("--reasoning-parser", "qwen3", "--reasoning-config",
+                   '{"reasoning_start_str": "<t>", "reasoning_end_str": "</t>"}') == ReasoningConfig("<t>", "</t>")
+
+
+@pytest.mark.parametrize(("value", "fragment"), [
+    ('{"reasoning_start_str": "<think>"}', "needs both reasoning_start_str and reasoning_end_str"),
+    ('{"think_start_str": "<think>"}', "unknown reasoning_config keys ['think_start_str']"),
+    ('{"reasoning_parser": "qwen3"}', "the reasoning parser is the server's --reasoning-parser"),
+    ('{"reasoning_end_str": 3, "reasoning_start_str": "a"}', "reasoning_end_str must be a string"),
+    ("[1]", "must be a JSON object"),
+])
+def test_a_bad_reasoning_config_is_a_one_line_error(value, fragment, capsys):
+    assert main(["generate", "Hi", "--model", "/no/such/model", "--reasoning-config", value]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --reasoning-config") and len(err.strip().splitlines()) == 1, err
+    assert fragment in err, err

@@ -23,6 +23,7 @@ from tokenmill.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    ReasoningConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -380,6 +381,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool) -> 
     group.add_argument("--guided-decoding-backend", dest="guided_decoding_backend", default=None,
                        choices=STRUCTURED_OUTPUTS_BACKENDS, help="vLLM's older name of --structured-outputs-config's "
                                                                  "backend")
+    parser.add_argument_group("engine: ReasoningConfig").add_argument(
+        "--reasoning-config", dest="reasoning_config", default=None, metavar="JSON",
+        help='The reasoning block\'s markers, which a request\'s thinking_token_budget counts between: a JSON object '
+             'of vLLM\'s reasoning_config keys, e.g. \'{"reasoning_start_str": "<think>", "reasoning_end_str": '
+             '"</think>"}\' (default: none; `serve --reasoning-parser NAME` takes its parser\'s)')
 
 
 def _vllm_only_flags() -> list[tuple[tuple[str, ...], str, dict[str, Any], str]]:
@@ -476,6 +482,17 @@ def parse_structured_outputs_config(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+def parse_reasoning_config(text: str) -> dict[str, Any]:
+    """--reasoning-config's JSON object, checked; a bad one raises a one-line ValueError."""
+    value = json_object_flag(text, "--reasoning-config", '{"reasoning_start_str": "<think>", "reasoning_end_str": '
+                                                         '"</think>"}')
+    try:
+        ReasoningConfig.from_dict(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--reasoning-config: {e}") from None
+    return value
+
+
 def resolve_model(model: str | None) -> str:
     if model is not None:
         return model
@@ -501,6 +518,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> tuple[str, dict[str, An
         kwargs["structured_outputs_config"] = structured
     if getattr(args, "guided_decoding_backend", None) is not None:
         kwargs["guided_decoding_backend"] = args.guided_decoding_backend
+    if getattr(args, "reasoning_config", None) is not None:
+        kwargs["reasoning_config"] = parse_reasoning_config(args.reasoning_config)
     return resolve_model(args.model), kwargs
 
 

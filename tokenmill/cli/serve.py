@@ -16,7 +16,7 @@ from tokenmill.cli.args import (
     given_fields,
     json_object_flag,
 )
-from tokenmill.config import EngineConfig, ParallelConfig, check_model_path
+from tokenmill.config import EngineConfig, ParallelConfig, ReasoningConfig, check_model_path
 from tokenmill.server.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -87,6 +87,17 @@ def serving_engine_config(args: argparse.Namespace) -> EngineConfig:
     return engine_config_from_args(args)
 
 
+def with_reasoning_markers(engine_config: EngineConfig, server_config: ServerConfig) -> EngineConfig:
+    """The engine's reasoning_config from --reasoning-parser's markers where --reasoning-config gave none: what a
+    request's thinking_token_budget counts between."""
+    if server_config.reasoning_parser is None or engine_config.reasoning_config.has_markers:
+        return engine_config
+    from tokenmill.server.reasoning_parsers import get_reasoning_parser
+
+    parser = get_reasoning_parser(server_config.reasoning_parser)
+    return engine_config.with_parts(reasoning_config=ReasoningConfig(parser.starts[0], parser.ends[0]))
+
+
 def run(args: argparse.Namespace) -> int:
     parallel = ParallelConfig(**given_fields(args, ParallelConfig))
     if parallel.is_headless:
@@ -100,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     # Before the default model is resolved, which may mean downloading it; held until uvicorn listens on it.
     listen_socket = claim_listen_address(server_config.host, server_config.port, server_config.uds)
     try:
-        engine_config = serving_engine_config(args)
+        engine_config = with_reasoning_markers(serving_engine_config(args), server_config)
         check_model_path(engine_config.model_config.model)  # at once, not after the core's start and the imports
         # Until uvicorn takes the signals over, SIGTERM unwinds like Ctrl-C (cli.main): the core started below stops.
         core = start_core_ahead(engine_config)

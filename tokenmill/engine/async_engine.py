@@ -92,7 +92,7 @@ class AsyncEngine:
                 name = "the engine core" if num_replicas == 1 else f"the replica-{index} engine core"
                 self.replicas.append(CoreReplica(index, configs[index], self, devices[index], name, started_core))
             self.frontend = frontend = load_frontend(config.model_config, hf_config,
-                                                     config.structured_outputs_config)
+                                                     config.structured_outputs_config, config.reasoning_config)
             for replica in self.replicas:
                 replica.wait_ready()
         except BaseException:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from tokenmill.config import ModelConfig, StructuredOutputsConfig
+from tokenmill.config import ModelConfig, ReasoningConfig, StructuredOutputsConfig
 from tokenmill.engine.input_processor import InputProcessor, PromptType
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer, make_tokenizer_info
@@ -64,14 +64,15 @@ class Frontend:
 
 
 def load_frontend(model_config: ModelConfig, hf_config: PretrainedConfig | None = None,
-                  structured_outputs: StructuredOutputsConfig | None = None) -> Frontend:
-    """`hf_config`: the model's, if the caller loaded it already; `structured_outputs`: the engine's
-    structured_outputs_config."""
+                  structured_outputs: StructuredOutputsConfig | None = None,
+                  reasoning: ReasoningConfig | None = None) -> Frontend:
+    """`hf_config`: the model's, if the caller loaded it already; `structured_outputs`, `reasoning`: the engine's
+    structured_outputs_config and reasoning_config."""
     hf_config = load_hf_config(model_config) if hf_config is None else hf_config
     get_model_class(hf_config.architectures)  # fail fast: before the tokenizer and weights load
     max_model_len = resolve_max_model_len(model_config.max_model_len, hf_config)
     tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config, hf_config)
     tokenizer_info = make_tokenizer_info(tokenizer, hf_config, model_config)
     input_processor = InputProcessor(tokenizer, tokenizer_info, max_model_len, hf_config.vocab_size,
-                                     structured_outputs, model_config.max_logprobs)
+                                     structured_outputs, model_config.max_logprobs, reasoning)
     return Frontend(hf_config, max_model_len, tokenizer, input_processor, OutputProcessor(tokenizer))

@@ -8,7 +8,7 @@ from typing import Any, TypedDict
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.config import StructuredOutputsConfig
+from tokenmill.config import ReasoningConfig, StructuredOutputsConfig
 from tokenmill.engine.tokenizer import TokenizerInfo, check_unicode
 from tokenmill.protocol import EngineRequest
 from tokenmill.sampling_params import (
@@ -39,10 +39,11 @@ class InputProcessor:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase | None, tokenizer_info: TokenizerInfo,
         max_model_len: int, vocab_size: int, structured_outputs: StructuredOutputsConfig | None = None,
-        max_logprobs: int = 20,
+        max_logprobs: int = 20, reasoning: ReasoningConfig | None = None,
     ) -> None:
         """`structured_outputs`: the engine's structured_outputs_config, for what a spec leaves unset (None: the
-        defaults); `max_logprobs`: the most logprobs a request may ask for (-1: the vocabulary size)."""
+        defaults); `max_logprobs`: the most logprobs a request may ask for (-1: the vocabulary size); `reasoning`:
+        the engine's reasoning_config, whose markers a thinking_token_budget counts between."""
         self.tokenizer = tokenizer
         self.structured_outputs = structured_outputs or StructuredOutputsConfig()
         self.tokenizer_info = tokenizer_info
@@ -52,6 +53,12 @@ class InputProcessor:
         # The ids grammars compile against (structured/vocab.py). Read now: later, the tokenizer may be busy on
         # another thread.
         self.grammar_vocab_size = grammar_vocab_size(tokenizer, vocab_size) if tokenizer is not None else vocab_size
+        self.reasoning = reasoning or ReasoningConfig()
+        self.thinking_markers: tuple[list[int], list[int]] | None = None
+        """The reasoning markers' token ids (start, end), where the engine has markers and a tokenizer."""
+        if self.reasoning.has_markers and tokenizer is not None:
+            self.thinking_markers = tuple(tokenizer.encode(text, add_special_tokens=False) for text in
+                                          (self.reasoning.reasoning_start_str, self.reasoning.reasoning_end_str))
 
     def tokenize_prompt(self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None,
                         add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -100,6 +107,9 @@ class InputProcessor:
         if params.bad_words and not params.bad_words_token_ids:
             # A copy: the caller's params may go to another engine, whose tokenizer gives other ids.
             params = dataclasses.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
+        if params.thinking_token_budget is not None and not params.thinking_end_token_ids:
+            start, end = self.thinking_markers
+            params = dataclasses.replace(params, thinking_start_token_ids=start, thinking_end_token_ids=end)
         if -1 in (params.logprobs, params.prompt_logprobs):
             # The core takes counts: -1 is the whole vocabulary. A copy, as below.
             params = dataclasses.replace(params, **{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
@@ -146,6 +156,12 @@ class InputProcessor:
             raise ValueError("stop strings cannot be combined with detokenize=False: they are matched in the text")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer, and this engine has none")
+        if params.thinking_token_budget is not None and self.thinking_markers is None:
+            raise ValueError(
+                "thinking_token_budget needs the reasoning block's markers: the engine's reasoning_config "
+                "(--reasoning-config '{\"reasoning_start_str\": \"<think>\", \"reasoning_end_str\": \"</think>\"}', "
+                "which `tokenmill serve --reasoning-parser NAME` sets from its parser)"
+                if self.tokenizer is not None else "thinking_token_budget needs a tokenizer, and this engine has none")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer, and this engine has none")

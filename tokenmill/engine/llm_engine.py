@@ -22,7 +22,8 @@ class LLMEngine:
                              "(start one LLM per process and device set instead)")
         self.config = config
         self.frontend = frontend = load_frontend(config.model_config,
-                                                 structured_outputs=config.structured_outputs_config)
+                                                 structured_outputs=config.structured_outputs_config,
+                                                 reasoning=config.reasoning_config)
         self.hf_config, self.max_model_len = frontend.hf_config, frontend.max_model_len
         self.tokenizer = frontend.tokenizer
         self.input_processor, self.output_processor = frontend.input_processor, frontend.output_processor

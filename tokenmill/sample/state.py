@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.sample.metadata import SamplingColumns, SamplingMetadata, build_sampling_metadata, with_fresh_seeds
+from tokenmill.sample.thinking_budget import ThinkingBudgets
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import RequestStates
 
@@ -41,12 +42,16 @@ class SamplingState:
         Replaced when the row is reused: at most max_num_reqs of them."""
         self._last: tuple[bytes, SamplingMetadata] | None = None
         """The last reusable batch's rows (as bytes) and metadata; None after any row changed."""
+        self.thinking = ThinkingBudgets(max_num_reqs, device)
+        """The rows' thinking_token_budget machines (device state: the host reads no tokens for them)."""
 
     def add_request(self, row: int, params: SamplingParams, eos_token_ids: frozenset[int],
                     token_ids: list[int], num_prompt_tokens: int) -> None:
         self.eos_token_ids[row] = eos_token_ids
         self._last = None
         self.columns.set_row(row, params, self.vocab_size)
+        self.thinking.add(row, params.thinking_token_budget, params.thinking_start_token_ids,
+                          params.thinking_end_token_ids, token_ids, num_prompt_tokens)
         self.needs_host_pass[row] = bool(
             (params.seed is not None and not params.is_greedy) or params.bad_words_token_ids
             or params.logits_processors or params.min_tokens or params.allowed_token_ids is not None
@@ -73,8 +78,10 @@ class SamplingState:
         self.output_counts[row].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
 
     def record_sampled(self, rows: np.ndarray, token_ids: torch.Tensor, rows_on_device: torch.Tensor | None) -> None:
-        """Count the new tokens (rows without penalties are counted too; nobody reads them).
-        `rows_on_device`: `rows` already copied to the device (the metadata's penalty_rows), if any."""
+        """Count the new tokens (rows without penalties are counted too; nobody reads them), and move the thinking
+        budgets' machines. `rows_on_device`: `rows` already copied to the device (the metadata's penalty_rows), if
+        any."""
+        self.thinking.advance(rows, token_ids)
         if self.output_counts is not None:
             index = rows_on_device
             if index is None:

@@ -58,8 +58,10 @@ def can_draft(params: SamplingParams) -> bool:
     the batch). Those requests decode one token per step: exactly, and with the same tokens as without
     speculation, but without its speed-up. (Requests under a grammar do draft: structured/matchers.py masks
     every draft position; but not with bans of their own, which may leave a position no token, as only a
-    one-token step detects: sample/no_token.py.)"""
+    one-token step detects: sample/no_token.py. Nor with a thinking budget, whose machine moves one sampled token
+    at a time: sample/thinking_budget.py.)"""
     return not (params.has_penalties or params.bad_words_token_ids or params.logits_processors
+                or params.thinking_token_budget is not None
                 or (params.seed is not None and not params.is_greedy)
                 or (params.structured_outputs is not None and params.bans_tokens))
 

@@ -419,9 +419,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template; not those the server passes itself (messages, tools, chat_template,
     add_generation_prompt, continue_final_message, tokenize)."""
-    thinking_token_budget: Any = None
-    """vLLM's cap on reasoning tokens (the end-of-thinking marker forced after them): not supported yet, a 400 unless
-    null or absent."""
+    thinking_token_budget: Annotated[int, Field(ge=-1, le=MAX_TOKEN_COUNT), INTEGRAL] | None = None
+    """vLLM's cap on reasoning tokens: at most this many between the reasoning markers (--reasoning-parser's, or
+    --reasoning-config's), then the end marker is forced; -1 or null: no cap."""
     include_reasoning: bool = True
     """vLLM's: false leaves the reasoning (what --reasoning-parser splits off) out of the answer, which then has no
     reasoning_content; the content is the same."""

@@ -104,6 +104,7 @@ def to_sampling_params(
             keep_special_token_ids=keep_special_token_ids,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             structured_outputs=structured_outputs,
+            thinking_token_budget=getattr(req, "thinking_token_budget", None),
         )
     except ValueError as e:
         raise bad_request(str(e), param=_field_named(str(e), req)) from e
@@ -121,9 +122,6 @@ UNSUPPORTED = {
     "vllm_xargs": "vllm_xargs is not supported: this server has no extensions that would read it",
     "mm_processor_kwargs": "mm_processor_kwargs is not supported: this server serves text-only models",
     "prompt_embeds": "prompt_embeds is not supported: send the prompt as text or token ids",
-    "thinking_token_budget": "thinking_token_budget is not supported yet: bound the whole output with max_tokens, or "
-                             "turn thinking off (reasoning_effort \"none\", or chat_template_kwargs' enable_thinking "
-                             "false)",
 }
 """vLLM's extras with no counterpart here. Ignored, they would change nothing the client can see but the output it
 expected (a logits processor's effect, a KV transfer); so each is a 400 unless null, absent or empty."""

@@ -235,11 +235,13 @@ class ModelRunner:
         if constrained:
             self.grammar_rows.apply(logits)
         verifying = bool(batch.sampled_num_drafts.any())
+        # Each row samples at its last logits row (a verifying row after its drafts' rows).
+        last_rows = np.cumsum(1 + batch.sampled_num_drafts) - 1 if verifying else None
+        self.sampling_state.thinking.force(logits, rows, last_rows)  # thinking budgets never draft: see can_draft
         if verifying:
             # Every row's sampled (last) position is checked for a token left, as in a step without drafts: the rows
             # beside the verifying ones may have none (a grammar with bans, bad_words: they never draft).
-            counts = 1 + batch.sampled_num_drafts
-            none_left = rows_without_token(logits, metadata, logit_rows=np.cumsum(counts) - 1)
+            none_left = rows_without_token(logits, metadata, logit_rows=last_rows)
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,
                                                                 self.sampling_state)
         else:
