@@ -8,6 +8,7 @@ marker, then what greedy decoding writes after the prompt extended by those (an 
 """
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -19,7 +20,7 @@ MARKERS = {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
 PROMPTS = ["Question: what is 2+2?\n<think>", "Write a haiku about rain.\n<think>",
            "Name three colors of the rainbow.\n<think>", "Why is the sky blue?\n<think>"]
 MAX_TOKENS = 24
-ENGINE = dict(max_model_len=256, dtype="float32", gguf_dequantize=True, reasoning_config=MARKERS)
+ENGINE = dict(max_model_len=256, dtype="float32", reasoning_config=MARKERS)
 
 
 def greedy(llm: LLM, prompts, **params) -> list[list[int]]:
@@ -29,7 +30,7 @@ def greedy(llm: LLM, prompts, **params) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain(smollm2_path):
-    return LLM(smollm2_path, kv_cache_space=0.05, async_scheduling=False, **ENGINE)
+    return LLM(smollm2_path, kv_cache_space=0.05, async_scheduling=False, gguf_dequantize=True, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -37,31 +38,38 @@ def end_ids(plain) -> list[int]:
     return plain.get_tokenizer().encode("</think>", add_special_tokens=False)
 
 
-@pytest.fixture(scope="module")
-def expected(plain, end_ids) -> dict[int, list[list[int]]]:
-    """Budget -> each prompt's greedy output under it, built from budget-free runs."""
-    tokenizer = plain.get_tokenizer()
-    free = greedy(plain, PROMPTS)
-    out = {}
+def reference(llm: LLM, prompts: list[str], end_ids: list[int]) -> dict[int | None, list[list[int]]]:
+    """Budget -> each prompt's greedy output under it, built from budget-free runs of `llm`."""
+    tokenizer = llm.get_tokenizer()
+    free = greedy(llm, prompts)
+    # Budget-free runs never write the end marker early (the reference's premise).
+    assert all(not any(f[i:i + len(end_ids)] == end_ids for i in range(8)) for f in free), free
+    out = {None: free}
+    start_ids = tokenizer.encode("<think>", add_special_tokens=False)
     for budget in (0, 3, 7):
         heads = [f[:budget] + end_ids for f in free]
-        extended = [{"prompt_token_ids": tokenizer.encode(p) + head} for p, head in zip(PROMPTS, heads)]
-        tails = greedy(plain, extended)
-        start_ids = tokenizer.encode("<think>", add_special_tokens=False)
+        extended = [{"prompt_token_ids": tokenizer.encode(p) + head} for p, head in zip(prompts, heads)]
+        tails = greedy(llm, extended)
         for tail in tails:  # a block opened again would have its end forced at once: not this reference's case
             assert not any(tail[i:i + len(start_ids)] == start_ids for i in range(len(tail))), tail
         out[budget] = [(head + tail)[:MAX_TOKENS] for head, tail in zip(heads, tails)]
-    # Budget-free runs never wrote the end marker early (the reference's premise) ...
-    assert all(not any(f[i:i + len(end_ids)] == end_ids for i in range(8)) for f in free), free
-    out[None] = free
     return out
 
 
-def test_the_end_marker_is_forced_after_the_budget(plain, expected):
+@pytest.fixture(scope="module")
+def expected(plain, end_ids) -> dict[int | None, list[list[int]]]:
+    return reference(plain, PROMPTS, end_ids)
+
+
+def check_budgets(llm: LLM, expected: dict[int | None, list[list[int]]]) -> None:
     for budget in (0, 3, 7):
-        assert greedy(plain, PROMPTS, thinking_token_budget=budget) == expected[budget], budget
-    # ... and a budget larger than the output changes nothing.
-    assert greedy(plain, PROMPTS, thinking_token_budget=100) == expected[None]
+        assert greedy(llm, PROMPTS, thinking_token_budget=budget) == expected[budget], budget
+    # A budget larger than the output changes nothing.
+    assert greedy(llm, PROMPTS, thinking_token_budget=100) == expected[None]
+
+
+def test_the_end_marker_is_forced_after_the_budget(plain, expected):
+    check_budgets(plain, expected)
 
 
 def test_budgets_mixed_in_one_batch_with_rows_without(plain, expected):
@@ -76,7 +84,7 @@ def test_async_scheduling_chunked_prefill_preemption_and_n(smollm2_path, expecte
     their machine rebuilt from their output), each prompt twice (prefix caching) and n=2 (the second sample forked
     from the first's prompt)."""
     llm = LLM(smollm2_path, num_gpu_blocks_override=17, max_num_batched_tokens=16, async_scheduling=True,
-              enable_prefix_caching=True, **ENGINE)
+              enable_prefix_caching=True, gguf_dequantize=True, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, thinking_token_budget=3, n=2)
     outs = llm.generate(PROMPTS * 2, params, use_tqdm=False)
     for i, out in enumerate(outs):
@@ -92,8 +100,8 @@ def test_async_scheduling_chunked_prefill_preemption_and_n(smollm2_path, expecte
 def test_budget_rows_decode_beside_drafting_ones(smollm2_path, expected, unmeasured_step_cost):
     """Speculative decoding: rows with a budget take one token a step (can_draft); the others draft and verify
     beside them, each row's tokens those of plain decoding."""
-    llm = LLM(smollm2_path, kv_cache_space=0.05, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                                     "prompt_lookup_min": 2}, **ENGINE)
+    llm = LLM(smollm2_path, kv_cache_space=0.05, gguf_dequantize=True, **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
     budget = llm.engine.core.scheduler.draft_budget
     budget.cost, budget.min_gain = None, 0.0  # draft every step, whatever the measured step cost says
     copy = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,"  # continued by repeating: drafts that stand
@@ -121,3 +129,19 @@ def test_a_structure_after_the_reasoning_follows_the_forced_end(plain, end_ids):
 def test_a_budget_needs_the_engines_markers(smollm2_llm):
     with pytest.raises(ValueError, match="thinking_token_budget needs the reasoning block's markers"):
         smollm2_llm.generate(["Hi"], SamplingParams(thinking_token_budget=4), use_tqdm=False)
+
+
+@pytest.mark.gpu
+def test_the_gpus_kernels_under_cuda_graphs_and_async_scheduling(tmp_path):
+    """On a GPU the machine steps in Triton kernels (kernels/thinking_budget.py), beside the decode CUDA graphs and
+    async scheduling (on by default there): a 2-layer Qwen3 with dummy weights and the repo's SmolLM2 tokenizer,
+    in float32, against its own budget-free runs."""
+    root = Path(__file__).resolve().parents[2] / "benchmarks/models"
+    config = json.loads((root / "qwen3-0.6b/config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_window_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", tokenizer=str(root / "smollm2-tokenizer"), **ENGINE)
+    assert llm.engine.core.executor.driver_worker.model_runner.cuda_graphs is not None
+    end_ids = llm.get_tokenizer().encode("</think>", add_special_tokens=False)
+    check_budgets(llm, reference(llm, PROMPTS, end_ids))

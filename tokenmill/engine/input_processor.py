@@ -59,6 +59,8 @@ class InputProcessor:
         if self.reasoning.has_markers and tokenizer is not None:
             self.thinking_markers = tuple(tokenizer.encode(text, add_special_tokens=False) for text in
                                           (self.reasoning.reasoning_start_str, self.reasoning.reasoning_end_str))
+            if not all(self.thinking_markers):
+                raise ValueError(f"reasoning_config's markers {self.reasoning} tokenize to no token")
 
     def tokenize_prompt(self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None,
                         add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -107,7 +109,9 @@ class InputProcessor:
         if params.bad_words and not params.bad_words_token_ids:
             # A copy: the caller's params may go to another engine, whose tokenizer gives other ids.
             params = dataclasses.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
-        if params.thinking_token_budget is not None and not params.thinking_end_token_ids:
+        if params.thinking_token_budget is not None and (
+                (params.thinking_start_token_ids, params.thinking_end_token_ids) != self.thinking_markers):
+            # Always the engine's: the worker's machines share one pair of markers. A copy, as above.
             start, end = self.thinking_markers
             params = dataclasses.replace(params, thinking_start_token_ids=start, thinking_end_token_ids=end)
         if -1 in (params.logprobs, params.prompt_logprobs):
