@@ -99,8 +99,14 @@ class MatcherSet:
             one_rows, one_tokens = rows.tolist(), tokens.tolist()
         else:
             one_rows, one_tokens = rows[single].tolist(), tokens[starts[single]].tolist()
+        matchers = [self._matchers[row] for row in one_rows]
+        if matchers and not all(live := [not m.is_terminated() for m in matchers]):
+            # A request that just stopped (its matcher took the stop token) had one more step launched under async
+            # scheduling before its stop was seen: that step's token reaches the grammar process, and the scheduler
+            # drops it. Not offered (a finished matcher refuses every token, and xgrammar warns of each).
+            one_rows, one_tokens, matchers = ([x for x, ok in zip(xs, live) if ok]
+                                              for xs in (one_rows, one_tokens, matchers))
         if one_rows:
-            matchers = [self._matchers[row] for row in one_rows]
             guided = [isinstance(m, GuidanceMatcher) for m in matchers]
             if any(guided):
                 accepted = [m.accept_token(t) if g else None for m, t, g in zip(matchers, one_tokens, guided)]
