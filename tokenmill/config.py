@@ -585,6 +585,14 @@ class ReasoningConfig:
         return bool(self.reasoning_start_str)
 
     @classmethod
+    def of_parser(cls, name: str) -> ReasoningConfig:
+        """The markers a reasoning parser writes first (`<think>`, `</think>`); ValueError for an unknown parser."""
+        from tokenmill.server.reasoning_parsers import get_reasoning_parser
+
+        parser = get_reasoning_parser(name)
+        return cls(parser.starts[0], parser.ends[0])
+
+    @classmethod
     def from_dict(cls, value: dict[str, Any] | ReasoningConfig | None) -> ReasoningConfig:
         if value is None:
             return cls()

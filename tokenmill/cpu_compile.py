@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
 import tempfile
+
+logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 
@@ -58,6 +61,16 @@ def compile_library(name: str, source: str, flags: list[str] = FLAGS) -> ctypes.
     if not os.path.exists(path):
         _build(path, source, flags)
     return ctypes.CDLL(path)
+
+
+def compile_or_none(name: str, source: str, what: str, fallback: str, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
+    """compile_library's library, or None where no compiler builds it, logged as "`what` could not be built (the
+    compiler's error); `fallback`" (what the caller does instead)."""
+    try:
+        return compile_library(name, source, flags)
+    except (OSError, subprocess.CalledProcessError) as error:
+        logger.warning("%s could not be built (%s); %s", what, build_error_message(error), fallback)
+        return None
 
 
 def build_error_message(error: Exception) -> str:

@@ -90,11 +90,10 @@ def _reasoning_parser(kwargs: dict[str, Any]) -> None:
     if not name:
         return
     from tokenmill.config import ReasoningConfig
-    from tokenmill.server.reasoning_parsers import get_reasoning_parser
 
-    parser = get_reasoning_parser(name)
+    markers = ReasoningConfig.of_parser(name)  # an unknown parser is refused even where reasoning_config is given
     if not ReasoningConfig.from_dict(kwargs.get("reasoning_config")).has_markers:
-        kwargs["reasoning_config"] = ReasoningConfig(parser.starts[0], parser.ends[0])
+        kwargs["reasoning_config"] = markers
 
 
 def _kv_cache_memory(kwargs: dict[str, Any]) -> None:

@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
 from tokenmill.attention.cpu_kernel_source import SOURCE
-from tokenmill.cpu_compile import FLAGS, build_error_message, compile_library
-
-logger = logging.getLogger(__name__)
+from tokenmill.cpu_compile import FLAGS, compile_or_none
 
 _FLAGS = FLAGS
 
@@ -43,11 +39,9 @@ _DTYPES = (torch.float32, torch.bfloat16)
 def load_kernel(flags: tuple[str, ...] = tuple(_FLAGS)) -> ctypes.CDLL | None:
     """The kernel library, built with `flags` (other flags than the default: the tests' builds without
     AVX-512), or None where no compiler works."""
-    try:
-        lib = compile_library("paged_attention", SOURCE, list(flags))
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("CPU attention: the C kernel could not be built (%s); using the slower torch path",
-                       build_error_message(error))
+    lib = compile_or_none("paged_attention", SOURCE, "CPU attention: the C kernel", "using the slower torch path",
+                          list(flags))
+    if lib is None:
         return None
     lib.rope_and_cache.restype = None
     lib.rope_and_cache.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_int]

@@ -92,10 +92,7 @@ def with_reasoning_markers(engine_config: EngineConfig, server_config: ServerCon
     request's thinking_token_budget counts between."""
     if server_config.reasoning_parser is None or engine_config.reasoning_config.has_markers:
         return engine_config
-    from tokenmill.server.reasoning_parsers import get_reasoning_parser
-
-    parser = get_reasoning_parser(server_config.reasoning_parser)
-    return engine_config.with_parts(reasoning_config=ReasoningConfig(parser.starts[0], parser.ends[0]))
+    return engine_config.with_parts(reasoning_config=ReasoningConfig.of_parser(server_config.reasoning_parser))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,14 +53,13 @@ class InputProcessor:
         # The ids grammars compile against (structured/vocab.py). Read now: later, the tokenizer may be busy on
         # another thread.
         self.grammar_vocab_size = grammar_vocab_size(tokenizer, vocab_size) if tokenizer is not None else vocab_size
-        self.reasoning = reasoning or ReasoningConfig()
         self.thinking_markers: tuple[list[int], list[int]] | None = None
         """The reasoning markers' token ids (start, end), where the engine has markers and a tokenizer."""
-        if self.reasoning.has_markers and tokenizer is not None:
+        if reasoning is not None and reasoning.has_markers and tokenizer is not None:
             self.thinking_markers = tuple(tokenizer.encode(text, add_special_tokens=False) for text in
-                                          (self.reasoning.reasoning_start_str, self.reasoning.reasoning_end_str))
+                                          (reasoning.reasoning_start_str, reasoning.reasoning_end_str))
             if not all(self.thinking_markers):
-                raise ValueError(f"reasoning_config's markers {self.reasoning} tokenize to no token")
+                raise ValueError(f"reasoning_config's markers {reasoning} tokenize to no token")
 
     def tokenize_prompt(self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None,
                         add_special_tokens: bool = True) -> tuple[str | None, list[int]]:

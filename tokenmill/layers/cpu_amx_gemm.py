@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from typing import NamedTuple
 
 import torch
 from gguf import GGMLQuantizationType
 
-from tokenmill.cpu_compile import AMX_C, build_error_message, compile_library, cpu_flags
-
-logger = logging.getLogger(__name__)
+from tokenmill.cpu_compile import AMX_C, compile_or_none, cpu_flags
 
 # GGML types the kernel reads kept quantized, and a dense weight's marker (as layers.quant.gguf's DENSE)
 Q4_0, Q4_1 = int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1)
@@ -280,11 +276,8 @@ def load_kernel() -> ctypes.CDLL | None:
     """The library where the compiler builds it for this CPU and the CPU has AMX that Linux grants, else None."""
     if "amx_bf16" not in cpu_flags():
         return None
-    try:
-        lib = compile_library("amx_gemm", _SOURCE)
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("CPU: the AMX GEMM could not be built (%s); bfloat16 linears use oneDNN",
-                       build_error_message(error))
+    lib = compile_or_none("amx_gemm", _SOURCE, "CPU: the AMX GEMM", "bfloat16 linears use oneDNN")
+    if lib is None:
         return None
     lib.amx_pack.restype = None
     lib.amx_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]

@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
-from tokenmill.cpu_compile import BF16_C, FLAGS, build_error_message, compile_library
-
-logger = logging.getLogger(__name__)
+from tokenmill.cpu_compile import BF16_C, compile_or_none
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -93,11 +89,8 @@ void rms_norm(void *out, void *res_out, const void *x, const void *res, const vo
 
 @functools.cache
 def load_kernels() -> ctypes.CDLL | None:
-    try:
-        lib = compile_library("cpu_norm", _SOURCE, FLAGS)
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("CPU RMSNorm: the C kernel could not be built (%s); using torch ops",
-                       build_error_message(error))
+    lib = compile_or_none("cpu_norm", _SOURCE, "CPU RMSNorm: the C kernel", "using torch ops")
+    if lib is None:
         return None
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2

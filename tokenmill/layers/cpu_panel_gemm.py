@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from typing import NamedTuple
 
 import torch
 
-from tokenmill.cpu_compile import build_error_message, compile_library, cpu_flags
-
-logger = logging.getLogger(__name__)
+from tokenmill.cpu_compile import compile_or_none, cpu_flags
 
 PANEL = 64
 """Output features per panel (4 AVX-512 registers of float32 sums)."""
@@ -199,10 +195,8 @@ def load_kernel() -> ctypes.CDLL | None:
     """The library where the CPU has AVX-512 and the compiler builds it, else None (oneDNN serves the linears)."""
     if "avx512f" not in cpu_flags():
         return None
-    try:
-        lib = compile_library("panel_gemm", _SOURCE)
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("CPU: the AVX-512 GEMM could not be built (%s); linears use oneDNN", build_error_message(error))
+    lib = compile_or_none("panel_gemm", _SOURCE, "CPU: the AVX-512 GEMM", "linears use oneDNN")
+    if lib is None:
         return None
     lib.panel_pack.restype = None
     lib.panel_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]

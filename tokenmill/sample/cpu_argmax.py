@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
-from tokenmill.cpu_compile import build_error_message, compile_library
-
-logger = logging.getLogger(__name__)
+from tokenmill.cpu_compile import compile_or_none
 
 _SOURCE = r"""
 #include <math.h>
@@ -71,10 +67,8 @@ void argmax_rows(int64_t *out, const float *x, int64_t rows, int64_t n, int64_t 
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
-    try:
-        lib = compile_library("argmax", _SOURCE)
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("CPU argmax: the C kernel could not be built (%s); using torch.max", build_error_message(error))
+    lib = compile_or_none("argmax", _SOURCE, "CPU argmax: the C kernel", "using torch.max")
+    if lib is None:
         return None
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]

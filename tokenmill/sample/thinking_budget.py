@@ -115,6 +115,8 @@ class ThinkingBudgets:
     def force(self, logits: torch.Tensor, rows: np.ndarray, logit_rows: np.ndarray | None = None) -> None:
         """Keep only the end marker's next token in the logits of the rows whose budget is spent. `logit_rows`: each
         row's logits row where a step has several per row (drafts verified); None: row i's is logits row i."""
+        if self._markers is None:  # no request has had a budget: nothing to look up in the step
+            return
         used = self.active[rows]
         if not used.any():
             return
@@ -133,6 +135,8 @@ class ThinkingBudgets:
 
     def advance(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
         """Move the rows' machines by the tokens they sampled (token_ids [len(rows)], on the device)."""
+        if self._markers is None:
+            return
         used = self.active[rows]
         if not used.any():
             return

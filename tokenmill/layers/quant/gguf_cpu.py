@@ -30,15 +30,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
-from tokenmill.cpu_compile import build_error_message, compile_library
+from tokenmill.cpu_compile import compile_or_none
 from tokenmill.layers.quant.gguf_cpu_bf16 import BF16_SOURCE
-
-logger = logging.getLogger(__name__)
 
 # GGML type ids (gguf.GGMLQuantizationType) the kernel reads.
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
@@ -607,11 +603,9 @@ void gguf_dequantize(float *dst, const uint8_t *w, int64_t N, int64_t K, int64_t
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
-    try:
-        lib = compile_library("gguf_gemm", _SOURCE)
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("GGUF on the CPU: the C kernel could not be built (%s); weights are dequantized once "
-                       "and multiplied densely", build_error_message(error))
+    lib = compile_or_none("gguf_gemm", _SOURCE, "GGUF on the CPU: the C kernel",
+                          "weights are dequantized once and multiplied densely")
+    if lib is None:
         return None
     lib.gguf_gemm.restype = ctypes.c_int
     lib.gguf_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int64,
