@@ -139,25 +139,29 @@ def test_a_shared_prefix_lands_on_one_replica(server):
 
 @contextlib.contextmanager
 def long_streams(server: RemoteServer, num: int):
-    """`num` long greedy streams, each open once its first chunk arrived (running on some replica)."""
+    """`num` long greedy streams, one per idle replica, each open once it runs: (replica, response, lines) each."""
     with httpx.Client(timeout=60) as http, contextlib.ExitStack() as stack:
         streams = []
         for i in range(num):
+            idle = {engine for engine, count in running(server).items() if count == 0}
             body = {"model": MODEL, "prompt": PROMPTS[i], **LONG}
             response = stack.enter_context(http.stream("POST", server.url("/v1/completions"), json=body))
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-            streams.append((response, lines))
+            # Where it runs: the replica that was idle and is not now (the stream has a long way to go).
+            replica = wait_for(lambda idle=idle: [e for e, n in running(server).items() if e in idle and n == 1],
+                               f"stream {i} running")
+            assert len(replica) == 1, replica
+            streams.append((replica[0], response, lines))
         yield streams
 
 
 def test_an_abort_reaches_the_replica_of_its_request(server):
     with long_streams(server, 2) as streams:
-        wait_for(lambda: running(server) == {"0": 1, "1": 1}, "both replicas running")
-        streams[0][0].close()  # the client leaves: its request is aborted where it runs, the other runs on
-        now = wait_for(lambda: sorted((gauges := running(server)).values()) == [0, 1] and gauges, "one idle")
-        idle = min(now, key=now.get)
-        assert per_engine(server, "kv_cache_usage_perc")[idle] == 0
+        left, response, _ = streams[0]
+        response.close()  # the client leaves: its request is aborted where it runs, the other runs on
+        wait_for(lambda: running(server)[left] == 0, "the aborted request's replica idle")
+        assert per_engine(server, "kv_cache_usage_perc")[left] == 0
     wait_for(lambda: set(running(server).values()) == {0}, "both idle")
 
 
@@ -165,17 +169,16 @@ def test_killing_one_replica_fails_only_its_requests_and_it_restarts(server):
     cores = engine_cores(server)
     assert len(cores) == 2
     with long_streams(server, 2) as streams:
-        wait_for(lambda: running(server) == {"0": 1, "1": 1}, "both replicas running")
         os.kill(cores[0], signal.SIGKILL)
-        # The dead replica's gauges drop to zero at once; the other's stream has a long way to go.
-        now = wait_for(lambda: sorted((gauges := running(server)).values()) == [0, 1] and gauges, "one dead")
-        dead = min(now, key=now.get)
-        # One stream ends with engine_dead, the other one runs to its end.
-        endings = []
-        for _, lines in streams:
+        # The log names the replica that died; its gauges dropped to zero as it failed.
+        exited = re.compile(r"the replica-(\d+) engine core process exited")
+        dead = wait_for(lambda: exited.search(server.log_tail(10_000_000)), "the exit logged")[1]
+        assert running(server)[dead] == 0
+        # Its stream ends with engine_dead, the other one runs to its end.
+        for replica, _, lines in streams:
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-            endings.append("engine_dead" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"])
-        assert sorted(endings) == ["engine_dead", "length"]
+            ending = "engine_dead" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"]
+            assert ending == ("engine_dead" if replica == dead else "length"), (replica, dead)
     # The server stayed healthy: the other replica served meanwhile.
     assert httpx.get(server.url("/health")).status_code == 200
     assert complete(server, "Still serving") is not None
