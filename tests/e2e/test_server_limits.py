@@ -57,7 +57,8 @@ def server(smollm2_path, trace_dir, tmp_path_factory):
         "--profiler-dir", str(trace_dir), "--root-path", ROOT_PATH, "--enable-log-requests", "--enable-log-outputs",
         "--max-log-len", str(MAX_LOG_LEN), "--response-role", RESPONSE_ROLE, "--return-tokens-as-token-ids",
         "--generation-config", str(defaults), "--override-generation-config", json.dumps(OVERRIDE),
-        "--disable-log-stats", api_key=API_KEY, env={INTERVAL_ENV: str(STATS_INTERVAL_S)},
+        "--disable-log-stats", "--enable-prompt-tokens-details", "--enable-force-include-usage",
+        api_key=API_KEY, env={INTERVAL_ENV: str(STATS_INTERVAL_S)},
     )
     yield server
     server.stop()
@@ -248,6 +249,27 @@ def test_logprobs_name_tokens_by_id(server):
                                                  "logprobs": True, "top_logprobs": 1}).json()
     [entry] = chat["choices"][0]["logprobs"]["content"]
     assert re.fullmatch(r"token_id:\d+", entry["token"]) and entry["bytes"] is not None
+
+
+def test_usage_details_and_forced_usage_chunks(server):
+    """vLLM's --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens: the prompt's tokens the
+    prefix cache held) and --enable-force-include-usage (every stream ends with a usage chunk, no stream_options
+    needed). Before: both flags were unknown (argparse's error)."""
+    prompt = f"{uuid.uuid4()} " + "A prompt long enough to fill a few blocks of the prefix cache. " * 6
+    messages = [{"role": "user", "content": prompt}]
+    for path, body in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": messages})):
+        body = {**body, "max_tokens": 2, "ignore_eos": True}
+        first, second = (post(server, path, body).json()["usage"] for _ in range(2))
+        # The chat template's system prompt, before the question, may be cached from other requests.
+        assert first["prompt_tokens_details"]["cached_tokens"] <= (0 if path == "/v1/completions" else 32), first
+        cached = second["prompt_tokens_details"]["cached_tokens"]
+        assert first["prompt_tokens"] > cached >= first["prompt_tokens"] - 32, second  # all but the last blocks
+        with httpx.stream("POST", server.url(path), json={**body, "stream": True}, headers=server.headers,
+                          timeout=60) as stream:
+            *chunks, done = [json.loads(line[6:]) if line != "data: [DONE]" else line
+                             for line in stream.iter_lines() if line.startswith("data: ")]
+        assert done == "data: [DONE]" and chunks[-1]["choices"] == [] and chunks[-1]["usage"] == second, chunks[-1]
+        assert all("usage" not in chunk for chunk in chunks[:-1])
 
 
 def test_generation_config_sets_the_defaults(server):

@@ -336,16 +336,37 @@ def test_thinking_token_budget_forces_the_end_of_thinking(client):
               {"role": "assistant", "content": "<think>"}]
     body = {"add_generation_prompt": False, "continue_final_message": True}
     kwargs = dict(model=MODEL, messages=opened, **GREEDY)
-    [free] = client.chat.completions.create(max_tokens=5, extra_body=body, **kwargs).choices
-    first_five = free.message.model_extra["reasoning_content"]
-    assert first_five and free.message.content is None, free  # free, it goes on thinking
+    free = client.chat.completions.create(max_tokens=5, extra_body=body, **kwargs)
+    first_five = free.choices[0].message.model_extra["reasoning_content"]
+    assert first_five and free.choices[0].message.content is None, free  # free, it goes on thinking
+    # vLLM's usage.completion_tokens_details.reasoning_tokens: the tokens inside the block.
+    assert free.usage.completion_tokens_details.reasoning_tokens == 5, free.usage
     capped_body = {**body, "thinking_token_budget": 5}
-    [capped] = client.chat.completions.create(max_tokens=30, extra_body=capped_body, **kwargs).choices
-    assert capped.message.model_extra["reasoning_content"] == first_five, capped
-    assert capped.message.content and capped.message.content.strip(), capped
-    parts = {"reasoning_content": "", "content": ""}
-    for chunk in client.chat.completions.create(max_tokens=30, stream=True, extra_body=capped_body, **kwargs):
+    capped = client.chat.completions.create(max_tokens=30, extra_body=capped_body, **kwargs)
+    assert capped.choices[0].message.model_extra["reasoning_content"] == first_five, capped
+    assert capped.choices[0].message.content and capped.choices[0].message.content.strip(), capped
+    assert capped.usage.completion_tokens_details.reasoning_tokens == 5, capped.usage  # the forced </think> not
+    assert capped.usage.completion_tokens > 5 + 1
+    parts, usage = {"reasoning_content": "", "content": ""}, None
+    for chunk in client.chat.completions.create(max_tokens=30, stream=True, extra_body=capped_body,
+                                                stream_options={"include_usage": True}, **kwargs):
+        usage = chunk.usage
         for c in chunk.choices:
             parts["content"] += c.delta.content or ""
             parts["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
-    assert parts == {"reasoning_content": first_five, "content": capped.message.content}
+    assert parts == {"reasoning_content": first_five, "content": capped.choices[0].message.content}
+    assert usage == capped.usage
+
+
+def test_reasoning_tokens_follow_the_parser(client):
+    """deepseek_r1 takes an output that opens no block as reasoning (its template opens it): every token is; a prompt
+    whose block is closed (thinking off) leaves none. n > 1: the choices' sum."""
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, n=2, **GREEDY,
+                                            extra_body={"ignore_eos": True})
+    assert all(c.message.model_extra["reasoning_content"] and c.message.content is None for c in answer.choices)
+    assert answer.usage.completion_tokens_details.reasoning_tokens == answer.usage.completion_tokens == 12
+    closed = [*ASK, {"role": "assistant", "content": "<think>\n</think>\n"}]
+    answer = client.chat.completions.create(model=MODEL, messages=closed, max_tokens=6, **GREEDY, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True})
+    assert answer.choices[0].message.content and answer.usage.completion_tokens == 6, answer
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 0

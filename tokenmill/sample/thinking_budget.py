@@ -77,6 +77,47 @@ def scan(token_ids: list[int], num_prompt_tokens: int, budget: int, start: list[
     return state
 
 
+class ReasoningTokenCount:
+    """How many output tokens lie inside reasoning blocks, the markers' own tokens not counted (a response's
+    usage.completion_tokens_details.reasoning_tokens): the machine above with a budget never spent, fed the output's
+    tokens as they come."""
+
+    NEVER_SPENT = 1 << 62
+
+    def __init__(self, start: list[int], end: list[int], state: list[int]) -> None:
+        self._start, self._end, self._state = start, end, state
+        self._closed = 0
+        """Blocks the output closed: each end marker's tokens but its last were counted before it was complete."""
+
+    @classmethod
+    def after_prompt(cls, prompt_token_ids: list[int], start: list[int], end: list[int]) -> ReasoningTokenCount:
+        """Outside a block, or inside one where the prompt ends inside it (a template that opens it)."""
+        return cls(start, end, scan(prompt_token_ids, len(prompt_token_ids), cls.NEVER_SPENT, start, end))
+
+    @classmethod
+    def inside(cls, start: list[int], end: list[int]) -> ReasoningTokenCount:
+        return cls(start, end, [THINKING, cls.NEVER_SPENT, 0, 0])
+
+    def copy(self) -> ReasoningTokenCount:
+        twin = ReasoningTokenCount(self._start, self._end, list(self._state))
+        twin._closed = self._closed
+        return twin
+
+    @property
+    def is_inside(self) -> bool:
+        return self._state[PHASE] == THINKING
+
+    def feed(self, token_ids: list[int]) -> None:
+        for token in token_ids:
+            was_inside = self._state[PHASE] == THINKING
+            step(self._state, token, self._start, self._end)
+            self._closed += was_inside and self._state[PHASE] == OUTSIDE
+
+    @property
+    def count(self) -> int:
+        return self.NEVER_SPENT - self._state[LEFT] - self._closed * (len(self._end) - 1)
+
+
 def _after_last(tokens: np.ndarray, marker: list[int]) -> int:
     """The index after the last occurrence of `marker` in `tokens` (0: none)."""
     if len(tokens) < len(marker):

@@ -1,4 +1,4 @@
-"""Gather one request's DELTA outputs into whole choices (for non-streamed responses), and usage."""
+"""Gather one request's DELTA outputs into whole choices (for non-streamed responses)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,3 @@ async def collect(stream: AsyncIterator[RequestOutput], params: SamplingParams) 
         gatherer.add(output)
     assert gatherer.last is not None, "a request stream ends with a finished output"
     return gatherer.last, gatherer.choices()
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -132,6 +132,11 @@ class ServerConfig:
     """Turn off the periodic stats lines: every $TOKENMILL_LOG_STATS_INTERVAL seconds (vLLM's
     VLLM_LOG_STATS_INTERVAL; default 10) while requests run, each engine core's "Engine 000: Avg prompt throughput:
     ..." line (and its speculative decoding acceptance, while speculating), as vLLM's."""
+    enable_prompt_tokens_details: bool = False
+    """Usage objects carry prompt_tokens_details: {"cached_tokens": N}, the prompt's tokens found in the prefix
+    cache (0 without one; completions, chat, streamed or not)."""
+    enable_force_include_usage: bool = False
+    """Every stream ends with a usage chunk, as if each request had stream_options {"include_usage": true}."""
     api_server_count: int = 1
     """API server processes: tokenmill runs one (over all -dp replicas); another count is refused."""
 

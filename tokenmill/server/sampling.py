@@ -146,8 +146,10 @@ def check_combinations(req: SamplingRequest) -> None:
                           param="best_of")
 
 
-def continuous_usage(req: SamplingRequest) -> bool:
-    """Whether every streamed chunk carries the usage so far (vLLM's continuous_usage_stats, which, as there,
-    takes include_usage too)."""
+def stream_usage(req: SamplingRequest, force: bool) -> tuple[bool, bool]:
+    """Whether a stream ends with a usage chunk (stream_options' include_usage, or the server's
+    --enable-force-include-usage), and whether every chunk carries the usage so far as well (vLLM's
+    continuous_usage_stats, which, as there, takes include_usage too)."""
     options = req.stream_options
-    return options is not None and options.include_usage and options.continuous_usage_stats
+    final = force or (options is not None and options.include_usage)
+    return final, final and options is not None and options.continuous_usage_stats

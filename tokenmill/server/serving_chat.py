@@ -14,16 +14,16 @@ from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.chat_template import normalize_messages, render_chat, resolve_content_format
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.beam_search import beam_search_params, run_beam_search
-from tokenmill.server.choices import collect, usage
+from tokenmill.server.choices import collect
 from tokenmill.server.config import TEMPLATE_ARGUMENTS
 from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenmill.server.sampling import (
     check_combinations,
-    continuous_usage,
     refuse_unsupported,
     resolve_max_tokens,
+    stream_usage,
     to_sampling_params,
     truncate_prompt,
 )
@@ -31,6 +31,7 @@ from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
 from tokenmill.server.tools import ChoiceText, ToolPlan, decode_options, plan_tools, reasoning_parser_of, think_first
+from tokenmill.server.usage import chat_usage
 
 
 def template_variables(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
@@ -144,14 +145,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     last, choices = await cancel_on_disconnect(raw, collect(stream, params))
     if (error := no_token_left([c.finish_reason for c in choices])) is not None:
         return JSONResponse(error, status_code=400)
-    return JSONResponse(responder.full(choices, last.prompt_logprobs))
+    return JSONResponse(responder.full(last, choices))
 
 
 class ChatResponder:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
                  plan: ToolPlan | None = None, reasoning=None, vocab_bytes: list[bytes] | None = None) -> None:
         self.req, self.request_id = req, request_id
-        self.prompt_token_ids, self.num_prompt = prompt_token_ids, len(prompt_token_ids)
+        self.prompt_token_ids = prompt_token_ids
         self.plan = plan if plan is not None else ToolPlan(None)
         self.reasoning = reasoning
         self.plain = self.plan.mode == "none" and reasoning is None
@@ -167,14 +168,17 @@ class ChatResponder:
         """vLLM's chat echo: the last message's content, which the answer's content starts with."""
         self.vocab_bytes = vocab_bytes
         self.created = int(time.time())
+        self.usage = chat_usage(state, prompt_token_ids, reasoning)
+        self.force_usage = state.config.enable_force_include_usage
 
     def _logprobs(self, token_ids: list[int], entries) -> dict | None:
         if not self.req.logprobs or entries is None:
             return None
         return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0, self.name, self.vocab_bytes)
 
-    def full(self, choices: list, prompt_logprobs: list | None = None) -> dict:
-        body = []
+    def full(self, last: RequestOutput, choices: list) -> dict:
+        body, usage = [], self.usage
+        usage.saw(last)
         for index, choice in enumerate(choices):
             text = ChoiceText(self.plan, self.reasoning, self.req.include_reasoning)
             message = {"content": choice.text} if self.plain else text.full(choice.text)
@@ -188,10 +192,10 @@ class ChatResponder:
                 "stop_reason": choice.stop_reason,
                 **self._token_ids(choice.token_ids),
             })
-        num_completion = sum(len(c.token_ids) for c in choices)
+            usage.add(choice.token_ids, index)
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model_name, "choices": body, "usage": usage(self.num_prompt, num_completion),
-                **self._prompt_token_ids(), **self._prompt_logprobs(prompt_logprobs)}
+                "model": self.model_name, "choices": body, "usage": usage.body(),
+                **self._prompt_token_ids(), **self._prompt_logprobs(last.prompt_logprobs)}
 
     def _prompt_logprobs(self, entries: list | None) -> dict:
         if self.req.prompt_logprobs is None:
@@ -212,12 +216,12 @@ class ChatResponder:
                     "model": self.model_name, "choices": choices, **extra})
 
     async def stream(self, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
-        req, num_completion = self.req, 0
-        every_chunk_usage = continuous_usage(req)
+        req, usage = self.req, self.usage
+        final_usage, every_chunk_usage = stream_usage(req, self.force_usage)
 
         def chunk(choices: list[dict], **extra) -> str:
             if every_chunk_usage:
-                extra["usage"] = usage(self.num_prompt, num_completion)
+                extra["usage"] = usage.body()
             return self._chunk(choices, **extra)
 
         texts: dict[int, ChoiceText] = {}
@@ -232,8 +236,9 @@ class ChatResponder:
                               "finish_reason": None}])
             async with aclosing(stream):  # so that a client leaving aborts the request now, not once collected
                 async for output in stream:
+                    usage.saw(output)
                     for completion in output.outputs:
-                        num_completion += len(completion.token_ids)
+                        usage.add(completion.token_ids, completion.index)
                         logprobs = self._logprobs(completion.token_ids, completion.logprobs)
                         if (text := texts.get(completion.index)) is None:
                             text = texts[completion.index] = ChoiceText(self.plan, self.reasoning,
@@ -257,8 +262,8 @@ class ChatResponder:
                             yield chunk([{"index": completion.index, "delta": {}, "logprobs": None,
                                           "finish_reason": text.finish_reason(completion.finish_reason),
                                           "stop_reason": completion.stop_reason}])
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield self._chunk([], usage=usage(self.num_prompt, num_completion))
+            if final_usage:
+                yield self._chunk([], usage=usage.body())
             if (error := no_token_left(finish_reasons)) is not None:
                 yield sse(error)
         except EngineDeadError as e:

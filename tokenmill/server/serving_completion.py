@@ -15,22 +15,23 @@ from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.beam_search import beam_search_params, run_beam_search
-from tokenmill.server.choices import collect, usage
+from tokenmill.server.choices import collect
 from tokenmill.server.errors import bad_request, error_body, no_token_left
 from tokenmill.server.limits import MAX_SEQUENCES
 from tokenmill.server.logprobs import CompletionLogprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import CompletionRequest
 from tokenmill.server.sampling import (
     check_combinations,
-    continuous_usage,
     refuse_unsupported,
     resolve_max_tokens,
+    stream_usage,
     to_sampling_params,
     truncate_prompt,
 )
 from tokenmill.server.state import ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, merge_streams, sse
 from tokenmill.server.structured_outputs import constraint_of
+from tokenmill.server.usage import Usage
 
 
 def split_prompts(prompt: str | list) -> list[dict]:
@@ -130,6 +131,8 @@ class CompletionResponder:
         self.decode = state.decode_token
         self.name = state.token_namer(req)
         self.created = int(time.time())
+        self.usage = Usage(sum(len(p["prompt_token_ids"]) for p in prompts), state.config.enable_prompt_tokens_details)
+        self.force_usage = state.config.enable_force_include_usage
 
     def _prompt_text(self, prompt: dict) -> str:
         if prompt["prompt"] is not None:
@@ -165,8 +168,9 @@ class CompletionResponder:
                 "model": self.model_name, "choices": choices, **extra}
 
     def full(self, results: list) -> dict:
-        req, choices, num_completion = self.req, [], 0
-        for prompt, (last, prompt_choices) in zip(self.prompts, results):
+        req, choices, usage = self.req, [], self.usage
+        for prompt_index, (prompt, (last, prompt_choices)) in enumerate(zip(self.prompts, results)):
+            usage.saw(last, prompt_index)
             for choice in prompt_choices:
                 token_ids, entries = self._generated(choice)
                 text, logprobs = ("" if self.scores_only else choice.text), None
@@ -176,22 +180,20 @@ class CompletionResponder:
                     logprobs = _concat(logprobs, fmt.format(token_ids, entries))
                 if req.echo:
                     text = self._prompt_text(prompt) + text
-                num_completion += len(token_ids)
+                usage.add(token_ids)
                 choice_body = {"index": len(choices), "text": text, "logprobs": logprobs, **self._ending(choice),
                                **self._token_ids(prompt, token_ids, True)}
                 if req.prompt_logprobs is not None:
                     choice_body["prompt_logprobs"] = vllm_prompt_logprobs(
                         prompt["prompt_token_ids"], last.prompt_logprobs or [], req.prompt_logprobs, self.decode)
                 choices.append(choice_body)
-        num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
-        return self._body(choices, usage=usage(num_prompt, num_completion))
+        return self._body(choices, usage=usage.body())
 
     async def stream(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         req, n = self.req, self.req.n
         formats: dict[int, CompletionLogprobs] = {}
-        num_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
-        num_completion = 0
-        every_chunk_usage = continuous_usage(req)
+        usage = self.usage
+        final_usage, every_chunk_usage = stream_usage(req, self.force_usage)
         finish_reasons = []
         sent: set[int] = set()  # the choices a chunk went out for
         try:
@@ -199,6 +201,7 @@ class CompletionResponder:
             async with aclosing(merge_streams(streams)) as outputs:
                 async for prompt_index, output in outputs:
                     prompt = self.prompts[prompt_index]
+                    usage.saw(output, prompt_index)
                     for completion in output.outputs:
                         index = prompt_index * n + completion.index
                         first = index not in formats
@@ -210,20 +213,20 @@ class CompletionResponder:
                             logprobs = _concat(logprobs, fmt.format(token_ids, entries))
                         if req.echo and first:
                             text = self._prompt_text(prompt) + text
-                        num_completion += len(token_ids)
+                        usage.add(token_ids)
                         # A chunk per step with new tokens, even when their text is held back (part of a
                         # character, or maybe a stop string's start): clients count chunks as tokens arriving.
                         if not text and not token_ids and completion.finish_reason is None:
                             continue
                         if completion.finish_reason is not None:
                             finish_reasons.append(completion.finish_reason)
-                        extra = {"usage": usage(num_prompt, num_completion)} if every_chunk_usage else {}
+                        extra = {"usage": usage.body()} if every_chunk_usage else {}
                         yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
                                                **self._ending(completion),
                                                **self._token_ids(prompt, token_ids, index not in sent)}], **extra))
                         sent.add(index)
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield sse(self._body([], usage=usage(num_prompt, num_completion)))
+            if final_usage:
+                yield sse(self._body([], usage=usage.body()))
             if (error := no_token_left(finish_reasons)) is not None:
                 yield sse(error)
         except EngineDeadError as e:
