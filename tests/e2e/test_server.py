@@ -92,6 +92,25 @@ def test_models_health_version(server, client):
     assert httpx.get(server.url("/version")).json()["version"]
 
 
+def test_sagemaker_routes_ping_and_invocations(server):
+    """vLLM's /ping (GET or POST: /health's answer, open as it is) and /invocations (a chat completion's body or a
+    completion's, told apart by messages and prompt, answered as their own routes answer them)."""
+    assert [httpx.request(method, server.url("/ping")).status_code for method in ("GET", "POST")] == [200, 200]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    completion = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    for route, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        direct, invoked = (post(server, path, body).json() for path in (route, "/invocations"))
+        assert invoked["object"] == direct["object"] and invoked["choices"] == direct["choices"], (direct, invoked)
+        streamed = sse_events(post(server, "/invocations", {**body, "stream": True}))
+        assert streamed[-1] == "[DONE]" and streamed[0]["object"].endswith(".chunk" if "messages" in body else "")
+    assert httpx.post(server.url("/invocations"), json=chat).status_code == 401  # the API key, as /v1's routes
+    assert "messages" in assert_openai_error(post(server, "/invocations", {"model": MODEL}), 400)["message"]
+    assert "messages" in assert_openai_error(post(server, "/invocations", {**chat, "prompt": "x"}), 400)["message"]
+    assert assert_openai_error(post(server, "/invocations", {**chat, "max_tokens": "many"}), 400)["param"] == \
+        "max_tokens"
+    assert assert_openai_error(post(server, "/invocations", content=b"{not json"), 400)
+
+
 def test_engine_core_and_server_freeze_their_startup_heap(server):
     """Both long-lived processes take their start-up objects out of the garbage collector's full passes."""
     frozen = dict(re.findall(r"(engine core|server): (\d+) start-up objects frozen", server.log_tail(10**6)))

@@ -7,9 +7,11 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 
 import tokenmill
 from tokenmill.engine.heap_freeze import freeze_startup_heap
@@ -76,6 +78,11 @@ def build_app(state: ServerState, registry: CollectorRegistry, stats_log: Loggin
             return error_response(503, f"the engine is not running: {engine.dead_reason}", code="engine_dead")
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (Amazon SageMaker's health check): /health's answer."""
+        return await health()
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": tokenmill.__version__}
@@ -109,6 +116,24 @@ def build_app(state: ServerState, registry: CollectorRegistry, stats_log: Loggin
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(state, req, raw)
+
+    @app.post("/invocations")
+    async def invocations(raw: Request):
+        """vLLM's (Amazon SageMaker's one route): a chat completion's body (it has messages) or a completion's."""
+        try:
+            body = await raw.json()
+        except ValueError:
+            raise bad_request("the body is not JSON") from None
+        if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
+            raise bad_request("an /invocations body is a chat completion's (with messages) or a completion's (with "
+                              "prompt)")
+        kind = ChatCompletionRequest if "messages" in body else CompletionRequest
+        try:
+            req = kind.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        create = create_chat_completion if kind is ChatCompletionRequest else create_completion
+        return await create(state, req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.errors import error_response
 
-ALWAYS_OPEN_PATHS = frozenset({"/health", "/version"})
+ALWAYS_OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 """Routes the API key never protects: liveness probes and version checks carry no data."""
 
 
