@@ -270,6 +270,9 @@ def test_usage_details_and_forced_usage_chunks(server):
                              for line in stream.iter_lines() if line.startswith("data: ")]
         assert done == "data: [DONE]" and chunks[-1]["choices"] == [] and chunks[-1]["usage"] == second, chunks[-1]
         assert all("usage" not in chunk for chunk in chunks[:-1])
+    # n > 1: the prompt's own hits, not what the other samples took from the first's prompt (all of it but a token).
+    fresh = {"prompt": f"{uuid.uuid4()} {prompt}", "max_tokens": 2, "n": 3, "temperature": 1.0}
+    assert post(server, "/v1/completions", fresh).json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_generation_config_sets_the_defaults(server):

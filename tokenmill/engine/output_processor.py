@@ -127,7 +127,8 @@ class OutputProcessor:
             if parent.metrics.first_token_time is None and out.new_token_ids:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now
-            parent.num_cached_tokens = out.num_cached_tokens
+            if sample is parent.samples[0]:  # the prompt's: the other samples fork it (all of it "cached" there)
+                parent.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
                 decode = parent.params.detokenize
                 parent.prompt_logprobs = [None] + [self._to_logprob_dict(e, decode) for e in out.new_prompt_logprobs]
