@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.chat_template import normalize_messages, render_chat, resolve_content_format
 from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.beam_search import beam_search_params, run_beam_search
 from tokenmill.server.choices import collect
 from tokenmill.server.config import TEMPLATE_ARGUMENTS
@@ -100,6 +101,28 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    responder, stream, params = await start_chat(state, req, raw)
+    if req.stream:
+        return SSEResponse(responder.stream(stream))
+    body, status = await full_chat(raw, responder, stream, params)
+    return JSONResponse(body, status_code=status)
+
+
+async def full_chat(raw: Request, responder: ChatResponder, stream: AsyncGenerator[RequestOutput, None],
+                    params: SamplingParams) -> tuple[dict, int]:
+    """A started request's whole chat.completion (200), or its error (400: a choice had no token left)."""
+    last, choices = await cancel_on_disconnect(raw, collect(stream, params))
+    if (error := no_token_left([c.finish_reason for c in choices])) is not None:
+        return error, 400
+    return responder.full(last, choices), 200
+
+
+async def start_chat(state: ServerState, req: ChatCompletionRequest, raw: Request, id_prefix: str = "chatcmpl",
+                     cached_tokens: bool | None = None,
+                     ) -> tuple[ChatResponder, AsyncGenerator[RequestOutput, None], SamplingParams]:
+    """A chat request checked, rendered and added to the engine: its responder, its output stream and its sampling
+    params (/v1/responses serves its requests through this too). `id_prefix`: of the response's id;
+    `cached_tokens`: the usage reports the prompt's cached tokens (None: as --enable-prompt-tokens-details)."""
     state.check_model(req.model)
     check_combinations(req)
     refuse_unsupported(req)
@@ -133,24 +156,20 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     search = beam_search_params(req, max_tokens) if req.use_beam_search else None
     vocab_bytes = await state.vocab_bytes() if req.logprobs else None  # before the request is added: nothing to undo
     state.check_capacity(params.num_samples)
-    request_id, engine_request_id = make_request_ids("chatcmpl", raw.headers, req.request_id)
+    request_id, engine_request_id = make_request_ids(id_prefix, raw.headers, req.request_id)
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
     if search is not None:
         stream = run_beam_search(state, engine_request_id, prompt, search, params, req.priority, req.cache_salt)
     else:
         [stream] = state.add_requests(engine_request_id, [prompt], [params], req.priority, req.cache_salt)
-    responder = ChatResponder(state, req, request_id, token_ids, plan, reasoning, vocab_bytes)
-    if req.stream:
-        return SSEResponse(responder.stream(stream))
-    last, choices = await cancel_on_disconnect(raw, collect(stream, params))
-    if (error := no_token_left([c.finish_reason for c in choices])) is not None:
-        return JSONResponse(error, status_code=400)
-    return JSONResponse(responder.full(last, choices))
+    responder = ChatResponder(state, req, request_id, token_ids, plan, reasoning, vocab_bytes, cached_tokens)
+    return responder, stream, params
 
 
 class ChatResponder:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
-                 plan: ToolPlan | None = None, reasoning=None, vocab_bytes: list[bytes] | None = None) -> None:
+                 plan: ToolPlan | None = None, reasoning=None, vocab_bytes: list[bytes] | None = None,
+                 cached_tokens: bool | None = None) -> None:
         self.req, self.request_id = req, request_id
         self.prompt_token_ids = prompt_token_ids
         self.plan = plan if plan is not None else ToolPlan(None)
@@ -168,7 +187,7 @@ class ChatResponder:
         """vLLM's chat echo: the last message's content, which the answer's content starts with."""
         self.vocab_bytes = vocab_bytes
         self.created = int(time.time())
-        self.usage = chat_usage(state, prompt_token_ids, reasoning)
+        self.usage = chat_usage(state, prompt_token_ids, reasoning, cached_tokens)
         self.force_usage = state.config.enable_force_include_usage
 
     def _logprobs(self, token_ids: list[int], entries) -> dict | None:
@@ -211,15 +230,23 @@ class ChatResponder:
         """The answer's (or its first chunk's) return_token_ids field."""
         return {"prompt_token_ids": self.prompt_token_ids} if self.req.return_token_ids else {}
 
-    def _chunk(self, choices: list[dict], **extra) -> str:
-        return sse({"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model_name, "choices": choices, **extra})
+    def _chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model_name, "choices": choices, **extra}
 
     async def stream(self, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
+        """The chat.completion.chunk events, then [DONE]."""
+        async with aclosing(self.chunks(stream)) as chunks:
+            async for chunk in chunks:
+                yield sse(chunk)
+        yield DONE
+
+    async def chunks(self, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[dict]:
+        """The chunks of a stream, as dicts; an error (OpenAI's {"error": ...}) is the last."""
         req, usage = self.req, self.usage
         final_usage, every_chunk_usage = stream_usage(req, self.force_usage)
 
-        def chunk(choices: list[dict], **extra) -> str:
+        def chunk(choices: list[dict], **extra) -> dict:
             if every_chunk_usage:
                 extra["usage"] = usage.body()
             return self._chunk(choices, **extra)
@@ -265,10 +292,9 @@ class ChatResponder:
             if final_usage:
                 yield self._chunk([], usage=usage.body())
             if (error := no_token_left(finish_reasons)) is not None:
-                yield sse(error)
+                yield error
         except EngineDeadError as e:
-            yield sse(error_body(503, f"the engine is not running: {e}", code="engine_dead"))
-        yield DONE
+            yield error_body(503, f"the engine is not running: {e}", code="engine_dead")
 
 
 def _content_text(content) -> str:

@@ -81,11 +81,15 @@ class Usage:
         return body
 
 
-def chat_usage(state: ServerState, prompt_token_ids: list[int], parser: type[ReasoningParser] | None) -> Usage:
+def chat_usage(state: ServerState, prompt_token_ids: list[int], parser: type[ReasoningParser] | None,
+               cached_tokens: bool | None = None) -> Usage:
     """A chat response's usage: reasoning tokens counted where the server has a reasoning parser (and the engine
-    its markers: --reasoning-config may have set others, or none)."""
+    its markers: --reasoning-config may have set others, or none); cached tokens where `cached_tokens` (None: where
+    the server's --enable-prompt-tokens-details)."""
     markers = state.engine.input_processor.thinking_markers
     reasoning = None
     if state.config.reasoning_parser is not None and markers is not None:
         reasoning = ReasoningTokens(prompt_token_ids, markers, parser)
-    return Usage(len(prompt_token_ids), state.config.enable_prompt_tokens_details, reasoning)
+    if cached_tokens is None:
+        cached_tokens = state.config.enable_prompt_tokens_details
+    return Usage(len(prompt_token_ids), cached_tokens, reasoning)
