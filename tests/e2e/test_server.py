@@ -713,6 +713,9 @@ HANG_UPS = [
     ("completion_stream_two_prompts", "/v1/completions", {"prompt": ["Once", "Long ago"], "stream": True}),
     ("chat_n2", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}], "n": 2}),
     ("chat_stream", "/v1/chat/completions", {"messages": [{"role": "user", "content": "A story?"}], "stream": True}),
+    # max_tokens, which /v1/responses does not know, is ignored (a warning): max_output_tokens is its own.
+    ("responses", "/v1/responses", {"input": "Tell me a long story.", "max_output_tokens": 900}),
+    ("responses_stream", "/v1/responses", {"input": "A story?", "max_output_tokens": 900, "stream": True}),
 ]
 
 

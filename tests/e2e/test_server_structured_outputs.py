@@ -228,6 +228,22 @@ def test_chat_json_schema_that_only_llguidance_enforces(client, sampling):
         assert not re.search(r"\s", outside_strings(choice.message.content)), choice  # llguidance's compact JSON
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_responses_text_format_json_schema(client, streamed):
+    """/v1/responses' text.format json_schema is chat's response_format: the same JSON, valid for the schema."""
+    text_format = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+    kwargs = dict(model=MODEL, input=ASK_PERSON[0]["content"], text=text_format, max_output_tokens=MAX_TOKENS,
+                  **GREEDY)
+    if streamed:
+        with client.responses.stream(**kwargs) as stream:
+            response = stream.get_final_response()
+    else:
+        response = client.responses.create(**kwargs)
+    assert response.status == "completed" and response.text.format.type == "json_schema", response
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    assert response.output_text == chat(client, ASK_PERSON, response_format=json_schema_format(PERSON), **GREEDY)
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_chat_json_object(client, sampling):
     text = chat(client, ASK_PERSON, response_format={"type": "json_object"}, **sampling)

@@ -32,8 +32,10 @@ from tokenmill.server.openai_protocol import (
 )
 from tokenmill.server.openapi import openapi_spec
 from tokenmill.server.profiling import start_profile, stop_profile
+from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving_chat import create_chat_completion, render_messages
 from tokenmill.server.serving_completion import create_completion
+from tokenmill.server.serving_responses import create_response
 from tokenmill.server.state import ServerState
 from tokenmill.server.stats_log import LoggingStatLogger
 from tokenmill.server.streaming import ClientDisconnected
@@ -116,6 +118,10 @@ def build_app(state: ServerState, registry: CollectorRegistry, stats_log: Loggin
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(state, req, raw)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await create_response(state, req, raw)
 
     @app.post("/invocations")
     async def invocations(raw: Request):

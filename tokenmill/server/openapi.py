@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from tokenmill.server.openai_protocol import REQUEST_MODELS
+from tokenmill.server.responses_protocol import ResponsesRequest
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -33,7 +34,7 @@ def openapi_spec(app: FastAPI, max_logprobs: int | None = None) -> dict:
     spec = FastAPI.openapi(app)
     schemas = spec["components"]["schemas"]
     # FastAPI's OpenAPI model holds bounds as floats, which turns 2**63 - 1 (seed, priority) into 2**63.
-    for model in REQUEST_MODELS:
+    for model in (*REQUEST_MODELS, ResponsesRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update({model.__name__: schema, **schema.pop("$defs", {})})
         for name in LOGPROBS_FIELDS.get(model.__name__, ()) if max_logprobs is not None else ():
