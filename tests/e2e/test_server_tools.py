@@ -553,11 +553,14 @@ def test_responses_reasoning_item(client):
     ({"input": [{"type": "function_call", "name": "get_time"}]}, "input.items.0.function_call.call_id", []),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name", []),
     ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", ["nope"]),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
+     "input.items.0.message.content.parts.0", ["input_text", "no images"]),
+    ({"max_output_tokens": 5000}, "max_output_tokens", ["5000 in max_output_tokens"]),
 ], ids=["previous_response_id", "conversation", "background", "tool_type", "tool_choice_type", "item_type",
-        "item_fields", "schema_name", "unknown_function"])
+        "item_fields", "schema_name", "unknown_function", "image_part", "context_length"])
 def test_responses_refused(client, kwargs, param, words):
-    kwargs = {"input": "Hi", **kwargs}
-    expect_400(lambda: client.responses.create(model=MODEL, max_output_tokens=4, **kwargs), param, *words)
+    kwargs = {"input": "Hi", "max_output_tokens": 4, **kwargs}
+    expect_400(lambda: client.responses.create(model=MODEL, **kwargs), param, *words)
 
 
 def test_responses_in_openapi(shared_server):

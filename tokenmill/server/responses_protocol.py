@@ -28,7 +28,17 @@ class Refusal(RequestModel):
     refusal: str
 
 
-ContentPart = Annotated[InputText | Refusal, Discriminator("type")]
+def _part_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "text" if kind in ("input_text", "output_text") else kind
+
+
+ContentPart = Annotated[
+    Annotated[InputText, Tag("text")] | Annotated[Refusal, Tag("refusal")],
+    Discriminator(_part_type, custom_error_type="content_part_type",
+                  custom_error_message="a content part's type must be input_text, output_text or refusal (this "
+                                       "server serves text: no images, files or audio)"),
+]
 
 
 class MessageItem(RequestModel):
@@ -38,7 +48,8 @@ class MessageItem(RequestModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+    content: Annotated[Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("parts")],
+                       Discriminator(lambda value: "text" if isinstance(value, str) else "parts")]
 
 
 class FunctionCallItem(RequestModel):

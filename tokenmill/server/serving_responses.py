@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.server.errors import bad_request
+from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.responses_protocol import CHAT_EXTRAS, ResponsesRequest
 from tokenmill.server.serving_chat import ChatResponder, full_chat, start_chat
@@ -39,7 +39,14 @@ CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request):
     chat = to_chat_request(req)
-    responder, stream, params = await start_chat(state, chat, raw, id_prefix="resp", cached_tokens=True)
+    try:
+        responder, stream, params = await start_chat(state, chat, raw, id_prefix="resp", cached_tokens=True)
+    except APIError as e:  # named as the chat request's field: name the Responses field it came from
+        if e.param == "max_completion_tokens":  # the context-length error names it in its text too
+            e.message = e.message.replace(e.param, "max_output_tokens")
+        if e.param in CHAT_PARAMS:  # "messages": the message at fault is named by its index in the chat messages
+            e.param = CHAT_PARAMS[e.param]
+        raise
     shell = ResponseShell(state, req, "resp_" + responder.request_id.removeprefix("resp-"),
                           params.temperature, params.top_p)
     if req.stream:
