@@ -572,3 +572,14 @@ def test_responses_in_openapi(shared_server):
     request = spec["components"]["schemas"]["ResponsesRequest"]
     assert "input" in request["required"] and {"top_k", "max_output_tokens", "text"} <= request["properties"].keys()
     assert "422" not in operation["responses"] and "400" in operation["responses"]
+
+
+def test_stored_responses_are_not_found(client):
+    """Retrieve, cancel, delete and input_items need a stored response: a 404 saying none are kept (not a bare "Not
+    Found", nor a 405 for the POST of cancel)."""
+    calls = (client.responses.retrieve, client.responses.cancel, client.responses.delete,
+             client.responses.input_items.list)
+    for call in calls:
+        with pytest.raises(openai.NotFoundError) as raised:
+            call("resp_abc")
+        assert "stores no responses" in raised.value.message and "'resp_abc'" in raised.value.message

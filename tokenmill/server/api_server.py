@@ -123,6 +123,13 @@ def build_app(state: ServerState, registry: CollectorRegistry, stats_log: Loggin
     async def responses(req: ResponsesRequest, raw: Request):
         return await create_response(state, req, raw)
 
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        """Retrieve, cancel, delete and input_items: each needs a stored response."""
+        return error_response(404, f"no response {response_id.split('/')[0]!r}: this server stores no responses "
+                              "(every response is answered whole, or streamed, when it is created)",
+                              code="response_not_found")
+
     @app.post("/invocations")
     async def invocations(raw: Request):
         """vLLM's (Amazon SageMaker's one route): a chat completion's body (it has messages) or a completion's."""
