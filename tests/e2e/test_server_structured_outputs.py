@@ -135,6 +135,12 @@ INVALID = [  # (id, extra_body, param, words in the message)
         "type": "structural_tag", "format": {"type": "exclude_token"}}}}, "structured_outputs", ["exclude_tokens"]),
     ("grammar_token_past_the_vocabulary", {"structured_outputs": {"grammar": 'root ::= "[" Token(99999) "]"'}},
      "structured_outputs", ["token id 99999"]),
+    ("json_schema_negative_min_length", {"response_format": json_schema_format({**PERSON, "properties": {
+        **PERSON["properties"], "name": {"type": "string", "minLength": -1}}})}, "response_format",
+     ["minLength at #/properties/name must be a non-negative integer, got -1"]),
+    ("json_schema_negative_property_name_length", {"structured_outputs": {"json": {
+        "type": "object", "propertyNames": {"minLength": -1}}}}, "structured_outputs",
+     ["minLength at #/propertyNames"]),
     ("unknown_structured_outputs_option", {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}},
      "structured_outputs", ["whitespace_pattern"]),
     ("guided_whitespace_pattern", {"guided_json": PERSON, "guided_whitespace_pattern": r"[\n ]*"},
@@ -154,7 +160,7 @@ def test_invalid_chat_requests_are_400s(client, extra, param, words):
 
 @pytest.mark.parametrize("name", ["response_format_schema", "guided_regex", "structured_outputs_grammar",
                                   "two_guided", "structural_tag", "top_level_structural_tag",
-                                  "grammar_token_past_the_vocabulary"])
+                                  "grammar_token_past_the_vocabulary", "json_schema_negative_min_length"])
 def test_invalid_completion_requests_are_400s(client, name):
     [(extra, param, words)] = [c[1:] for c in INVALID if c[0] == name]
     expect_400(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body=extra),

@@ -5,6 +5,7 @@ with dummy weights does): no allowed token ever holds a control character, and e
 and validates with jsonschema."""
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -123,3 +124,33 @@ def test_the_fix_keeps_xgrammars_fast_masks(tokenizer):
             matcher.fill_next_token_bitmask(bitmask)
         seconds[kind] = time.perf_counter() - start
     assert seconds["bounded"] < 5 * seconds["plain"] + 0.01, seconds
+
+
+def test_xgrammar_alone_builds_a_negative_min_length_it_cannot_compile(tokenizer):
+    """Why negative length bounds are refused: xgrammar builds the grammar (the frontend's check passed), and its
+    compile in the engine failed (the request aborted: a 200 with no text, finish_reason "abort")."""
+    grammar = xgr.Grammar.from_json_schema('{"type": "string", "minLength": -1}')
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    with pytest.raises(RuntimeError, match="-1"):
+        xgr.GrammarCompiler(info).compile_grammar(grammar)
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "string", "minLength": -1}, "minLength at # must be a non-negative integer, got -1"),
+    ({"type": "object", "properties": {"enum": {"type": "string", "maxLength": -2}}},
+     "maxLength at #/properties/enum must be a non-negative integer, got -2"),
+    ({"type": "object", "propertyNames": {"minLength": -1}}, "minLength at #/propertyNames must be"),
+    ({"type": "array", "items": {"anyOf": [{"type": "string", "minLength": -1.0}]}},
+     "minLength at #/items/anyOf/0 must be a non-negative integer, got -1.0"),
+    ({"type": "array", "minItems": -1}, "minItems at # must be"),
+])
+def test_negative_length_bounds_are_refused_where_they_are(schema, message):
+    with pytest.raises(ValueError, match="invalid JSON schema: " + re.escape(message)):
+        build_grammar(StructuredOutputsParams(json=schema))
+
+
+def test_length_bounds_in_data_or_as_names_are_no_bounds():
+    schema = {"type": "object", "properties": {"minLength": {"type": "integer", "default": -1}},
+              "required": ["minLength"], "examples": [{"minLength": -1}]}
+    build_grammar(StructuredOutputsParams(json=schema))
+    build_grammar(StructuredOutputsParams(json={"enum": [{"minLength": -1}, {"minItems": -5}]}))

@@ -107,5 +107,5 @@ def _json_grammar_text(schema: Any, path: str) -> str:
     refuse_unenforced(schema, f"the structural tag's {path}")
     try:
         return str(json_schema_grammar(json.dumps(schema)))
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise ValueError(f"{path} is not a valid JSON schema: {error_text(e)}") from None
