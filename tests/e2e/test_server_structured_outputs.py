@@ -141,6 +141,8 @@ INVALID = [  # (id, extra_body, param, words in the message)
     ("json_schema_negative_property_name_length", {"structured_outputs": {"json": {
         "type": "object", "propertyNames": {"minLength": -1}}}}, "structured_outputs",
      ["minLength at #/propertyNames"]),
+    ("structural_tag_excluding_the_empty_text", {"response_format": {"type": "structural_tag", "format": {
+        "type": "any_text", "excludes": [""]}}}, "response_format", ["structural tag", "non-empty string"]),
     ("unknown_structured_outputs_option", {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}},
      "structured_outputs", ["whitespace_pattern"]),
     ("guided_whitespace_pattern", {"guided_json": PERSON, "guided_whitespace_pattern": r"[\n ]*"},
@@ -160,7 +162,8 @@ def test_invalid_chat_requests_are_400s(client, extra, param, words):
 
 @pytest.mark.parametrize("name", ["response_format_schema", "guided_regex", "structured_outputs_grammar",
                                   "two_guided", "structural_tag", "top_level_structural_tag",
-                                  "grammar_token_past_the_vocabulary", "json_schema_negative_min_length"])
+                                  "grammar_token_past_the_vocabulary", "json_schema_negative_min_length",
+                                  "structural_tag_excluding_the_empty_text"])
 def test_invalid_completion_requests_are_400s(client, name):
     [(extra, param, words)] = [c[1:] for c in INVALID if c[0] == name]
     expect_400(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body=extra),

@@ -15,7 +15,7 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.openai_protocol import ChatCompletionRequest
 from tokenmill.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 from tokenmill.server.tools import plan_tools
-from tokenmill.structured.grammar import build_grammar
+from tokenmill.structured.grammar import build_grammar, validate
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -78,6 +78,28 @@ def test_bad_specs_say_what_is_wrong(spec, words):
     for word in words:
         assert word in str(info.value), str(info.value)
     assert str(info.value).startswith("invalid structural tag")
+
+
+TRIGGERED_A = {"type": "triggered_tags", "triggers": ["<a"],
+               "tags": [{"type": "tag", "begin": "<a>", "content": {"type": "any_text"}, "end": "</a>"}]}
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    ({"type": "structural_tag", "format": {"type": "any_text", "excludes": [""]}}, ["non-empty string"]),
+    ({"type": "structural_tag", "format": {"type": "tag", "begin": "<", "content": TRIGGERED_A, "end": "<"}},
+     ["prefix of trigger string"]),
+], ids=["excludes-empty", "end-a-prefix-of-a-trigger"])
+def test_specs_xgrammar_builds_but_cannot_compile_are_refused(spec, words):
+    """Before: they passed the server's check (they build), their compile failed in the engine, and the request was
+    aborted there: a 200 with no text and finish_reason "abort"."""
+    import xgrammar as xgr
+
+    params = StructuredOutputsParams(structural_tag=spec)
+    with pytest.raises(RuntimeError):
+        xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(build_grammar(params))
+    with pytest.raises(ValueError) as info:
+        validate(params)
+    assert str(info.value).startswith("invalid structural tag") and all(w in str(info.value) for w in words), info
 
 
 # ---- strict tools: the structural tag of each parser -------------------------------------------

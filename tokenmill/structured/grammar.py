@@ -174,6 +174,7 @@ def validate(params: StructuredOutputsParams, backend: str = XGRAMMAR) -> tuple[
     else:
         grammar = build_grammar(params)
         token_ids = _token_ids(grammar, kind) if kind in (STRUCTURAL_TAG, "grammar") else ()
+        _check_parses_back(grammar, kind)
     with _passed_lock:
         _passed[digest] = chosen, token_ids
         if len(_passed) > MAX_REMEMBERED:
@@ -235,6 +236,18 @@ def _token_ids(grammar, kind: str) -> tuple[int, ...]:
                              "token id in exclude_tokens (ExcludeToken() needs one)")
         ids += found
     return tuple(ids)
+
+
+def _check_parses_back(grammar, kind: str) -> None:
+    """ValueError for a grammar whose text xgrammar cannot parse back: it builds some specs into one (a structural
+    tag's any_text that excludes "", a tag whose end is a prefix of a trigger within it), whose compile then fails the
+    same way, in the engine, where the request could only be aborted (a 200 with no text, finish_reason "abort")."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_ebnf(str(grammar))
+    except RuntimeError as e:
+        raise ValueError(f"invalid {_NAMES[kind]}: {error_text(e)}") from None
 
 
 # xgrammar's C++ messages start with "[time] /path/file.cc:line: ": not for the user.
