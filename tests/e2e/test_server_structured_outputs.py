@@ -93,6 +93,9 @@ INVALID = [  # (id, extra_body, param, words in the message)
                                                   'Unimplemented keys: ["uniqueItems"]']),
     ("guided_json_unenforced", {"guided_json": {"type": "string", "format": "regex"}}, "guided_json",
      ["cannot enforce", "format 'regex'"]),
+    # Before: a 500 (a TypeError in the check of what xgrammar leaves out).
+    ("guided_json_format_not_a_string", {"guided_json": {"type": "string", "format": {}}}, "guided_json",
+     ["JSON schema"]),
     ("structured_outputs_regex", {"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", ["regex"]),
     ("guided_regex", {"guided_regex": "(unclosed"}, "guided_regex", ["regex"]),
     ("structured_outputs_grammar", {"structured_outputs": {"grammar": "root ::= undefined_rule"}},
@@ -163,7 +166,7 @@ def test_invalid_chat_requests_are_400s(client, extra, param, words):
 @pytest.mark.parametrize("name", ["response_format_schema", "guided_regex", "structured_outputs_grammar",
                                   "two_guided", "structural_tag", "top_level_structural_tag",
                                   "grammar_token_past_the_vocabulary", "json_schema_negative_min_length",
-                                  "structural_tag_excluding_the_empty_text"])
+                                  "structural_tag_excluding_the_empty_text", "guided_json_format_not_a_string"])
 def test_invalid_completion_requests_are_400s(client, name):
     [(extra, param, words)] = [c[1:] for c in INVALID if c[0] == name]
     expect_400(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body=extra),

@@ -59,6 +59,17 @@ def test_a_structural_tags_schemas_are_checked_too():
         validate(StructuredOutputsParams(structural_tag=tag))
 
 
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "format": {}}, {"type": "object", "propertyNames": {"format": ["email"]}},
+    {"format": {"a": 1}, "minimum": 1}, {"type": [{}], "minimum": 1}, {"enum": [1], "type": [["integer"]]},
+    {"type": "object", "properties": {}, "required": [{}]},
+], ids=["format", "property-names-format", "format-without-type", "type", "type-beside-enum", "required"])
+def test_malformed_keyword_values_are_a_400_not_a_crash(schema):
+    """Before: a TypeError looking a dict or list up among the formats, types or properties, a 500 for the request."""
+    with pytest.raises(ValueError):
+        validate(StructuredOutputsParams(json=schema))
+
+
 def test_annotations_and_enforced_keywords_pass():
     annotated = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "urn:person", "$comment": "c",
                  "title": "Person", "description": "d", "examples": [{"name": "A"}], "default": {"name": "A"},

@@ -64,7 +64,7 @@ def _visit(node: Any, path: str, found: list[str]) -> None:
     found += [f"{key} at {path}" for key in keys if key in _NEVER]
     if node.get("uniqueItems") is True:
         found.append(f"uniqueItems at {path}")
-    if node.get("format") in _UNWRITTEN_FORMATS:
+    if _format(node) in _UNWRITTEN_FORMATS:
         found.append(f"format {node['format']!r} at {path}")
     whole = next((key for key in _WHOLE if key in node), None)
     if whole is not None:
@@ -90,19 +90,20 @@ def _check_typed_keywords(node: dict, keys: list[str], path: str, found: list[st
         inferred = ({"object"} if "properties" in node or "additionalProperties" in node else
                     {"array"} if "items" in node or "prefixItems" in node else set())
         loose = [k for family, words in _TYPE_KEYWORDS.items() if family not in inferred for k in words
-                 if k in keys and (k != "format" or node[k] in _FORMATS)]
+                 if k in keys and (k != "format" or _format(node) in _FORMATS)]
         if loose:
             found.append(f"{', '.join(loose)} without a type at {path} (give \"type\")")
             return
         types = inferred
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    types = {types} if isinstance(types, str) else {t for t in types if isinstance(t, str)} if isinstance(
+        types, list) else set()
     if "multipleOf" in node and ("number" in types or "integer" not in types):
         found.append(f"multipleOf on numbers that need not be integers at {path} (use \"type\": \"integer\")")
     elif "multipleOf" in node and any(k in node for k in _TYPE_KEYWORDS["number"][1:]):
         found.append(f"multipleOf with a minimum or maximum at {path}")
     if "object" in types and isinstance(node.get("required"), list):
         defined = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        missing = [name for name in node["required"] if name not in defined]
+        missing = [name for name in node["required"] if isinstance(name, str) and name not in defined]
         if missing:
             found.append(f"required {', '.join(map(repr, missing))} that properties does not define at {path}")
     names = node.get("propertyNames")
@@ -114,7 +115,7 @@ def _check_typed_keywords(node: dict, keys: list[str], path: str, found: list[st
 
 
 def _check_string(node: dict, path: str, found: list[str]) -> None:
-    shape = "pattern" if "pattern" in node else "format" if node.get("format") in _FORMATS else None
+    shape = "pattern" if "pattern" in node else "format" if _format(node) in _FORMATS else None
     if shape is not None and ("minLength" in node or "maxLength" in node):
         found.append(f"minLength/maxLength with a {shape} at {path} (put the length into the pattern)")
 
@@ -132,8 +133,16 @@ def _visit_children(node: dict, path: str, found: list[str]) -> None:
         _visit(node.get(key), f"{path}/{key}", found)
 
 
+def _format(node: dict) -> str | None:
+    """The node's format, None if it has none or not a string: a malformed value (a list, an object) is xgrammar's
+    to refuse, and was a TypeError here (a 500) where it was looked up among the formats."""
+    value = node.get("format")
+    return value if isinstance(value, str) else None
+
+
 def _has_type(value: Any, types: Any) -> bool:
-    names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    names = [types] if isinstance(types, str) else [t for t in types if isinstance(t, str)] if isinstance(
+        types, list) else []
     if isinstance(value, bool):  # an int to Python, not a number to JSON
         return "boolean" in names
     return any(isinstance(value, _PYTHON_TYPES.get(name, ())) for name in names) or (
