@@ -548,3 +548,20 @@ def test_a_huge_prompt_does_not_hold_up_other_requests(server):
     assert short.status_code == 200, short.text
     assert "context length" in assert_openai_error(result["response"])["message"]
     assert still_tokenizing, "the huge prompt was tokenized too fast to tell"
+
+
+def test_a_huge_rendered_chat_prompt_does_not_hold_up_other_requests(server):
+    """As a huge prompt, but written by the chat template (from a short message: the tools, documents or a loop of
+    the template's own). Before, its tokenization (~1 s) ran on the one tokenizer thread, and every other request
+    waited behind it."""
+    template = "{{ 'lorem ipsum dolor sit amet 42 x ' * 70000 }}"  # 2.4 million characters
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(response=post(server, *chat(chat_template=template))))
+    thread.start()
+    time.sleep(0.3)  # tokenizing by now
+    short = post(server, *chat())
+    still_tokenizing = thread.is_alive()
+    thread.join()
+    assert short.status_code == 200, short.text
+    assert "context length" in assert_openai_error(result["response"])["message"]
+    assert still_tokenizing, "the huge rendered prompt was tokenized too fast to tell"

@@ -115,6 +115,21 @@ def render_chat(
 ) -> tuple[str, list[int]]:
     """The prompt text and its token ids; ValueError when the template cannot render the conversation.
     add_special_tokens: the tokenizer's special tokens (a BOS) added on top of those the template wrote."""
+    text = render_chat_text(tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message,
+                            **template_kwargs)
+    # The rendered text already holds the special tokens (BOS) the template wants: by default none are added.
+    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def render_chat_text(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    **template_kwargs: Any,
+) -> str:
+    """render_chat's prompt text alone."""
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("the model has no chat template; pass one (--chat-template FILE)")
     try:
@@ -129,5 +144,4 @@ def render_chat(
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template failed: {e}") from e
     check_unicode(text, "the rendered conversation")
-    # The rendered text already holds the special tokens (BOS) the template wants: by default none are added.
-    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from tokenmill.engine.async_engine import EngineDeadError
-from tokenmill.engine.chat_template import normalize_messages, render_chat, resolve_content_format
+from tokenmill.engine.chat_template import normalize_messages, render_chat_text, resolve_content_format
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.beam_search import beam_search_params, run_beam_search
@@ -28,7 +28,7 @@ from tokenmill.server.sampling import (
     to_sampling_params,
     truncate_prompt,
 )
-from tokenmill.server.state import ServerState, make_request_ids
+from tokenmill.server.state import LONG_TEXT_CHARS, ServerState, make_request_ids
 from tokenmill.server.streaming import DONE, SSEResponse, cancel_on_disconnect, sse
 from tokenmill.server.structured_outputs import constraint_of
 from tokenmill.server.tools import ChoiceText, ToolPlan, decode_options, plan_tools, reasoning_parser_of, think_first
@@ -74,20 +74,38 @@ async def render_messages(state: ServerState, req: ChatCompletionRequest | Token
         conversation = [message.model_dump(exclude_none=True) for message in req.messages]
         content_format = resolve_content_format(state.config.chat_template_content_format, state.engine.tokenizer,
                                                 chat_template, template_kwargs.get("tools"))
-        return await state.tokenize(
-            render_chat,
+        add_special_tokens = bool(req.add_special_tokens)  # /tokenize's None: false for messages, as vLLM's
+        text, token_ids = await state.tokenize(
+            _render,
             normalize_messages(conversation, content_format),
+            add_special_tokens,
             text_chars=sum(len(str(message.get("content") or "")) for message in conversation),
             chat_template=chat_template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            add_special_tokens=bool(req.add_special_tokens),  # /tokenize's None: false for messages, as vLLM's
             **template_kwargs,
         )
+        if token_ids is None:
+            token_ids = await state.tokenize(_encode, text, add_special_tokens, text_chars=len(text))
+        return text, token_ids
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param="messages") from e
     except Exception as e:  # what a template's own code raises (1 // 0, ...) is this request's fault
         raise bad_request(f"the chat template failed: {type(e).__name__}: {e}", param="messages") from e
+
+
+def _render(tokenizer, conversation: list[dict[str, Any]], add_special_tokens: bool,
+            **kwargs: Any) -> tuple[str, list[int] | None]:
+    """The prompt's text, and its token ids unless the text is long: a template may write far more than the messages
+    hold (the tools, documents, a loop of its own), and those are tokenized on the long texts' thread instead, where
+    they hold up no other request's tokenization (before, ~1 s a million characters for every request behind)."""
+    text = render_chat_text(tokenizer, conversation, **kwargs)
+    return text, None if len(text) >= LONG_TEXT_CHARS else _encode(tokenizer, text, add_special_tokens)
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # The rendered text already holds the special tokens (BOS) the template wants: by default none are added.
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
