@@ -195,6 +195,8 @@ def test_non_finite_numbers_are_refused(server, field, literal):
     (b'{"prompt": "Hi \xff there", "max_tokens": 1}', "the body is not valid UTF-8: byte 0xff at position 15"),
     (b'{"prompt": "Hi", "max_tokens": 1, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
      "the body's JSON nests too deeply"),
+    (b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}",  # before: "There was an error parsing the body"
+     "the body's JSON holds an integer of more than 4300 digits"),
 ])
 def test_an_unreadable_body_is_a_400_that_says_why(server, body, says):
     # Before: FastAPI's "There was an error parsing the body", whatever was wrong.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -98,6 +99,8 @@ def _unparsable_body(cause: BaseException) -> str | None:
         return f"the body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at position {cause.start}"
     if isinstance(cause, RecursionError):
         return "the body's JSON nests too deeply"
+    if isinstance(cause, ValueError):  # not a JSONDecodeError (FastAPI's json_invalid): Python's limit on digits
+        return f"the body's JSON holds an integer of more than {sys.get_int_max_str_digits()} digits"
     return None
 
 
