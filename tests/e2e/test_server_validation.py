@@ -275,8 +275,11 @@ def test_suffix_is_refused_as_not_supported(server):
     (chat(logprobs=True, top_logprobs=-1), "top_logprobs -1 asks for the whole vocabulary (49152 tokens), more than "
                                            "the server's --max-logprobs (20)"),
     (chat(prompt_logprobs=-1), "prompt_logprobs -1 asks for the whole vocabulary (49152 tokens)"),
+    # The engine's checks, past SamplingParams' (before: param null).
+    (chat(min_tokens=1, response_format={"type": "json_object"}), "min_tokens cannot be combined with structured"),
+    (completion(ignore_eos=True, guided_choice=["a"]), "ignore_eos cannot be combined with structured outputs"),
 ], ids=["completion", "chat", "greedy", "min-tokens", "max-logprobs", "max-top-logprobs", "max-prompt-logprobs",
-        "all-top-logprobs", "all-prompt-logprobs"])
+        "all-top-logprobs", "all-prompt-logprobs", "engine-min-tokens", "engine-ignore-eos"])
 def test_sampling_params_errors_name_their_field(server, request_, message):
     # Before: the same 400s with param null (SamplingParams' checks, which know no request fields).
     error = assert_openai_error(post(server, *request_))

@@ -107,13 +107,14 @@ def to_sampling_params(
             thinking_token_budget=getattr(req, "thinking_token_budget", None),
         )
     except ValueError as e:
-        raise bad_request(str(e), param=_field_named(str(e), req)) from e
+        raise bad_request(str(e), param=field_named(str(e), type(req))) from e
 
 
-def _field_named(message: str, req: SamplingRequest) -> str | None:
-    """The request field a SamplingParams error is about: its messages start with the field's name."""
+def field_named(message: str, model: type[SamplingRequest]) -> str | None:
+    """The request field a SamplingParams (or the engine's) error is about: its messages start with the field's
+    name."""
     name = re.match(r"[a-z_]+", message)
-    return name.group() if name is not None and name.group() in type(req).model_fields else None
+    return name.group() if name is not None and name.group() in model.model_fields else None
 
 
 UNSUPPORTED = {

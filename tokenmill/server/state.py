@@ -23,6 +23,7 @@ from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import Decode, token_id_text
 from tokenmill.server.openai_protocol import SamplingRequest
+from tokenmill.server.sampling import field_named
 from tokenmill.server.structured_outputs import GrammarChecker
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ class ServerState:
         except BaseException as e:
             # Whatever failed, no part of the request stays behind (abort ignores ids it does not hold).
             self.engine.abort(ids[: len(streams) + 1])
-            if isinstance(e, ValueError):
-                raise bad_request(str(e)) from e
+            if isinstance(e, ValueError):  # the engine's checks: named as the request spells the field
+                raise bad_request(str(e), param=field_named(str(e), SamplingRequest)) from e
             raise
         return streams
 
