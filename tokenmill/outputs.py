@@ -25,9 +25,11 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    """"stop", "length", "abort", or "error" (request.NO_TOKEN_LEFT); None while running."""
+    """"stop", "length", "abort", or "error"; None while running."""
     stop_reason: int | str | None = None
-    """The stop token id or stop string that ended generation; None for EOS-less endings."""
+    """The stop token id or stop string that ended generation; None for EOS-less endings. With finish_reason
+    "error": what went wrong (request.GRAMMAR_FAILED and its reason), None where no token was left to sample
+    (request.NO_TOKEN_LEFT)."""
     cumulative_logprob: float | None = None
     """Sum of the chosen tokens' logprobs; set when logprobs were computed."""
     logprobs: SampleLogprobs | None = None

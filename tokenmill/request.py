@@ -44,6 +44,11 @@ NO_TOKEN_LEFT = ("no token was left to sample: the request's allowed_token_ids, 
 with every token), so it ends there, with the tokens before, rather than emit a token outside its constraints."""
 
 
+GRAMMAR_FAILED = "the request's structured output could not be compiled"
+"""The start of the stop_reason of a request that ended with finish_reason "error" because its grammar did not
+compile in the engine (the server checks a spec first, so this is rare)."""
+
+
 def finish_reason_of(status: RequestStatus) -> FinishReason | None:
     return _FINISH_REASONS.get(status)
 

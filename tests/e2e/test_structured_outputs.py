@@ -14,6 +14,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import StructuredOutputsConfig
+from tokenmill.request import GRAMMAR_FAILED
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured import compiler as compiler_module
 
@@ -97,14 +98,16 @@ def test_specs_hold_under_async_scheduling_chunked_prefill_and_preemption(busy_l
 
 def test_a_spec_the_grammar_process_cannot_compile_fails_only_its_request(busy_llm, monkeypatch):
     """The grammar process compiles the grammars (the engine core's compiler delegates to it): a spec that fails
-    there (let past the frontend, which would refuse it) fails its request, and the engine and its grammar
-    process serve the others."""
+    there (let past the frontend, which would refuse it) fails its request, saying why (finish_reason "error", the
+    compiler's reason its stop_reason), and the engine and its grammar process serve the others."""
     monkeypatch.setattr("tokenmill.engine.input_processor.validate_structured_outputs",
                         lambda params, backend: ("xgrammar", ()))
     bad = StructuredOutputsParams(regex="(abc")
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec) for spec in (bad, SPECS[2])]
     outs = busy_llm.chat([ASK, ASK], params, use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "abort" and not outs[0].outputs[0].token_ids
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "error" and not failed.token_ids
+    assert failed.stop_reason.startswith(GRAMMAR_FAILED) and "regex" in failed.stop_reason, failed
     assert outs[1].outputs[0].finish_reason == "stop"
     check(SPECS[2], outs[1].outputs[0].text)
     assert busy_llm.engine.core.awaiting_grammar.compiler.num_compiled == 0

@@ -364,14 +364,14 @@ def test_a_grammar_process_compiles_for_the_engine_core(setup, monkeypatch):
     for request_id, spec in (("good", SPECS[1]), ("bad", bad), ("same", SPECS[1])):
         awaiting.add(Request(request_id, [1, 2, 3], SamplingParams(structured_outputs=spec)))
     assert compiler.submit(SPECS[1]) is compiler.submit(SPECS[1])
-    ready, failed = [], []
+    ready, failed = [], {}
     for _ in range(400):  # 20 s at most
         now_ready, now_failed = awaiting.take_ready(idle=True)
         ready += [request.request_id for request in now_ready]
-        failed += now_failed
+        failed.update(now_failed)
         if not awaiting:
             break
-    assert sorted(ready) == ["good", "same"] and failed == ["bad"]
+    assert sorted(ready) == ["good", "same"] and list(failed) == ["bad"] and "invalid regex" in str(failed["bad"])
     assert "invalid regex" in str(compiler.submit(bad).exception())
     assert compiler.num_compiled == 0 and compiler.grammar_vocab_size == len(tokenizer)
     with pytest.raises(RuntimeError, match="grammar process"):

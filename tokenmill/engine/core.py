@@ -27,12 +27,13 @@ from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.executor.base import make_executor
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineRequest
-from tokenmill.request import FinishReason, Request, RequestStatus
+from tokenmill.request import GRAMMAR_FAILED, FinishReason, Request, RequestStatus
 from tokenmill.scheduler.draft_budget import DraftBudget
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.scheduler.token_budget import token_budget_for_step_time
 from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.grammar_process import GrammarProcessError
 from tokenmill.structured.waiting import AwaitingGrammar
 from tokenmill.worker.pending_output import PendingOutput, ReadyOutput
 
@@ -40,6 +41,15 @@ if TYPE_CHECKING:
     from tokenmill.engine.core_profiler import CoreProfiler
 
 logger = logging.getLogger(__name__)
+
+
+def grammar_failed(request_id: str, error: BaseException) -> EngineCoreOutput:
+    """The output that ends a request whose grammar did not compile: finish_reason "error", the reason its stop_reason
+    (the server answers a 400 with it); "abort" where the grammar process is gone (the engine's failure, not the
+    request's: the frontend fails the whole request)."""
+    if isinstance(error, GrammarProcessError):
+        return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT)
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, stop_reason=f"{GRAMMAR_FAILED}: {error}")
 
 
 class StepRunner(Protocol):
@@ -139,21 +149,20 @@ class EngineCore:
         return self.scheduler.has_requests() or bool(self._in_flight)
 
     def step(self) -> EngineCoreOutputs:
-        failed = []
+        failed = {}
         if self.awaiting_grammar:
             ready, failed = self.awaiting_grammar.take_ready(idle=not self.scheduler.has_work()
                                                              and not self._in_flight)
             for request in ready:
                 self.scheduler.allow_sampling(request.request_id)
-            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         try:
             outputs = self._step()
         except BaseException:  # KeyboardInterrupt too: Ctrl-C in a notebook, then the next generate()
             self._abandon_steps_in_flight()
             raise
-        if failed:  # the frontend fails the whole request (all its samples)
-            outputs.outputs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in failed] + \
-                outputs.outputs
+        if failed:
+            outputs.outputs = [grammar_failed(rid, error) for rid, error in failed.items()] + outputs.outputs
         return outputs
 
     def _abandon_steps_in_flight(self) -> None:

@@ -48,13 +48,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, code=code, param=param)
 
 
-def no_token_left(finish_reasons) -> dict | None:
-    """The error of a request one of whose choices ended with no token left to sample (finish_reason "error":
-    its own bans and its grammar excluded every token), found only mid-generation; None if none did. A full
-    response is then this 400; a stream sends it as its last event."""
-    if FinishReason.ERROR.value not in finish_reasons:
-        return None
-    return error_body(400, NO_TOKEN_LEFT, code="no_token_left")
+def choice_failed(choices) -> dict | None:
+    """The error of a request one of whose choices (anything with finish_reason and stop_reason) ended with
+    finish_reason "error", found only once it ran; None if none did. No token was left to sample (its own bans and
+    its grammar excluded every token), or what its stop_reason says (a grammar that did not compile in the engine).
+    A full response is then this 400; a stream sends it as its last event."""
+    for choice in choices:
+        if choice.finish_reason == FinishReason.ERROR.value:
+            if isinstance(choice.stop_reason, str):
+                return error_body(400, choice.stop_reason, code="structured_outputs_failed")
+            return error_body(400, NO_TOKEN_LEFT, code="no_token_left")
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -17,7 +17,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.beam_search import beam_search_params, run_beam_search
 from tokenmill.server.choices import collect
 from tokenmill.server.config import TEMPLATE_ARGUMENTS
-from tokenmill.server.errors import bad_request, error_body, no_token_left
+from tokenmill.server.errors import bad_request, choice_failed, error_body
 from tokenmill.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenmill.server.sampling import (
@@ -130,7 +130,7 @@ async def full_chat(raw: Request, responder: ChatResponder, stream: AsyncGenerat
                     params: SamplingParams) -> tuple[dict, int]:
     """A started request's whole chat.completion (200), or its error (400: a choice had no token left)."""
     last, choices = await cancel_on_disconnect(raw, collect(stream, params))
-    if (error := no_token_left([c.finish_reason for c in choices])) is not None:
+    if (error := choice_failed(choices)) is not None:
         return error, 400
     return responder.full(last, choices), 200
 
@@ -270,7 +270,7 @@ class ChatResponder:
             return self._chunk(choices, **extra)
 
         texts: dict[int, ChoiceText] = {}
-        finish_reasons = []
+        endings = []
         held = {} if self.plan.mode == "forced" else {"content": ""}  # a step whose text is all held back
         try:
             for index in range(req.n):  # the prompt's ids (return_token_ids) in the first chunk alone
@@ -303,13 +303,13 @@ class ChatResponder:
                                           "logprobs": logprobs, "finish_reason": None,
                                           **self._token_ids(completion.token_ids)}])
                         if completion.finish_reason is not None:
-                            finish_reasons.append(completion.finish_reason)
+                            endings.append(completion)
                             yield chunk([{"index": completion.index, "delta": {}, "logprobs": None,
                                           "finish_reason": text.finish_reason(completion.finish_reason),
                                           "stop_reason": completion.stop_reason}])
             if final_usage:
                 yield self._chunk([], usage=usage.body())
-            if (error := no_token_left(finish_reasons)) is not None:
+            if (error := choice_failed(endings)) is not None:
                 yield error
         except EngineDeadError as e:
             yield error_body(503, f"the engine is not running: {e}", code="engine_dead")

@@ -16,7 +16,7 @@ from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.beam_search import beam_search_params, run_beam_search
 from tokenmill.server.choices import collect
-from tokenmill.server.errors import bad_request, error_body, no_token_left
+from tokenmill.server.errors import bad_request, choice_failed, error_body
 from tokenmill.server.limits import MAX_SEQUENCES
 from tokenmill.server.logprobs import CompletionLogprobs, vllm_prompt_logprobs
 from tokenmill.server.openai_protocol import CompletionRequest
@@ -116,7 +116,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream:
         return SSEResponse(response.stream(streams))
     results = await cancel_on_disconnect(raw, asyncio.gather(*(collect(s, p) for s, p in zip(streams, params))))
-    if (error := no_token_left([c.finish_reason for _, choices in results for c in choices])) is not None:
+    if (error := choice_failed(c for _, choices in results for c in choices)) is not None:
         return JSONResponse(error, status_code=400)
     return JSONResponse(response.full(results))
 
@@ -194,7 +194,7 @@ class CompletionResponder:
         formats: dict[int, CompletionLogprobs] = {}
         usage = self.usage
         final_usage, every_chunk_usage = stream_usage(req, self.force_usage)
-        finish_reasons = []
+        endings = []
         sent: set[int] = set()  # the choices a chunk went out for
         try:
             # Closed explicitly, so that a client leaving aborts the requests now, not once collected.
@@ -219,7 +219,7 @@ class CompletionResponder:
                         if not text and not token_ids and completion.finish_reason is None:
                             continue
                         if completion.finish_reason is not None:
-                            finish_reasons.append(completion.finish_reason)
+                            endings.append(completion)
                         extra = {"usage": usage.body()} if every_chunk_usage else {}
                         yield sse(self._body([{"index": index, "text": text, "logprobs": logprobs,
                                                **self._ending(completion),
@@ -227,7 +227,7 @@ class CompletionResponder:
                         sent.add(index)
             if final_usage:
                 yield sse(self._body([], usage=usage.body()))
-            if (error := no_token_left(finish_reasons)) is not None:
+            if (error := choice_failed(endings)) is not None:
                 yield sse(error)
         except EngineDeadError as e:
             yield sse(error_body(503, f"the engine is not running: {e}", code="engine_dead"))

@@ -30,19 +30,19 @@ class AwaitingGrammar:
         for request_id in request_ids:
             self._requests.pop(request_id, None)
 
-    def take_ready(self, idle: bool) -> tuple[list[Request], list[str]]:
-        """The requests whose grammar compiled, and the ids of those whose compilation failed (logged; the
-        frontend validated the spec, so this is rare). `idle`: nothing else to do, so wait a little first."""
+    def take_ready(self, idle: bool) -> tuple[list[Request], dict[str, BaseException]]:
+        """The requests whose grammar compiled, and why each of the others' failed, by id (logged; the frontend
+        validated the spec, so this is rare). `idle`: nothing else to do, so wait a little first."""
         if idle:
             wait([future for _, future in self._requests.values()], timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
-        ready, failed = [], []
+        ready, failed = [], {}
         for request_id, (request, future) in list(self._requests.items()):
             if not future.done():
                 continue
             del self._requests[request_id]
             if future.exception() is not None:
                 logger.error("request %s: its grammar failed to compile: %s", request_id, future.exception())
-                failed.append(request_id)
+                failed[request_id] = future.exception()
             else:
                 ready.append(request)
         return ready, failed
