@@ -28,6 +28,8 @@ REFUSED = [  # (schema, what the message names, an instance the bare grammar let
      "dependentSchemas", {"a": 1}),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf on numbers", 0.3),
     ({"type": "integer", "multipleOf": 3, "minimum": 0}, "multipleOf with a minimum", 4),
+    ({"type": "integer", "multipleOf": 2048}, "multipleOf 2048 on integers", 7),
+    ({"type": "integer", "multipleOf": 1.5}, "multipleOf 1.5 on integers", 1),
     ({"type": "string", "format": "regex"}, "format 'regex'", "("),
     ({"type": "string", "pattern": "^a+$", "minLength": 3}, "minLength/maxLength with a pattern", "a"),
     ({"maximum": 3}, "maximum without a type", 5),

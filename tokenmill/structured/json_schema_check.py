@@ -5,8 +5,8 @@ out what it does not implement: the output may then break the schema the client 
 another backend for some of these; with xgrammar alone the request is refused instead, naming each part. What it
 leaves out:
 - keywords it has no rule for: not, if/then/else, dependentSchemas, dependentRequired, dependencies, contains,
-  minContains, maxContains, uniqueItems, $dynamicRef, $recursiveRef; a multipleOf but on integers without a
-  minimum or maximum; minLength/maxLength beside a pattern or a format;
+  minContains, maxContains, uniqueItems, $dynamicRef, $recursiveRef; a multipleOf but a whole number up to 1024 on
+  integers without a minimum or maximum; minLength/maxLength beside a pattern or a format;
 - the formats of JSON Schema it does not write (idn-email, idn-hostname, iri, iri-reference, regex; formats JSON
   Schema does not define are annotations, which validators ignore too);
 - a keyword of one type's (minimum, maxLength, required, ...) where the type is neither given nor inferred from
@@ -101,6 +101,9 @@ def _check_typed_keywords(node: dict, keys: list[str], path: str, found: list[st
         found.append(f"multipleOf on numbers that need not be integers at {path} (use \"type\": \"integer\")")
     elif "multipleOf" in node and any(k in node for k in _TYPE_KEYWORDS["number"][1:]):
         found.append(f"multipleOf with a minimum or maximum at {path}")
+    elif "multipleOf" in node and not _integer_step_kept(node["multipleOf"]):
+        found.append(f"multipleOf {node['multipleOf']!r} on integers at {path} (xgrammar keeps whole numbers from 1 to "
+                     f"{MAX_INTEGER_STEP} only)")
     if "object" in types and isinstance(node.get("required"), list):
         defined = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         missing = [name for name in node["required"] if isinstance(name, str) and name not in defined]
@@ -131,6 +134,21 @@ def _visit_children(node: dict, path: str, found: list[str]) -> None:
                 _visit(child, f"{path}/{key}/{i}", found)
     for key in ("items", "additionalProperties", "unevaluatedItems", "unevaluatedProperties"):
         _visit(node.get(key), f"{path}/{key}", found)
+
+
+MAX_INTEGER_STEP = 1024
+"""The largest integer multipleOf xgrammar writes into its grammar: it ignores larger ones and fractions (with a
+warning on stderr), so 7 passed {"type": "integer", "multipleOf": 2048}."""
+
+
+def _integer_step_kept(step: Any) -> bool:
+    """Whether xgrammar enforces an integer multipleOf of `step`, or leaves out one that constrains nothing (a
+    fraction 1/k: every integer is a multiple of it). Not a number (or not above 0): xgrammar refuses it."""
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0:
+        return True
+    if isinstance(step, int):
+        return step <= MAX_INTEGER_STEP
+    return (1 / step).is_integer()
 
 
 def _format(node: dict) -> str | None:
