@@ -173,3 +173,14 @@ def test_disable_fallback_keeps_auto_on_xgrammar():
     # A backend named is no fallback: the option changes nothing there.
     assert validate(StructuredOutputsParams(json=only_llguidance, disable_fallback=True), "guidance")[0] == "guidance"
     assert validate(StructuredOutputsParams(json=NESTED, disable_fallback=True), "auto")[0] == "xgrammar"
+
+
+@pytest.mark.parametrize("step", [2048, 1.5])
+def test_an_integer_step_xgrammar_drops_goes_to_llguidance_which_keeps_it(step):
+    """xgrammar writes no integer multipleOf above 1024 nor a fraction that is not 1/k (7 passed multipleOf 2048):
+    backend auto hands the schema to llguidance, whose grammar holds the step."""
+    schema = {"type": "integer", "multipleOf": step}
+    backend, _ = validate(StructuredOutputsParams(json=schema), "auto")
+    assert backend == "guidance"
+    params = StructuredOutputsParams(json=schema, backend="guidance")
+    assert [takes(params, text) for text in ("7", "6", "4096")] == [False, step == 1.5, step == 2048]
