@@ -115,7 +115,7 @@ def test_help_comes_from_field_docstrings():
                          "return_tokens_as_token_ids", "generation_config", "override_generation_config",
                          "tool_parser_plugin", "reasoning_parser_plugin", "chat_template_content_format",
                          "default_chat_template_kwargs", "enable_server_load_tracking", "disable_log_stats",
-                         "api_server_count"}
+                         "enable_prompt_tokens_details", "enable_force_include_usage", "api_server_count"}
     assert "Tokens per KV-cache block" in field_docs(CacheConfig)["block_size"]
 
 

@@ -128,7 +128,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 async def full_chat(raw: Request, responder: ChatResponder, stream: AsyncGenerator[RequestOutput, None],
                     params: SamplingParams) -> tuple[dict, int]:
-    """A started request's whole chat.completion (200), or its error (400: a choice had no token left)."""
+    """A started request's whole chat.completion (200), or its error (400: a choice failed, errors.choice_failed)."""
     last, choices = await cancel_on_disconnect(raw, collect(stream, params))
     if (error := choice_failed(choices)) is not None:
         return error, 400
