@@ -538,35 +538,25 @@ def test_a_slow_chat_template_does_not_stall_other_requests(server):
     assert max(latencies) < 0.5, latencies
 
 
-
-def test_a_huge_prompt_does_not_hold_up_other_requests(server):
+@pytest.mark.parametrize("written_by", ["prompt", "chat_template"])
+def test_a_huge_prompt_does_not_hold_up_other_requests(server, written_by):
     """Two million characters take over a second to tokenize (then a 400: longer than max_model_len); a short
-    request sent meanwhile is tokenized and served beside them, not queued behind them on one tokenizer thread."""
-    huge = " ".join(["lorem", "ipsum", "dolor", "sit", "amet", "42", "x"] * 50_000) * 2
+    request sent meanwhile is tokenized and served beside them, not queued behind them on one tokenizer thread. So
+    too where the chat template writes them from a short message (the tools, documents or a loop of the template's
+    own), whose tokenization ran on the one tokenizer thread before."""
+    if written_by == "prompt":
+        huge = " ".join(["lorem", "ipsum", "dolor", "sit", "amet", "42", "x"] * 50_000) * 2
+        huge_request, short_request = completion(prompt=huge), completion()
+    else:
+        template = "{{ 'lorem ipsum dolor sit amet 42 x ' * 70000 }}"  # 2.4 million characters
+        huge_request, short_request = chat(chat_template=template), chat()
     result = {}
-    thread = threading.Thread(target=lambda: result.update(response=post(server, *completion(prompt=huge))))
+    thread = threading.Thread(target=lambda: result.update(response=post(server, *huge_request)))
     thread.start()
     time.sleep(0.3)  # tokenizing by now
-    short = post(server, *completion())
+    short = post(server, *short_request)
     still_tokenizing = thread.is_alive()
     thread.join()
     assert short.status_code == 200, short.text
     assert "context length" in assert_openai_error(result["response"])["message"]
     assert still_tokenizing, "the huge prompt was tokenized too fast to tell"
-
-
-def test_a_huge_rendered_chat_prompt_does_not_hold_up_other_requests(server):
-    """As a huge prompt, but written by the chat template (from a short message: the tools, documents or a loop of
-    the template's own). Before, its tokenization (~1 s) ran on the one tokenizer thread, and every other request
-    waited behind it."""
-    template = "{{ 'lorem ipsum dolor sit amet 42 x ' * 70000 }}"  # 2.4 million characters
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(response=post(server, *chat(chat_template=template))))
-    thread.start()
-    time.sleep(0.3)  # tokenizing by now
-    short = post(server, *chat())
-    still_tokenizing = thread.is_alive()
-    thread.join()
-    assert short.status_code == 200, short.text
-    assert "context length" in assert_openai_error(result["response"])["message"]
-    assert still_tokenizing, "the huge rendered prompt was tokenized too fast to tell"
