@@ -140,10 +140,13 @@ INVALID = [  # (id, extra_body, param, words in the message)
      "structured_outputs", ["token id 99999"]),
     ("json_schema_negative_min_length", {"response_format": json_schema_format({**PERSON, "properties": {
         **PERSON["properties"], "name": {"type": "string", "minLength": -1}}})}, "response_format",
-     ["minLength at #/properties/name must be a non-negative integer, got -1"]),
+     ["#/properties/name/minLength: -1 is less than the minimum of 0"]),
     ("json_schema_negative_property_name_length", {"structured_outputs": {"json": {
         "type": "object", "propertyNames": {"minLength": -1}}}}, "structured_outputs",
-     ["minLength at #/propertyNames"]),
+     ["#/propertyNames/minLength: -1"]),
+    ("json_schema_malformed_keyword", {"structured_outputs": {"json": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": "0"}}}}}, "structured_outputs",
+     ["#/properties/n/minimum: '0' is not of type 'number'"]),
     ("structural_tag_excluding_the_empty_text", {"response_format": {"type": "structural_tag", "format": {
         "type": "any_text", "excludes": [""]}}}, "response_format", ["structural tag", "non-empty string"]),
     ("unknown_structured_outputs_option", {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}},

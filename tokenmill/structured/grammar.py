@@ -90,39 +90,36 @@ def compact(params: StructuredOutputsParams) -> bool:
 
 
 def json_schema_grammar(text: str, compact: bool = True):
-    """The grammar of a JSON schema's values (RuntimeError from xgrammar if it is bad, ValueError for a negative
-    length bound); `compact`: no free whitespace (", " and ": " between items), else any."""
+    """The grammar of a JSON schema's values, checked first (check_schema; RuntimeError from xgrammar for what it
+    cannot build); `compact`: no free whitespace (", " and ": " between items), else any."""
     import xgrammar as xgr
 
-    _refuse_negative_lengths(json.loads(text), "#")
     return _json_string_characters_fixed(xgr.Grammar.from_json_schema(text, any_whitespace=not compact))
 
 
-_LENGTH_BOUNDS = ("minLength", "maxLength", "minItems")
-"""Bounds JSON Schema requires to be non-negative that xgrammar takes negative (it refuses the others itself): a
-minLength of -1 built a grammar that did not compile, so the request was aborted in the engine (a 200 with no text
-and finish_reason "abort"); maxLength and minItems -1 were taken as no bound."""
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-"""Keywords whose value maps names (any text, "enum" too) to schemas."""
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
-"""Keywords whose value is data, not schemas: whatever bounds it holds are none."""
+def _check_json_schema(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError:
+        return  # said by the build
+    try:
+        check_schema(schema)
+    except ValueError as e:
+        raise ValueError(f"invalid JSON schema: {e}") from None
 
 
-def _refuse_negative_lengths(node, path: str, names: bool = False) -> None:
-    """`names`: `node` maps names to schemas (a properties' value)."""
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            _refuse_negative_lengths(item, f"{path}/{i}")
-    if not isinstance(node, dict):
-        return
-    for key, value in node.items():
-        at = f"{path}/{key.replace('~', '~0').replace('/', '~1')}"
-        if names:
-            _refuse_negative_lengths(value, at)
-        elif key in _LENGTH_BOUNDS and isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-            raise ValueError(f"{key} at {path} must be a non-negative integer, got {json.dumps(value)}")
-        elif key not in _DATA_KEYWORDS:
-            _refuse_negative_lengths(value, at, names=key in _SCHEMA_MAPS)
+def check_schema(schema) -> None:
+    """ValueError naming where `schema` breaks JSON Schema's rules (its $schema's meta-schema, else draft 2020-12's),
+    by jsonschema. xgrammar took some such schemas: a negative minLength built a grammar whose compile then failed
+    in the engine (the request aborted: a 200 with no text), a format that is no string was a TypeError (a 500);
+    others it refused in words of its own C++ ("type mismatch! call is<type>() before get<type>()")."""
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
+    if error is not None:
+        where = "".join("/" + str(key).replace("~", "~0").replace("/", "~1") for key in error.absolute_path)
+        raise ValueError(f"#{where}: {error.message}")
 
 
 # xgrammar (0.2.9 and before: mlc-ai/xgrammar#800, unreleased fixes #822/#880) writes a string with
@@ -167,6 +164,8 @@ def validate(params: StructuredOutputsParams, backend: str = XGRAMMAR) -> tuple[
         if digest in _passed:
             _passed.move_to_end(digest)
             return _passed[digest]
+    if kind == "json":
+        _check_json_schema(text)
     chosen = choose_backend(params, backend)
     if chosen == GUIDANCE:
         check_guidance(params)

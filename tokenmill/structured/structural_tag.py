@@ -100,10 +100,14 @@ def _compact_json(node: Any, path: str) -> Any:
 
 def _json_grammar_text(schema: Any, path: str) -> str:
     """The compact-JSON grammar of the schema at `path`, as EBNF text."""
-    from tokenmill.structured.grammar import error_text, json_schema_grammar, refuse_unenforced
+    from tokenmill.structured.grammar import check_schema, error_text, json_schema_grammar, refuse_unenforced
 
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"{path} must be a JSON schema (an object)")
+    try:
+        check_schema(schema)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a valid JSON schema: {e}") from None
     refuse_unenforced(schema, f"the structural tag's {path}")
     try:
         return str(json_schema_grammar(json.dumps(schema)))
