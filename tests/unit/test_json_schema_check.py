@@ -184,3 +184,12 @@ def test_an_integer_step_xgrammar_drops_goes_to_llguidance_which_keeps_it(step):
     assert backend == "guidance"
     params = StructuredOutputsParams(json=schema, backend="guidance")
     assert [takes(params, text) for text in ("7", "6", "4096")] == [False, step == 1.5, step == 2048]
+
+
+def test_a_schema_nested_past_the_meta_schema_checks_recursion_is_still_served():
+    """jsonschema's meta-schema check recurses a few frames per level and gives up past ~120 levels; such a schema is
+    left to xgrammar's own checks, as before the meta-schema check (a RecursionError there was a 500)."""
+    schema = {"type": "integer"}
+    for _ in range(400):
+        schema = {"type": "array", "items": schema}
+    assert validate(StructuredOutputsParams(json=schema))[0] == "xgrammar"
