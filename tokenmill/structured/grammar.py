@@ -90,8 +90,9 @@ def compact(params: StructuredOutputsParams) -> bool:
 
 
 def json_schema_grammar(text: str, compact: bool = True):
-    """The grammar of a JSON schema's values, checked first (check_schema; RuntimeError from xgrammar for what it
-    cannot build); `compact`: no free whitespace (", " and ": " between items), else any."""
+    """The grammar of a JSON schema's values (RuntimeError from xgrammar for what it cannot build; `validate` has
+    checked the schema against its meta-schema before, check_schema); `compact`: no free whitespace (", " and ": "
+    between items), else any."""
     import xgrammar as xgr
 
     return _json_string_characters_fixed(xgr.Grammar.from_json_schema(text, any_whitespace=not compact))
