@@ -205,8 +205,10 @@ class ChatResponder:
         """vLLM's chat echo: the last message's content, which the answer's content starts with."""
         self.vocab_bytes = vocab_bytes
         self.created = int(time.time())
-        self.usage = chat_usage(state, prompt_token_ids, reasoning, cached_tokens)
-        self.force_usage = state.config.enable_force_include_usage
+        self.stream_usage = stream_usage(req, state.config.enable_force_include_usage)
+        """A stream's usage: in a last chunk, and in every chunk."""
+        self.usage = chat_usage(state, prompt_token_ids, reasoning, cached_tokens,
+                                reported=not req.stream or self.stream_usage[0])
 
     def _logprobs(self, token_ids: list[int], entries) -> dict | None:
         if not self.req.logprobs or entries is None:
@@ -262,7 +264,7 @@ class ChatResponder:
     async def chunks(self, stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[dict]:
         """The chunks of a stream, as dicts; an error (OpenAI's {"error": ...}) is the last."""
         req, usage = self.req, self.usage
-        final_usage, every_chunk_usage = stream_usage(req, self.force_usage)
+        final_usage, every_chunk_usage = self.stream_usage
 
         def chunk(choices: list[dict], **extra) -> dict:
             if every_chunk_usage:

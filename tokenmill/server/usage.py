@@ -25,13 +25,14 @@ class ReasoningTokens:
         """`parser`: the request's reasoning parser; None where the request has no reasoning (thinking turned off,
         or the prompt closed the block): the output is all answer, 0 tokens."""
         self._start, self._end = markers
-        self._parser = parser
-        self._after_prompt = ReasoningTokenCount.after_prompt(prompt_token_ids, self._start, self._end)
-        self._unopened_inside = (parser is not None and parser.unopened_is_reasoning
-                                 and not self._after_prompt.is_inside)
-        """The parser takes an output that opens no block as reasoning (deepseek_r1: its template opened it)."""
         self._choices: dict[int, tuple[ReasoningTokenCount, list[int]]] = {}
         """Each choice's count, and its first tokens (as many as the start marker has)."""
+        self._parser = parser
+        if parser is None:  # nothing to count: the prompt is not scanned
+            return
+        self._after_prompt = ReasoningTokenCount.after_prompt(prompt_token_ids, self._start, self._end)
+        self._unopened_inside = parser.unopened_is_reasoning and not self._after_prompt.is_inside
+        """The parser takes an output that opens no block as reasoning (deepseek_r1: its template opened it)."""
 
     def add(self, index: int, token_ids: list[int]) -> None:
         if self._parser is None:
@@ -46,6 +47,8 @@ class ReasoningTokens:
 
     @property
     def total(self) -> int:
+        if self._parser is None:
+            return 0
         # Taken as inside from the start, an output that opens with the start marker counted it: not reasoning.
         opened = len(self._start) if self._unopened_inside else 0
         return sum(count.count - (opened if head == self._start else 0) for count, head in self._choices.values())
@@ -82,13 +85,14 @@ class Usage:
 
 
 def chat_usage(state: ServerState, prompt_token_ids: list[int], parser: type[ReasoningParser] | None,
-               cached_tokens: bool | None = None) -> Usage:
+               cached_tokens: bool | None = None, reported: bool = True) -> Usage:
     """A chat response's usage: reasoning tokens counted where the server has a reasoning parser (and the engine
-    its markers: --reasoning-config may have set others, or none); cached tokens where `cached_tokens` (None: where
-    the server's --enable-prompt-tokens-details)."""
+    its markers: --reasoning-config may have set others, or none) and the usage is `reported` (a stream without a
+    usage chunk does not run the count over its tokens); cached tokens where `cached_tokens` (None: where the
+    server's --enable-prompt-tokens-details)."""
     markers = state.engine.input_processor.thinking_markers
     reasoning = None
-    if state.config.reasoning_parser is not None and markers is not None:
+    if reported and state.config.reasoning_parser is not None and markers is not None:
         reasoning = ReasoningTokens(prompt_token_ids, markers, parser)
     if cached_tokens is None:
         cached_tokens = state.config.enable_prompt_tokens_details
