@@ -8,8 +8,12 @@ interpret = pytest.mark.interpret
 
 
 @interpret
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_cols, vocab_size, words", [(200, 150, 5), (5000, 4500, 141)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_cols, vocab_size, words", [
+    (200, 150, 5), (5000, 4500, 141),  # widths not whole words: the general kernel for every dtype
+    # Whole words: 16-bit logits take the paired kernel. A vocabulary ending mid-pair and mid-word, masks
+    # narrower than the logits; a mask wider than the vocabulary, several programs a row.
+    (4096, 3001, 100), (1024, 1000, 32), (2048, 2048, 64)])
 def test_kernel_masks_what_the_reference_masks(device, dtype, num_cols, vocab_size, words):
     from tokenmill.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
@@ -18,6 +22,8 @@ def test_kernel_masks_what_the_reference_masks(device, dtype, num_cols, vocab_si
     # covers some more (and several programs a row in the larger case).
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=generator, dtype=torch.int64).to(torch.int32)
     bitmask[1] = -1  # every token allowed: only the columns past the vocabulary are masked
+    bitmask[2, 1:3] = 0  # whole words forbidden (the paired kernel does not read them)
+    bitmask[2, 3] = -(1 << 31)  # the last token of a word alone (the high half of a pair)
     index = torch.tensor([4, 0, 2], dtype=torch.int32)
     logits = torch.randn(5, num_cols, generator=generator).to(dtype)
     expected = logits.clone()

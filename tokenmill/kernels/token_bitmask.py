@@ -2,10 +2,14 @@
 
 The bitmask is packed int32, bit b of word w = token 32 w + b allowed, one row per masked logits row
 (`index[i]` is the logits row of bitmask row i). Logits columns past `vocab_size` (a model vocabulary padded
-past the one the grammar was compiled for) and past the bitmask are forbidden too. Each program covers
-WORDS words (32 WORDS tokens) of one row: it reads only the bitmask and writes -inf where a bit is clear,
-never reading the logits, so a step costs the bitmask plus the forbidden logits' bytes (at 256 x 151,936
-bfloat16, about 78 MB of writes: tens of microseconds on an H200).
+past the one the grammar was compiled for) and past the bitmask are forbidden too.
+
+16-bit logits (bfloat16, float16) whose rows are whole words (32 columns) take _apply_token_bitmask_pairs: it
+handles two logits as one int32 (keep, or replace a half with -inf's bits), so that every load and store is a
+whole vector, and reads only the words with a token allowed: a step costs the bitmask, the logits' bytes
+written, and the few words read (256 x 151,936 bfloat16: 78 MB of writes). The general kernel, for other
+dtypes and widths, writes -inf element by element where a bit is clear (never reading the logits), and its
+per-element masked stores split into narrow writes: 130-210 us for the same 78 MB on an H100, against 63.
 """
 
 from __future__ import annotations
@@ -37,6 +41,34 @@ def _apply_token_bitmask(logits_ptr, stride_logits, bitmask_ptr, stride_bitmask,
     tl.store(logits_ptr + row * stride_logits + cols, float("-inf"), mask=forbidden)
 
 
+PAIR_WORDS = 32
+"""Bitmask words per program of the paired kernel: 1,024 tokens, 512 int32 pairs of logits."""
+
+NEG_INF_PAIRS = {dtype: torch.full((2,), float("-inf"), dtype=dtype).view(torch.int32).item()
+                 for dtype in (torch.bfloat16, torch.float16)}
+"""Two -inf of the dtype as one int32 (bits 0xFF80FF80, 0xFC00FC00)."""
+
+
+@triton.jit(do_not_specialize=["stride_bitmask", "num_pairs", "num_words", "vocab_size"])
+def _apply_token_bitmask_pairs(pairs_ptr, stride_pairs, bitmask_ptr, stride_bitmask, index_ptr, num_pairs,
+                               num_words, vocab_size, NEG_INF_PAIR: tl.constexpr, WORDS: tl.constexpr):
+    mask_row = tl.program_id(0)
+    row = tl.load(index_ptr + mask_row).to(tl.int64)
+    words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+    packed = tl.load(bitmask_ptr + mask_row.to(tl.int64) * stride_bitmask + words, mask=words < num_words, other=0)
+    lanes = tl.arange(0, 16)
+    pairs = words[:, None] * 16 + lanes[None, :]  # int32 pair p holds columns 2p (low half) and 2p + 1
+    in_row = pairs < tl.multiple_of(num_pairs, 16)  # whole words: constant over each word's 16 pairs
+    two_bits = (packed[:, None] >> (lanes[None, :] * 2)) & 3
+    cols = pairs * 2
+    two_bits &= (cols < vocab_size).to(tl.int32) | ((cols + 1 < vocab_size).to(tl.int32) << 1)
+    ptrs = pairs_ptr + row * stride_pairs + pairs
+    # A word without an allowed token is not read: all of its pairs become -inf.
+    value = tl.load(ptrs, mask=in_row & (packed[:, None] != 0), other=0)
+    keep = (two_bits & 1) * 0xFFFF | (two_bits >> 1) * -65536  # -65536: the high half, 0xFFFF0000
+    tl.store(ptrs, (value & keep) | (NEG_INF_PAIR & ~keep), mask=in_row)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor, vocab_size: int) -> None:
     """logits [rows, cols] (any float dtype, rows contiguous), bitmask [n, words] int32, index [n] int32/int64
     (distinct logits rows): logits[index[i], t] = -inf where bit t of bitmask[i] is clear or t >= vocab_size."""
@@ -45,6 +77,13 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, index: torc
         return
     assert logits.stride(1) == 1 and bitmask.stride(1) == 1 and bitmask.dtype == torch.int32
     num_cols = logits.shape[1]
+    if logits.dtype in NEG_INF_PAIRS and num_cols % 32 == 0 and logits.stride(0) % 2 == 0:
+        pairs = logits.view(torch.int32)
+        grid = (n, triton.cdiv(num_cols // 32, PAIR_WORDS))
+        _apply_token_bitmask_pairs[grid](pairs, pairs.stride(0), bitmask, bitmask.stride(0), index, num_cols // 2,
+                                         bitmask.shape[1], vocab_size, NEG_INF_PAIR=NEG_INF_PAIRS[logits.dtype],
+                                         WORDS=PAIR_WORDS, num_warps=4)
+        return
     grid = (n, triton.cdiv(triton.cdiv(num_cols, 32), WORDS))
     _apply_token_bitmask[grid](logits, logits.stride(0), bitmask, bitmask.stride(0), index, num_cols,
                                bitmask.shape[1], vocab_size, WORDS=WORDS, num_warps=4)
