@@ -13,6 +13,7 @@ from collections import OrderedDict
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.guidance import AUTO, GUIDANCE, XGRAMMAR, check_guidance, guidance_error, guidance_grammar
 from tokenmill.structured.json_schema_check import unenforced_parts
+from tokenmill.structured.schema_rules import check_schema
 from tokenmill.structured.structural_tag import STRUCTURAL_TAG, structural_tag_grammar
 
 logger = logging.getLogger(__name__)
@@ -107,23 +108,6 @@ def _check_json_schema(text: str) -> None:
         check_schema(schema)
     except ValueError as e:
         raise ValueError(f"invalid JSON schema: {e}") from None
-
-
-def check_schema(schema) -> None:
-    """ValueError naming where `schema` breaks JSON Schema's rules (its $schema's meta-schema, else draft 2020-12's),
-    by jsonschema. xgrammar took some such schemas: a negative minLength built a grammar whose compile then failed
-    in the engine (the request aborted: a 200 with no text), a format that is no string was a TypeError (a 500);
-    others it refused in words of its own C++ ("type mismatch! call is<type>() before get<type>()")."""
-    import jsonschema
-
-    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    try:
-        error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
-    except RecursionError:  # nested past ~120 levels, which xgrammar builds (and checks) itself
-        return
-    if error is not None:
-        where = "".join("/" + str(key).replace("~", "~0").replace("/", "~1") for key in error.absolute_path)
-        raise ValueError(f"#{where}: {error.message}")
 
 
 # xgrammar (0.2.9 and before: mlc-ai/xgrammar#800, unreleased fixes #822/#880) writes a string with

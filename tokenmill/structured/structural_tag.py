@@ -100,7 +100,8 @@ def _compact_json(node: Any, path: str) -> Any:
 
 def _json_grammar_text(schema: Any, path: str) -> str:
     """The compact-JSON grammar of the schema at `path`, as EBNF text."""
-    from tokenmill.structured.grammar import check_schema, error_text, json_schema_grammar, refuse_unenforced
+    from tokenmill.structured.grammar import error_text, json_schema_grammar, refuse_unenforced
+    from tokenmill.structured.schema_rules import check_schema
 
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"{path} must be a JSON schema (an object)")
