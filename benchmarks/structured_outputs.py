@@ -267,6 +267,12 @@ class GrammarTimer:
         self._wrap(runner, "execute_model", "execute", opens=True)
         self._wrap(runner, "_sample", "sample")
         self._wrap(runner, "_finish_sample", "finish sample")  # with a grammar process: in the next step
+        self.gpu_marks: list[tuple[str, torch.cuda.Event]] = []
+        """On a GPU: an event queued before each forward pass and after each sampler, for the device's idle time
+        between a step's sampler and the next forward pass (the host late to launch it)."""
+        if has_cuda():
+            self._mark_gpu(runner, "_forward", "forward", before=True)
+            self._mark_gpu(runner, "_finish_sample", "sampled", before=False)
         original_result = PendingOutput.result
         timer = self
 
@@ -329,9 +335,33 @@ class GrammarTimer:
         setattr(owner, name, timed)
         self._restore.append(lambda: delattr(owner, name))
 
-    def take(self) -> tuple[list[dict], list[dict]]:
-        taken = self.records, self.steps
-        self.records, self.steps = [], []
+    def _mark_gpu(self, owner, name: str, mark: str, before: bool) -> None:
+        inner = getattr(owner, name)
+        marks = self.gpu_marks
+
+        def marked(*args, **kwargs):
+            if before:
+                marks.append((mark, torch.cuda.Event(enable_timing=True)))
+                marks[-1][1].record()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if not before:
+                    marks.append((mark, torch.cuda.Event(enable_timing=True)))
+                    marks[-1][1].record()
+
+        setattr(owner, name, marked)
+        self._restore.append(lambda: setattr(owner, name, inner))  # inner may be another wrapper
+
+    def take(self) -> tuple[list[dict], list[dict], list[float]]:
+        """The runner steps' and engine steps' records, and the device's gaps (ms) from each sampler to the next
+        forward pass."""
+        sync()
+        marks = self.gpu_marks
+        gaps = [first.elapsed_time(then) for (kind, first), (next_kind, then) in zip(marks, marks[1:])
+                if kind == "sampled" and next_kind == "forward"]
+        taken = self.records, self.steps, gaps
+        self.records, self.steps, self.gpu_marks[:] = [], [], []
         return taken
 
     def close(self) -> None:
@@ -339,8 +369,9 @@ class GrammarTimer:
             undo()
 
 
-def describe_host(records: list[dict], steps: list[dict], seconds: float) -> str:
-    """The grammar's host pieces: medians at the batch's most constrained rows, and totals over the run."""
+def describe_host(records: list[dict], steps: list[dict], gaps: list[float], seconds: float) -> str:
+    """The grammar's host pieces: medians at the batch's most constrained rows, and totals over the run; the
+    device's gaps between a sampler and the next forward pass."""
     if not records:
         return ""
     rows = np.array([r["rows"] for r in records])
@@ -364,6 +395,10 @@ def describe_host(records: list[dict], steps: list[dict], seconds: float) -> str
     if outside:
         text += (f"; outside the core (output processing) median {np.median(outside) * 1e3:.2f} ms (sum "
                  f"{sum(outside) / seconds:.0%})")
+    if gaps:
+        text += (f"; GPU from a sampler to the next forward pass (its inputs' copies, and idle while the host is "
+                 f"late): median {np.median(gaps):.3f} ms, p90 {pct(gaps, 90):.3f}, "
+                 f"sum {sum(gaps) / 1e3 / seconds:.0%}")
     return text
 
 
@@ -414,9 +449,68 @@ def profile_run(llm: LLM, prompts, params, name: str, folder: str) -> None:
           + "\n".join(text.getvalue().splitlines()[:40]), flush=True)
 
 
+def trace_run(llm: LLM, prompts, params, name: str, folder: str, skip_steps: int = 40,
+              num_steps: int = 12) -> None:
+    """torch.profiler over `num_steps` engine steps after `skip_steps` (the batch full, mid-run): the chrome trace
+    into `folder`/trace_<name>.json.gz, and printed: the device kernels by total time, and the GPU's idle time
+    between kernels with the host's top-level work during the longest gaps (what the GPU waited for)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    core = llm.engine.core
+    original_step = core.step
+    path = str(Path(folder, f"trace_{name}.json.gz"))
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=skip_steps, warmup=2, active=num_steps, repeat=1),
+                   on_trace_ready=lambda p: p.export_chrome_trace(path))
+
+    def step():
+        try:
+            return original_step()
+        finally:
+            prof.step()
+
+    core.step = step
+    try:
+        with prof:
+            timed_generate(llm, prompts, params)
+    finally:
+        del core.step
+    print(f"== trace, {name} run: {num_steps} engine steps after {skip_steps}, by device time\n"
+          + prof.key_averages().table(sort_by="self_device_time_total", row_limit=18), flush=True)
+    print(describe_gpu_gaps(path), flush=True)
+
+
+def describe_gpu_gaps(path: str, num_gaps: int = 6) -> str:
+    """From a chrome trace: the window's span, the GPU's busy time, its idle gaps over 20 us (count and sum), and
+    for the longest gaps the host's ranges running meanwhile (the deepest user annotations and Python calls)."""
+    import gzip
+
+    events = json.loads(gzip.open(path).read())["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not kernels:
+        return "no device events in the trace"
+    busy, gaps, end = 0.0, [], kernels[0][0]
+    for start, stop in kernels:
+        if start - end > 20:
+            gaps.append((start - end, end, start))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - kernels[0][0]
+    host = [e for e in events if e.get("cat") in ("python_function", "user_annotation", "cpu_op") and "dur" in e]
+    lines = [f"GPU window {span / 1e3:.2f} ms: busy {busy / 1e3:.2f} ms ({busy / span:.0%}), {len(gaps)} gaps over "
+             f"20 us summing {sum(g[0] for g in gaps) / 1e3:.2f} ms"]
+    for length, start, stop in sorted(gaps, reverse=True)[:num_gaps]:
+        during = [e for e in host if e["ts"] < stop and e["ts"] + e["dur"] > start and e["dur"] < 4 * length + 2000]
+        names = sorted({e["name"][:70] for e in during if e["ts"] + e["dur"] >= start + 0.5 * length} or
+                       {e["name"][:70] for e in during})[:8]
+        lines.append(f"  gap {length:.0f} us: host in {names}")
+    return "\n".join(lines)
+
+
 def section_throughput(schemas: list[dict], model: str, output_len: int, max_model_len: int, dtype: str,
                        profile_dir: str | None = None, kv_cache_space: float | None = None,
-                       num_timed_runs: int = 2) -> None:
+                       num_timed_runs: int = 2, trace_dir: str | None = None) -> None:
     """`num_timed_runs`: of each timed variant but the cold one (the fastest counts)."""
     prompts = make_prompts(schemas)
     llm = LLM(model, load_format="dummy", tokenizer=TOKENIZER, max_model_len=max_model_len, dtype=dtype,
@@ -454,7 +548,7 @@ def section_throughput(schemas: list[dict], model: str, output_len: int, max_mod
     plain = [timed_generate(llm, prompts, SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True))
              for _ in range(num_timed_runs)]
     timer.take()
-    runs[f"unconstrained, {batch} x {output_len}"] = (*min(plain, key=lambda r: r[1]), ([], []))
+    runs[f"unconstrained, {batch} x {output_len}"] = (*min(plain, key=lambda r: r[1]), ([], [], []))
     matched = []
     for _ in range(num_timed_runs):
         out, seconds = timed_generate(llm, prompts, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
@@ -463,10 +557,10 @@ def section_throughput(schemas: list[dict], model: str, output_len: int, max_mod
     runs["unconstrained, structured run's lengths"] = min(matched, key=lambda r: r[1])
 
     rates = {}
-    for name, (outputs, seconds, (records, steps)) in runs.items():
+    for name, (outputs, seconds, (records, steps, gaps)) in runs.items():
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rates[name] = tokens / seconds
-        extra = describe_host(records, steps, seconds)
+        extra = describe_host(records, steps, gaps, seconds)
         note(f"throughput: {name}", f"{tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s" + extra)
     note("throughput: structured output lengths", f"mean {np.mean(lengths):.0f}, p50 {pct(lengths, 50):.0f}, "
          f"max {max(lengths)} tokens (max_tokens {output_len})")
@@ -486,6 +580,11 @@ def section_throughput(schemas: list[dict], model: str, output_len: int, max_mod
                              ("unconstrained", [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
                                                 for n in lengths])):
             profile_run(llm, prompts, params, name, profile_dir)
+    if trace_dir is not None:
+        for name, params in (("structured", structured()),
+                             ("unconstrained", [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
+                                                for n in lengths])):
+            trace_run(llm, prompts, params, name, trace_dir)
     del llm, core, runner, timer
     release()
 
@@ -715,6 +814,9 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--profile", action="store_true",
                         help="throughput: cProfile one more structured and unconstrained run (profile_*.txt in --out)")
+    parser.add_argument("--trace", action="store_true",
+                        help="throughput: torch.profiler over 12 mid-run steps of one more structured and unconstrained"
+                             " run (trace_*.json.gz in --out; GPU idle gaps and the host's work during them printed)")
     parser.add_argument("--matchers", choices=["auto", "process", "in-process"], default="auto",
                         help="throughput: the grammar matchers in a process of their own or in the engine's (auto: "
                              "structured.matchers.use_grammar_process decides: a process on a GPU with >= 4 CPUs)")
@@ -739,7 +841,8 @@ def main() -> int:
                 # seconds to set up), and each variant timed once.
                 section_throughput(schemas, model, output_len, 4096 if args.smoke else 2048,
                                    "float32" if args.smoke else "auto", (args.out or tmp) if args.profile else None,
-                                   kv_cache_space=0.05 if args.smoke else None, num_timed_runs=1 if args.smoke else 2)
+                                   kv_cache_space=0.05 if args.smoke else None, num_timed_runs=1 if args.smoke else 2,
+                                   trace_dir=(args.out or tmp) if args.trace else None)
             elif name == "mask":
                 section_mask(schemas, vocab_size, 3 if args.smoke else 50)
             elif name == "replay":
