@@ -2,7 +2,8 @@
 control characters (U+0000-U+001F) into them, which JSON forbids (structured/grammar.py fixes its grammar).
 Random walks with the real tokenizer, each token drawn uniformly among those the mask allows (what a model
 with dummy weights does): no allowed token ever holds a control character, and every finished output parses
-and validates with jsonschema."""
+and validates with jsonschema. No spec's grammar takes a UTF-16 surrogate (xgrammar 0.2.9 takes their three-byte
+forms, which are not UTF-8: grammar.valid_characters)."""
 
 import json
 import re
@@ -156,3 +157,45 @@ def test_length_bounds_in_data_or_as_names_are_no_bounds():
               "required": ["minLength"], "examples": [{"minLength": -1}]}
     validate(StructuredOutputsParams(json=schema))
     validate(StructuredOutputsParams(json={"enum": [{"minLength": -1}, {"minItems": -5}]}))
+
+
+SURROGATE = b"\xed\xa0\x80"  # U+D800 in UTF-8's three-byte form: not UTF-8 (Python decodes it as three U+FFFD)
+NOT_SURROGATES = ["\ud55c", "\ud7ff", "\ue000", "\U000361dc", "é"]  # U+D55C and U+D7FF share the lead byte ED
+
+
+def test_xgrammar_alone_takes_a_surrogate_into_a_string():
+    """Why grammar.valid_characters leaves the surrogates out; when an xgrammar release does, this fails."""
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_json_schema('{"type": "string", "maxLength": 3}')
+    assert xgr.GrammarMatcher(compiled).accept_string(b'"' + SURROGATE)
+
+
+@pytest.mark.parametrize(("spec", "prefix"), [
+    (StructuredOutputsParams(json={"type": "string"}), b'"a'),
+    (StructuredOutputsParams(json={"type": "string", "maxLength": 3}), b'"'),
+    (StructuredOutputsParams(json={"type": "object", "propertyNames": {"maxLength": 4}}), b'{"'),
+    (StructuredOutputsParams(json_object=True), b'{"'),
+    (StructuredOutputsParams(regex="a.+"), b"a"),
+    (StructuredOutputsParams(regex="[^x]{1,4}"), b""),
+    (StructuredOutputsParams(grammar='root ::= "<" [^>]* ">"'), b"<"),
+    (StructuredOutputsParams(json={"type": "string"}, reasoning_end="</think>"), b'</think>"'),
+])
+def test_no_spec_takes_a_surrogate_and_every_other_character_stays(spec, prefix):
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(build_grammar(spec))
+    assert not xgr.GrammarMatcher(compiled).accept_string(prefix + SURROGATE)
+    for character in NOT_SURROGATES:
+        assert xgr.GrammarMatcher(compiled).accept_string(prefix + character.encode()), character
+
+
+@pytest.mark.parametrize(("printed", "fixed"), [
+    (r"[\0-\U0010ffff]", r"[\u0000-\uD7FF\uE000-\U0010FFFF]"),  # a range across them is split
+    (r"[\ud000-\ud9ff]", r"[\uD000-\uD7FF]"),
+    (r"[a\-z\udc00-\ue001]", r"[\u0061\u002D\u007A\uE000-\uE001]"),  # "\-": the character, no range
+    (r"[^\"\\\r\n]", r"[^\"\\\r\n\uD800-\uDFFF]"),  # a negated class names them
+    (r"[^\0-\U0010ffff]", r"[^\0-\U0010ffff]"),  # already without them
+    (r"[a-z]", r"[a-z]"), (r"[-a]", r"[-a]"),
+    (r'"[\ud000-\udfff]"', r'"[\ud000-\udfff]"'),  # a string literal, not a class
+])
+def test_classes_as_xgrammar_prints_them_lose_the_surrogates(printed, fixed):
+    from tokenmill.structured.grammar import _STRING_OR_CLASS, _class_without_surrogates
+
+    assert _STRING_OR_CLASS.sub(_class_without_surrogates, printed) == fixed

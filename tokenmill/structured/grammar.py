@@ -24,7 +24,7 @@ def build_grammar(params: StructuredOutputsParams):
     grammar = _structure_grammar(params)
     if params.reasoning_end is not None:
         grammar = after_reasoning(grammar, params.reasoning_end)
-    return grammar
+    return valid_characters(grammar, json_strings=params.key[0] in ("json", "json_object", STRUCTURAL_TAG))
 
 
 def after_reasoning(grammar, end: str):
@@ -96,7 +96,7 @@ def json_schema_grammar(text: str, compact: bool = True):
     between items), else any."""
     import xgrammar as xgr
 
-    return _json_string_characters_fixed(xgr.Grammar.from_json_schema(text, any_whitespace=not compact))
+    return xgr.Grammar.from_json_schema(text, any_whitespace=not compact)
 
 
 def _check_json_schema(text: str) -> None:
@@ -118,19 +118,78 @@ def _check_json_schema(text: str) -> None:
 _BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
 _JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
 
+# xgrammar (0.2.9) matches a character class on UTF-8 bytes and takes the three-byte forms of the surrogates
+# U+D800-U+DFFF (ED A0-BF xx), which are not UTF-8: a byte-level tokenizer can spell them, and they decode to
+# three U+FFFD each, so a string the grammar counted as one character longer breaks its maxLength (one output in
+# ~400 with dummy weights, which sample uniformly what the grammar allows). Every class in the grammar's text
+# leaves the surrogates out: a negated class names them, a range across them is split. (Not inside a JSON
+# schema's "pattern", which xgrammar keeps as a Regex(...) it expands itself.)
+_STRING_OR_CLASS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(\^?)((?:[^\]\\]|\\.)*)\]')
+_CLASS_ITEM = re.compile(r'\\U[0-9a-fA-F]{8}|\\u[0-9a-fA-F]{4}|\\x[0-9a-fA-F]{2}|\\.|[^\\]', re.DOTALL)
+_ESCAPES = {"0": 0, "n": 10, "r": 13, "t": 9}
+_SURROGATES = (0xD800, 0xDFFF)
 
-def _json_string_characters_fixed(grammar):
-    """`grammar` without raw control characters in its length-bounded strings (see above)."""
+
+def valid_characters(grammar, json_strings: bool):
+    """`grammar` whose character classes take only UTF-8's characters, and (`json_strings`: a grammar of JSON
+    values) whose length-bounded strings only JSON's (see above)."""
     import xgrammar as xgr
 
     text = str(grammar)
-    if _BOUNDED_STRING_CHARACTER not in text:
+    fixed = text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER) if json_strings else text
+    fixed = _STRING_OR_CLASS.sub(_class_without_surrogates, fixed)
+    if fixed == text:
         return grammar
     try:
-        return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER))
+        return xgr.Grammar.from_ebnf(fixed)
     except RuntimeError:  # xgrammar printed something it cannot parse back: better its grammar than a 400
-        logger.warning("could not exclude control characters from a JSON schema's bounded strings", exc_info=True)
+        logger.warning("could not take invalid characters out of a grammar's classes", exc_info=True)
         return grammar
+
+
+def _class_without_surrogates(match: re.Match) -> str:
+    if match.group(2) is None:  # a string literal
+        return match.group(0)
+    negated, ranges = match.group(1) == "^", _class_ranges(match.group(2))
+    low, high = _SURROGATES
+    if negated:
+        covered = any(first <= low and last >= high for first, last in ranges)
+        return match.group(0) if covered else f"[^{match.group(2)}\\uD800-\\uDFFF]"
+    if not any(first <= high and last >= low for first, last in ranges):
+        return match.group(0)
+    kept = []
+    for first, last in ranges:
+        kept += [(a, b) for a, b in ((first, min(last, low - 1)), (max(first, high + 1), last)) if a <= b]
+    if not kept:
+        return match.group(0)  # only surrogates: a class nothing matches either way
+    return "[" + "".join(_escaped(a) if a == b else f"{_escaped(a)}-{_escaped(b)}" for a, b in kept) + "]"
+
+
+def _class_ranges(body: str) -> list[tuple[int, int]]:
+    """The code point ranges of a class's text as xgrammar prints it (escapes, a-b ranges)."""
+    points = []
+    for item in _CLASS_ITEM.findall(body):
+        if item.startswith(("\\U", "\\u", "\\x")):
+            points.append(int(item[2:], 16))
+        elif item.startswith("\\"):
+            points.append(_ESCAPES.get(item[1], ord(item[1])))
+        else:
+            points.append(None if item == "-" else ord(item))
+    ranges, i = [], 0
+    while i < len(points):
+        if points[i] is None:  # a "-" that joins nothing is the character itself
+            points[i] = ord("-")
+        if i + 2 < len(points) and points[i + 1] is None and points[i + 2] is not None:
+            ranges.append((points[i], points[i + 2]))
+            i += 3
+        else:
+            ranges.append((points[i], points[i]))
+            i += 1
+    return ranges
+
+
+def _escaped(point: int) -> str:
+    return f"\\u{point:04X}" if point <= 0xFFFF else f"\\U{point:08X}"
 
 
 MAX_REMEMBERED = 1024
