@@ -113,10 +113,12 @@ def two_fill_threads(monkeypatch) -> None:
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 @pytest.mark.parametrize("matchers", ["in process", "threaded", "grammar process"])
 @pytest.mark.parametrize("path", ["torch", pytest.param("kernel", marks=pytest.mark.interpret),
-                                  pytest.param("cuda", marks=pytest.mark.gpu)])
+                                  pytest.param("cuda", marks=pytest.mark.gpu),
+                                  pytest.param("cuda-bf16", marks=pytest.mark.gpu)])
 def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, backend, monkeypatch):
     """`kernel`: the Triton kernel's path (kernels/token_bitmask.py), under TRITON_INTERPRET=1 on the CPU;
-    `cuda`: the GPU's (pinned host masks, their non-blocking copy, the kernel). `threaded`: the fills on two
+    `cuda`: the GPU's (pinned host masks, their non-blocking copy on a stream of its own, the kernel); `cuda-bf16`
+    with bfloat16 logits (the kernel for 16-bit logits). `threaded`: the fills on two
     of xgrammar's threads, as a large step's are; `grammar process`: the matchers in their own process, the
     masks through shared memory (pinned on the GPU). `guidance`: rows 0-2 under llguidance (each against a plain
     llguidance matcher), row 3 under xgrammar in the same batch."""
@@ -138,7 +140,7 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, backend, 
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the kernel's path on the CPU needs TRITON_INTERPRET=1")
         monkeypatch.setattr("tokenmill.structured.matchers.use_triton", lambda x: True)
-    if path == "cuda":
+    if path.startswith("cuda"):
         if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
             pytest.skip("needs a CUDA device")
         device = torch.device("cuda")
@@ -169,7 +171,7 @@ def test_batched_masks_are_the_per_row_matchers(setup, path, matchers, backend, 
         constrained = grammar_rows.constrained(rows_array, states)
         assert [rows[i] for i in constrained] == [row for row in rows if row in specs and row != 5]
         counts = 1 + num_drafts
-        logits = torch.randn(int(counts.sum()), width)
+        logits = torch.randn(int(counts.sum()), width).to(torch.bfloat16 if path == "cuda-bf16" else torch.float32)
         expected = logits.clone()
         first = np.cumsum(counts) - counts
         for i in constrained:
