@@ -62,6 +62,10 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     """Lower runs first under the priority policy (vLLM's convention)."""
+    arrival_order: int = 0
+    """Requests the scheduler took before this one: breaks ties of (priority, arrival_time), which requests added
+    together share (an n > 1 request's samples, a caller's batch), so the priority policy's preemption victim is
+    always the request its queue would admit last."""
     cache_salt: str | None = None
     """Isolates this request's prefix-cache entries from requests with another salt."""
 

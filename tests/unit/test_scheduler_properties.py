@@ -293,6 +293,8 @@ class Driver:
                                                 cache_salt=salt, fork_of=fork_of))
             if params.structured_outputs is not None:
                 self.compile_of[sid] = self.compiles.pending[-1]
+            else:  # a reused id: its last request's compile (never finished, if it was aborted) is not this one's
+                self.compile_of.pop(sid, None)
         self.parents.append(sample_ids)
 
     def is_over(self, sample_id: str) -> bool:
@@ -382,6 +384,20 @@ def test_a_forked_request_and_another_on_a_tiny_pool_finish():
     driver.add_prompt(list(range(50, 66)), 1, params)
     driver.add_prompt([1, 2, 3, 4], 2, params)
     driver.drain()
+
+
+def test_two_requests_that_arrived_together_do_not_preempt_each_other_for_ever():
+    """Found by the randomized test: under the priority policy two requests of one priority and arrival time (0 here;
+    an n > 1 request's samples share theirs) on a 4-block pool, one token a step each. The victim was the first of
+    the tie in the running list, the one further on, and the other was re-admitted behind it: each preempted the
+    other in turn, for ever. Ties now go by the order the scheduler took them (Request.arrival_order)."""
+    config = dict(block_size=4, max_model_len=16, num_blocks=4, budget=4, max_num_seqs=2, policy="priority",
+                  caching=False, chunked=True, async_scheduling=False, long_prefill=1)
+    driver = Driver(config)
+    driver.add_prompt(PREFIXES[0], 1, SamplingParams(max_tokens=1))
+    driver.add_prompt(PREFIXES[0], 1, SamplingParams(max_tokens=2))
+    driver.drain()
+    assert driver.scheduler.num_preemptions == 1
 
 
 def test_speculative_runs_stop_exactly_at_eos_and_max_tokens():

@@ -63,29 +63,30 @@ class FCFSQueue(RequestQueue):
 
 class PriorityQueue(RequestQueue):
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
+        self._heap: list[tuple[int, float, int, int, Request]] = []
+        self._counter = itertools.count()  # the last tie-break, for requests no scheduler numbered
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, request.arrival_order, next(self._counter),
+                                    request))
 
     add_preempted = add  # rank already encodes arrival order
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        return self._heap[0][-1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[-1]
 
     def remove(self, request: Request) -> None:
-        self._heap = [entry for entry in self._heap if entry[3] is not request]
+        self._heap = [entry for entry in self._heap if entry[-1] is not request]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
+        return (entry[-1] for entry in sorted(self._heap))
 
 
 def make_request_queue(policy: str) -> RequestQueue:

@@ -22,6 +22,7 @@ own modules and touch it in a few lines at most.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
@@ -65,6 +66,7 @@ class Scheduler:
         self.max_chunk_tokens = config.long_prefill_token_threshold or config.max_num_batched_tokens
         """Most tokens a request computes in one step, its drafts aside (long_prefill_token_threshold)."""
         self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.finished_request_ids: set[str] = set()
@@ -89,6 +91,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.arrival_order = next(self._arrivals)
         self.gate.added(request)
         leader = self.requests.get(request.fork_of) if request.fork_of is not None else None
         if not self.forks.hold(request, leader):
@@ -318,7 +321,8 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            # A tie taken by list order let two requests preempt each other for ever (each re-admitted behind).
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.arrival_order))
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
