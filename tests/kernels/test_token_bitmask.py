@@ -36,6 +36,25 @@ def test_kernel_masks_what_the_reference_masks(device, dtype, num_cols, vocab_si
     assert 0 < int(torch.isinf(expected[4, :vocab_size]).sum()) < vocab_size
 
 
+@interpret
+def test_logits_off_a_pair_boundary_take_the_general_kernel(device):
+    """bfloat16 rows of whole words that start mid-pair (a view one element into its storage) cannot be viewed as
+    int32 pairs: the general kernel masks them."""
+    from tokenmill.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
+
+    generator = torch.Generator().manual_seed(1)
+    storage = torch.randn(1 + 2 * 64, generator=generator).to(torch.bfloat16)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 2), generator=generator, dtype=torch.int64).to(torch.int32)
+    index = torch.tensor([1, 0], dtype=torch.int32)
+    expected = storage[1:].view(2, 64).clone()
+    apply_token_bitmask_ref(expected, bitmask, index, 60)
+    on_device = storage.to(device)
+    got = on_device[1:].view(2, 64)
+    assert got.storage_offset() == 1
+    apply_token_bitmask(got, bitmask.to(device), index.to(device), 60)
+    assert torch.equal(got.cpu(), expected)
+
+
 def test_reference_matches_unpack_bitmask():
     """The reference is the CPU path's arithmetic (structured/matchers.py unpack_bitmask + masked_fill)."""
     pytest.importorskip("triton")

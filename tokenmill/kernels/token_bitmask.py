@@ -77,7 +77,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, index: torc
         return
     assert logits.stride(1) == 1 and bitmask.stride(1) == 1 and bitmask.dtype == torch.int32
     num_cols = logits.shape[1]
-    if logits.dtype in NEG_INF_PAIRS and num_cols % 32 == 0 and logits.stride(0) % 2 == 0:
+    aligned = logits.stride(0) % 2 == 0 and logits.storage_offset() % 2 == 0  # rows of whole int32 pairs
+    if logits.dtype in NEG_INF_PAIRS and num_cols % 32 == 0 and aligned:
         pairs = logits.view(torch.int32)
         grid = (n, triton.cdiv(num_cols // 32, PAIR_WORDS))
         _apply_token_bitmask_pairs[grid](pairs, pairs.stride(0), bitmask, bitmask.stride(0), index, num_cols // 2,
