@@ -264,6 +264,20 @@ def test_bans_that_leave_a_grammar_no_token_end_that_request_with_error(engine, 
     assert (dead.finish_reason, dead.token_ids) == ("error", [])
 
 
+@pytest.mark.parametrize("engine", ["smollm2_llm", "busy_llm"])
+def test_a_grammar_that_allows_no_token_ends_its_request_with_error(engine, request):
+    """After "a" this grammar allows nothing (an empty character class): its all-zero mask left the draw token 0,
+    which the grammar refused, every step to max_tokens ("length"). Its request ends there now, the tokens before
+    kept; the batch's other request is untouched. In the engine's process and in a grammar process."""
+    llm = request.getfixturevalue(engine)
+    dead_end = StructuredOutputsParams(grammar='root ::= "a" [^\\0-\\U0010ffff]')
+    params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=dead_end),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=CHOICES))]
+    stuck, free = (out.outputs[0] for out in llm.chat([ASK] * 2, params, use_tqdm=False))
+    assert (stuck.finish_reason, stuck.text) == ("error", "a")
+    assert free.finish_reason == "stop" and free.text in CHOICES
+
+
 def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm, monkeypatch, unmeasured_step_cost):
     """Speculation on a constrained request: the grammar masks every draft position, and the tokens are
     exactly those of the same request without speculation (its matchers in a grammar process, the plain

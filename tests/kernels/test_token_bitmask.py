@@ -1,5 +1,5 @@
 """The token bitmask kernel against its torch reference: random masks on chosen logits rows, logits wider than
-the grammar's vocabulary and than the bitmask, every float dtype."""
+the grammar's vocabulary and than the bitmask, every float dtype; the rows left with no token flagged."""
 
 import pytest
 import torch
@@ -18,19 +18,26 @@ def test_kernel_masks_what_the_reference_masks(device, dtype, num_cols, vocab_si
     from tokenmill.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
     generator = torch.Generator().manual_seed(0)
-    # 5 logits rows, 3 masked (out of order); the grammar knows fewer tokens than the logits have, the bitmask
+    # 7 logits rows, 5 masked (out of order); the grammar knows fewer tokens than the logits have, the bitmask
     # covers some more (and several programs a row in the larger case).
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=generator, dtype=torch.int64).to(torch.int32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), generator=generator, dtype=torch.int64).to(torch.int32)
     bitmask[1] = -1  # every token allowed: only the columns past the vocabulary are masked
     bitmask[2, 1:3] = 0  # whole words forbidden (the paired kernel does not read them)
     bitmask[2, 3] = -(1 << 31)  # the last token of a word alone (the high half of a pair)
-    index = torch.tensor([4, 0, 2], dtype=torch.int32)
-    logits = torch.randn(5, num_cols, generator=generator).to(dtype)
+    bitmask[3] = 0  # nothing allowed
+    bitmask[4] = 0
+    for token in range(vocab_size, 32 * words):  # only tokens past the vocabulary: nothing left either
+        bitmask[4, token // 32] |= (1 << (token % 32)) - (1 << 32 if token % 32 == 31 else 0)
+    index = torch.tensor([4, 0, 2, 5, 6], dtype=torch.int32)
+    logits = torch.randn(7, num_cols, generator=generator).to(dtype)
     expected = logits.clone()
-    apply_token_bitmask_ref(expected, bitmask, index, vocab_size)
-    got = logits.to(device)
-    apply_token_bitmask(got, bitmask.to(device), index.to(device), vocab_size)
+    expected_empty = torch.tensor([0, 1, 1, 1, 1, 1, 1], dtype=torch.uint8)  # set by the caller on masked rows
+    apply_token_bitmask_ref(expected, bitmask, index, vocab_size, expected_empty)
+    got, empty = logits.to(device), torch.tensor([0, 1, 1, 1, 1, 1, 1], dtype=torch.uint8, device=device)
+    apply_token_bitmask(got, bitmask.to(device), index.to(device), vocab_size, empty)
     assert torch.equal(got.cpu(), expected)
+    assert empty.tolist() == expected_empty.tolist() == [0, 1, 0, 1, 0, 1, 1]
+    assert torch.isinf(expected[5:]).all()
     assert torch.isinf(expected[0, vocab_size:]).all() and not torch.isinf(expected[0, :vocab_size]).any()
     assert not torch.isinf(expected[[1, 3]]).any()  # rows without a mask are untouched
     assert 0 < int(torch.isinf(expected[4, :vocab_size]).sum()) < vocab_size

@@ -16,8 +16,12 @@ the masks), which the runner then launches only at the start of its next step (w
 DeferredSample). In this process the same calls do the work where they are made, after the forward launch.
 
 The masks go into a host buffer (pinned on a GPU; shared memory the grammar process writes into when it is
-used); one non-blocking copy takes the buffer (the logits rows' index and the masks) to the device, and one
-kernel (kernels/token_bitmask.py) writes -inf where a bit is clear. The host buffers are two, used in turn,
+used); one non-blocking copy takes the buffer (the logits rows' index, a byte per logits row set where a mask
+applies, and the masks) to the device, and one kernel (kernels/token_bitmask.py) writes -inf where a bit is
+clear and clears the byte of a row whose mask allows a token. A row whose byte stays set had no token left
+(a grammar in a state no token continues): `apply` returns those bytes for the runner to end such requests as
+it ends those whose bans leave nothing (sample/no_token.py), where the draw would return a token the grammar
+refuses. The host buffers are two, used in turn,
 each refilled only once the copy from it has run: the copy is queued behind the forward pass, so the next
 step may fill before it is done.
 
@@ -114,8 +118,10 @@ class GrammarRows:
         self._active: np.ndarray | None = None  # [rows] bool: the row has a matcher
         self._generation: np.ndarray | None = None  # [rows] the row's generation when its matcher was made
         self._accepted: np.ndarray | None = None  # [rows] output tokens sent to its matcher
-        self._capacity = 0  # masks a buffer holds
-        self._host: list[torch.Tensor] = []  # two int32 [capacity + capacity * words]: logits rows, then masks
+        self._capacity = 0  # masks, and logits rows, a buffer holds
+        # Two int32 [capacity + capacity / 4 + capacity * words]: the masks' logits rows, a byte per logits row
+        # (set: its mask allows nothing, until the kernel sees a token), then the masks.
+        self._host: list[torch.Tensor] = []
         self._host_numpy: list[np.ndarray] = []  # their numpy views (made once: a view costs microseconds a step)
         self._copy_events: list[torch.cuda.Event] | None = None  # one per buffer pair, recorded at each copy
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each buffer pair's last copy
@@ -126,7 +132,8 @@ class GrammarRows:
         self._on_device: list[torch.Tensor] = []
         self._copy_stream: torch.cuda.Stream | None = None
         self._consumed: list[torch.cuda.Event] = []
-        self._started: tuple[torch.Tensor, int, np.ndarray] | None = None  # the step's buffer, masks, logits rows
+        self._started: tuple[torch.Tensor, int, np.ndarray, int] | None = None
+        """The step's buffer, its number of masks, their logits rows, the step's number of logits rows."""
         self._tokens_from: PendingOutput | None = None  # the last step whose tokens send_ready_tokens sent
 
     @property
@@ -243,9 +250,10 @@ class GrammarRows:
         drafts = np.asarray(num_drafts)[chosen]
         starts = np.asarray(first_logit_rows)[chosen]
         num_masks = len(chosen) + int(drafts.sum())
+        num_logit_rows = len(rows) + int(np.asarray(num_drafts).sum())
         # A resumed request's replay, a verifying step's tokens, or any not sent: accepted before the fill.
         moved = self._advance(grammar_rows, states)
-        buffer, index, bitmask = self._host_buffer(num_masks)
+        buffer, index, bitmask = self._host_buffer(num_logit_rows, num_masks)
         if not drafts.any():
             index[:] = starts
             draft_tokens = np.zeros(0, dtype=np.int64)
@@ -255,15 +263,30 @@ class GrammarRows:
             lengths = states.num_tokens[grammar_rows]  # the drafts sit after the row's tokens
             draft_tokens = np.concatenate([states.token_ids[row, length : length + count] for row, length, count
                                            in zip(grammar_rows.tolist(), lengths.tolist(), drafts.tolist())])
-        self._matchers.fill(self._turn, self._capacity, bitmask, grammar_rows, drafts, draft_tokens, accept=moved)
-        self._started = buffer, num_masks, index
+        empty = self._empty_flags(self._host_numpy[self._turn], num_logit_rows)
+        empty[:] = 0
+        empty[index] = 1
+        self._matchers.fill(self._turn, self._masks_at, bitmask, grammar_rows, drafts, draft_tokens, accept=moved)
+        self._started = buffer, num_masks, index, num_logit_rows
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Mask the logits rows of the step `start` began (its masks done first)."""
-        buffer, num_masks, index = self._started
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mask the logits rows of the step `start` began (its masks done first). Returns [logits rows] bool on
+        the logits' device: the rows whose mask allowed no token (the kernel's flags, read by the step's sampler
+        before the buffer's next fill: that fill needs the step's tokens)."""
+        buffer, num_masks, index, num_logit_rows = self._started
         self._started = None
         self._matchers.take()
-        self._apply(logits, buffer, num_masks, index)
+        return self._apply(logits, buffer, num_masks, index, num_logit_rows)
+
+    @property
+    def _masks_at(self) -> int:
+        """Where a buffer's masks begin: after the logits rows and the flags (capacity / 4 words: 64-byte aligned)."""
+        return self._capacity + self._capacity // 4
+
+    def _empty_flags(self, buffer: np.ndarray | torch.Tensor, num_logit_rows: int) -> np.ndarray | torch.Tensor:
+        """A buffer's flag bytes of the step's logits rows (a view: numpy on the host, torch on the device)."""
+        flags = buffer[self._capacity : self._masks_at]
+        return (flags.view(np.uint8) if isinstance(flags, np.ndarray) else flags.view(torch.uint8))[:num_logit_rows]
 
     def close(self) -> None:
         self._matchers.close()
@@ -286,14 +309,15 @@ class GrammarRows:
         self._accepted[grammar_rows] += count
         return grammar_rows, count, tokens
 
-    def _host_buffer(self, num_masks: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    def _host_buffer(self, num_logit_rows: int, num_masks: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         """This step's host buffer, once the copy from its last use has run, with its numpy views: the masks'
-        logits rows (int32) and the masks [num_masks, words]. xgrammar gets the masks as numpy, whose DLPack
-        device is plain CPU: a pinned tensor's is CUDA-host memory, which not every xgrammar release takes."""
-        if num_masks > self._capacity:
-            self._capacity = -(-max(num_masks, 2 * self._capacity) // 64) * 64
+        logits rows (int32) and the masks [num_masks, words]; it holds flags for `num_logit_rows` (>= num_masks).
+        xgrammar gets the masks as numpy, whose DLPack device is plain CPU: a pinned tensor's is CUDA-host memory,
+        which not every xgrammar release takes."""
+        if num_logit_rows > self._capacity:
+            self._capacity = -(-max(num_logit_rows, 2 * self._capacity) // 64) * 64
             pinned = self.device.type == "cuda"
-            size = self._capacity * (1 + self._words)
+            size = self._masks_at + self._capacity * self._words
             # The old buffers are released (a grammar process's shared memory, device memory the copy stream
             # wrote): their copies must have run.
             for event in self._copied:
@@ -313,11 +337,12 @@ class GrammarRows:
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # done in practice: it was queued a step before the last
         host = self._host_numpy[self._turn]
-        bitmask = host[self._capacity : self._capacity + num_masks * self._words]
+        bitmask = host[self._masks_at : self._masks_at + num_masks * self._words]
         return self._host[self._turn], host[:num_masks], bitmask.reshape(num_masks, self._words)
 
-    def _apply(self, logits: torch.Tensor, buffer: torch.Tensor, num_masks: int, host_index: np.ndarray) -> None:
-        end = self._capacity + num_masks * self._words
+    def _apply(self, logits: torch.Tensor, buffer: torch.Tensor, num_masks: int, host_index: np.ndarray,
+               num_logit_rows: int) -> torch.Tensor:
+        end = self._masks_at + num_masks * self._words
         if self._on_device:
             # One copy (rows and masks), without blocking the host; the mask kernel waits for it.
             on_device, copied = self._on_device[self._turn], self._copy_events[self._turn]
@@ -328,19 +353,23 @@ class GrammarRows:
             self._copied[self._turn] = copied
             torch.cuda.current_stream(self.device).wait_event(copied)
             buffer = on_device
-        self._mask_logits(logits, buffer, num_masks, host_index)
+        empty = self._empty_flags(buffer, num_logit_rows)
+        self._mask_logits(logits, buffer, num_masks, host_index, empty)
         if self._on_device:
             self._consumed[self._turn].record()
+        return empty.view(torch.bool)
 
-    def _mask_logits(self, logits: torch.Tensor, buffer: torch.Tensor, num_masks: int, host_index: np.ndarray) -> None:
+    def _mask_logits(self, logits: torch.Tensor, buffer: torch.Tensor, num_masks: int, host_index: np.ndarray,
+                     empty: torch.Tensor) -> None:
         index = buffer[:num_masks]
-        bitmask = buffer[self._capacity : self._capacity + num_masks * self._words].view(num_masks, self._words)
+        bitmask = buffer[self._masks_at : self._masks_at + num_masks * self._words].view(num_masks, self._words)
         if use_triton(logits):
             from tokenmill.kernels.token_bitmask import apply_token_bitmask
 
-            apply_token_bitmask(logits, bitmask, index, self.grammar_vocab_size)
+            apply_token_bitmask(logits, bitmask, index, self.grammar_vocab_size, empty)
         else:
             forbidden = ~unpack_bitmask(bitmask, logits.shape[-1], self.grammar_vocab_size)
+            empty[torch.from_numpy(host_index[~forbidden.all(dim=1).numpy()]).long()] = 0
             if (np.diff(host_index) == 1).all():  # consecutive logits rows (all sampled rows constrained, say)
                 first = int(host_index[0])
                 logits[first : first + num_masks].masked_fill_(forbidden, float("-inf"))  # in place: one pass

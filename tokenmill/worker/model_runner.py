@@ -232,8 +232,7 @@ class ModelRunner:
         """Mask (the grammars' masks begun), sample or verify the drafts, and queue the tokens' way to the host."""
         rows = batch.sampled_rows
         metadata = self.sampling_state.build_metadata(rows, self.states)
-        if constrained:
-            self.grammar_rows.apply(logits)
+        grammar_left_none = self.grammar_rows.apply(logits) if constrained else None  # [logits rows] on the device
         verifying = bool(batch.sampled_num_drafts.any())
         # Each row samples at its last logits row (a verifying row after its drafts' rows).
         last_rows = np.cumsum(1 + batch.sampled_num_drafts) - 1 if verifying else None
@@ -242,12 +241,18 @@ class ModelRunner:
             # Every row's sampled (last) position is checked for a token left, as in a step without drafts: the rows
             # beside the verifying ones may have none (a grammar with bans, bad_words: they never draft).
             none_left = rows_without_token(logits, metadata, logit_rows=last_rows)
+            if grammar_left_none is not None:
+                # A row that drafted samples where its verification stops, not known here: rows without drafts only.
+                undrafted = batch.sampled_num_drafts == 0
+                grammar_left_none = grammar_left_none[self._to_device(last_rows)] & self._to_device(undrafted)
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,
                                                                 self.sampling_state)
         else:
             none_left = rows_without_token(logits, metadata)
             output = self.sampler(logits, metadata)
             tokens = output.token_ids
+        if grammar_left_none is not None:
+            none_left = grammar_left_none if none_left is None else none_left | grammar_left_none
         if self.stage.num_stages > 1:
             share_sampled_tokens(tokens)
         self.sampling_state.record_sampled(rows, output.token_ids, metadata.penalty_rows)

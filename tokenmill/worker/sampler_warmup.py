@@ -71,8 +71,8 @@ def _run_cases(sampler: Sampler, cases: list) -> None:
 
 
 def _run_token_bitmask(logits: torch.Tensor) -> None:
-    """Structured outputs' mask kernel, in the variant structured/matchers.py launches (int32 logits rows and
-    masks, one buffer, the masks 256-byte aligned); every bit set, so it writes nothing."""
+    """Structured outputs' mask kernel, in the variant structured/matchers.py launches (int32 logits rows, flag
+    bytes and masks, one buffer, the masks 64-byte aligned); every bit set, so it writes no logit."""
     from tokenmill.kernels import use_triton
 
     if not use_triton(logits):
@@ -82,10 +82,11 @@ def _run_token_bitmask(logits: torch.Tensor) -> None:
     rows, vocab_size = logits.shape
     words = -(-vocab_size // 32)
     capacity = 64
-    buffer = torch.full((capacity * (1 + words),), -1, dtype=torch.int32, device=logits.device)
+    masks_at = capacity + capacity // 4
+    buffer = torch.full((masks_at + capacity * words,), -1, dtype=torch.int32, device=logits.device)
     buffer[:rows] = torch.arange(rows, dtype=torch.int32, device=logits.device)
-    apply_token_bitmask(logits, buffer[capacity : capacity + rows * words].view(rows, words), buffer[:rows],
-                        vocab_size)
+    apply_token_bitmask(logits, buffer[masks_at : masks_at + rows * words].view(rows, words), buffer[:rows],
+                        vocab_size, buffer[capacity:masks_at].view(torch.uint8)[:rows])
 
 
 def _make_case(params: list[SamplingParams], penalised: bool, vocab_size: int, dtype: torch.dtype,
