@@ -255,8 +255,9 @@ def validate(schemas: list[dict], outputs) -> tuple[int, int, int, list[str]]:
 
 def section_throughput(schemas: list[dict], model: str, output_len: int, max_model_len: int, dtype: str,
                        profile_dir: str | None = None, kv_cache_space: float | None = None,
-                       num_timed_runs: int = 2, trace_dir: str | None = None) -> None:
-    """`num_timed_runs`: of each timed variant but the cold one (the fastest counts)."""
+                       num_timed_runs: int = 2, trace_dir: str | None = None, num_pairs: int = 5) -> None:
+    """`num_pairs`: cached-grammar runs, each followed by an unconstrained run of its output lengths (the median
+    pair's ratio counts); `num_timed_runs`: of the unconstrained run at full length (the fastest counts)."""
     prompts = make_prompts(schemas)
     llm = LLM(model, load_format="dummy", tokenizer=TOKENIZER, max_model_len=max_model_len, dtype=dtype,
               kv_cache_space=kv_cache_space)
@@ -266,7 +267,7 @@ def section_throughput(schemas: list[dict], model: str, output_len: int, max_mod
     where = "in the engine's process" if runner.grammar_rows.in_process else "in a grammar process"
     note("host", f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable by this process; matchers {where}, "
          f"filling {len(schemas)} rows on {fill_threads(len(schemas))} xgrammar threads")
-    timer = GrammarTimer(runner, core, llm.engine)
+    timer = GrammarTimer(runner, core, llm.engine, llm)
     batch = len(schemas)
 
     def structured(temperature: float = 1.0) -> list[SamplingParams]:
@@ -283,23 +284,26 @@ def section_throughput(schemas: list[dict], model: str, output_len: int, max_mod
     runs = {}
     out_cold, seconds = timed_generate(llm, prompts, structured())
     runs["structured, cold grammars"] = (out_cold, seconds, timer.take())
-    cached = []
-    for _ in range(num_timed_runs):
+    # Cached grammars against unconstrained requests of the same output lengths, in pairs run one after the other:
+    # the host's speed drifts between runs (10% and more within a call), so each pair's ratio is taken and the
+    # median pair reported.
+    pairs = []
+    for _ in range(num_pairs):
         out, seconds = timed_generate(llm, prompts, structured())
-        cached.append((out, seconds, timer.take()))
-    runs["structured, cached grammars"] = min(cached, key=lambda r: r[1])
-    out_s = runs["structured, cached grammars"][0]
+        structured_run = out, seconds, timer.take()
+        lengths = [len(o.outputs[0].token_ids) for o in out]
+        out, seconds = timed_generate(llm, prompts, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
+                                                     for n in lengths])
+        pairs.append((structured_run, (out, seconds, timer.take())))
+    ratios = [plain[1] / structured_run[1] for structured_run, plain in pairs]  # same tokens: a ratio of times
+    median_pair = pairs[int(np.argsort(ratios)[len(ratios) // 2])]
+    runs["structured, cached grammars"], runs["unconstrained, structured run's lengths"] = median_pair
+    out_s = median_pair[0][0]
     lengths = [len(o.outputs[0].token_ids) for o in out_s]
     plain = [timed_generate(llm, prompts, SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True))
              for _ in range(num_timed_runs)]
     timer.take()
-    runs[f"unconstrained, {batch} x {output_len}"] = (*min(plain, key=lambda r: r[1]), ([], [], []))
-    matched = []
-    for _ in range(num_timed_runs):
-        out, seconds = timed_generate(llm, prompts, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
-                                                     for n in lengths])
-        matched.append((out, seconds, timer.take()))
-    runs["unconstrained, structured run's lengths"] = min(matched, key=lambda r: r[1])
+    runs[f"unconstrained, {batch} x {output_len}"] = (*min(plain, key=lambda r: r[1]), ([], [], {}))
 
     rates = {}
     for name, (outputs, seconds, (records, steps, gaps)) in runs.items():
@@ -309,14 +313,19 @@ def section_throughput(schemas: list[dict], model: str, output_len: int, max_mod
         note(f"throughput: {name}", f"{tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s" + extra)
     note("throughput: structured output lengths", f"mean {np.mean(lengths):.0f}, p50 {pct(lengths, 50):.0f}, "
          f"max {max(lengths)} tokens (max_tokens {output_len})")
-    like = rates["unconstrained, structured run's lengths"]
     full = rates[f"unconstrained, {batch} x {output_len}"]
-    for name in ("structured, cached grammars", "structured, cold grammars"):
-        note(f"ratio: {name}", f"{rates[name] / like:.3f}x unconstrained on the same lengths, "
-             f"{rates[name] / full:.3f}x unconstrained {batch} x {output_len} (tok/s; target >= 0.95)")
-    for name, outputs in (("cold", out_cold), ("cached", out_s)):
-        stopped, failed, length, why = validate(schemas, outputs)
-        note(f"validate: {name} run", f"{stopped} finished with stop, {failed} of them failed json.loads/jsonschema; "
+    note("ratio: structured, cached grammars", f"{np.median(ratios):.3f}x unconstrained on the same lengths, the "
+         f"median of {len(ratios)} pairs ({', '.join(f'{r:.3f}' for r in ratios)}); "
+         f"{rates['structured, cached grammars'] / full:.3f}x unconstrained {batch} x {output_len} (tok/s; "
+         "target >= 0.95)")
+    like = rates["unconstrained, structured run's lengths"]
+    note("ratio: structured, cold grammars", f"{rates['structured, cold grammars'] / like:.3f}x the median pair's "
+         f"unconstrained run, {rates['structured, cold grammars'] / full:.3f}x unconstrained {batch} x {output_len}")
+    for name, outputs in (("cold run", [out_cold]), (f"cached runs ({len(pairs)})", [p[0][0] for p in pairs])):
+        counts = [validate(schemas, o) for o in outputs]
+        stopped, failed, length = (sum(c[i] for c in counts) for i in range(3))
+        why = [w for c in counts for w in c[3]][:3]
+        note(f"validate: {name}", f"{stopped} finished with stop, {failed} of them failed json.loads/jsonschema; "
              f"{length} cut by max_tokens" + (f"; {' | '.join(why)}" if why else ""))
     DATA["outputs"] = out_s
     timer.close()
@@ -562,6 +571,9 @@ def main() -> int:
     parser.add_argument("--trace", action="store_true",
                         help="throughput: torch.profiler over 12 mid-run steps of one more structured and unconstrained"
                              " run (trace_*.json.gz in --out; GPU idle gaps and the host's work during them printed)")
+    parser.add_argument("--pairs", type=int, default=None,
+                        help="throughput: structured (cached grammars) and unconstrained runs alternated this many "
+                             "times; the median pair's ratio counts (default 5; smoke 2)")
     parser.add_argument("--matchers", choices=["auto", "process", "in-process"], default="auto",
                         help="throughput: the grammar matchers in a process of their own or in the engine's (auto: "
                              "structured.matchers.use_grammar_process decides: a process on a GPU with >= 4 CPUs)")
@@ -587,7 +599,8 @@ def main() -> int:
                 section_throughput(schemas, model, output_len, 4096 if args.smoke else 2048,
                                    "float32" if args.smoke else "auto", (args.out or tmp) if args.profile else None,
                                    kv_cache_space=0.05 if args.smoke else None, num_timed_runs=1 if args.smoke else 2,
-                                   trace_dir=(args.out or tmp) if args.trace else None)
+                                   trace_dir=(args.out or tmp) if args.trace else None,
+                                   num_pairs=args.pairs or (2 if args.smoke else 5))
             elif name == "mask":
                 section_mask(schemas, vocab_size, 3 if args.smoke else 50)
             elif name == "replay":

@@ -1,7 +1,7 @@
 """Probes of a structured-outputs run on the engine (benchmarks/structured_outputs.py's throughput section): the
-engine's host time per step in pieces (GrammarTimer), with, on a GPU, the device's time from each sampler to the
-next forward pass; cProfile of a run (profile_run); torch.profiler over a window of engine steps and the GPU's idle
-gaps in it (trace_run)."""
+engine's host time per step in pieces (GrammarTimer), with, on a GPU, the device's idle gaps around the forward
+pass and the sampler (DEVICE_GAPS); cProfile of a run (profile_run); torch.profiler over a window of engine steps
+and the GPU's idle gaps in it (trace_run)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class GrammarTimer:
     core's wait for the step it updates and the step's wall time. Host time spent waiting shows the GPU was the
     bottleneck; the grammars' time counts fully against throughput only when the host is."""
 
-    def __init__(self, runner, core, engine) -> None:
+    def __init__(self, runner, core, engine, llm: LLM | None = None) -> None:
         from tokenmill.worker.pending_output import PendingOutput
 
         self.records: list[dict] = []  # one per runner step (execute_model)
@@ -68,11 +68,21 @@ class GrammarTimer:
         self._wrap(runner, "_sample", "sample")
         self._wrap(runner, "_finish_sample", "finish sample")  # with a grammar process: in the next step
         self.gpu_marks: list[tuple[str, torch.cuda.Event]] = []
-        """On a GPU: an event queued before each forward pass and after each sampler, for the device's idle time
-        between a step's sampler and the next forward pass (the host late to launch it)."""
+        """On a GPU: events queued around the forward pass (right before the CUDA graph's replay) and the sampler,
+        for the device's idle gaps between them (DEVICE_GAPS: the host late to launch what comes next)."""
         if has_cuda():
-            self._mark_gpu(runner, "_forward", "forward", before=True)
+            for graphs in (runner.cuda_graphs, runner.mixed_cuda_graphs):
+                if graphs is not None:
+                    self._mark_gpu(graphs, "run", "forward", before=True)
+            self._mark_gpu(runner, "_forward", "forward end", before=False)
+            self._mark_gpu(runner, "_finish_sample", "sampling", before=True)
+            if grammar_rows is not None:
+                self._mark_gpu(grammar_rows, "_mask_logits", "masking", before=True)
             self._mark_gpu(runner, "_finish_sample", "sampled", before=False)
+            if llm is not None:  # a run's requests added, and its ends
+                self._mark_gpu(llm, "generate", "run start", before=True)
+                self._mark_gpu(llm, "_run", "steps start", before=True)
+                self._mark_gpu(llm, "generate", "run end", before=False)
         original_result = PendingOutput.result
         timer = self
 
@@ -153,14 +163,23 @@ class GrammarTimer:
         setattr(owner, name, marked)
         self._restore.append(lambda: setattr(owner, name, inner))  # inner may be another wrapper
 
-    def take(self) -> tuple[list[dict], list[dict], list[float]]:
-        """The runner steps' and engine steps' records, and the device's gaps (ms) from each sampler to the next
-        forward pass."""
+    def take(self) -> tuple[list[dict], list[dict], dict[str, list[float]]]:
+        """The runner steps' and engine steps' records, and the device's gaps (ms) by DEVICE_GAPS."""
         sync()
-        marks = self.gpu_marks
-        gaps = [first.elapsed_time(then) for (kind, first), (next_kind, then) in zip(marks, marks[1:])
-                if kind == "sampled" and next_kind == "forward"]
-        taken = self.records, self.steps, gaps
+        # Where the one-token graphs declined a step's layout and the mixed ones took it, two forward marks: the last.
+        following = [kind for kind, _ in self.gpu_marks[1:]] + [""]
+        marks = [(kind, event) for (kind, event), next_kind in zip(self.gpu_marks, following)
+                 if not (kind == "forward" and next_kind == "forward")]
+        gaps = {}
+        for name, (start, end) in DEVICE_GAPS.items():
+            gaps[name], opened = [], None
+            for kind, event in marks:  # from each start mark to the first end mark before the next start
+                if kind == start:
+                    opened = event
+                elif kind == end and opened is not None:
+                    gaps[name].append(opened.elapsed_time(event))
+                    opened = None
+        taken = self.records, self.steps, {name: values for name, values in gaps.items() if values}
         self.records, self.steps, self.gpu_marks[:] = [], [], []
         return taken
 
@@ -169,9 +188,20 @@ class GrammarTimer:
             undo()
 
 
-def describe_host(records: list[dict], steps: list[dict], gaps: list[float], seconds: float) -> str:
+DEVICE_GAPS = {"forward pass": ("forward", "forward end"), "logits + gap -> sampler": ("forward end", "sampling"),
+               "sampler (mask, draw, its idle)": ("sampling", "sampled"),
+               "sampler start -> mask kernel": ("sampling", "masking"), "sampler -> forward": ("sampled", "forward"),
+               "adding the requests": ("run start", "steps start"), "to the first forward": ("steps start", "forward"),
+               "last sampler -> run end": ("sampled", "run end")}
+"""The device's time between two marks (events queued by the host): ~0 where the host queued the second before
+the device got there, else the device idle while the host was late. The forward mark precedes the graph's replay
+(its inputs copied before it); with a grammar process the sampler is launched at the next execute_model, after
+the engine's other host work, and its mask kernel after the wait for the masks."""
+
+
+def describe_host(records: list[dict], steps: list[dict], gaps: dict[str, list[float]], seconds: float) -> str:
     """The grammar's host pieces: medians at the batch's most constrained rows, and totals over the run; the
-    device's gaps between a sampler and the next forward pass."""
+    device's gaps (DEVICE_GAPS)."""
     if not records:
         return ""
     rows = np.array([r["rows"] for r in records])
@@ -195,10 +225,9 @@ def describe_host(records: list[dict], steps: list[dict], gaps: list[float], sec
     if outside:
         text += (f"; outside the core (output processing) median {np.median(outside) * 1e3:.2f} ms (sum "
                  f"{sum(outside) / seconds:.0%})")
-    if gaps:
-        text += (f"; GPU from a sampler to the next forward pass (its inputs' copies, and idle while the host is "
-                 f"late): median {np.median(gaps):.3f} ms, p90 {pct(gaps, 90):.3f}, "
-                 f"sum {sum(gaps) / 1e3 / seconds:.0%}")
+    for name, values in gaps.items():
+        text += (f"; GPU {name}: median {np.median(values):.3f} ms, p90 {pct(values, 90):.3f}, "
+                 f"sum {sum(values) / 1e3 / seconds:.1%} of the run")
     return text
 
 

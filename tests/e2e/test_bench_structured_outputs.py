@@ -17,7 +17,9 @@ def test_smoke_run_writes_every_measurement_and_its_outputs_validate(tmp_path, m
     assert "failed:" not in results["compile: cold, 4 schemas"]
     # Grammars on the tokenizer's vocabulary constrain as on the model's padded one: the same tokens drawn.
     assert results["replay: the same tokens drawn on both vocabularies"] == "True"
-    for run in ("cold", "cached"):
-        line = results[f"validate: {run} run"]
+    # The cached runs alternate with unconstrained ones (2 pairs in smoke mode), each pair's ratio reported.
+    assert re.search(r"the median of 2 pairs \([0-9.]+, [0-9.]+\)", results["ratio: structured, cached grammars"])
+    for run, num_runs in (("cold run", 1), ("cached runs (2)", 2)):
+        line = results[f"validate: {run}"]
         stopped, failed, cut = map(int, re.match(r"(\d+) finished with stop, (\d+) .*; (\d+) cut", line).groups())
-        assert failed == 0 and stopped + cut == 4, line
+        assert failed == 0 and stopped + cut == 4 * num_runs, line
