@@ -58,3 +58,45 @@ def test_a_declared_draft_is_checked_by_its_own_meta_schema():
         check_schema({**draft4, "$schema": "https://json-schema.org/draft/2020-12/schema"})
     with pytest.raises(ValueError, match="True is not of type 'number'"):
         check_schema({key: value for key, value in draft4.items() if key != "$schema"})
+
+
+KEYWORDS = ["type", "minLength", "maxLength", "minimum", "exclusiveMaximum", "multipleOf", "minItems", "required",
+            "enum", "const", "pattern", "format", "properties", "items", "prefixItems", "$defs", "anyOf", "not",
+            "additionalProperties", "dependentRequired", "minContains", "unevaluatedProperties", "$ref", "$anchor"]
+
+
+def schemas():
+    """Schema-like JSON: meta-schema keywords with values of every kind, right and wrong, nested."""
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(st.integers(-3, 3), st.floats(-2, 2, allow_nan=False), st.booleans(), st.none(),
+                     st.sampled_from(["string", "integer", "strin", "#", "#/$defs/a", "^a+$", "date", "a"]))
+
+    def extend(inner):
+        return st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(KEYWORDS + ["a", "b"]), inner,
+                                                                      max_size=4))
+
+    return st.dictionaries(st.sampled_from(KEYWORDS), st.recursive(leaf, extend, max_leaves=12), max_size=5)
+
+
+def test_jsonschema_rs_passes_only_what_jsonschema_passes():
+    """The fast check's verdicts against jsonschema's on random schema-like JSON: a schema jsonschema-rs passes
+    must pass jsonschema too (one it refuses goes to jsonschema, whose verdict counts)."""
+    pytest.importorskip("jsonschema_rs")
+    from hypothesis import given, settings
+
+    from tokenmill.structured.schema_rules import _draft7_with_2019_keywords, _fast_draft7_with_2019_keywords
+
+    slow, fast = _draft7_with_2019_keywords(), _fast_draft7_with_2019_keywords()
+    verdicts = {True: 0, False: 0}
+
+    @settings(max_examples=600, deadline=None)
+    @given(schemas())
+    def check(schema):
+        passed = fast.is_valid(schema)
+        verdicts[passed] += 1
+        if passed:
+            assert slow.is_valid(schema), schema
+
+    check()
+    assert verdicts[True] > 5 and verdicts[False] > 5, verdicts  # both kinds drawn

@@ -223,8 +223,8 @@ def test_a_spec_that_built_is_not_built_again_and_a_bad_one_is_refused_every_tim
     from tokenmill.structured import grammar
 
     builds = []
-    build = grammar.build_grammar
-    monkeypatch.setattr(grammar, "build_grammar", lambda params: builds.append(params) or build(params))
+    build = grammar._build_grammar  # what validate builds with (build_grammar's grammar, and how it came)
+    monkeypatch.setattr(grammar, "_build_grammar", lambda params: builds.append(params) or build(params))
     good = StructuredOutputsParams(regex=r"remembered-[0-9]{3}")
     for _ in range(3):
         grammar.validate(good)

@@ -21,10 +21,16 @@ logger = logging.getLogger(__name__)
 
 def build_grammar(params: StructuredOutputsParams):
     """The xgrammar Grammar of a spec; ValueError naming what is wrong with it."""
+    return _build_grammar(params)[0]
+
+
+def _build_grammar(params: StructuredOutputsParams):
+    """build_grammar's grammar, and whether it was parsed from its text (valid_characters rewrote it)."""
     grammar = _structure_grammar(params)
     if params.reasoning_end is not None:
         grammar = after_reasoning(grammar, params.reasoning_end)
-    return valid_characters(grammar, json_strings=params.key[0] in ("json", "json_object", STRUCTURAL_TAG))
+    fixed = valid_characters(grammar, json_strings=params.key[0] in ("json", "json_object", STRUCTURAL_TAG))
+    return fixed, fixed is not grammar
 
 
 def after_reasoning(grammar, end: str):
@@ -218,9 +224,10 @@ def validate(params: StructuredOutputsParams, backend: str = XGRAMMAR) -> tuple[
         check_guidance(params)
         token_ids = ()
     else:
-        grammar = build_grammar(params)
+        grammar, from_text = _build_grammar(params)
         token_ids = _token_ids(grammar, kind) if kind in (STRUCTURAL_TAG, "grammar") else ()
-        _check_parses_back(grammar, kind)
+        if not from_text:  # else parsed from its text already (valid_characters), as the check would
+            _check_parses_back(grammar, kind)
     with _passed_lock:
         _passed[digest] = chosen, token_ids
         if len(_passed) > MAX_REMEMBERED:

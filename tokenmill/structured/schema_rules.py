@@ -11,6 +11,10 @@ draft 7's meta-schema, one document with plain $refs (~0.6 ms), extended with th
 added, so that subschemas under $defs, prefixItems, dependentSchemas or unevaluated* are checked as well. The
 check is as lenient as draft 7 where the drafts differ (an array of schemas under "items" passes); a schema naming
 draft 4, 6 or 7 gets its own meta-schema.
+
+That check still took ~0.55 ms of the ~1.5 ms the frontend spends on a new schema. jsonschema-rs checks the same
+meta-schema in ~2 us: a schema it passes is valid; one it refuses goes to jsonschema, whose best match names the
+place (and whose verdict counts). Without jsonschema-rs installed, jsonschema checks every schema.
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ def _draft7_with_2019_keywords():
     return jsonschema.Draft7Validator(meta)
 
 
+@functools.cache
+def _fast_draft7_with_2019_keywords():
+    """jsonschema-rs's validator of the same meta-schema, or None where it is not installed."""
+    try:
+        import jsonschema_rs
+    except ImportError:
+        return None
+    # Formats unchecked, as jsonschema checks them without a format checker (draft 7's meta-schema names some).
+    return jsonschema_rs.Draft7Validator(_draft7_with_2019_keywords().schema, validate_formats=False)
+
+
 def _meta_validator(schema):
     import jsonschema
 
@@ -50,8 +65,15 @@ def check_schema(schema) -> None:
     """ValueError naming where `schema` (parsed JSON) breaks JSON Schema's rules."""
     import jsonschema
 
+    validator = _meta_validator(schema)
+    if validator is _draft7_with_2019_keywords() and (fast := _fast_draft7_with_2019_keywords()) is not None:
+        try:
+            if fast.is_valid(schema):
+                return
+        except Exception:  # noqa: BLE001 - whatever it cannot take, jsonschema decides
+            pass
     try:
-        error = jsonschema.exceptions.best_match(_meta_validator(schema).iter_errors(schema))
+        error = jsonschema.exceptions.best_match(validator.iter_errors(schema))
     except RecursionError:  # nested past ~120 levels, which xgrammar builds (and checks) itself
         return
     if error is not None:
