@@ -21,9 +21,8 @@ applies, and the masks) to the device, and one kernel (kernels/token_bitmask.py)
 clear and clears the byte of a row whose mask allows a token. A row whose byte stays set had no token left
 (a grammar in a state no token continues): `apply` returns those bytes for the runner to end such requests as
 it ends those whose bans leave nothing (sample/no_token.py), where the draw would return a token the grammar
-refuses. The host buffers are two, used in turn,
-each refilled only once the copy from it has run: the copy is queued behind the forward pass, so the next
-step may fill before it is done.
+refuses. The host buffers are two, used in turn, each refilled only once the copy from it has run: the copy is
+queued behind the forward pass, so the next step may fill before it is done.
 
 The masks cover the grammars' vocabulary, the tokenizer's (structured/vocab.py), which may be narrower than
 the model's logits: the kernel forbids the ids past it.
