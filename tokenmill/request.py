@@ -38,8 +38,8 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_NO_TOKEN: FinishReason.ERROR,
 }
 
-NO_TOKEN_LEFT = ("no token was left to sample: the request's allowed_token_ids, bad_words, logit_bias and min_tokens "
-                 "together ban every token (with structured outputs: every token its grammar allows) at this point")
+NO_TOKEN_LEFT = ("no token was left to sample: the request's grammar (structured outputs), allowed_token_ids, "
+                 "bad_words, logit_bias and min_tokens together allow no token at this point")
 """Why a request ended with finish_reason "error": only found mid-generation (a grammar's allowed tokens change
 with every token), so it ends there, with the tokens before, rather than emit a token outside its constraints."""
 
