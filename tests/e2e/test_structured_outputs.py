@@ -274,8 +274,34 @@ def test_a_grammar_that_allows_no_token_ends_its_request_with_error(engine, requ
     params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=dead_end),
               SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=CHOICES))]
     stuck, free = (out.outputs[0] for out in llm.chat([ASK] * 2, params, use_tqdm=False))
-    assert (stuck.finish_reason, stuck.text) == ("error", "a")
+    a = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    assert (stuck.finish_reason, stuck.token_ids) == ("error", a)
     assert free.finish_reason == "stop" and free.text in CHOICES
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_drafting_request_whose_grammar_allows_no_token_ends_with_error(smollm2_path, async_scheduling,
+                                                                         unmeasured_step_cost):
+    """The dead-end grammar above on a request that drafts (n-gram drafts from its prompt of "a"s): its mask after
+    "a" allows nothing, so the token a verifying step emits there was drawn from nothing. It ends the request
+    ("error", the tokens before kept), as for a request without drafts; before, drafting rows were not checked and
+    it ran on to max_tokens. The request beside it is untouched."""
+    llm = LLM(smollm2_path, max_model_len=512, kv_cache_space=0.1, dtype="float32", gguf_dequantize=True,
+              async_scheduling=async_scheduling,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    from test_spec_decode import always_draft
+
+    always_draft(llm)
+    a_lot = [{"role": "user", "content": "a a a a a a a a a a a a"}]
+    dead_end = StructuredOutputsParams(grammar='root ::= "a" [^\\0-\\U0010ffff]')
+    params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=dead_end),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=CHOICES))]
+    stuck, free = (out.outputs[0] for out in llm.chat([a_lot, ASK], params, use_tqdm=False))
+    # (Before: [a, 0, ...], token 0 drawn from nothing; its text is empty, so the ids are compared.)
+    a = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    assert (stuck.finish_reason, stuck.token_ids) == ("error", a)
+    assert free.finish_reason == "stop" and free.text in CHOICES
+    assert llm.engine.last_stats.spec_decoding.num_draft_tokens > 0
 
 
 def test_constrained_requests_draft_and_verify_exactly(smollm2_path, smollm2_llm, monkeypatch, unmeasured_step_cost):

@@ -241,18 +241,17 @@ class ModelRunner:
             # Every row's sampled (last) position is checked for a token left, as in a step without drafts: the rows
             # beside the verifying ones may have none (a grammar with bans, bad_words: they never draft).
             none_left = rows_without_token(logits, metadata, logit_rows=last_rows)
-            if grammar_left_none is not None:
-                # A row that drafted samples where its verification stops, not known here: rows without drafts only.
-                undrafted = batch.sampled_num_drafts == 0
-                grammar_left_none = grammar_left_none[self._to_device(last_rows)] & self._to_device(undrafted)
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,
                                                                 self.sampling_state)
+            if grammar_left_none is not None:
+                dead_ends = self._grammar_dead_ends(grammar_left_none, batch, tokens)
+                none_left = dead_ends if none_left is None else none_left.unsqueeze(1) | dead_ends
         else:
             none_left = rows_without_token(logits, metadata)
             output = self.sampler(logits, metadata)
             tokens = output.token_ids
-        if grammar_left_none is not None:
-            none_left = grammar_left_none if none_left is None else none_left | grammar_left_none
+            if grammar_left_none is not None:
+                none_left = grammar_left_none if none_left is None else none_left | grammar_left_none
         if self.stage.num_stages > 1:
             share_sampled_tokens(tokens)
         self.sampling_state.record_sampled(rows, output.token_ids, metadata.penalty_rows)
@@ -272,9 +271,24 @@ class ModelRunner:
             pending.add_next_drafts(*drafted, None if buffers is None else buffers[self._num_launched % 2])
         return pending
 
+    def _grammar_dead_ends(self, left_none: torch.Tensor, batch: InputBatch, verified: VerifiedTokens) -> torch.Tensor:
+        """[rows, columns] bool of a verifying step's emitted tokens: the last token a row emitted where it was drawn
+        from a grammar mask that allowed nothing (`left_none`, per logits row), so that the tokens before it stand
+        and the request ends there. A chain's column j was drawn at the row's logits row j; a tree's columns follow
+        a path through its nodes' rows, so there only rows without drafts (their one column) are checked."""
+        counts = 1 + batch.sampled_num_drafts
+        starts = self._to_device(np.cumsum(counts) - counts)
+        columns = torch.arange(verified.token_ids.shape[1], device=left_none.device)
+        if self.speculative.tree is not None:
+            undrafted = self._to_device(batch.sampled_num_drafts == 0)
+            return (left_none[starts] & undrafted).unsqueeze(1) & (columns == 0)
+        drawn_at = (starts.unsqueeze(1) + columns).clamp(max=len(left_none) - 1)
+        return left_none[drawn_at] & (columns == (verified.num_emitted - 1).unsqueeze(1))
+
     def _pending_output(self, batch: InputBatch, tokens: torch.Tensor | VerifiedTokens, logprobs=None,
                         num_logprobs=None, prompt_logprobs=None, arrival=None, none_left=None) -> PendingOutput:
-        """`none_left`: [n] bool, the rows that had no token to sample (sample/no_token.py): -1 on the host."""
+        """`none_left`: [n] bool, the rows that had no token to sample (sample/no_token.py): -1 on the host (a
+        verifying step's may be [n, columns]: the emitted tokens that were drawn from nothing)."""
         rows = batch.sampled_rows
         positions = self.states.reserve_sampled_tokens(rows)
         # After a verifying step the next one reads every input on the host (execute_model waits for it).

@@ -83,7 +83,8 @@ class PendingOutput:
             self.wait_for_tokens()  # read right here (the next step waits for a verifying step's anyway)
             emitted = self.verified.token_ids
             if none_left is not None:  # such a row verified nothing: its one token is column 0 (only the host's -1)
-                emitted = torch.where(none_left.unsqueeze(1), -1, emitted)
+                # ([n, columns]: the tokens before a marked one stand; the scheduler ends the request at the -1.)
+                emitted = torch.where(none_left.unsqueeze(1) if none_left.dim() == 1 else none_left, -1, emitted)
             # One copy: the counts as column 0, the tokens after them.
             token_ids = torch.cat([self.verified.num_emitted.unsqueeze(1), emitted], dim=1).flatten()
         elif none_left is not None:
