@@ -20,7 +20,7 @@ from tokenmill.distributed.parallel_state import get_pp_stage
 from tokenmill.forward_context import forward_context
 from tokenmill.layers.rotary import long_prompt_flags
 from tokenmill.sample.logprobs import PromptLogprobsCollector
-from tokenmill.sample.no_token import rows_without_token
+from tokenmill.sample.no_token import emitted_from_nothing, rows_without_token
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sample.state import SamplingState
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -244,7 +244,8 @@ class ModelRunner:
             tokens, output = self.speculative.sample_and_verify(logits, batch, metadata, self.states,
                                                                 self.sampling_state)
             if grammar_left_none is not None:
-                dead_ends = self._grammar_dead_ends(grammar_left_none, batch, tokens)
+                dead_ends = emitted_from_nothing(grammar_left_none, batch.sampled_num_drafts, tokens.num_emitted,
+                                                 tokens.token_ids.shape[1], self.speculative.tree is not None)
                 none_left = dead_ends if none_left is None else none_left.unsqueeze(1) | dead_ends
         else:
             none_left = rows_without_token(logits, metadata)
@@ -270,20 +271,6 @@ class ModelRunner:
             buffers = self._draft_buffers
             pending.add_next_drafts(*drafted, None if buffers is None else buffers[self._num_launched % 2])
         return pending
-
-    def _grammar_dead_ends(self, left_none: torch.Tensor, batch: InputBatch, verified: VerifiedTokens) -> torch.Tensor:
-        """[rows, columns] bool of a verifying step's emitted tokens: the last token a row emitted where it was drawn
-        from a grammar mask that allowed nothing (`left_none`, per logits row), so that the tokens before it stand
-        and the request ends there. A chain's column j was drawn at the row's logits row j; a tree's columns follow
-        a path through its nodes' rows, so there only rows without drafts (their one column) are checked."""
-        counts = 1 + batch.sampled_num_drafts
-        starts = self._to_device(np.cumsum(counts) - counts)
-        columns = torch.arange(verified.token_ids.shape[1], device=left_none.device)
-        if self.speculative.tree is not None:
-            undrafted = self._to_device(batch.sampled_num_drafts == 0)
-            return (left_none[starts] & undrafted).unsqueeze(1) & (columns == 0)
-        drawn_at = (starts.unsqueeze(1) + columns).clamp(max=len(left_none) - 1)
-        return left_none[drawn_at] & (columns == (verified.num_emitted - 1).unsqueeze(1))
 
     def _pending_output(self, batch: InputBatch, tokens: torch.Tensor | VerifiedTokens, logprobs=None,
                         num_logprobs=None, prompt_logprobs=None, arrival=None, none_left=None) -> PendingOutput:
