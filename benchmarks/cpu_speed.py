@@ -5,9 +5,9 @@
     /tmp/vllm-cpu-venv/bin/python benchmarks/cpu_speed.py --engine vllm --model /tmp/smollm2-135m-hf \\
         --dtype float32 --batch 64
 
-`--batch` prompts of 128 random token ids (seeded, ids from 3 up), 128 greedy output tokens each
-(ignore_eos), all submitted at once; one short warm-up generate, then `--repeats` timed generates, each
-reported, and their median. Each run draws new prompts: repeating them would hit the prefix cache and
+`--batch` prompts of 128 random token ids (seeded, ids from 3 up), 128 greedy output tokens each (ignore_eos;
+sampled at `--temperature` above 0), all submitted at once; one short warm-up generate, then `--repeats` timed
+generates, each reported, and their median. Each run draws new prompts: repeating them would hit the prefix cache and
 skip the prefill. Run r's prompts are the same for every engine and dtype. The script imports only the
 engine it runs, so it works from vLLM's own venv. vLLM needs a Hugging Face folder: the GGUF dequantized
 to safetensors (BENCHMARKS.md, CPU section, says how).
@@ -43,7 +43,7 @@ def make_engine(args: argparse.Namespace, gguf_dequantize: bool = False):
                   gguf_dequantize=gguf_dequantize, **budget)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=49152)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (unseeded)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokenmill: the step's token budget "
                         "(default: the engine's)")
     parser.add_argument("--dump-tokens", default=None, help="write the first run's output ids here (.npy)")
@@ -94,7 +95,8 @@ def main() -> None:
         is_gguf = args.engine == "tokenmill" and (args.model is None or args.model.endswith(".gguf"))
         gguf = f" gguf={'dequantized' if dequantize else 'kept'}" if is_gguf else ""
         each = ", ".join(f"{r:.1f}" for r in runs)
-        print(f"RESULT engine={args.engine} dtype={args.dtype}{gguf} batch={args.batch}: median "
+        sampled = f" temperature={args.temperature}" if args.temperature else ""
+        print(f"RESULT engine={args.engine} dtype={args.dtype}{gguf}{sampled} batch={args.batch}: median "
               f"{statistics.median(runs):.1f} output tok/s over {len(runs)} runs ({each})")
     if len(modes) > 1:
         speedups = [kept / dense for kept, dense in zip(rates[False], rates[True])]

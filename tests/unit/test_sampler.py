@@ -161,16 +161,28 @@ def test_greedy_rows_ignore_noise_and_seeded_rows_use_their_generator(logits):
     assert first[0] == logits[0].argmax() and torch.equal(first, second)
 
 
-def test_seeded_top_k_draw_does_not_depend_on_the_batch(logits):
+@pytest.mark.parametrize("draw_path", ["C kernel", "torch"])
+def test_seeded_top_k_draw_does_not_depend_on_the_batch(logits, draw_path, monkeypatch):
+    """Alone, a seeded top-k row takes the candidate path; beside a row with a larger top_k too; beside a row
+    without top_k the whole vocabulary's path: the same tokens (the CPU's C draw, and torch's noise without it)."""
+    if draw_path == "torch":
+        monkeypatch.setattr("tokenmill.sample.sampler.draw_applies", lambda logits: False)
     seeded = SamplingParams(temperature=1.0, top_k=5, seed=11)
     wide = SamplingParams(temperature=1.0, top_k=40)
+    whole = SamplingParams(temperature=0.8)
 
-    def draw(params):
-        gens = {0: torch.Generator().manual_seed(5)}
-        return int(Sampler()(logits[: len(params)], build_sampling_metadata(params, gens, VOCAB, CPU)).token_ids[0])
+    def draws(params):
+        meta = build_sampling_metadata(params, {}, VOCAB, CPU)
+        assert meta.top_k_candidates == (0 if whole in params else max(p.top_k for p in params))
+        tokens = []
+        for seed in range(40):
+            meta.generators = {0: torch.Generator().manual_seed(seed)}
+            tokens.append(int(Sampler()(logits[: len(params)], meta).token_ids[0]))
+        return tokens
 
-    alone = [draw([seeded]) for _ in range(3)]
-    assert alone == [draw([seeded, wide, wide]) for _ in range(3)]
+    alone = draws([seeded])
+    assert len(set(alone)) > 2  # the draws differ: the seed decides
+    assert alone == draws([seeded, wide, wide]) == draws([seeded, whole, wide])
 
 
 def test_metadata_routes_rows_to_the_fused_draw_only_when_asked():

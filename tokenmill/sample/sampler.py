@@ -14,7 +14,8 @@ The pipeline, in this fixed order (every stage is skipped when no row uses it):
   5. greedy rows take the argmax here (ties: the lowest token id);
   6. temperature, then min_p, top_k and top_p (top_p renormalises over what min_p and top_k keep);
   7. the draw: on the kernels' path by inverse CDF (one uniform per row against the running sum of the
-     probabilities in token-id order), on torch's as argmax of probs / Exp(1) noise; no host sync.
+     probabilities in token-id order), on the CPU the same in a C kernel (sample/cpu_draw.py), elsewhere on
+     torch's as argmax of probs / Exp(1) noise; no host sync.
 
 Two implementations, one per device kind, with the same distribution:
 - On CUDA with triton, Triton kernels (kernels/): the mask and penalties in one pass that reads each
@@ -28,7 +29,9 @@ Two implementations, one per device kind, with the same distribution:
   depends on nothing else.
 - Elsewhere, torch: when every sampled row has a top_k (up to 1024), on the top-k candidates only (a
   topk, no sort; ties at the k-th value are cut at k), else with one full sort that serves top_k and
-  top_p; seeded rows draw their noise from their own generator, one value per token id on both paths.
+  top_p. On the CPU a seeded row draws its uniform from its own generator, and the candidates are drawn in
+  token-id order, so both paths give the same token (up to float rounding in the sums); without the C kernel,
+  seeded rows draw their noise from their own generator, one value per token id on both paths.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch import nn
 
 from tokenmill.kernels import triton_available
 from tokenmill.sample.cpu_argmax import argmax_applies, argmax_rows
+from tokenmill.sample.cpu_draw import draw_applies, draw_rows
 from tokenmill.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -213,6 +217,8 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         logits = apply_min_p(logits, metadata.min_p)
     if metadata.top_k is not None or metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    if draw_applies(logits):
+        return draw_rows(logits, row_uniforms(logits.shape[0], metadata.generators))
     probs = logits.softmax(dim=-1)
     return (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
 
@@ -234,10 +240,24 @@ def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) ->
         probs = values.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely candidates
         values = values.masked_fill(mass_before >= metadata.top_p.unsqueeze(1), float("-inf"))
+    if draw_applies(values):
+        # In token-id order, as the whole vocabulary's row is drawn: a seeded row's token does not depend on the
+        # path its batch takes.
+        token_ids, order = token_ids.sort(dim=-1)
+        choice = draw_rows(values.gather(1, order), row_uniforms(values.shape[0], metadata.generators))
+        return token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
     probs = values.softmax(dim=-1)
     noise = exponential_noise(probs, metadata.generators, candidate_ids=token_ids, vocab_size=logits.shape[-1])
     choice = (probs / noise).argmax(dim=-1, keepdim=True)
     return token_ids.gather(1, choice).squeeze(1)
+
+
+def row_uniforms(num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """[num_rows] float64 uniforms in [0, 1) for the CPU's draw: a seeded row's from its own generator, one a step."""
+    uniforms = torch.rand(num_rows, dtype=torch.float64)
+    for row, generator in generators.items():
+        uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator)
+    return uniforms
 
 
 def exponential_noise(

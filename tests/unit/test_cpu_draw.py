@@ -1,0 +1,77 @@
+"""sample/cpu_draw.py: the CPU's inverse-CDF draw against float64 references."""
+
+import math
+
+import pytest
+import torch
+
+from tokenmill.sample.cpu_draw import draw_applies, draw_rows, load_kernel
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the CPU draws with torch")
+
+JUST_BELOW_ONE = 1.0 - 2.0**-53
+
+
+def draw(rows: list[list[float]] | torch.Tensor, uniforms: list[float]) -> list[int]:
+    logits = torch.as_tensor(rows, dtype=torch.float32)
+    assert draw_applies(logits)
+    return draw_rows(logits, torch.tensor(uniforms, dtype=torch.float64)).tolist()
+
+
+@pytest.mark.parametrize("z", [0.0, -0.3, -1.0, -5.5, -17.0, -40.25, -63.0, -80.0, -85.9])
+def test_each_weight_is_exp_of_its_logit_within_1e_5(z):
+    """Row [z, 0]: token 0's share of the sum is e^z / (1 + e^z); uniforms 1e-5 (relative) either side of it
+    fall on either token, so the kernel's exp is right to 1e-5 over the whole range it keeps."""
+    boundary = math.exp(z) / (1 + math.exp(z))
+    assert draw([[z, 0.0]] * 2, [boundary * (1 - 1e-5), boundary * (1 + 1e-5)]) == [0, 1]
+
+
+def test_tokens_out_and_tokens_below_exp_minus_86_are_never_drawn():
+    inf = float("inf")
+    row = [-inf, 3.0, -inf, -90.0 + 3.0, 1.0, -inf]
+    assert draw([row] * 3, [0.0, 0.5, JUST_BELOW_ONE]) == [1, 1, 4]
+    assert draw([[-inf] * 3, [float("nan"), 0.0, 1.0]], [0.3, 0.3]) == [0, 0]  # nothing finite; a NaN row
+
+
+def test_draws_are_the_float64_inverse_cdf_of_a_vocabulary_row_up_to_rounding():
+    generator = torch.Generator().manual_seed(0)
+    row = torch.randn(49152, generator=generator) * 4
+    row[torch.randperm(49152, generator=generator)[:20000]] = float("-inf")
+    uniforms = torch.rand(3000, dtype=torch.float64, generator=generator)
+    tokens = torch.tensor(draw(row.expand(3000, -1), uniforms.tolist()))
+    weights = torch.exp(row.double() - row.max())
+    cdf = weights.cumsum(0) / weights.sum()
+    expected = torch.searchsorted(cdf, uniforms, right=True)
+    assert torch.isfinite(row[tokens]).all()
+    differ = tokens != expected
+    assert differ.sum() <= 3
+    # Where they differ the uniform sits on a boundary of the reference's CDF (float32 weights: ~1e-7 of each).
+    assert ((cdf[torch.minimum(tokens, expected)[differ]] - uniforms[differ]).abs() < 1e-6).all()
+
+
+def test_frequencies_follow_the_softmax():
+    torch.manual_seed(7)
+    row = torch.tensor([2.0, 1.5, -1.0, float("-inf"), 0.0, 3.0, -6.0, 2.9])
+    num = 60000
+    tokens = torch.tensor(draw(row.expand(num, -1), torch.rand(num, dtype=torch.float64).tolist()))
+    counts = torch.bincount(tokens, minlength=len(row)).double()
+    probs = row.double().softmax(0)
+    assert counts[3] == 0
+    keep = probs > 0
+    chi_square = float(((counts[keep] - num * probs[keep]) ** 2 / (num * probs[keep])).sum())
+    assert chi_square < 24.3  # 99.95th percentile of chi-square with 6 degrees of freedom
+
+
+def test_rows_over_threads_draw_as_rows_on_one_thread():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(37, 3000, generator=generator)[:, :2500]  # rows `stride` apart, not contiguous
+    uniforms = torch.rand(37, dtype=torch.float64, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = draw_rows(logits, uniforms)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(draw_rows(logits, uniforms), one)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, torch.stack([draw_rows(logits[i : i + 1], uniforms[i : i + 1])[0] for i in range(37)]))
