@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tokenmill.sample.cpu_draw import draw_applies, draw_rows, load_kernel
+from tokenmill.sample.cpu_draw import MAX_DRAWS, draw_applies, draw_rows, load_kernel, row_uniforms
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the CPU draws with torch")
 
@@ -75,3 +75,47 @@ def test_rows_over_threads_draw_as_rows_on_one_thread():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, torch.stack([draw_rows(logits[i : i + 1], uniforms[i : i + 1])[0] for i in range(37)]))
+
+
+def top_p_reference(row: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> int:
+    """The Triton kernels' top-p rule in float64: a draw whose strictly more likely tokens hold top_p of the mass or
+    more is redrawn among them with the next uniform."""
+    weights = torch.exp(row.double() - row.max())
+    total = weights.sum()
+
+    def inverse_cdf(w, u):
+        return int(torch.searchsorted(w.cumsum(0), u * w.sum(), right=True))
+
+    token = inverse_cdf(weights, uniforms[0])
+    for k in range(1, MAX_DRAWS + 1):
+        above = weights * (weights > weights[token])
+        if above.sum() < top_p * total:
+            return token
+        token = inverse_cdf(above, uniforms[k])
+    return int(weights.argmax())
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.5, 0.05])
+def test_top_p_draws_are_the_rejection_rule_of_the_gpu_kernels(top_p):
+    generator = torch.Generator().manual_seed(2)
+    row = torch.randn(5000, generator=generator) * 2
+    row[:1000] = float("-inf")
+    num = 1500
+    uniforms = torch.rand(num, 1 + MAX_DRAWS, dtype=torch.float64, generator=generator)
+    tokens = draw_rows(row.expand(num, -1).contiguous(), uniforms, torch.full((num,), top_p))
+    expected = torch.tensor([top_p_reference(row, uniforms[i], top_p) for i in range(num)])
+    assert (tokens != expected).sum() <= 3
+    # Every token drawn is in the nucleus: the tokens more likely than it hold less than top_p.
+    probs = row.double().softmax(0)
+    assert all(float(probs[probs > probs[t]].sum()) < top_p for t in tokens.tolist())
+
+
+def test_a_seeded_rows_uniforms_are_its_own_generators_as_many_as_its_draw_reads():
+    top_p = torch.tensor([1.0, 0.9, 1.0])
+    uniforms = row_uniforms(3, {0: torch.Generator().manual_seed(4), 1: torch.Generator().manual_seed(4)}, top_p)
+    assert uniforms.shape == (3, 1 + MAX_DRAWS)
+    assert uniforms[0, 0] == torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(4))[0]
+    assert torch.equal(uniforms[1], torch.rand(1 + MAX_DRAWS, dtype=torch.float64,
+                                               generator=torch.Generator().manual_seed(4)))
+    # Alone (no top_p in the batch) the first row reads the same one uniform.
+    assert row_uniforms(1, {0: torch.Generator().manual_seed(4)}, None)[0, 0] == uniforms[0, 0]

@@ -50,47 +50,73 @@ static inline float weight(float z) {
     return p * scale.f;
 }
 
-/* The sum of w[0..n) in float64, over 8 lanes (vectorized). */
-static double lane_sum(const float *w, int64_t n) {
+/* The sum of the weights above `floor` in w[0..n), in float64 over 8 lanes (vectorized). */
+static double sum_above(const float *w, int64_t n, float floor) {
     double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t j = 0;
     for (; j + 8 <= n; j += 8)
-        for (int k = 0; k < 8; k++) lanes[k] += w[j + k];
+        for (int k = 0; k < 8; k++) lanes[k] += w[j + k] * (float)(w[j + k] > floor);  /* no select: it vectorizes */
     double sum = 0.0;
-    for (; j < n; j++) sum += w[j];
+    for (; j < n; j++) sum += w[j] > floor ? w[j] : 0.0f;
     for (int k = 0; k < 8; k++) sum += lanes[k];
     return sum;
 }
 
 #define BLOCK 256
 
-static int64_t draw_row(const float *x, int64_t n, float top, double u, float *w) {
-    for (int64_t j = 0; j < n; j++) w[j] = weight(x[j] - top);
-    const double target = u * lane_sum(w, n);
-    if (!(target >= 0.0)) return 0;  /* no finite logit (a NaN top: every weight 0) */
-    /* Whole blocks while the running sum stays at or below the target, then token by token. */
+/* The token where the running sum of the weights above `floor` passes `target`: whole blocks while it stays at or
+   below, then token by token; -1 if there is no such weight. */
+static int64_t inverse_cdf(const float *w, int64_t n, float floor, double target) {
     double sum = 0.0;
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t size = n - start < BLOCK ? n - start : BLOCK;
-        const double block = lane_sum(w + start, size);
+        const double block = sum_above(w + start, size, floor);
         if (sum + block <= target) {
             sum += block;
             continue;
         }
         for (int64_t j = start; j < start + size; j++) {
-            sum += w[j];
-            if (w[j] > 0.0f && sum > target) return j;
+            if (w[j] > floor && w[j] > 0.0f) {
+                sum += w[j];
+                if (sum > target) return j;
+            }
         }
     }
-    for (int64_t j = n - 1; j > 0; j--)  /* the sums' rounding left the target above them: the last token in */
-        if (w[j] > 0.0f) return j;
-    return 0;
+    for (int64_t j = n - 1; j >= 0; j--)  /* the sums' rounding left the target above them: the last token in */
+        if (w[j] > floor && w[j] > 0.0f) return j;
+    return -1;
 }
 
-/* out[r]: the token drawn in row r of x (rows x n floats, `stride` apart; top[r] its largest value) with uniform
-   u[r] in [0, 1); `scratch`: n floats per thread. */
-void draw_rows(int64_t *out, const float *x, const float *top, const double *u, int64_t rows, int64_t n,
-               int64_t stride, float *scratch, int num_threads) {
+/* One row: a draw by inverse CDF with u[0]; with top_p < 1, rejection rounds as the Triton kernels' (a draw whose
+   strictly more likely tokens hold top_p of the mass or more is outside the nucleus, as is every token at most as
+   likely: redraw among those above it with the next uniform), at most `max_draws` redraws, then the argmax. */
+static int64_t draw_row(const float *x, int64_t n, float top, const double *u, float top_p, int max_draws,
+                        float *w) {
+    for (int64_t j = 0; j < n; j++) w[j] = weight(x[j] - top);
+    const double total = sum_above(w, n, -1.0f);
+    int64_t token = total > 0.0 ? inverse_cdf(w, n, -1.0f, u[0] * total) : -1;
+    if (token < 0) return 0;  /* no finite logit (a NaN top: every weight 0) */
+    for (int k = 1; top_p < 1.0f; k++) {
+        const double above = sum_above(w, n, w[token]);
+        if (above < (double)top_p * total) return token;
+        if (k > max_draws) {
+            int64_t best = 0;
+            for (int64_t j = 1; j < n; j++) best = w[j] > w[best] ? j : best;
+            return best;
+        }
+        const int64_t redrawn = inverse_cdf(w, n, w[token], u[k] * above);
+        if (redrawn < 0) return token;  /* nothing above it after all (rounding) */
+        token = redrawn;
+    }
+    return token;
+}
+
+/* out[r]: the token drawn in row r of x (rows x n floats, `stride` apart; top[r] its largest value) with the
+   uniforms u[r * u_stride ...] in [0, 1) (1 + max_draws of them where top_p[r] < 1; top_p NULL: none);
+   `scratch`: n floats per thread. */
+void draw_rows(int64_t *out, const float *x, const float *top, const double *u, int64_t u_stride,
+               const float *top_p, int max_draws, int64_t rows, int64_t n, int64_t stride, float *scratch,
+               int num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) if (num_threads > 1 && rows > 1)")
     for (int64_t r = 0; r < rows; r++) {
 #ifdef _OPENMP
@@ -98,10 +124,15 @@ void draw_rows(int64_t *out, const float *x, const float *top, const double *u, 
 #else
         const int thread = 0;
 #endif
-        out[r] = draw_row(x + r * stride, n, top[r], u[r], scratch + (int64_t)thread * n);
+        out[r] = draw_row(x + r * stride, n, top[r], u + r * u_stride, top_p ? top_p[r] : 1.0f, max_draws,
+                          scratch + (int64_t)thread * n);
     }
 }
 """
+
+
+MAX_DRAWS = 64
+"""Top-p redraws before the argmax is taken (as kernels/sampling.py's MAX_DRAWS)."""
 
 
 @functools.cache
@@ -110,7 +141,8 @@ def load_kernel() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.draw_rows.restype = None
-    lib.draw_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+    lib.draw_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                              + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int])
     return lib
 
 
@@ -119,15 +151,38 @@ def draw_applies(logits: torch.Tensor) -> bool:
             and logits.stride(1) == 1 and logits.shape[1] > 0 and load_kernel() is not None)
 
 
-def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """[rows] int64: each row's token drawn by inverse CDF with its uniform (`uniforms` [rows] float64 in [0, 1));
-    `logits` [rows, n] float32, temperature-scaled, -inf where a token is out. Check draw_applies() first."""
+def uniforms_per_row(top_p: torch.Tensor | None) -> list[int]:
+    """How many uniforms each row's draw may read: 1, or 1 + MAX_DRAWS with top_p below 1."""
+    if top_p is None:
+        return []
+    return [1 + MAX_DRAWS if p < 1 else 1 for p in top_p.tolist()]
+
+
+def row_uniforms(num_rows: int, generators: dict[int, torch.Generator], top_p: torch.Tensor | None) -> torch.Tensor:
+    """[num_rows, 1 or 1 + MAX_DRAWS] float64 uniforms in [0, 1) for `draw_rows`. A seeded row's come from its own
+    generator, as many as its own draw may read, so that its tokens do not depend on the rest of the batch."""
+    width = 1 if top_p is None else 1 + MAX_DRAWS
+    uniforms = torch.rand(num_rows, width, dtype=torch.float64)
+    counts = uniforms_per_row(top_p)
+    for row, generator in generators.items():
+        count = counts[row] if counts else 1
+        uniforms[row, :count] = torch.rand(count, dtype=torch.float64, generator=generator)
+    return uniforms
+
+
+def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor, top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows] int64: each row's token drawn by inverse CDF (`uniforms` [rows, 1 or more] float64 in [0, 1), one per
+    draw: `row_uniforms`), within its top-p nucleus if `top_p` [rows] is given (1: the whole row). `logits`
+    [rows, n] float32, temperature-scaled, -inf where a token is out. Check draw_applies() first."""
     rows, n = logits.shape
-    uniforms = uniforms.to(torch.float64).contiguous()
+    uniforms = uniforms.to(torch.float64).reshape(rows, -1).contiguous()
+    assert top_p is None or uniforms.shape[1] == 1 + MAX_DRAWS, "top-p draws need 1 + MAX_DRAWS uniforms a row"
     top = logits.amax(dim=-1)  # NaN where the row has one: every weight is then 0 (token 0)
+    top_p = None if top_p is None else top_p.to(torch.float32).contiguous()
     num_threads = min(torch.get_num_threads(), max(rows, 1))
     scratch = torch.empty(num_threads * n, dtype=torch.float32)
     out = torch.empty(rows, dtype=torch.int64)
-    load_kernel().draw_rows(out.data_ptr(), logits.data_ptr(), top.data_ptr(), uniforms.data_ptr(), rows, n,
-                            logits.stride(0), scratch.data_ptr(), num_threads)
+    load_kernel().draw_rows(out.data_ptr(), logits.data_ptr(), top.data_ptr(), uniforms.data_ptr(), uniforms.stride(0),
+                            None if top_p is None else top_p.data_ptr(), MAX_DRAWS, rows, n, logits.stride(0),
+                            scratch.data_ptr(), num_threads)
     return out

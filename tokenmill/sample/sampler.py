@@ -44,7 +44,7 @@ from torch import nn
 
 from tokenmill.kernels import triton_available
 from tokenmill.sample.cpu_argmax import argmax_applies, argmax_rows
-from tokenmill.sample.cpu_draw import draw_applies, draw_rows
+from tokenmill.sample.cpu_draw import draw_applies, draw_rows, row_uniforms
 from tokenmill.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -215,10 +215,13 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     logits = logits.float() / metadata.temperature.unsqueeze(1)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
+    if draw_applies(logits):  # top_p by rejection rounds in the draw: no sort
+        if metadata.top_k is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, None)
+        uniforms = row_uniforms(logits.shape[0], metadata.generators, metadata.top_p)
+        return draw_rows(logits, uniforms, metadata.top_p)
     if metadata.top_k is not None or metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    if draw_applies(logits):
-        return draw_rows(logits, row_uniforms(logits.shape[0], metadata.generators))
     probs = logits.softmax(dim=-1)
     return (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
 
@@ -236,28 +239,21 @@ def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) ->
     if metadata.min_p is not None:
         # p / p_max < min_p  <=>  logit < max_logit + log(min_p)
         values = values.masked_fill(values < values[:, :1] + metadata.min_p.log().unsqueeze(1), float("-inf"))
+    if draw_applies(values):
+        # In token-id order and with top_p in the draw, as the whole vocabulary's row is drawn: a seeded row's
+        # token does not depend on the path its batch takes.
+        token_ids, order = token_ids.sort(dim=-1)
+        uniforms = row_uniforms(values.shape[0], metadata.generators, metadata.top_p)
+        choice = draw_rows(values.gather(1, order), uniforms, metadata.top_p)
+        return token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
     if metadata.top_p is not None:
         probs = values.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely candidates
         values = values.masked_fill(mass_before >= metadata.top_p.unsqueeze(1), float("-inf"))
-    if draw_applies(values):
-        # In token-id order, as the whole vocabulary's row is drawn: a seeded row's token does not depend on the
-        # path its batch takes.
-        token_ids, order = token_ids.sort(dim=-1)
-        choice = draw_rows(values.gather(1, order), row_uniforms(values.shape[0], metadata.generators))
-        return token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
     probs = values.softmax(dim=-1)
     noise = exponential_noise(probs, metadata.generators, candidate_ids=token_ids, vocab_size=logits.shape[-1])
     choice = (probs / noise).argmax(dim=-1, keepdim=True)
     return token_ids.gather(1, choice).squeeze(1)
-
-
-def row_uniforms(num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """[num_rows] float64 uniforms in [0, 1) for the CPU's draw: a seeded row's from its own generator, one a step."""
-    uniforms = torch.rand(num_rows, dtype=torch.float64)
-    for row, generator in generators.items():
-        uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator)
-    return uniforms
 
 
 def exponential_noise(
