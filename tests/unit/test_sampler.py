@@ -44,6 +44,14 @@ def test_top_k_matches_transformers(logits, top_k):
     same_mask(ours, TopKLogitsWarper(top_k)(None, logits.clone()))
 
 
+def test_top_k_beside_rows_without_it_matches_transformers(logits):
+    """Rows without top_k (theirs is the vocabulary) stay whole and are not sorted; the others as transformers."""
+    ours = apply_top_k_top_p(logits, torch.tensor([VOCAB, 3, VOCAB, 7]), None)
+    assert torch.equal(ours[[0, 2]], logits[[0, 2]])
+    for row, top_k in ((1, 3), (3, 7)):
+        same_mask(ours[row : row + 1], TopKLogitsWarper(top_k)(None, logits[row : row + 1].clone()))
+
+
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9])
 def test_top_p_matches_transformers(logits, top_p):
     ours = apply_top_k_top_p(logits, None, torch.full((4,), top_p))
