@@ -33,6 +33,13 @@ def test_tokens_out_and_tokens_below_exp_minus_86_are_never_drawn():
     assert draw([[-inf] * 3, [float("nan"), 0.0, 1.0]], [0.3, 0.3]) == [0, 0]  # nothing finite; a NaN row
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_most_likely():
+    row = torch.tensor([math.log(p) for p in (0.02, 0.5, 0.049, 0.25, 0.051, 0.13)])
+    uniforms = torch.arange(400, dtype=torch.float64) / 400
+    tokens = draw_rows(row.expand(400, -1).contiguous(), uniforms, min_p=torch.full((400,), 0.1))
+    assert set(tokens.tolist()) == {1, 3, 4, 5}  # 0.051 / 0.5 >= 0.1 > 0.049 / 0.5
+
+
 def test_draws_are_the_float64_inverse_cdf_of_a_vocabulary_row_up_to_rounding():
     generator = torch.Generator().manual_seed(0)
     row = torch.randn(49152, generator=generator) * 4

@@ -169,16 +169,16 @@ def test_greedy_rows_ignore_noise_and_seeded_rows_use_their_generator(logits):
     assert first[0] == logits[0].argmax() and torch.equal(first, second)
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.7])
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9, "min_p": 0.02}], ids=["top_k", "top_k-top_p-min_p"])
 @pytest.mark.parametrize("draw_path", ["C kernel", "torch"])
-def test_seeded_top_k_draw_does_not_depend_on_the_batch(logits, draw_path, top_p, monkeypatch):
+def test_seeded_top_k_draw_does_not_depend_on_the_batch(logits, draw_path, filters, monkeypatch):
     """Alone, a seeded top-k row takes the candidate path; beside a row with a larger top_k too; beside a row
     without top_k the whole vocabulary's path: the same tokens (the CPU's C draw, and torch's noise without it)."""
     if draw_path == "torch":
         monkeypatch.setattr("tokenmill.sample.sampler.draw_applies", lambda logits: False)
-        if top_p < 1:
+        if filters:
             pytest.skip("torch's paths apply top_p differently (a cumsum over the candidates, a sort of the row)")
-    seeded = SamplingParams(temperature=1.0, top_k=5, top_p=top_p, seed=11)
+    seeded = SamplingParams(temperature=1.0, top_k=5, seed=11, **filters)
     wide = SamplingParams(temperature=1.0, top_k=40)
     whole = SamplingParams(temperature=0.8)
 

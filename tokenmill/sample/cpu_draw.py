@@ -87,12 +87,15 @@ static int64_t inverse_cdf(const float *w, int64_t n, float floor, double target
     return -1;
 }
 
-/* One row: a draw by inverse CDF with u[0]; with top_p < 1, rejection rounds as the Triton kernels' (a draw whose
-   strictly more likely tokens hold top_p of the mass or more is outside the nucleus, as is every token at most as
-   likely: redraw among those above it with the next uniform), at most `max_draws` redraws, then the argmax. */
-static int64_t draw_row(const float *x, int64_t n, float top, const double *u, float top_p, int max_draws,
-                        float *w) {
+/* One row: min_p, then a draw by inverse CDF with u[0]; with top_p < 1, rejection rounds as the Triton kernels'
+   (a draw whose strictly more likely tokens hold top_p of the mass or more is outside the nucleus, as is every token
+   at most as likely: redraw among those above it with the next uniform), at most `max_draws` redraws, then the
+   argmax. */
+static int64_t draw_row(const float *x, int64_t n, float top, const double *u, float min_p, float top_p,
+                        int max_draws, float *w) {
     for (int64_t j = 0; j < n; j++) w[j] = weight(x[j] - top);
+    if (min_p > 0.0f)  /* out below min_p times the largest probability (whose weight is 1) */
+        for (int64_t j = 0; j < n; j++) w[j] = w[j] >= min_p ? w[j] : 0.0f;
     const double total = sum_above(w, n, -1.0f);
     int64_t token = total > 0.0 ? inverse_cdf(w, n, -1.0f, u[0] * total) : -1;
     if (token < 0) return 0;  /* no finite logit (a NaN top: every weight 0) */
@@ -112,11 +115,11 @@ static int64_t draw_row(const float *x, int64_t n, float top, const double *u, f
 }
 
 /* out[r]: the token drawn in row r of x (rows x n floats, `stride` apart; top[r] its largest value) with the
-   uniforms u[r * u_stride ...] in [0, 1) (1 + max_draws of them where top_p[r] < 1; top_p NULL: none);
+   uniforms u[r * u_stride ...] in [0, 1) (1 + max_draws of them where top_p[r] < 1); min_p, top_p: NULL for none;
    `scratch`: n floats per thread. */
 void draw_rows(int64_t *out, const float *x, const float *top, const double *u, int64_t u_stride,
-               const float *top_p, int max_draws, int64_t rows, int64_t n, int64_t stride, float *scratch,
-               int num_threads) {
+               const float *min_p, const float *top_p, int max_draws, int64_t rows, int64_t n, int64_t stride,
+               float *scratch, int num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) if (num_threads > 1 && rows > 1)")
     for (int64_t r = 0; r < rows; r++) {
 #ifdef _OPENMP
@@ -124,8 +127,8 @@ void draw_rows(int64_t *out, const float *x, const float *top, const double *u, 
 #else
         const int thread = 0;
 #endif
-        out[r] = draw_row(x + r * stride, n, top[r], u + r * u_stride, top_p ? top_p[r] : 1.0f, max_draws,
-                          scratch + (int64_t)thread * n);
+        out[r] = draw_row(x + r * stride, n, top[r], u + r * u_stride, min_p ? min_p[r] : 0.0f,
+                          top_p ? top_p[r] : 1.0f, max_draws, scratch + (int64_t)thread * n);
     }
 }
 """
@@ -141,7 +144,7 @@ def load_kernel() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.draw_rows.restype = None
-    lib.draw_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.draw_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                               + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int])
     return lib
 
@@ -170,19 +173,21 @@ def row_uniforms(num_rows: int, generators: dict[int, torch.Generator], top_p: t
     return uniforms
 
 
-def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor, top_p: torch.Tensor | None = None) -> torch.Tensor:
+def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor, top_p: torch.Tensor | None = None,
+              min_p: torch.Tensor | None = None) -> torch.Tensor:
     """[rows] int64: each row's token drawn by inverse CDF (`uniforms` [rows, 1 or more] float64 in [0, 1), one per
-    draw: `row_uniforms`), within its top-p nucleus if `top_p` [rows] is given (1: the whole row). `logits`
-    [rows, n] float32, temperature-scaled, -inf where a token is out. Check draw_applies() first."""
+    draw: `row_uniforms`), among the tokens at least `min_p` [rows] times as likely as its most likely (0: all), and
+    within its top-p nucleus of those if `top_p` [rows] is given (1: the whole row). `logits` [rows, n] float32,
+    temperature-scaled, -inf where a token is out. Check draw_applies() first."""
     rows, n = logits.shape
     uniforms = uniforms.to(torch.float64).reshape(rows, -1).contiguous()
     assert top_p is None or uniforms.shape[1] == 1 + MAX_DRAWS, "top-p draws need 1 + MAX_DRAWS uniforms a row"
     top = logits.amax(dim=-1)  # NaN where the row has one: every weight is then 0 (token 0)
-    top_p = None if top_p is None else top_p.to(torch.float32).contiguous()
+    top_p, min_p = (None if p is None else p.to(torch.float32).contiguous() for p in (top_p, min_p))
     num_threads = min(torch.get_num_threads(), max(rows, 1))
     scratch = torch.empty(num_threads * n, dtype=torch.float32)
     out = torch.empty(rows, dtype=torch.int64)
     load_kernel().draw_rows(out.data_ptr(), logits.data_ptr(), top.data_ptr(), uniforms.data_ptr(), uniforms.stride(0),
-                            None if top_p is None else top_p.data_ptr(), MAX_DRAWS, rows, n, logits.stride(0),
-                            scratch.data_ptr(), num_threads)
+                            *(None if p is None else p.data_ptr() for p in (min_p, top_p)), MAX_DRAWS, rows, n,
+                            logits.stride(0), scratch.data_ptr(), num_threads)
     return out

@@ -213,13 +213,13 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.top_k_candidates:
         return sample_top_k_candidates(logits, metadata)
     logits = logits.float() / metadata.temperature.unsqueeze(1)
-    if metadata.min_p is not None:
-        logits = apply_min_p(logits, metadata.min_p)
-    if draw_applies(logits):  # top_p by rejection rounds in the draw: no sort
+    if draw_applies(logits):  # min_p and top_p in the draw (top_p by rejection rounds: no sort)
         if metadata.top_k is not None:
             logits = apply_top_k_top_p(logits, metadata.top_k, None)
         uniforms = row_uniforms(logits.shape[0], metadata.generators, metadata.top_p)
-        return draw_rows(logits, uniforms, metadata.top_p)
+        return draw_rows(logits, uniforms, metadata.top_p, metadata.min_p)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
     if metadata.top_k is not None or metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     probs = logits.softmax(dim=-1)
@@ -236,16 +236,16 @@ def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) ->
     values = values.float() / metadata.temperature.unsqueeze(1)
     positions = torch.arange(values.shape[1], device=values.device)
     values = values.masked_fill(positions[None, :] >= metadata.top_k.unsqueeze(1), float("-inf"))
+    if draw_applies(values):
+        # In token-id order and with min_p and top_p in the draw, as the whole vocabulary's row is drawn: a seeded
+        # row's token does not depend on the path its batch takes.
+        token_ids, order = token_ids.sort(dim=-1)
+        uniforms = row_uniforms(values.shape[0], metadata.generators, metadata.top_p)
+        choice = draw_rows(values.gather(1, order), uniforms, metadata.top_p, metadata.min_p)
+        return token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
     if metadata.min_p is not None:
         # p / p_max < min_p  <=>  logit < max_logit + log(min_p)
         values = values.masked_fill(values < values[:, :1] + metadata.min_p.log().unsqueeze(1), float("-inf"))
-    if draw_applies(values):
-        # In token-id order and with top_p in the draw, as the whole vocabulary's row is drawn: a seeded row's
-        # token does not depend on the path its batch takes.
-        token_ids, order = token_ids.sort(dim=-1)
-        uniforms = row_uniforms(values.shape[0], metadata.generators, metadata.top_p)
-        choice = draw_rows(values.gather(1, order), uniforms, metadata.top_p)
-        return token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
     if metadata.top_p is not None:
         probs = values.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely candidates
