@@ -18,6 +18,7 @@ from tokenmill.sample.sampler import (
     Sampler,
     apply_min_p,
     apply_penalties,
+    apply_penalties_to_seen,
     apply_top_k_top_p,
     gather_logprobs,
 )
@@ -86,6 +87,25 @@ def test_repetition_penalty_matches_transformers(logits):
     zeros = torch.zeros(4)
     ours = apply_penalties(logits, counts, seen_mask, torch.full((4,), 1.3), zeros, zeros)
     torch.testing.assert_close(ours, RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone()))
+
+
+def test_penalties_on_the_seen_tokens_equal_the_dense_penalties():
+    """The CPU's sparse penalties give apply_penalties' values exactly; state rows picked out of a larger pool and
+    out of order, seen tokens without output counts (the prompt's), input logits untouched."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=generator) * 4
+    seen_mask = torch.rand(9, 300, generator=generator) < 0.1
+    output_counts = torch.randint(0, 4, (9, 300), generator=generator, dtype=torch.int32) * (
+        torch.rand(9, 300, generator=generator) < 0.5) * seen_mask
+    rows = torch.tensor([7, 0, 3, 3, 8])
+    repetition, frequency, presence = (torch.tensor(v) for v in ([1.3, 1.0, 0.8, 1.1, 2.0], [0.5, -0.3, 0, 0.2, 1.0],
+                                                                  [0.25, 0, 0.1, -0.5, 0.3]))
+    before = logits.clone()
+    ours = apply_penalties_to_seen(logits, output_counts, seen_mask, rows, repetition, frequency, presence)
+    assert torch.equal(logits, before)
+    assert torch.equal(ours, apply_penalties(logits, output_counts[rows], seen_mask[rows], repetition, frequency,
+                                             presence))
+    assert not torch.equal(ours, logits)
 
 
 def test_frequency_and_presence_follow_the_openai_formula(logits):
