@@ -286,6 +286,15 @@ def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) ->
     return token_ids.gather(1, choice).squeeze(1)
 
 
+def draw_from_probs(probs: torch.Tensor) -> torch.Tensor:
+    """A token per row of probs [..., vocab] (unnormalised, >= 0; a row of zeros: token 0), unseeded: on the CPU the
+    C draw over their logs, elsewhere argmax of probs / Exp(1) noise (one exponential per entry)."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    if draw_applies(rows):
+        return draw_rows(rows.log(), torch.rand(rows.shape[0], dtype=torch.float64)).view(probs.shape[:-1])
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
 def exponential_noise(
     probs: torch.Tensor,
     generators: dict[int, torch.Generator],

@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.kernels import triton_available
 from tokenmill.sample.metadata import SamplingMetadata
-from tokenmill.sample.sampler import apply_min_p, apply_top_k_top_p, greedy_ids
+from tokenmill.sample.sampler import apply_min_p, apply_top_k_top_p, draw_from_probs, greedy_ids
 
 
 @dataclass
@@ -66,12 +66,11 @@ def verify_drafts(
         greedy = batch.is_greedy.repeat_interleave(k)
         probs = processed_probs(target, metadata, per_position)
         uniforms = torch.rand(num_rows * k, device=target.device)
-        noise = torch.empty_like(target).exponential_()
         draft_probs = probs.gather(1, drafts.unsqueeze(1)).squeeze(1)
         accepted = torch.where(greedy, drafts == argmax, uniforms < draft_probs)
         # The residual of a one-hot draft: the target without the drafted token.
         residual = probs.scatter(1, drafts.unsqueeze(1), 0.0)
-        residual_draw = (residual / noise).argmax(dim=-1)
+        residual_draw = draw_from_probs(residual)
         recovered = torch.where(greedy, argmax, residual_draw)
     return _emitted(batch, recovered, accepted, bonus_token_ids)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.sampler import draw_from_probs
 from tokenmill.spec.rejection import processed_probs
 
 
@@ -71,7 +72,7 @@ def verify_tree(logits: torch.Tensor, batch: TreeVerifyBatch,
             rejected = tried & ~accepted
             residual.scatter_(2, draft, torch.where(rejected, 0.0, draft_mass).unsqueeze(2))
             sampled_choice = torch.where(accepted, children[None, :, slot], sampled_choice)
-        residual_draw = (residual / torch.empty_like(residual).exponential_()).argmax(dim=-1)
+        residual_draw = draw_from_probs(residual)
         greedy = batch.is_greedy[:, None]
         chosen = torch.where(greedy, chosen, sampled_choice)
         final = torch.where(greedy, argmax, residual_draw)
