@@ -6,11 +6,11 @@
         --dtype float32 --batch 64
 
 `--batch` prompts of 128 random token ids (seeded, ids from 3 up), 128 greedy output tokens each (ignore_eos;
-sampled at `--temperature` above 0), all submitted at once; one short warm-up generate, then `--repeats` timed
-generates, each reported, and their median. Each run draws new prompts: repeating them would hit the prefix cache and
-skip the prefill. Run r's prompts are the same for every engine and dtype. The script imports only the
-engine it runs, so it works from vLLM's own venv. vLLM needs a Hugging Face folder: the GGUF dequantized
-to safetensors (BENCHMARKS.md, CPU section, says how).
+sampled at `--temperature` above 0, `--top-p`), all submitted at once; one short warm-up generate, then
+`--repeats` timed generates, each reported, and their median. Each run draws new prompts: repeating them would
+hit the prefix cache and skip the prefill. Run r's prompts are the same for every engine and dtype. The script
+imports only the engine it runs, so it works from vLLM's own venv. vLLM needs a Hugging Face folder: the GGUF
+dequantized to safetensors (BENCHMARKS.md, CPU section, says how).
 
 `--gguf` (tokenmill, a .gguf model): `kept` serves the linear layers from their GGML blocks (the default),
 `dequantized` dequantizes at load (gguf_dequantize), `both` builds the two engines and alternates their
@@ -43,7 +43,7 @@ def make_engine(args: argparse.Namespace, gguf_dequantize: bool = False):
                   gguf_dequantize=gguf_dequantize, **budget)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (unseeded)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature above 0: the nucleus")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokenmill: the step's token budget "
                         "(default: the engine's)")
     parser.add_argument("--dump-tokens", default=None, help="write the first run's output ids here (.npy)")
@@ -95,7 +96,7 @@ def main() -> None:
         is_gguf = args.engine == "tokenmill" and (args.model is None or args.model.endswith(".gguf"))
         gguf = f" gguf={'dequantized' if dequantize else 'kept'}" if is_gguf else ""
         each = ", ".join(f"{r:.1f}" for r in runs)
-        sampled = f" temperature={args.temperature}" if args.temperature else ""
+        sampled = f" temperature={args.temperature} top_p={args.top_p}" if args.temperature else ""
         print(f"RESULT engine={args.engine} dtype={args.dtype}{gguf}{sampled} batch={args.batch}: median "
               f"{statistics.median(runs):.1f} output tok/s over {len(runs)} runs ({each})")
     if len(modes) > 1:
