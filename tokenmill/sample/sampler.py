@@ -28,10 +28,12 @@ Two implementations, one per device kind, with the same distribution:
   are keyed by the row's seed and the split layout by the vocabulary alone, so a seeded row's token
   depends on nothing else.
 - Elsewhere, torch: when every sampled row has a top_k (up to 1024), on the top-k candidates only (a
-  topk, no sort; ties at the k-th value are cut at k), else with one full sort that serves top_k and
-  top_p. On the CPU a seeded row draws its uniform from its own generator, and the candidates are drawn in
-  token-id order, so both paths give the same token (up to float rounding in the sums); without the C kernel,
-  seeded rows draw their noise from their own generator, one value per token id on both paths.
+  topk, no sort; ties at the k-th value are cut at k), else over the whole vocabulary. On the CPU the draw is a
+  C kernel (sample/cpu_draw.py) that also applies min_p and top_p, top_p by the Triton kernels' rejection
+  rounds (no sort; tokens tied with the nucleus' least likely member are in it); a seeded row's uniforms come
+  from its own generator and candidates are drawn in token-id order, so both paths give the same token (up to
+  float rounding in the sums). Without the C kernel (and on CUDA without triton), one sort serves top_k and
+  top_p, and seeded rows draw their noise from their own generator, one value per token id on both paths.
 """
 
 from __future__ import annotations
