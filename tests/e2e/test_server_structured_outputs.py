@@ -102,6 +102,11 @@ INVALID = [  # (id, extra_body, param, words in the message)
      "structured_outputs", ["grammar"]),
     ("guided_grammar", {"guided_grammar": "this is not ebnf"}, "guided_grammar", ["grammar"]),
     ("empty_choice", {"structured_outputs": {"choice": []}}, "structured_outputs", ["choice"]),
+    # xgrammar cannot match a NUL alone (outside a class of more): it dropped it, and "a" was the answer (200s).
+    ("choice_with_nul", {"structured_outputs": {"choice": ["a\x00b", "c"]}}, "structured_outputs", ["NUL"]),
+    ("regex_with_nul", {"guided_regex": r"a\x00b"}, "guided_regex", ["NUL"]),
+    ("regex_with_nul_escape", {"structured_outputs": {"regex": r"a(\u0000|\0)?b"}}, "structured_outputs", ["NUL"]),
+    ("regex_with_a_class_of_nul", {"guided_regex": r"a[\x00]b"}, "guided_regex", ["NUL"]),
     ("nothing_in_structured_outputs", {"structured_outputs": {}}, "structured_outputs", ["exactly one"]),
     ("two_in_structured_outputs", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
      ["exactly one"]),
@@ -285,6 +290,15 @@ def test_chat_json_object(client, sampling):
 def test_chat_regex(client, sampling):
     text = chat(client, ASK_PHONE, extra_body={"structured_outputs": {"regex": PHONE}}, **sampling)
     assert re.fullmatch(PHONE, text), text
+
+
+def test_chat_regex_hex_escapes(client):
+    """\\xHH is two hex digits, as in every regex dialect: xgrammar read every hex digit after \\x, so \\x2Ecom
+    was U+02EC then "om" (a 200 with "abˬom" before, not "ab.com")."""
+    domain = r"[a-z]{2,8}\x2Ecom"
+    text = chat(client, [{"role": "user", "content": "Name a website."}], **GREEDY,
+                extra_body={"structured_outputs": {"regex": domain}})
+    assert re.fullmatch(domain, text), text
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

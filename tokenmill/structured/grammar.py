@@ -59,9 +59,12 @@ def _structure_grammar(params: StructuredOutputsParams):
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=not compact(params))
         if kind == "regex":
-            return xgr.Grammar.from_regex(text)
+            return xgr.Grammar.from_regex(xgrammar_regex(text))
         if kind == "choice":
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in json.loads(text)))
+            choices = json.loads(text)
+            if any("\0" in choice for choice in choices):
+                raise ValueError(f"a choice holds a NUL character (\\u0000), {_NUL}")
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in choices))
         if kind == STRUCTURAL_TAG:
             return structural_tag_grammar(text)
         return xgr.Grammar.from_ebnf(text)
@@ -308,6 +311,33 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object spec", "regex": "regex", "choice": "choice",
           "grammar": "grammar", STRUCTURAL_TAG: "structural tag"}
+
+
+# A regex's escapes (\xHH and \uHHHH whole) and characters, one by one.
+_REGEX_ITEM = re.compile(r"\\x[0-9A-Fa-f]{2}|\\u[0-9A-Fa-f]{4}|\\.|.", re.DOTALL)
+_NUL_ESCAPES = ("\\x00", "\\u0000", "\\0")
+_NUL = "which xgrammar cannot match (it would leave it out of the output)"
+_NUL_ALONE = f"{_NUL}, but in a class with other characters"
+
+
+def xgrammar_regex(regex: str) -> str:
+    """`regex` as xgrammar's reader takes it: \\xHH is two hex digits, as in every regex dialect, where xgrammar reads
+    every hex digit after \\x (\\x2Ecom would be U+02EC then "om", not ".com"), so it is written \\u00HH; ValueError
+    for a NUL alone (outside a class, or a class of it only), which xgrammar drops (a\\x00b would match "ab")."""
+    items, in_class = [], None  # the items of the class being read
+    for item in _REGEX_ITEM.findall(regex):
+        if in_class is None and item in _NUL_ESCAPES:
+            raise ValueError(f"{item} is a NUL character, {_NUL_ALONE}")
+        if in_class is None and item == "[":
+            in_class = []
+        elif in_class is not None and item == "]":
+            if len(in_class) == 1 and in_class[0] in _NUL_ESCAPES:
+                raise ValueError(f"[{in_class[0]}] is a NUL character, {_NUL_ALONE}")
+            in_class = None
+        elif in_class is not None:
+            in_class.append(item)
+        items.append("\\u00" + item[2:] if item.startswith("\\x") and len(item) == 4 else item)
+    return "".join(items)
 
 
 def _ebnf_string(text: str) -> str:
