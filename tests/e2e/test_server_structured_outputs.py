@@ -264,6 +264,21 @@ def test_chat_json_schema_that_only_llguidance_enforces(client, sampling):
         assert not re.search(r"\s", outside_strings(choice.message.content)), choice  # llguidance's compact JSON
 
 
+# Patterns naming a character JSON escapes: xgrammar wrote it into the string unescaped (SmolLM2 answered '"27""' and
+# '"C:\\Users"': not JSON, or JSON breaking the pattern); the server's backend auto has llguidance enforce them.
+ESCAPED = {"type": "object", "properties": {
+    "size": {"type": "string", "pattern": '^[0-9]{2}"$'},
+    "path": {"type": "string", "pattern": r"^C:\\[A-Za-z]{1,8}$"},
+    "lines": {"type": "string", "pattern": r"^[a-z]{1,5}\n[a-z]{1,5}$"}}, "required": ["size", "path", "lines"],
+    "additionalProperties": False}
+
+
+def test_chat_json_schema_pattern_of_characters_json_escapes(client):
+    text = chat(client, [{"role": "user", "content": "A screen size, a folder and two words, as JSON."}],
+                response_format=json_schema_format(ESCAPED, "screen"), **GREEDY)
+    jsonschema.validate(strict_json(text), ESCAPED)
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 def test_responses_text_format_json_schema(client, streamed):
     """/v1/responses' text.format json_schema is chat's response_format: the same JSON, valid for the schema."""

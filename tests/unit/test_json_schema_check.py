@@ -32,6 +32,7 @@ REFUSED = [  # (schema, what the message names, an instance the bare grammar let
     ({"type": "integer", "multipleOf": 1.5}, "multipleOf 1.5 on integers", 1),
     ({"type": "string", "format": "regex"}, "format 'regex'", "("),
     ({"type": "string", "pattern": "^a+$", "minLength": 3}, "minLength/maxLength with a pattern", "a"),
+    ({"type": "string", "pattern": r"^a\\b$"}, "pattern of a character JSON escapes", "a\b"),  # \\ raw: \b
     ({"maximum": 3}, "maximum without a type", 5),
     ({"type": "object", "required": ["a"], "additionalProperties": True}, "required 'a' that properties", {}),
     ({"allOf": [INT, {"type": "integer", "minimum": 3}]}, "allOf of more than one", 1),

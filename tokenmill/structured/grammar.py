@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.guidance import AUTO, GUIDANCE, XGRAMMAR, check_guidance, guidance_error, guidance_grammar
-from tokenmill.structured.json_schema_check import unenforced_parts
+from tokenmill.structured.json_schema_check import REGEX_ITEM, unenforced_parts
 from tokenmill.structured.schema_rules import check_schema
 from tokenmill.structured.structural_tag import STRUCTURAL_TAG, structural_tag_grammar
 
@@ -313,8 +313,6 @@ _NAMES = {"json": "JSON schema", "json_object": "JSON object spec", "regex": "re
           "grammar": "grammar", STRUCTURAL_TAG: "structural tag"}
 
 
-# A regex's escapes (\xHH and \uHHHH whole) and characters, one by one.
-_REGEX_ITEM = re.compile(r"\\x[0-9A-Fa-f]{2}|\\u[0-9A-Fa-f]{4}|\\.|.", re.DOTALL)
 _NUL_ESCAPES = ("\\x00", "\\u0000", "\\0")
 _NUL = "which xgrammar cannot match (it would leave it out of the output)"
 _NUL_ALONE = f"{_NUL}, but in a class with other characters"
@@ -325,7 +323,7 @@ def xgrammar_regex(regex: str) -> str:
     every hex digit after \\x (\\x2Ecom would be U+02EC then "om", not ".com"), so it is written \\u00HH; ValueError
     for a NUL alone (outside a class, or a class of it only), which xgrammar drops (a\\x00b would match "ab")."""
     items, in_class = [], None  # the items of the class being read
-    for item in _REGEX_ITEM.findall(regex):
+    for item in REGEX_ITEM.findall(regex):
         if in_class is None and item in _NUL_ESCAPES:
             raise ValueError(f"{item} is a NUL character, {_NUL_ALONE}")
         if in_class is None and item == "[":

@@ -14,7 +14,8 @@ leaves out:
 - whatever stands beside anyOf, oneOf, allOf, $ref, enum or const (each of them replaces the whole schema; a type
   beside enum or const is kept only if every value has it), and an allOf of more than one schema;
 - a required property that properties does not define, and a propertyNames beyond a string's plain keywords
-  (pattern, minLength, maxLength, format, enum, const: a name is a string, its type is not needed).
+  (pattern, minLength, maxLength, format, enum, const: a name is a string, its type is not needed);
+- the JSON escaping of a pattern that names ", \\ or a control character (written into the string unescaped).
 oneOf is written as anyOf: alternatives that overlap may both match (no backend we know of enforces that either).
 Annotations (title, description, default, examples, $schema, $id, $comment, ...) and keywords JSON Schema does not
 define pass, as they constrain nothing.
@@ -22,6 +23,7 @@ define pass, as they constrain nothing.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 _NEVER = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "contains",
@@ -121,6 +123,27 @@ def _check_string(node: dict, path: str, found: list[str]) -> None:
     shape = "pattern" if "pattern" in node else "format" if _format(node) in _FORMATS else None
     if shape is not None and ("minLength" in node or "maxLength" in node):
         found.append(f"minLength/maxLength with a {shape} at {path} (put the length into the pattern)")
+    if isinstance(node.get("pattern"), str) and _names_json_escaped(node["pattern"]):
+        found.append(f"a pattern of a character JSON escapes at {path} (\", \\ or a control character: the grammar "
+                     "would write it unescaped)")
+
+
+REGEX_ITEM = re.compile(r"\\x[0-9A-Fa-f]{2}|\\u[0-9A-Fa-f]{4}|\\.|.", re.DOTALL)
+"""A regex's escapes (\\xHH and \\uHHHH whole) and characters, one by one."""
+_CONTROL_ESCAPES = {"\\n", "\\r", "\\t", "\\f", "\\v", "\\0"}
+
+
+def _names_json_escaped(pattern: str) -> bool:
+    """Whether a pattern names a character that a JSON string escapes (", \\, U+0000-U+001F), as itself or an escape.
+    xgrammar writes a pattern that does into the string's grammar character for character, unescaped (a pattern
+    ^[0-9]+"$ let '"27""' through, ^a\\\\b$ '"a\\b"'); others it keeps as a regex it matches on the JSON text."""
+    for item in REGEX_ITEM.findall(pattern):
+        if item in _CONTROL_ESCAPES or item in ('\\"', "\\\\"):
+            return True
+        point = int(item[2:], 16) if len(item) > 2 else ord(item) if len(item) == 1 else None
+        if point is not None and (point < 0x20 or point in (0x22, 0x5C)):
+            return True
+    return False
 
 
 def _visit_children(node: dict, path: str, found: list[str]) -> None:
