@@ -307,13 +307,18 @@ def test_chat_regex(client, sampling):
     assert re.fullmatch(PHONE, text), text
 
 
-def test_chat_regex_hex_escapes(client):
-    """\\xHH is two hex digits, as in every regex dialect: xgrammar read every hex digit after \\x, so \\x2Ecom
-    was U+02EC then "om" (a 200 with "abˬom" before, not "ab.com")."""
-    domain = r"[a-z]{2,8}\x2Ecom"
-    text = chat(client, [{"role": "user", "content": "Name a website."}], **GREEDY,
-                extra_body={"structured_outputs": {"regex": domain}})
-    assert re.fullmatch(domain, text), text
+DOMAIN = r"[a-z]{2,8}\x2Ecom"
+HEX_ESCAPES = [{"structured_outputs": {"regex": DOMAIN}},
+               {"structured_outputs": {"grammar": r'root ::= [a-z] [a-z]+ "\x2Ecom"'}},  # GBNF's \xHH
+               {"response_format": {"type": "structural_tag", "format": {"type": "regex", "pattern": DOMAIN}}}]
+
+
+@pytest.mark.parametrize("extra", HEX_ESCAPES, ids=["regex", "grammar", "structural_tag_regex"])
+def test_chat_hex_escapes(client, extra):
+    """\\xHH is two hex digits, as in every regex dialect and GBNF: xgrammar read every hex digit after \\x, so
+    \\x2Ecom was U+02EC then "om" (a 200 with "abˬom" before, not "ab.com")."""
+    text = chat(client, [{"role": "user", "content": "Name a website."}], extra_body=extra, **GREEDY)
+    assert re.fullmatch(DOMAIN, text), text
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

@@ -67,7 +67,7 @@ def _structure_grammar(params: StructuredOutputsParams):
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in choices))
         if kind == STRUCTURAL_TAG:
             return structural_tag_grammar(text)
-        return xgr.Grammar.from_ebnf(text)
+        return xgr.Grammar.from_ebnf(two_digit_hex(text))
     except json.JSONDecodeError as e:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
     except UnenforcedSchema:
@@ -319,10 +319,9 @@ _NUL_ALONE = f"{_NUL}, but in a class with other characters"
 
 
 def xgrammar_regex(regex: str) -> str:
-    """`regex` as xgrammar's reader takes it: \\xHH is two hex digits, as in every regex dialect, where xgrammar reads
-    every hex digit after \\x (\\x2Ecom would be U+02EC then "om", not ".com"), so it is written \\u00HH; ValueError
-    for a NUL alone (outside a class, or a class of it only), which xgrammar drops (a\\x00b would match "ab")."""
-    items, in_class = [], None  # the items of the class being read
+    """`regex` as xgrammar's reader takes it (`two_digit_hex`); ValueError for a NUL alone (outside a class, or a
+    class of it only), which xgrammar drops (a\\x00b would match "ab")."""
+    in_class = None  # the items of the class being read
     for item in REGEX_ITEM.findall(regex):
         if in_class is None and item in _NUL_ESCAPES:
             raise ValueError(f"{item} is a NUL character, {_NUL_ALONE}")
@@ -334,8 +333,15 @@ def xgrammar_regex(regex: str) -> str:
             in_class = None
         elif in_class is not None:
             in_class.append(item)
-        items.append("\\u00" + item[2:] if item.startswith("\\x") and len(item) == 4 else item)
-    return "".join(items)
+    return two_digit_hex(regex)
+
+
+def two_digit_hex(text: str) -> str:
+    """A regex or an EBNF grammar with each \\xHH escape written \\u00HH: \\xHH is two hex digits, as in every regex
+    dialect and GBNF, where xgrammar reads every hex digit after \\x (\\x2Ecom would be U+02EC then "om", not
+    ".com")."""
+    return "".join("\\u00" + item[2:] if item.startswith("\\x") and len(item) == 4 else item
+                   for item in REGEX_ITEM.findall(text))
 
 
 def _ebnf_string(text: str) -> str:

@@ -83,7 +83,8 @@ def _from_legacy(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compact_json(node: Any, path: str) -> Any:
-    """`node` (a format, or a part of one) with its plain json_schema formats as compact-JSON grammars."""
+    """`node` (a format, or a part of one) with its plain json_schema formats as compact-JSON grammars, and the \\xHH
+    escapes of its regex and grammar formats as xgrammar reads them (grammar.py's two_digit_hex)."""
     if isinstance(node, list):
         return [_compact_json(item, f"{path}[{i}]") for i, item in enumerate(node)]
     if not isinstance(node, dict):
@@ -95,6 +96,12 @@ def _compact_json(node: Any, path: str) -> Any:
 
         refuse_unenforced(node.get("json_schema"), f"the structural tag's {path}.json_schema")
         return node  # another style or options of xgrammar's own (its whitespace rules then apply)
+    from tokenmill.structured.grammar import two_digit_hex, xgrammar_regex
+
+    if node.get("type") == "regex" and isinstance(node.get("pattern"), str):
+        return {**node, "pattern": xgrammar_regex(node["pattern"])}
+    if node.get("type") == "grammar" and isinstance(node.get("grammar"), str):
+        return {**node, "grammar": two_digit_hex(node["grammar"])}
     return {key: _compact_json(value, f"{path}.{key}") for key, value in node.items()}
 
 
