@@ -153,7 +153,7 @@ def test_plan(parser):
     # The template opened the think block, or left it to the model: think first.
     for prompt in ("<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n"):
         reasoning = reasoning_parser_of(config, prompt)
-        assert reasoning is get_reasoning_parser(parser)
+        assert issubclass(reasoning, get_reasoning_parser(parser))  # opened: qwen3's variant that starts inside
         assert think_first(constraint, reasoning).params.reasoning_end == "</think>"
     # enable_thinking=false: the template closed it; constrained from the start, nothing is reasoning.
     reasoning = reasoning_parser_of(config, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -202,6 +202,37 @@ def test_forced_call_after_reasoning_whole_equals_streamed(cut):
     assert streamed(ChoiceText(plan, reasoning), pieces) == {
         "reasoning_content": message["reasoning_content"],
         "calls": [("get_weather", call["function"]["arguments"])]}
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "glm45"])
+def test_a_prompt_that_opened_the_think_block_streams_as_it_splits(parser):
+    """Qwen3 Thinking-2507's template opens <think> in the prompt (its output has only </think>): served with
+    --reasoning-parser qwen3, a stream sent all of it as content, "</think>" included, where the whole response
+    split off the reasoning; a forced call's stream then read the reasoning as the call's JSON (finish_reason "stop",
+    not "tool_calls"). Now such a prompt starts the parser inside the block, streamed and whole, as the usage's
+    reasoning_tokens and thinking_token_budget count it; cut while thinking, the text is reasoning."""
+    config = ServerConfig(reasoning_parser=parser)
+    reasoning = reasoning_parser_of(config, "<|im_start|>assistant\n<think>\n")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    forced = plan_tools(request(tools=[tool], tool_choice="required"), config, False)
+    call = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    for plan, output in ((plan_tools(request(), config, False), 'Add them.</think>\n\n{"answer": 4}'),
+                         (plan_tools(request(), config, False), "Add them, then"),  # cut by max_tokens
+                         (forced, "Paris, then.</think>\n" + call)):
+        text = ChoiceText(plan, reasoning)
+        message = text.full(output)
+        assert message["reasoning_content"] == output.split("</think>")[0], message
+        streamed_text = ChoiceText(plan, reasoning)
+        deltas = [streamed_text.feed(piece) for piece in output] + [streamed_text.finish()]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+        assert ("".join(d.get("content") or "" for d in deltas) or None) == message["content"]
+        assert streamed_text.finish_reason("stop") == text.finish_reason("stop")
+    assert message["tool_calls"] and text.finish_reason("stop") == "tool_calls"
+    # A prompt that leaves the block to the model: an output with no </think> is all content, as before.
+    unopened = reasoning_parser_of(config, "<|im_start|>assistant\n")
+    assert ChoiceText(plan_tools(request(), config, False), unopened).full("Hi.") == {
+        "content": "Hi.", "reasoning_content": None}
 
 
 def test_a_forced_call_cut_while_thinking_with_qwen3_is_not_an_error():

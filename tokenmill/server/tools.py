@@ -316,13 +316,14 @@ def reasoning_parser_of(config: ServerConfig, prompt: str,
     """The server's reasoning parser for a request; None when there is none, when the request's
     chat_template_kwargs turned thinking off (deepseek_v3), or when the prompt already closed the think block:
     the output is then all answer (deepseek_r1 would take it all for reasoning, as it has no </think>), and a
-    constraint applies from the start."""
+    constraint applies from the start. A prompt that opened the block gives the parser that starts inside it
+    (ReasoningParser.after_prompt)."""
     if config.reasoning_parser is None:
         return None
     parser = get_reasoning_parser(config.reasoning_parser).for_request(chat_template_kwargs or {})
     if parser is None or parser.prompt_ends_reasoning(prompt):
         return None
-    return parser
+    return parser.after_prompt(prompt)
 
 
 def decode_options(plan: ToolPlan, reasoning: type[ReasoningParser] | None, tokenizer) -> dict[str, Any]:

@@ -30,6 +30,10 @@ def find_first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
     return where, found
 
 
+_OPENED: dict[type, type] = {}
+"""Per parser, its variant for an output the prompt left inside the think block (ReasoningParser.after_prompt)."""
+
+
 class ReasoningParser:
     """Subclasses name their markers (`starts`, `ends`: the first of each is the one the chat template writes,
     the others variants the models also write), say what text not opened by a start marker is
@@ -57,6 +61,19 @@ class ReasoningParser:
     def prompt_ends_reasoning(cls, prompt: str) -> bool:
         """The chat template closed the think block itself (enable_thinking=false): the model answers at once."""
         return prompt.rstrip().endswith(cls.ends)
+
+    @classmethod
+    def after_prompt(cls, prompt: str) -> type[ReasoningParser]:
+        """The parser of an output whose prompt is `prompt`. One that opened the think block (Qwen3 Thinking-2507's
+        template ends with <think>) leaves the output inside it: its text up to the end marker is reasoning, whole
+        and streamed alike, also for a parser that takes an unopened text for content (qwen3's, whose stream would
+        see no start marker and send everything as content, the end marker too)."""
+        if cls.unopened_is_reasoning or not prompt.rstrip().endswith(cls.starts):
+            return cls
+        if cls not in _OPENED:
+            _OPENED[cls] = type(cls.__name__, (cls,), {"unopened_is_reasoning": True, "__module__": cls.__module__,
+                                                       "split": classmethod(ReasoningParser.split.__func__)})
+        return _OPENED[cls]
 
     @classmethod
     def split(cls, text: str) -> tuple[str | None, str | None]:

@@ -7,6 +7,8 @@ stream decides at the start: an output that opens with <think> streams as reason
 as content. It differs from `split` in two cases only, both off the template's path: an output that opens
 <think> and never closes it (cut off by max_tokens: streamed as reasoning, `split` gives it all as content)
 and one with a </think> it never opened (streamed as content, `split` gives the text before it as reasoning).
+A prompt that opened the block (Qwen3 Thinking-2507's template) gives the parser that starts inside it, whole and
+streamed (`after_prompt`): the text up to </think> is reasoning, all of it if cut off while thinking.
 The parsers of other models that open their reasoning themselves (GLM-4.5, Granite) work the same way.
 """
 
