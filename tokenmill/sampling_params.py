@@ -64,6 +64,11 @@ class StructuredOutputsParams:
     reasoning_end: str | None = None
     """When set, the structure applies only after the model has written this marker (a reasoning parser's end
     of thinking, "</think>"): free text up to and including it, then the structure."""
+    reasoning_start: str | None = None
+    """With reasoning_end, for a model that thinks only where it opens the block itself (Qwen3's "<think>", Granite's
+    "Here is my thought process:"): the free text is that block, opened by this marker (after blanks), and an output
+    that opens none is the structure from its first token. None: free text up to reasoning_end (the prompt opened
+    the block: DeepSeek-R1's)."""
     backend: str | None = None
     """Which library enforces it: "xgrammar", "guidance" (llguidance) or "auto" (xgrammar, llguidance for a JSON
     schema only llguidance enforces whole); None: the engine's structured_outputs_config. Structural tags are
@@ -89,6 +94,9 @@ class StructuredOutputsParams:
             raise ValueError("structured outputs' choice must be a non-empty list of non-empty strings")
         if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
             raise ValueError("structured outputs' reasoning_end must be a non-empty string")
+        if self.reasoning_start is not None and (not isinstance(self.reasoning_start, str) or not self.reasoning_start
+                                                 or self.reasoning_end is None):
+            raise ValueError("structured outputs' reasoning_start must be a non-empty string, with reasoning_end")
         if self.backend not in (None, "auto", "xgrammar", "guidance"):
             raise ValueError(f"structured outputs' backend must be 'auto', 'xgrammar' or 'guidance', got "
                              f"{self.backend!r}")

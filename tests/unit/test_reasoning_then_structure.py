@@ -114,6 +114,43 @@ def test_guidance_thinks_first_too(special):
     assert not takes('So: </think>\n\n\n{"answer":4}')
 
 
+@pytest.mark.parametrize("special", [False, True], ids=["text", "special"])
+def test_a_model_that_opens_its_own_block_is_constrained_when_it_opens_none(special):
+    """reasoning_start (qwen3, glm45, granite, mistral: the model thinks only in a block it opens itself): an output
+    opening no block is the structure from its first token; before, the structure waited for a "</think>" that
+    never came and such an output was not constrained at all (Granite answering without "thinking": free text).
+    xgrammar, and llguidance with the markers as text or as special tokens."""
+    from pathlib import Path
+
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from tokenmill.structured.guidance import compile_guidance, make_tokenizer
+
+    llguidance = pytest.importorskip("llguidance")
+    root = Path(__file__).resolve().parents[2]
+    tokenizer = AutoTokenizer.from_pretrained(root / "benchmarks/models/smollm2-tokenizer")
+    if special:
+        tokenizer.add_tokens([AddedToken(t, special=True) for t in ("<think>", "</think>")], special_tokens=True)
+    lt = make_tokenizer(tokenizer, len(tokenizer))
+    compiled = compile_guidance(StructuredOutputsParams(json=ANSWER, reasoning_end="</think>",
+                                                        reasoning_start="<think>", backend="guidance"), lt, special)
+
+    def guidance_takes(text: str) -> bool:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        m = llguidance.LLMatcher(lt, compiled.grammar, log_level=0)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    params = StructuredOutputsParams(json=ANSWER, reasoning_end="</think>", reasoning_start="<think>")
+    for takes, answer in ((lambda text: accepts(params, text), '{"answer": 4}'), (guidance_takes, '{"answer":4}')):
+        assert takes(answer)  # no block: the structure at once
+        assert takes("<think>Two and {two}.</think>\n" + answer) and takes("\n<think>hm</think>" + answer)
+        assert not takes("Four.") and not takes("The answer: " + answer)  # unopened text is not reasoning
+        assert not takes("Four.</think>" + answer) and not takes("<think>Four.</think>Four.")
+    with pytest.raises(ValueError, match="reasoning_start"):
+        StructuredOutputsParams(regex="a", reasoning_start="<think>")
+
+
 @pytest.mark.parametrize("spec, good, bad", [
     ({"regex": "[ab]+"}, "abba", "abc"),
     ({"choice": ["yes", "no"]}, "no", "maybe"),
@@ -160,6 +197,30 @@ def test_plan(parser):
     assert reasoning is None and think_first(constraint, reasoning).params.reasoning_end is None
     # No reasoning parser: as before.
     assert reasoning_parser_of(ServerConfig(), "<think>\n") is None
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "granite", "mistral"])
+def test_parsers_of_self_opened_blocks_constrain_an_output_that_opens_none(parser):
+    """The server's plan for a parser that takes an unopened output for content: a response_format, and strict
+    tools' tag under "auto", apply from the first token unless the output opens the parser's block."""
+    reasoning = reasoning_parser_of(ServerConfig(reasoning_parser=parser), "<|im_start|>assistant\n")
+    start, end = reasoning.starts[0], reasoning.ends[0]
+    req = request(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
+    params = think_first(constraint_of(req), reasoning).params
+    assert (params.reasoning_start, params.reasoning_end) == (start, end)
+    assert accepts(params, '{"answer": 4}') and accepts(params, f'{start}Add.{end}{{"answer": 4}}')
+    assert not accepts(params, "It is 4.")
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}}
+    config = ServerConfig(reasoning_parser=parser, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    tag = think_first(plan_tools(request(tools=[tool]), config, False).constraint, reasoning).params
+    good, bad = '{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"name": "get_weather", "arguments": {}}'
+    assert accepts(tag, f"Sure.<tool_call>\n{good}\n</tool_call>")
+    assert not accepts(tag, f"Sure.<tool_call>\n{bad}\n</tool_call>")  # unopened: the call is constrained
+    assert accepts(tag, f"{start}<tool_call>\n{bad} is a bad call.{end}Sure.")  # inside the block: free text
+    assert accepts(tag, f"{start}Hm.{end}<tool_call>\n{good}\n</tool_call>")
+    assert not accepts(tag, f"{start}Hm.{end}<tool_call>\n{bad}\n</tool_call>")
 
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])

@@ -346,15 +346,19 @@ def decode_options(plan: ToolPlan, reasoning: type[ReasoningParser] | None, toke
 
 def think_first(constraint: Constraint, reasoning: type[ReasoningParser] | None) -> Constraint:
     """The constraint applied only once the reasoning is over (after the parser's end marker as the chat template
-    writes it: "</think>"), when there is a parser. A free structural tag's output may also end while thinking
-    (none of its tags was due), as it may end without a tag."""
+    writes it: "</think>"), when there is a parser. A parser that takes an output opening no block for content
+    (qwen3's, granite's) has the constraint apply from the first token of such an output (reasoning_start): else
+    a model that answers without thinking (Granite without "thinking") was not constrained at all. A free structural
+    tag's output may also end while thinking (none of its tags was due), as it may end without a tag."""
     if reasoning is None:
         return constraint
     end = reasoning.ends[0]
+    start = None if reasoning.unopened_is_reasoning else reasoning.starts[0]
     if not constraint.free:
-        return replace(constraint, params=replace(constraint.params, reasoning_end=end))
-    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end}
-    then = {"type": "sequence", "elements": [thinking, constraint.params.structural_tag["format"]]}
-    tag = {"type": "structural_tag",
-           "format": {"type": "or", "elements": [{"type": "any_text", "excludes": [end]}, then]}}
+        return replace(constraint, params=replace(constraint.params, reasoning_end=end, reasoning_start=start))
+    fmt = constraint.params.structural_tag["format"]
+    thinking = {"type": "tag", "begin": start or "", "content": {"type": "any_text"}, "end": end}
+    then = {"type": "sequence", "elements": [thinking, fmt]}
+    unthought = fmt if start is not None else {"type": "any_text", "excludes": [end]}
+    tag = {"type": "structural_tag", "format": {"type": "or", "elements": [unthought, then]}}
     return replace(constraint, params=replace(constraint.params, structural_tag=tag))

@@ -43,8 +43,8 @@ def compile_threads() -> int:
 
 def spec_key(params: StructuredOutputsParams) -> SpecKey:
     """What makes two specs compile alike."""
-    return (*params.key, params.reasoning_end or "", params.backend or "", str(params.disable_any_whitespace),
-            str(params.disable_additional_properties))
+    return (*params.key, params.reasoning_end or "", params.reasoning_start or "", params.backend or "",
+            str(params.disable_any_whitespace), str(params.disable_additional_properties))
 
 
 def compiled_vocab_size(compiled) -> int:

@@ -28,21 +28,25 @@ def _build_grammar(params: StructuredOutputsParams):
     """build_grammar's grammar, and whether it was parsed from its text (valid_characters rewrote it)."""
     grammar = _structure_grammar(params)
     if params.reasoning_end is not None:
-        grammar = after_reasoning(grammar, params.reasoning_end)
+        grammar = after_reasoning(grammar, params.reasoning_end, params.reasoning_start)
     fixed = valid_characters(grammar, json_strings=params.key[0] in ("json", "json_object", STRUCTURAL_TAG))
     return fixed, fixed is not grammar
 
 
-def after_reasoning(grammar, end: str):
+def after_reasoning(grammar, end: str, start: str | None = None):
     """Free text up to and including `end` (where the model's reasoning stops), at most two newlines (what
     models write after "</think>"), then `grammar`: text before `end` is free, even if it looks like the
-    structure."""
+    structure. With `start`, the free text is a block it opens (after blanks), or there is none and `grammar`
+    starts at once (reasoning_start)."""
     import xgrammar as xgr
 
-    tag = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end}
+    tag = {"type": "tag", "begin": start or "", "content": {"type": "any_text"}, "end": end}
     reasoning = xgr.Grammar.from_structural_tag(json.dumps({"type": STRUCTURAL_TAG, "format": tag}))
     newlines = xgr.Grammar.from_ebnf('root ::= "" | "\\n" | "\\n\\n"')
-    return xgr.Grammar.concat(reasoning, newlines, grammar)
+    if start is None:
+        return xgr.Grammar.concat(reasoning, newlines, grammar)
+    blanks = xgr.Grammar.from_ebnf("root ::= [ \\t\\n]*")
+    return xgr.Grammar.union(xgr.Grammar.concat(blanks, reasoning, newlines, grammar), grammar)
 
 
 def _structure_grammar(params: StructuredOutputsParams):
@@ -213,7 +217,7 @@ def validate(params: StructuredOutputsParams, backend: str = XGRAMMAR) -> tuple[
     that enforces it ("xgrammar" or "guidance": `choose_backend`, `backend` being the engine's) and the token ids its
     grammar names, which the caller checks against the vocabulary (the build does not know it)."""
     kind, text = params.key  # the JSON text of a schema: not free for a large one either
-    options = (params.reasoning_end, params.backend, backend, params.disable_any_whitespace,
+    options = (params.reasoning_end, params.reasoning_start, params.backend, backend, params.disable_any_whitespace,
                params.disable_additional_properties, params.disable_fallback)
     digest = hashlib.sha256("\0".join(map(str, (kind, text, *options))).encode("utf-8", "surrogatepass")).digest()
     with _passed_lock:

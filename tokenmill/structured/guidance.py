@@ -55,7 +55,7 @@ def guidance_grammar(params: StructuredOutputsParams, special_end: bool = False)
         raise ValueError(f"structured outputs' {kind} is xgrammar's own format: the guidance backend cannot enforce it")
     if params.reasoning_end is None:
         return grammar
-    return _after_reasoning(json.loads(grammar)["grammars"], params.reasoning_end, special_end)
+    return _after_reasoning(json.loads(grammar)["grammars"], params.reasoning_end, special_end, params.reasoning_start)
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -100,16 +100,22 @@ def _lark(text: str) -> str:
         raise ValueError(f"invalid grammar: {e}") from None
 
 
-def _after_reasoning(structure: list[dict], end: str, special_end: bool) -> str:
-    """Free text up to and including `end`, at most two newlines, then the structure's grammars."""
+def _after_reasoning(structure: list[dict], end: str, special_end: bool, start: str | None = None) -> str:
+    """Free text up to and including `end`, at most two newlines, then the structure's grammars; with `start`, the
+    free text is a block it opens (after blanks), or there is none (reasoning_start; a special `end` takes a
+    special `start`, as models' marker pairs are)."""
     structure = [dict(structure[0], name="structure"), *structure[1:]]
+    opened = "" if start is None else f"(/[ \\t\\n]+/)? {start if special_end else json.dumps(start)} "
     if special_end:
         # A special token is no text: the free text cannot run past it.
-        lark = f"start: TEXT {end} {_NEWLINES} @structure\nTEXT: /(.|\\n)*/\n"
+        block = f"{opened}TEXT {end} {_NEWLINES}"
+        rules = "TEXT: /(.|\\n)*/\n"
     else:
-        lark = (f"%llguidance {{}}\nstart: reasoning {_NEWLINES} @structure\n"
-                f"reasoning[lazy]: TEXT {json.dumps(end)}\nTEXT: /(.|\\n)*/\n")
-    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, *structure]})
+        block = f"{opened}reasoning {_NEWLINES}"
+        rules = f"reasoning[lazy]: TEXT {json.dumps(end)}\nTEXT: /(.|\\n)*/\n"
+    head = "" if special_end else "%llguidance {}\n"
+    body = f"start: {block} @structure\n" if start is None else f"start: ({block})? @structure\n"
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": head + body + rules}, *structure]})
 
 
 def guidance_error(grammar: str, tokenizer=None) -> str | None:
