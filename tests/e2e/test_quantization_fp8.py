@@ -92,7 +92,8 @@ def test_online_fp8_of_the_default_model_stays_close_to_it(smollm2_llm, smollm2_
     print(f"SmolLM2-135M online fp8 vs float32: {quality}")
     assert quality.top1_agreement >= 0.85 and quality.mean_kl < 0.04, quality
     # Greedy decoding runs end to end on it too.
-    out = fp8.generate(["The capital of France is"], None, use_tqdm=False)[0].outputs[0].text
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)  # the defaults sample (temperature 1)
+    out = fp8.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].text
     assert "Paris" in out
 
 
