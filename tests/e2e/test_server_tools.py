@@ -556,8 +556,11 @@ def test_responses_reasoning_item(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
      "input.items.0.message.content.parts.0", ["input_text", "no images"]),
     ({"max_output_tokens": 5000}, "max_output_tokens", ["5000 in max_output_tokens"]),
+    ({"input": [{"role": "user", "content": "Hi"}, {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                                     "arguments": "{city: Paris"}]},
+     "input[1].arguments", ["input[1].arguments", "JSON object"]),
 ], ids=["previous_response_id", "conversation", "background", "tool_type", "tool_choice_type", "item_type",
-        "item_fields", "schema_name", "unknown_function", "image_part", "context_length"])
+        "item_fields", "schema_name", "unknown_function", "image_part", "context_length", "call_arguments"])
 def test_responses_refused(client, kwargs, param, words):
     kwargs = {"input": "Hi", "max_output_tokens": 4, **kwargs}
     expect_400(lambda: client.responses.create(model=MODEL, **kwargs), param, *words)

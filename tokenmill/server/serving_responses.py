@@ -139,13 +139,14 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     messages: list[dict] = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     if isinstance(req.input, str):
         return [*messages, {"role": "user", "content": req.input}]
-    for item in req.input:
+    for index, item in enumerate(req.input):
         if item.type == "message":
             content = item.content if isinstance(item.content, str) else [
                 {"type": "text", "text": part.text if part.type != "refusal" else part.refusal}
                 for part in item.content]
             messages.append({"role": item.role, "content": content})
         elif item.type == "function_call":
+            _check_arguments(item.arguments, f"input[{index}].arguments")
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant":
@@ -156,6 +157,18 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             output = item.output if isinstance(item.output, str) else "\n".join(part.text for part in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
     return messages
+
+
+def _check_arguments(arguments: str, where: str) -> None:
+    """A 400 naming the input item for a call's arguments that are not a JSON object (the chat messages they become
+    would say `messages[i].tool_calls[j]`, which the request never had)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise bad_request(f"{where} must be a JSON object (a function call's arguments), got {arguments[:80]!r}",
+                          param=where)
 
 
 def new_id(prefix: str) -> str:
