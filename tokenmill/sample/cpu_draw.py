@@ -1,7 +1,8 @@
 """The draw on the CPU as one C kernel: inverse CDF, one uniform per row against the running sum of exp(z - max) in
-token-id order (the Triton kernels' method). torch's way, argmax of probs / Exp(1) noise, draws one exponential
-per vocabulary entry: 11.3 ms of a 16 x 49,152 step on one core of the 2-core Xeon, 40-70% of a batch-16 step of the
-default model, against ~0.4 ms here.
+token-id order (the Triton kernels' method), with min_p, and top_p by the Triton kernels' rejection rounds (no sort).
+torch's way, argmax of probs / Exp(1) noise, draws one exponential per vocabulary entry (11.3 ms for 16 x 49,152 on
+one core of the 2-core EPYC, against 0.31 ms here) and sorts every row for top_p: the default model sampled at
+0.72x its greedy speed at batch 16, 0.45x with top_p 0.9 (BENCHMARKS.md, CPU section); now at it.
 
 Rows hold temperature-scaled logits with -inf where a token is out (min_p, top_k, top_p, masks): such a token's
 weight is exactly 0 and is never drawn. Weights below exp(-86) of the row's largest are 0 too (a float32 softmax
@@ -154,22 +155,13 @@ def draw_applies(logits: torch.Tensor) -> bool:
             and logits.stride(1) == 1 and logits.shape[1] > 0 and load_kernel() is not None)
 
 
-def uniforms_per_row(top_p: torch.Tensor | None) -> list[int]:
-    """How many uniforms each row's draw may read: 1, or 1 + MAX_DRAWS with top_p below 1."""
-    if top_p is None:
-        return []
-    return [1 + MAX_DRAWS if p < 1 else 1 for p in top_p.tolist()]
-
-
 def row_uniforms(num_rows: int, generators: dict[int, torch.Generator], top_p: torch.Tensor | None) -> torch.Tensor:
     """[num_rows, 1 or 1 + MAX_DRAWS] float64 uniforms in [0, 1) for `draw_rows`. A seeded row's come from its own
     generator, as many as its own draw may read, so that its tokens do not depend on the rest of the batch."""
-    width = 1 if top_p is None else 1 + MAX_DRAWS
-    uniforms = torch.rand(num_rows, width, dtype=torch.float64)
-    counts = uniforms_per_row(top_p)
+    uniforms = torch.rand(num_rows, 1 if top_p is None else 1 + MAX_DRAWS, dtype=torch.float64)
+    reads = [1] * num_rows if top_p is None else [1 + MAX_DRAWS if p < 1 else 1 for p in top_p.tolist()]
     for row, generator in generators.items():
-        count = counts[row] if counts else 1
-        uniforms[row, :count] = torch.rand(count, dtype=torch.float64, generator=generator)
+        uniforms[row, : reads[row]] = torch.rand(reads[row], dtype=torch.float64, generator=generator)
     return uniforms
 
 
