@@ -336,14 +336,15 @@ def apply_top_k_top_p(
     vocab = logits.shape[-1]
     if top_p is None:
         assert top_k is not None
-        # A row without top_k has the vocabulary as its top_k: a topk over it would sort its whole row.
+        # A row without top_k has the vocabulary as its top_k: one topk as wide would sort every row. The width is
+        # the largest top_k of the rows that have one, and the others keep their whole row.
         limited = top_k < vocab
-        if bool(limited.all()):
-            kth = _kth_largest(logits, top_k)
-        else:
-            kth = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device, dtype=logits.dtype)
-            if bool(limited.any()):
-                kth[limited] = _kth_largest(logits[limited], top_k[limited])
+        width = int(torch.where(limited, top_k, 0).max())  # one host read, as the topk's width always was
+        if width == 0:
+            return logits
+        largest = logits.topk(width, dim=-1).values
+        kth = largest.gather(1, (top_k.clamp(max=width) - 1).clamp(min=0).unsqueeze(1))
+        kth = torch.where(limited.unsqueeze(1), kth, float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th are kept
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:
@@ -355,12 +356,6 @@ def apply_top_k_top_p(
     drop[:, -1] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def _kth_largest(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """[rows, 1]: each row's top_k-th largest logit, from one topk over the largest top_k of the rows."""
-    largest = logits.topk(int(top_k.max()), dim=-1).values
-    return largest.gather(1, (top_k - 1).clamp(0, logits.shape[-1] - 1).unsqueeze(1))
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
