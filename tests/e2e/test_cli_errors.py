@@ -247,11 +247,17 @@ def test_bench_serve_takes_the_key_from_the_environment_and_vllms_flags(server, 
                        "random", "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
                        "--ignore-eos", "--request-rate", "50", "--burstiness", "0.5", "--percentile-metrics",
                        "ttft,e2el", "--metric-percentiles", "90,99", "--save-result", "--result-dir", str(tmp_path),
-                       "--result-filename", "r.json", api_key_env=API_KEY)
+                       "--result-filename", "r.json", "--save-detailed", api_key_env=API_KEY)
     assert result.returncode == 0, result.stderr
-    assert "completed                        2" in result.stdout
+    assert "Successful requests:                     2" in result.stdout
+    assert "Request rate configured (RPS):           50.00" in result.stdout
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["completed"] == 2 and saved["total_output_tokens"] == 8 and saved["max_concurrent_requests"] >= 1
+    assert saved["request_rate"] == 50.0 and saved["backend"] == "vllm" and saved["model_id"] == saved["tokenizer_id"]
+    # vLLM's E2E latency ends at the last text chunk (before: at the end of the stream, after the usage chunk).
+    e2els = [ttft + sum(itls) for ttft, itls in zip(saved["ttfts"], saved["itls"])]
+    assert saved["mean_e2el_ms"] == pytest.approx(1000 * sum(e2els) / 2, rel=1e-9)
+    assert saved["output_lens"] == [4, 4] and saved["errors"] == ["", ""]
     assert {"median_ttft_ms", "p90_e2el_ms", "p99_ttft_ms"} <= set(saved) and "mean_itl_ms" not in saved
 
 
@@ -261,7 +267,7 @@ def test_bench_serve_sweeps_rates_into_a_table_and_a_plot(server, tmp_path):
                        "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos",
                        "--request-rate", "20,inf", "--plot", str(plot), api_key_env=API_KEY)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("completed                        3") == 2
+    assert result.stdout.count("Successful requests:                     3") == 2
     table = result.stdout[result.stdout.index("out tok/s"):].splitlines()
     assert [row.split()[0] for row in table[1:3]] == ["20", "inf"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tokenmill.bench import serve, serve_datasets, server_metrics
-from tokenmill.bench.serve import RequestResult, arrival_gaps, summarize
+from tokenmill.bench.serve import RequestResult, arrival_times, summarize
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.protocol import SchedulerStats
 from tokenmill.server.metrics import PrometheusStatLogger
@@ -21,27 +21,54 @@ from tokenmill.server.metrics import PrometheusStatLogger
 
 @pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
 def test_arrivals_keep_the_rate_and_burstiness_sets_their_spread(burstiness):
-    gaps = np.array(arrival_gaps(20_001, 16.0, burstiness, random.Random(0))[1:])
-    assert gaps.mean() == pytest.approx(1 / 16, rel=0.05)
+    times = arrival_times(20_000, 16.0, burstiness, random.Random(0))
+    # As vLLM's: the first request waits a gap too, and the times are scaled so that the last is num / rate.
+    assert times[-1] == pytest.approx(20_000 / 16) and times[0] > 0
+    gaps = np.diff([0.0, *times])
     # A gamma distribution of shape k has a coefficient of variation of 1 / sqrt(k) (1: Poisson arrivals).
     assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.05)
 
 
-def test_an_infinite_rate_sends_everything_at_once():
-    assert arrival_gaps(5, math.inf, 1.0, random.Random(0)) == [0.0] * 5
+def test_an_infinite_rate_sends_everything_at_once_and_an_infinite_burstiness_evenly():
+    assert arrival_times(5, math.inf, 1.0, random.Random(0)) == [0.0] * 5
+    assert arrival_times(4, 2.0, math.inf, random.Random(0)) == [0.5, 1.0, 1.5, 2.0]  # vLLM's constant gaps
 
 
 def test_summary_has_vllms_keys_and_counts():
     results = [RequestResult(ok=True, prompt_len=8, ttft=0.1, latency=0.5, output_tokens=5, itl=[0.1] * 4),
                RequestResult(ok=True, prompt_len=12, ttft=0.3, latency=0.7, output_tokens=5, itl=[0.1] * 4),
                RequestResult(prompt_len=100, error="HTTP 503")]
-    summary = summarize(results, 2.0, metrics=["ttft", "tpot", "itl"], percentiles=[99], peak_concurrency=2)
-    assert summary["completed"] == 2 and summary["failed"] == 1 and summary["errors"] == ["HTTP 503"]
+    summary = summarize(results, 2.0, metrics=["ttft", "tpot", "itl"], percentiles=[99])
+    assert summary["completed"] == 2 and summary["failed"] == 1
     # The completed requests' own prompt lengths (the datasets draw them): 8 + 12.
     assert summary["total_input_tokens"] == 20 and summary["total_output_tokens"] == 10
-    assert summary["output_throughput"] == 5.0 and summary["max_concurrent_requests"] == 2
+    assert summary["output_throughput"] == 5.0 and summary["total_token_throughput"] == 15.0
     assert summary["median_ttft_ms"] == pytest.approx(200) and summary["mean_tpot_ms"] == pytest.approx(100)
     assert {"std_itl_ms", "p99_itl_ms", "p99_ttft_ms"} <= set(summary) and "mean_e2el_ms" not in summary
+
+
+def test_tpot_leaves_out_the_first_token_and_one_token_requests():
+    """vLLM's TPOT: (E2E latency - TTFT) / (output tokens - 1), over the requests of more than one token."""
+    results = [RequestResult(ok=True, ttft=0.2, latency=1.0, output_tokens=5, itl=[0.2] * 4),
+               RequestResult(ok=True, ttft=0.4, latency=0.4, output_tokens=1)]
+    summary = summarize(results, 1.0, metrics=["tpot", "e2el"], percentiles=[50])
+    assert summary["mean_tpot_ms"] == pytest.approx(200) and summary["p50_tpot_ms"] == pytest.approx(200)
+    assert summary["mean_e2el_ms"] == pytest.approx(700)
+
+
+def test_peak_output_throughput_and_concurrency_are_vllms_one_second_buckets():
+    """vLLM counts each streamed chunk in the second (since the first request's start) it arrived in, and each
+    request in every second it was running in: the peaks are the fullest seconds."""
+    results = [
+        # Chunks at 0.2, 0.5, 0.8, 1.1 s; running in seconds 0 and 1.
+        RequestResult(ok=True, start_time=100.0, ttft=0.2, latency=1.1, output_tokens=4, itl=[0.3] * 3),
+        # Chunks at 1.6, 1.7, 1.8 s; running in second 1 only, after the first ended: never at once, but in
+        # the same second.
+        RequestResult(ok=True, start_time=101.5, ttft=0.1, latency=0.3, output_tokens=3, itl=[0.1] * 2),
+        RequestResult(start_time=100.0, error="HTTP 503"),
+    ]
+    summary = summarize(results, 2.0, metrics=[], percentiles=[])
+    assert summary["max_output_tokens_per_s"] == 4.0 and summary["max_concurrent_requests"] == 2
 
 
 VOCAB = list(range(100, 150))
@@ -131,7 +158,7 @@ def test_request_rates_must_be_positive(value, capsys):
     assert "argument --request-rate: rates must be positive numbers or inf" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["0", "nan", "inf"])
+@pytest.mark.parametrize("value", ["0", "nan"])
 def test_burstiness_must_be_a_positive_number(value):
     """Before: nan passed the check, and the run waited forever."""
     with pytest.raises(ValueError, match="--burstiness must be a positive number"):
@@ -190,3 +217,99 @@ def test_vllms_metric_names_summed_over_engines_and_a_server_without_them():
                    "server_prefix_cache_hits": 20, "server_prefix_cache_queries": 80}
     assert server_metrics.from_metrics("# TYPE up gauge\nup 1.0\n") is None
     assert server_metrics.summary(None) == {}
+
+
+def test_random_prompts_ignore_eos_and_only_the_sampling_flags_given_are_sent():
+    """As vLLM's: the random dataset generates every request's whole output length; the server's own sampling
+    defaults hold unless --temperature and the like are given (before: always temperature 0, EOS honoured)."""
+    def body(*argv: str) -> dict:
+        args = parse(*argv)
+        serve.apply_vllm_defaults(args)
+        return serve.request_body(args, "m", serve_datasets.BenchRequest([1, 2, 3], 16))
+
+    assert body()["ignore_eos"] is True and body()["max_tokens"] == 16 and "temperature" not in body()
+    sampled = body("--temperature", "0", "--top-p", "0.9", "--top-k", "5")
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.0, 0.9, 5)
+    assert body(*PREFIX_REPETITION)["ignore_eos"] is False
+    assert body(*PREFIX_REPETITION, "--ignore-eos")["ignore_eos"] is True
+
+
+def test_vllms_general_lengths_and_progress_bar_flag_are_taken():
+    args = parse("--input-len", "7", "--output-len", "3", "--disable-tqdm")
+    serve.apply_vllm_defaults(args)
+    assert (args.random_input_len, args.random_output_len, args.prefix_repetition_output_len) == (7, 3, 3)
+
+
+@pytest.mark.parametrize("value", ["101", "-1", "ninety", "nan"])
+def test_metric_percentiles_outside_0_to_100_are_refused_before_the_run(value, capsys):
+    """Before: numpy refused them only after the whole run had been sent."""
+    with pytest.raises(SystemExit):
+        parse("--metric-percentiles", f"50,{value}")
+    assert "percentiles must be numbers from 0 to 100, got" in capsys.readouterr().err
+    assert parse("--metric-percentiles", "50,99.9").metric_percentiles == [50.0, 99.9]
+
+
+RESULTS = [RequestResult(ok=True, prompt_len=8, start_time=5.0, ttft=0.1, latency=0.4, output_tokens=4,
+                         itl=[0.1] * 3, generated_text="a b c d"),
+           RequestResult(prompt_len=9, start_time=5.1, error="HTTP 503")]
+
+
+def test_the_saved_result_has_vllms_setup_keys_and_values():
+    args = parse("--request-rate", "2", "--max-concurrency", "4", "--burstiness", "0.5", "--num-prompts", "2",
+                 "--api-key", "secret")
+    args.request_rate = args.request_rate[0]
+    summary = summarize(RESULTS, 1.0, ["ttft"], [99])
+    record = serve.result_record(args, "org/model", summary, RESULTS, "20261206-104000")
+    assert {k: record[k] for k in ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id",
+                                   "num_prompts", "request_rate", "burstiness", "max_concurrency")} == {
+        "date": "20261206-104000", "endpoint_type": "openai", "backend": "openai", "label": None,
+        "model_id": "org/model", "tokenizer_id": "org/model", "num_prompts": 2, "request_rate": 2.0,
+        "burstiness": 0.5, "max_concurrency": 4}
+    assert record["completed"] == 1 and record["p99_ttft_ms"] == pytest.approx(100)
+    assert "secret" not in str(record) and "input_lens" not in record and "errors" not in record
+    args.request_rate = math.inf
+    assert serve.result_record(args, "m", summary, RESULTS, "d")["request_rate"] == "inf"
+
+
+def test_save_detailed_adds_vllms_per_request_lists():
+    args = parse("--save-detailed")
+    args.request_rate = math.inf
+    record = serve.result_record(args, "m", summarize(RESULTS, 1.0, [], []), RESULTS, "d")
+    assert record["input_lens"] == [8, 9] and record["output_lens"] == [4, 0]
+    assert record["ttfts"] == [0.1, 0.0] and record["itls"] == [[0.1] * 3, []]
+    assert record["start_times"] == [5.0, 5.1] and record["generated_texts"] == ["a b c d", ""]
+    assert record["errors"] == ["", "HTTP 503"]
+
+
+def test_the_default_result_file_is_named_as_vllms_in_a_folder_made_before_the_run(tmp_path):
+    args = parse("--save-result", "--result-dir", str(tmp_path / "new"), "--max-concurrency", "4")
+    args.request_rate = 2.0
+    path = serve.result_path(args, "org/model-1", "20261206-104000")
+    assert path == str(tmp_path / "new" / "openai-2.0qps-concurrency4-model-1-20261206-104000.json")
+    # Before: a missing folder failed the write after the whole run. Made first, even for a server that is down.
+    with pytest.raises(Exception, match="onnect"):
+        serve.main(parse("--save-result", "--result-dir", str(tmp_path / "new"), "--base-url", "http://127.0.0.1:9"))
+    assert (tmp_path / "new").is_dir()
+    args = parse("--save-result", "--label", "tm", "--result-dir", str(tmp_path))
+    args.request_rate = math.inf
+    assert serve.result_path(args, "m", "d") == str(tmp_path / "tm-infqps-m-d.json")
+
+
+def test_the_report_prints_vllms_lines():
+    args = parse("--max-concurrency", "4")
+    args.request_rate = 2.0
+    summary = summarize(RESULTS, 2.0, ["ttft", "tpot", "itl", "e2el"], [90])
+    report = serve.format_report(args, summary, ["ttft", "tpot", "itl", "e2el"], [90.0])
+    lines = report.splitlines()
+    assert lines[0] == "{:=^50}".format(" Serving Benchmark Result ") and lines[-1] == "=" * 50
+    for line in ["Successful requests:                     1", "Failed requests:                         1",
+                 "Maximum request concurrency:             4", "Request rate configured (RPS):           2.00",
+                 "Benchmark duration (s):                  2.00", "Total input tokens:                      8",
+                 "Total generated tokens:                  4", "Request throughput (req/s):              0.50",
+                 "Output token throughput (tok/s):         2.00",
+                 "Peak output token throughput (tok/s):    4.00",
+                 "Peak concurrent requests:                1.00", "Total token throughput (tok/s):          6.00",
+                 "{:-^50}".format("Time per Output Token (excl. 1st token)"),
+                 "Mean TTFT (ms):                          100.00", "P90 TPOT (ms):                           100.00",
+                 "Median ITL (ms):                         100.00", "P90 E2EL (ms):                           400.00"]:
+        assert line in [row.rstrip() for row in lines] or line in lines, line
