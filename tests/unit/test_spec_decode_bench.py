@@ -73,13 +73,14 @@ def test_the_run_is_the_difference_of_two_readings():
 
 def test_summary_keys_and_the_printed_line():
     result = spec_decode.summary(SpecDecodingStats(10, 30, 20, [9, 7, 4]))
+    # vLLM's result keys and units: the acceptance rate in percent, the per-position rates as fractions.
     assert result == {
-        "spec_decode_acceptance_rate": pytest.approx(2 / 3),
+        "spec_decode_acceptance_rate": pytest.approx(100 * 2 / 3),
         "spec_decode_acceptance_length": pytest.approx(3.0),  # 1 + 20 accepted / 10 drafts
         "spec_decode_num_drafts": 10,
-        "spec_decode_num_draft_tokens": 30,
-        "spec_decode_num_accepted_tokens": 20,
-        "spec_decode_per_position_acceptance_rate": pytest.approx([0.9, 0.7, 0.4]),
+        "spec_decode_draft_tokens": 30,
+        "spec_decode_accepted_tokens": 20,
+        "spec_decode_per_position_acceptance_rates": pytest.approx([0.9, 0.7, 0.4]),
     }
     assert spec_decode.describe(result) == (
         "Speculative decoding: acceptance rate 66.7%, mean acceptance length 3.00 (20 of 30 draft tokens "
@@ -160,12 +161,12 @@ def test_bench_serve_reports_the_runs_acceptance(prefix, monkeypatch, tmp_path, 
     result = run_bench_serve(monkeypatch, tmp_path, server)
     assert server.completions == 4 and result["completed"] == 4
     # 4 completions: 4 drafts, 8 draft tokens, 4 accepted (all at position 0); position 1 did not move.
-    assert result["spec_decode_num_drafts"] == 4 and result["spec_decode_num_draft_tokens"] == 8
-    assert result["spec_decode_acceptance_rate"] == 0.5 and result["spec_decode_acceptance_length"] == 2.0
-    assert result["spec_decode_per_position_acceptance_rate"] == [1.0, 0.0]
+    assert result["spec_decode_num_drafts"] == 4 and result["spec_decode_draft_tokens"] == 8
+    assert result["spec_decode_acceptance_rate"] == 50.0 and result["spec_decode_acceptance_length"] == 2.0
+    assert result["spec_decode_per_position_acceptance_rates"] == [1.0, 0.0]
     out = capsys.readouterr().out
-    assert any(line.split() == ["spec_decode_acceptance_rate", "0.50"] for line in out.splitlines()), out
-    assert "spec_decode_per_position_acceptance_rate 1.00, 0.00" in out
+    assert any(line.split() == ["spec_decode_acceptance_rate", "50.00"] for line in out.splitlines()), out
+    assert "spec_decode_per_position_acceptance_rates 1.00, 0.00" in out
 
 
 @pytest.mark.parametrize("metrics", [None, "# TYPE up gauge\nup 1.0\n"])

@@ -2,8 +2,9 @@
 engine's cumulative SpecDecodingStats, or from a server's /metrics counters (tokenmill's or vLLM's),
 read before and after the run; the difference is the run's.
 
-The rates are vLLM's: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted /
-drafts (tokens per verifying request-step), and position i's rate = drafts accepted at i / drafts.
+The rates and result keys are vLLM's (`vllm bench serve`'s spec_decode_*): acceptance rate = accepted / draft
+tokens, in percent; mean acceptance length = 1 + accepted / drafts (tokens per verifying request-step); and
+position i's rate = drafts accepted at i / drafts, a fraction.
 """
 
 from __future__ import annotations
@@ -36,16 +37,16 @@ def difference(before: SpecDecodingStats | None, after: SpecDecodingStats | None
 
 
 def summary(stats: SpecDecodingStats | None) -> dict:
-    """The result keys (spec_decode_*); {} without speculative decoding."""
+    """The result keys (spec_decode_*, vLLM's names and units); {} without speculative decoding."""
     if stats is None:
         return {}
     return {
-        "spec_decode_acceptance_rate": stats.acceptance_rate,
+        "spec_decode_acceptance_rate": 100 * stats.acceptance_rate,
         "spec_decode_acceptance_length": stats.mean_acceptance_length,
         "spec_decode_num_drafts": stats.num_drafts,
-        "spec_decode_num_draft_tokens": stats.num_draft_tokens,
-        "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
-        "spec_decode_per_position_acceptance_rate": [
+        "spec_decode_draft_tokens": stats.num_draft_tokens,
+        "spec_decode_accepted_tokens": stats.num_accepted_tokens,
+        "spec_decode_per_position_acceptance_rates": [
             accepted / stats.num_drafts if stats.num_drafts else 0.0 for accepted in stats.accepted_per_position
         ],
     }
@@ -55,10 +56,10 @@ def describe(result: dict) -> str | None:
     """One line for a summary() (None for {}): 'Speculative decoding: acceptance rate 62.5%, ...'."""
     if "spec_decode_acceptance_rate" not in result:
         return None
-    positions = ", ".join(f"{rate:.1%}" for rate in result["spec_decode_per_position_acceptance_rate"])
-    return (f"Speculative decoding: acceptance rate {result['spec_decode_acceptance_rate']:.1%}, mean acceptance "
-            f"length {result['spec_decode_acceptance_length']:.2f} ({result['spec_decode_num_accepted_tokens']} of "
-            f"{result['spec_decode_num_draft_tokens']} draft tokens accepted in {result['spec_decode_num_drafts']} "
+    positions = ", ".join(f"{rate:.1%}" for rate in result["spec_decode_per_position_acceptance_rates"])
+    return (f"Speculative decoding: acceptance rate {result['spec_decode_acceptance_rate']:.1f}%, mean acceptance "
+            f"length {result['spec_decode_acceptance_length']:.2f} ({result['spec_decode_accepted_tokens']} of "
+            f"{result['spec_decode_draft_tokens']} draft tokens accepted in {result['spec_decode_num_drafts']} "
             f"drafts); by position: {positions or '-'}")
 
 
