@@ -241,14 +241,22 @@ def test_chat_with_a_url_without_v1(server):
     assert_short_error(result, "404", f"{server.base_url}/models, which is no OpenAI-compatible route", "--url")
 
 
+def prompt_tokens(server) -> float:
+    metrics = httpx.get(server.url("/metrics"), headers=server.headers).text
+    [value] = re.findall(r"^tokenmill:prompt_tokens_total\{.*\} (\S+)$", metrics, re.MULTILINE)
+    return float(value)
+
+
 def test_bench_serve_takes_the_key_from_the_environment_and_vllms_flags(server, tmp_path):
     host, port = server.base_url.removeprefix("http://").split(":")
+    before = prompt_tokens(server)
     result = tokenmill("bench", "serve", "--backend", "vllm", "--host", host, "--port", port, "--dataset-name",
                        "random", "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
                        "--ignore-eos", "--request-rate", "50", "--burstiness", "0.5", "--percentile-metrics",
                        "ttft,e2el", "--metric-percentiles", "90,99", "--save-result", "--result-dir", str(tmp_path),
-                       "--result-filename", "r.json", "--save-detailed", api_key_env=API_KEY)
+                       "--result-filename", "r.json", "--save-detailed", "--num-warmups", "3", api_key_env=API_KEY)
     assert result.returncode == 0, result.stderr
+    assert prompt_tokens(server) - before == (3 + 2) * 8  # the 3 warm-up requests (the first prompt), then the run
     assert "Successful requests:                     2" in result.stdout
     assert "Request rate configured (RPS):           50.00" in result.stdout
     saved = json.loads((tmp_path / "r.json").read_text())

@@ -313,3 +313,36 @@ def test_the_report_prints_vllms_lines():
                  "Mean TTFT (ms):                          100.00", "P90 TPOT (ms):                           100.00",
                  "Median ITL (ms):                         100.00", "P90 E2EL (ms):                           400.00"]:
         assert line in [row.rstrip() for row in lines] or line in lines, line
+
+
+def test_goodput_counts_the_requests_within_every_slo():
+    """vLLM's --goodput: completed requests per second whose TTFT, TPOT and E2EL (ms) are all within their
+    objectives; a one-token request's TPOT counts as 0."""
+    results = [RequestResult(ok=True, ttft=0.1, latency=0.5, output_tokens=5, itl=[0.1] * 4),  # good
+               RequestResult(ok=True, ttft=0.3, latency=0.7, output_tokens=5, itl=[0.1] * 4),  # TTFT too long
+               RequestResult(ok=True, ttft=0.1, latency=0.1, output_tokens=1),  # good: TPOT 0
+               RequestResult(ok=True, ttft=0.1, latency=0.9, output_tokens=3, itl=[0.4] * 2),  # TPOT too long
+               RequestResult(error="HTTP 503")]
+    goodput = dict(parse("--goodput", "ttft:200", "tpot:100", "e2el:800").goodput)
+    summary = summarize(results, 2.0, [], [], goodput=goodput)
+    assert goodput == {"ttft": 200.0, "tpot": 100.0, "e2el": 800.0} and summary["request_goodput"] == 1.0
+    assert summarize(results, 2.0, [], [])["request_goodput"] is None  # vLLM's key, null without --goodput
+    report = serve.format_report(argparse.Namespace(max_concurrency=None, request_rate=math.inf), summary, [], [])
+    assert "Request goodput (req/s):                 1.00" in report
+
+
+@pytest.mark.parametrize("slo", ["ttft", "ttft:fast", "itl:5", "e2el:-1"])
+def test_goodput_objectives_are_checked_before_the_run(slo, capsys):
+    with pytest.raises(SystemExit):
+        parse("--goodput", slo)
+    assert "argument --goodput: expected KEY:VALUE, KEY one of ttft, tpot, e2el, VALUE" in capsys.readouterr().err
+
+
+def test_metadata_goes_into_the_result_and_a_pair_without_equals_is_refused(capsys):
+    args = parse("--metadata", "version=0.3.3", "tp=1")
+    args.request_rate = math.inf
+    record = serve.result_record(args, "m", summarize(RESULTS, 1.0, [], []), RESULTS, "d")
+    assert record["version"] == "0.3.3" and record["tp"] == "1"
+    with pytest.raises(SystemExit):
+        parse("--metadata", "version")
+    assert "argument --metadata: expected KEY=VALUE, got 'version'" in capsys.readouterr().err

@@ -78,6 +78,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="metrics whose percentiles are reported, of ttft, tpot, itl, e2el")
     parser.add_argument("--metric-percentiles", "--percentiles", type=_percentiles, default=[99.0],
                         help="comma-separated percentiles reported for those metrics (the median always is)")
+    parser.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="KEY:VALUE",
+                        help="objectives (ms) of ttft, tpot, e2el: request_goodput counts the requests within all")
+    parser.add_argument("--num-warmups", type=int, default=0,
+                        help="requests of the first prompt sent before the run, not counted")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of prompts and arrival times (a sweep's i-th rate uses seed + i)")
     parser.add_argument("--save-result", action="store_true", help="write the results as JSON")
@@ -89,6 +93,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="name of --save-result's file (default, as vLLM's: "
                              "LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json)")
     parser.add_argument("--label", default=None, help="first part of the result file's name (default: --backend)")
+    parser.add_argument("--metadata", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
+                        help="pairs written into the result file")
     parser.add_argument("--result-file", default=None, help="write the results as JSON to this path")
     parser.add_argument("--disable-tqdm", action="store_true",
                         help="accepted for vLLM's command lines: there is no progress bar")
@@ -209,6 +215,25 @@ def _percentiles(text: str) -> list[float]:
     return percentiles
 
 
+def _slo(text: str) -> tuple[str, float]:
+    key, _, value = text.partition(":")
+    try:
+        objective = float(value)
+    except ValueError:
+        objective = -1.0
+    if key not in ("ttft", "tpot", "e2el") or not objective >= 0:
+        raise argparse.ArgumentTypeError(f"expected KEY:VALUE, KEY one of ttft, tpot, e2el, VALUE milliseconds "
+                                         f"(at least 0), got {text!r}")
+    return key, objective
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not equals:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
 def arrival_times(num: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
     """Seconds after the start at which each request is sent, as vLLM's: gaps (the first request's too)
     gamma-distributed with mean 1 / rate (burstiness 1: exponential, i.e. Poisson arrivals; inf: even), then
@@ -247,6 +272,8 @@ async def _run(args: argparse.Namespace) -> tuple[str, list[RequestResult], floa
             async with semaphore:
                 return await _one_request(client, args, model, request)
 
+        await asyncio.gather(*(limited(requests[0]) for _ in range(args.num_warmups)))
+
         spec_before, server_before = await _read_metrics(client)
         start = time.perf_counter()
         tasks = []
@@ -279,13 +306,24 @@ def peaks(done: list[RequestResult]) -> tuple[float, int]:
     return float(chunks.max()), int(running.max())
 
 
-def summarize(results: list[RequestResult], duration: float, metrics: list[str], percentiles: list[float]) -> dict:
-    """vLLM's result keys: throughputs and peaks, then mean / median / std / chosen percentiles (ms) of each
-    metric."""
+def tpot(r: RequestResult) -> float:
+    """vLLM's time per output token: after the first, over the rest; 0 for a one-token request."""
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+
+def summarize(results: list[RequestResult], duration: float, metrics: list[str], percentiles: list[float],
+              goodput: dict[str, float] | None = None) -> dict:
+    """vLLM's result keys: throughputs (with `goodput`'s objectives in ms, the goodput) and peaks, then mean /
+    median / std / chosen percentiles (ms) of each metric."""
     done = [r for r in results if r.ok]
     input_tokens = sum(r.prompt_len for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     max_output_tokens_per_s, max_concurrent_requests = peaks(done)
+
+    def within_slos(r: RequestResult) -> bool:
+        return all(1000 * {"ttft": r.ttft, "tpot": tpot(r), "e2el": r.latency}[key] <= slo
+                   for key, slo in goodput.items())
+
     summary = {
         "duration": duration,
         "completed": len(done),
@@ -293,12 +331,13 @@ def summarize(results: list[RequestResult], duration: float, metrics: list[str],
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration,
+        "request_goodput": None if goodput is None else sum(map(within_slos, done)) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + input_tokens) / duration,
         "max_output_tokens_per_s": max_output_tokens_per_s,
         "max_concurrent_requests": max_concurrent_requests,
     }
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    tpots = [tpot(r) for r in done if r.output_tokens > 1]
     series = {"ttft": [r.ttft for r in done], "tpot": tpots, "itl": [x for r in done for x in r.itl],
               "e2el": [r.latency for r in done]}
     for name in metrics:
@@ -338,6 +377,8 @@ def format_report(args: argparse.Namespace, summary: dict, metrics: list[str], p
     if math.isfinite(args.request_rate):
         lines.append(line("Request rate configured (RPS):", float(args.request_rate)))
     for label, key in REPORT_LINES:
+        if key == "output_throughput" and summary["request_goodput"] is not None:
+            lines.append(line("Request goodput (req/s):", summary["request_goodput"]))
         # vLLM prints the peak concurrency, a count, with decimals
         lines.append(line(label, float(summary[key]) if key == "max_concurrent_requests" else summary[key]))
     for name in metrics:
@@ -385,7 +426,7 @@ def result_record(args: argparse.Namespace, model_id: str, summary: dict, result
               "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "dataset_name": args.dataset_name, "dataset_params": serve_datasets.dataset_params(args),
-              "ignore_eos": args.ignore_eos, "seed": args.seed, **summary}
+              "ignore_eos": args.ignore_eos, "seed": args.seed, **dict(args.metadata), **summary}
     if args.save_detailed:
         record.update(input_lens=[r.prompt_len for r in results],
                       output_lens=[r.output_tokens if r.ok else 0 for r in results],
@@ -403,7 +444,8 @@ def run_one_rate(args: argparse.Namespace, metrics: list[str], percentiles: list
     print(f"Maximum request concurrency: {args.max_concurrency}")
     model_id, results, duration, run_summary = asyncio.run(_run(args))
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
-    summary = {**summarize(results, duration, metrics, percentiles), **run_summary}
+    goodput = None if args.goodput is None else dict(args.goodput)
+    summary = {**summarize(results, duration, metrics, percentiles, goodput), **run_summary}
     errors = [r.error for r in results if not r.ok]
     if errors:
         print("Failed requests during benchmark run detected (capping to 10):")
