@@ -220,16 +220,18 @@ def test_vllms_metric_names_summed_over_engines_and_a_server_without_them():
 
 
 def test_random_prompts_ignore_eos_and_only_the_sampling_flags_given_are_sent():
-    """As vLLM's: the random dataset generates every request's whole output length; the server's own sampling
-    defaults hold unless --temperature and the like are given (before: always temperature 0, EOS honoured)."""
+    """As vLLM's: the random dataset generates every request's whole output length; requests are greedy unless
+    --temperature is given, and the server's other sampling defaults hold unless --top-p and the like are given
+    (before: always temperature 0, no other flags, EOS honoured)."""
     def body(*argv: str) -> dict:
         args = parse(*argv)
         serve.apply_vllm_defaults(args)
         return serve.request_body(args, "m", serve_datasets.BenchRequest([1, 2, 3], 16))
 
-    assert body()["ignore_eos"] is True and body()["max_tokens"] == 16 and "temperature" not in body()
-    sampled = body("--temperature", "0", "--top-p", "0.9", "--top-k", "5")
-    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.0, 0.9, 5)
+    assert body()["ignore_eos"] is True and body()["max_tokens"] == 16
+    assert body()["temperature"] == 0.0 and "top_p" not in body()
+    sampled = body("--temperature", "0.7", "--top-p", "0.9", "--top-k", "5")
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.9, 5)
     assert body(*PREFIX_REPETITION)["ignore_eos"] is False
     assert body(*PREFIX_REPETITION, "--ignore-eos")["ignore_eos"] is True
 

@@ -1,19 +1,19 @@
-"""`tokenmill bench serve`: load an OpenAI-compatible server (tokenmill's, vLLM's, ...) with streamed
-completions of synthetic prompts, and report throughput and latency, with vLLM's `vllm bench serve` flags,
-metrics and JSON result keys, so the two can be compared run for run.
+"""`tokenmill bench serve`: load an OpenAI-compatible server (tokenmill's, vLLM's, ...) with streamed completions of
+synthetic prompts, and report throughput and latency, with vLLM's `vllm bench serve` flags, metrics and JSON
+result keys, so the two can be compared run for run.
 
 Prompts are random token ids drawn from the server's own tokenization of a built-in text, sent as token-id
-prompts, so every request has exactly the prompt length drawn; the random dataset ignores EOS (as vLLM's
-does), and so does any with --ignore-eos, so every request generates exactly its output length. Sampling is
-the server's default unless --temperature, --top-p, ... are given (as vLLM's). The datasets are vLLM's
-(serve_datasets.py): `random`, with an optional shared prefix and spread of lengths, and `prefix_repetition`,
-a few long prefixes each shared by many requests. Requests arrive at --request-rate per second (all at once
-by default): Poisson arrivals, or gamma-distributed gaps with --burstiness other than 1 (as vLLM's); at most
---max-concurrency in flight. Every streamed chunk counts as tokens arriving (for ITL and the peak output
-throughput), as vLLM's benchmark counts them. The report and the result file are vLLM's: its printed lines,
+prompts, so every request has exactly the prompt length drawn; the random dataset ignores EOS (as vLLM's does),
+and so does any with --ignore-eos, so every request generates exactly its output length. Requests are greedy
+(temperature 0) unless --temperature is given, and carry --top-p, ... where given (as vLLM's). The datasets are
+vLLM's (serve_datasets.py): `random`, with an optional shared prefix and spread of lengths, and
+`prefix_repetition`, a few long prefixes each shared by many requests. Requests arrive at --request-rate per
+second (all at once by default): Poisson arrivals, or gamma-distributed gaps with --burstiness other than 1 (as
+vLLM's); at most --max-concurrency in flight. Every streamed chunk counts as tokens arriving (for ITL and the peak
+output throughput), as vLLM's benchmark counts them. The report and the result file are vLLM's: its printed lines,
 its JSON keys (with --save-detailed, its per-request lists), its file name. The server's /metrics, read before and
-after the run, add the run's speculative decoding acceptance (tokenmill's or vLLM's spec_decode_* counters)
-and the server's own mean TTFT and queue time and prefix-cache hit rate (server_metrics.py), where it has them.
+after the run, add the run's speculative decoding acceptance (tokenmill's or vLLM's spec_decode_* counters) and
+the server's own mean TTFT and queue time and prefix-cache hit rate (server_metrics.py), where it has them.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate every request's whole output length, whatever the model samples (the "
                              "random dataset always does, as vLLM's)")
-    sampling = parser.add_argument_group("sampling parameters (default: the server's)")
+    sampling = parser.add_argument_group("sampling parameters (default: temperature 0, the others the server's)")
     for flag, kind in SAMPLING_FLAGS.items():
         sampling.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
     parser.add_argument("--request-rate", type=_rates, default=[math.inf],
@@ -134,6 +134,7 @@ async def _get_model_and_vocab(client, args) -> tuple[str, str, list[int]]:
 
 def request_body(args: argparse.Namespace, model: str, request: BenchRequest) -> dict:
     sampling = {flag: getattr(args, flag) for flag in SAMPLING_FLAGS if getattr(args, flag) is not None}
+    sampling.setdefault("temperature", 0.0)  # vLLM's benchmark defaults to greedy decoding
     return {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
             "ignore_eos": args.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}, **sampling}
