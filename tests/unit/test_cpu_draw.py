@@ -33,6 +33,19 @@ def test_tokens_out_and_tokens_below_exp_minus_86_are_never_drawn():
     assert draw([[-inf] * 3, [float("nan"), 0.0, 1.0]], [0.3, 0.3]) == [0, 0]  # nothing finite; a NaN row
 
 
+def test_a_row_with_inf_logits_draws_among_them_as_the_argmax_would():
+    """A logit that overflowed to +inf (a repetition penalty near float32's smallest normal number divides a seen
+    logit, then the temperature) is certain: the draw keeps the +inf tokens alone, ties equally likely, under min_p
+    and top_p too, where it answered token 0 (inf - inf is NaN: every weight 0)."""
+    inf = float("inf")
+    row = torch.tensor([-1.0, 2.0, inf, 3.0, -inf, inf, 0.5])
+    uniforms = (torch.arange(64, dtype=torch.float64) + 0.5) / 64
+    for filters in ({}, {"min_p": torch.full((64,), 0.5)}, {"top_p": torch.full((64,), 0.9)}):
+        spread = uniforms.unsqueeze(1).expand(64, 1 + MAX_DRAWS) if "top_p" in filters else uniforms
+        tokens = draw_rows(row.expand(64, -1).contiguous(), spread, **filters)
+        assert torch.bincount(tokens, minlength=7).tolist() == [0, 0, 32, 0, 0, 32, 0], filters
+
+
 def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_most_likely():
     row = torch.tensor([math.log(p) for p in (0.02, 0.5, 0.049, 0.25, 0.051, 0.13)])
     uniforms = torch.arange(400, dtype=torch.float64) / 400

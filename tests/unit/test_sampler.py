@@ -22,7 +22,7 @@ from tokenmill.sample.sampler import (
     apply_top_k_top_p,
     gather_logprobs,
 )
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import FLOAT32_TINY, SamplingParams
 
 VOCAB = 50
 CPU = torch.device("cpu")
@@ -214,6 +214,28 @@ def test_seeded_top_k_draw_does_not_depend_on_the_batch(logits, draw_path, filte
     alone = draws([seeded])
     assert len(set(alone)) > 1  # the draws differ: the seed decides
     assert alone == draws([seeded, wide, wide]) == draws([seeded, whole, wide])
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}],
+                         ids=["plain", "top_k", "top_p", "min_p"])
+def test_a_repetition_penalty_that_overflows_the_seen_logits_draws_them_as_greedy_does(filters):
+    """repetition_penalty at its smallest (float32's smallest normal number) divides the seen positive logits to
+    +inf: those are then certain, and a sampled row draws among them, as the greedy row takes the first. The C draw
+    answered token 0 (a token never seen) for every sampled row."""
+    logits = torch.full((2, VOCAB), -2.0)
+    logits[:, [3, 9, 17]] = torch.tensor([5.0, 6.0, 8.0])  # seen: 5 / FLOAT32_TINY is past float32's largest
+    seen = torch.zeros(2, VOCAB, dtype=torch.bool)
+    seen[:, [3, 9]] = True  # 17 is more likely, but not seen
+    params = [SamplingParams(temperature=0.0, repetition_penalty=FLOAT32_TINY),
+              SamplingParams(temperature=0.7, repetition_penalty=FLOAT32_TINY, **filters)]
+    drawn = set()
+    for seed in range(20):
+        meta = build_sampling_metadata(params, {1: torch.Generator().manual_seed(seed)}, VOCAB, CPU,
+                                       penalty_tensors=(torch.zeros(2, VOCAB), seen, np.array([0, 1])))
+        greedy, sampled = Sampler()(logits, meta).token_ids.tolist()
+        assert greedy == 3
+        drawn.add(sampled)
+    assert drawn == {3, 9}
 
 
 def test_metadata_routes_rows_to_the_fused_draw_only_when_asked():

@@ -8,7 +8,9 @@ Rows hold temperature-scaled logits with -inf where a token is out (min_p, top_k
 weight is exactly 0 and is never drawn. Weights below exp(-86) of the row's largest are 0 too (a float32 softmax
 loses them likewise). Sums are in float64 (over 8 lanes, then blocks of 256 before the block that holds the target
 is walked token by token), so a row given as its candidates in token-id order (the top-k path) draws the same token
-as the whole row for the same uniform, up to float64 rounding. A row with no finite logit, or a NaN, answers token 0.
+as the whole row for the same uniform, up to float64 rounding. A row with +inf logits (a penalty or the temperature
+overflowed) draws among those alone, as the argmax takes the first of them; a row with no finite logit, or a NaN,
+answers token 0.
 `load_kernel()` is None where no compiler works: the sampler then draws with torch.
 """
 
@@ -22,6 +24,7 @@ import torch
 from tokenmill.cpu_compile import compile_or_none
 
 _SOURCE = r"""
+#include <float.h>
 #include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -94,7 +97,10 @@ static int64_t inverse_cdf(const float *w, int64_t n, float floor, double target
    argmax. */
 static int64_t draw_row(const float *x, int64_t n, float top, const double *u, float min_p, float top_p,
                         int max_draws, float *w) {
-    for (int64_t j = 0; j < n; j++) w[j] = weight(x[j] - top);
+    if (top > FLT_MAX)  /* +inf logits (an overflow: certain) are in alone, equally likely (inf - inf is NaN) */
+        for (int64_t j = 0; j < n; j++) w[j] = x[j] == top ? 1.0f : 0.0f;
+    else
+        for (int64_t j = 0; j < n; j++) w[j] = weight(x[j] - top);
     if (min_p > 0.0f)  /* out below min_p times the largest probability (whose weight is 1) */
         for (int64_t j = 0; j < n; j++) w[j] = w[j] >= min_p ? w[j] : 0.0f;
     const double total = sum_above(w, n, -1.0f);
