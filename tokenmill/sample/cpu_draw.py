@@ -165,9 +165,9 @@ def row_uniforms(num_rows: int, generators: dict[int, torch.Generator], top_p: t
     """[num_rows, 1 or 1 + MAX_DRAWS] float64 uniforms in [0, 1) for `draw_rows`. A seeded row's come from its own
     generator, as many as its own draw may read, so that its tokens do not depend on the rest of the batch."""
     uniforms = torch.rand(num_rows, 1 if top_p is None else 1 + MAX_DRAWS, dtype=torch.float64)
-    reads = [1] * num_rows if top_p is None else [1 + MAX_DRAWS if p < 1 else 1 for p in top_p.tolist()]
     for row, generator in generators.items():
-        uniforms[row, : reads[row]] = torch.rand(reads[row], dtype=torch.float64, generator=generator)
+        reads = 1 + MAX_DRAWS if top_p is not None and float(top_p[row]) < 1 else 1
+        uniforms[row, :reads] = torch.rand(reads, dtype=torch.float64, generator=generator)
     return uniforms
 
 

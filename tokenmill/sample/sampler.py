@@ -154,11 +154,17 @@ def apply_penalties(
     frequency_penalty: torch.Tensor,
     presence_penalty: torch.Tensor,
 ) -> torch.Tensor:
-    penalty = repetition_penalty.unsqueeze(1)
-    repeated = torch.where(logits > 0, logits / penalty, logits * penalty)
-    logits = torch.where(seen_mask, repeated, logits)
-    logits = logits - frequency_penalty.unsqueeze(1) * output_counts
-    return logits - presence_penalty.unsqueeze(1) * (output_counts > 0)
+    return _penalise(logits, output_counts, seen_mask, repetition_penalty.unsqueeze(1),
+                     frequency_penalty.unsqueeze(1), presence_penalty.unsqueeze(1))
+
+
+def _penalise(values: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None, repetition: torch.Tensor,
+              frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """The penalties' formula: repetition at the seen values (all of them where `seen` is None), then frequency
+    and presence by the output counts."""
+    repeated = torch.where(values > 0, values / repetition, values * repetition)
+    values = repeated if seen is None else torch.where(seen, repeated, values)
+    return values - frequency * counts - presence * (counts > 0)
 
 
 def apply_penalties_to_seen(
@@ -175,11 +181,8 @@ def apply_penalties_to_seen(
     passes over the whole vocabulary (4 ms a step for 16 x 49,152 on one core)."""
     batch_rows, token_ids = seen_mask[penalty_rows].nonzero(as_tuple=True)
     counts = output_counts[penalty_rows[batch_rows], token_ids]
-    seen = logits[batch_rows, token_ids].float()
-    penalty = repetition_penalty[batch_rows]
-    seen = torch.where(seen > 0, seen / penalty, seen * penalty)
-    seen = seen - frequency_penalty[batch_rows] * counts
-    seen = seen - presence_penalty[batch_rows] * (counts > 0)
+    seen = _penalise(logits[batch_rows, token_ids].float(), counts, None, repetition_penalty[batch_rows],
+                     frequency_penalty[batch_rows], presence_penalty[batch_rows])
     logits = logits.to(torch.float32, copy=True)
     logits[batch_rows, token_ids] = seen
     return logits
