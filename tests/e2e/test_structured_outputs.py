@@ -96,6 +96,29 @@ def test_specs_hold_under_async_scheduling_chunked_prefill_and_preemption(busy_l
     assert busy_llm.engine.core.awaiting_grammar.compiler.num_compiled == 0  # the grammar process compiled them
 
 
+def test_tokens_still_on_the_device_reach_the_grammars_at_the_engines_update(busy_llm, monkeypatch):
+    """On a GPU the last step's tokens are mostly still on the device when the next step is launched (its sampler
+    was deferred to that launch): the grammar process then gets them, and the step's mask request, when the engine
+    takes them in its update of the last step (PendingOutput.when_tokens), not by a wait in the launch. Here tokens
+    count as arrived only once taken, so every step goes that way; the greedy outputs are those of the same engine
+    with the tokens on the host at once (the CPU's)."""
+    from tokenmill.worker.model_runner import ModelRunner
+    from tokenmill.worker.pending_output import PendingOutput
+
+    generate_all(busy_llm)  # the grammars compiled: both runs below schedule alike
+    expected = [out.outputs[0].token_ids for out in generate_all(busy_llm)]
+    handed_over = []
+    start_grammars = ModelRunner._start_grammars
+    monkeypatch.setattr(PendingOutput, "has_tokens", lambda self: self._output is not None)
+    monkeypatch.setattr(ModelRunner, "_start_grammars",
+                        lambda self, *args: handed_over.append(1) or start_grammars(self, *args))
+    outputs = generate_all(busy_llm)
+    assert len(handed_over) > 10
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+    for spec, out in zip(SPECS, outputs):
+        check(spec, out.outputs[0].text)
+
+
 def test_a_spec_the_grammar_process_cannot_compile_fails_only_its_request(busy_llm, monkeypatch):
     """The grammar process compiles the grammars (the engine core's compiler delegates to it): a spec that fails
     there (let past the frontend, which would refuse it) fails its request, saying why (finish_reason "error", the

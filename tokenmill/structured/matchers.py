@@ -13,7 +13,10 @@ The matchers live in a grammar process of their own on a GPU host with cores to 
 engine does its other host work: `send_tokens` as soon as the last step's tokens are on the host, `start` once
 the step's sampled rows and drafts are known (the fill is requested), `apply` just before the sampler (waits for
 the masks), which the runner then launches only at the start of its next step (worker/pending_output.py's
-DeferredSample). In this process the same calls do the work where they are made, after the forward launch.
+DeferredSample). The last step's tokens are then mostly still on the device when the step is launched (its
+sampler was launched only at that step's start): its `start` waits for the engine's update of the last step,
+which takes them (PendingOutput.when_tokens), rather than the launch waiting for them. In this process the same
+calls do the work where they are made, after the forward launch.
 
 The masks go into a host buffer (pinned on a GPU; shared memory the grammar process writes into when it is
 used); one non-blocking copy takes the buffer (the logits rows' index, a byte per logits row set where a mask
@@ -151,11 +154,13 @@ class GrammarRows:
         process, and not for a step that verifies drafts (the next step needs its tokens at once)."""
         return not self.in_process and not batch.sampled_num_drafts.any()
 
-    def start_step(self, batch: InputBatch, states: RequestStates) -> list[int]:
-        """`start` for the step's constrained rows (returned: their indices into the sampled rows), each with
-        1 + drafts logits rows, in order. The last step's tokens must be on the host."""
+    def start_step(self, batch: InputBatch, states: RequestStates, constrained: list[int] | None = None) -> list[int]:
+        """`start` for the step's constrained rows (returned: their indices into the sampled rows; `constrained`
+        where the caller has them already), each with 1 + drafts logits rows, in order. The last step's tokens
+        must be on the host."""
         rows = batch.sampled_rows
-        constrained = self.constrained(rows, states)
+        if constrained is None:
+            constrained = self.constrained(rows, states)
         if constrained:
             counts = 1 + batch.sampled_num_drafts
             self.start(rows, np.cumsum(counts) - counts, batch.sampled_num_drafts, states, constrained)

@@ -213,19 +213,35 @@ class ModelRunner:
             return self._pending_output(batch, tokens, arrival=arrival)
         logits = self.model.compute_logits(hidden_states[self._to_device(batch.logits_indices)])
         rows = batch.sampled_rows
-        if constrained is None and self.grammar_rows is not None and self.grammar_rows.constrained(rows, self.states):
-            # The grammars read the last step's tokens on the host, which were not there before the forward pass
-            # (queued now: the grammars' work overlaps it on the GPU).
-            if self._last_pending is not None:
-                self._last_pending.result()
-            constrained = self.grammar_rows.start_step(batch, self.states)
-        if self._last_pending is not None and self.sampling_state.needs_output_ids[rows].any():
-            self._last_pending.result()  # the slow path reads the last step's tokens on the host
-        if constrained and self.stage.num_stages == 1 and self.grammar_rows.defers_sampler(batch):
+        last = self._last_pending
+        if last is not None and self.sampling_state.needs_output_ids[rows].any():
+            last.result()  # the slow path reads the last step's tokens on the host
+        grammar_rows = [] if constrained is not None or self.grammar_rows is None else \
+            self.grammar_rows.constrained(rows, self.states)
+        defers = bool(grammar_rows or constrained) and self.stage.num_stages == 1 and \
+            self.grammar_rows.defers_sampler(batch)
+        if grammar_rows:
+            # The grammars read the last step's tokens on the host, which were not there before the forward pass.
+            if defers and last is not None and not last.has_tokens():
+                # Handed over when the engine takes them (its update of the last step, after this launch) rather
+                # than waited for here: the last step's sampler was launched only now, at the start of this step.
+                last.when_tokens(functools.partial(self._start_grammars, batch, grammar_rows))
+                self._deferred = DeferredSample(functools.partial(self._finish_sample, batch, logits, grammar_rows),
+                                                before=last.result)
+                return self._deferred
+            if last is not None:
+                last.result()
+            constrained = self.grammar_rows.start_step(batch, self.states, grammar_rows)
+        if constrained and defers:
             # The sampler waits for the grammar process's masks until the engine's other host work is done.
             self._deferred = DeferredSample(functools.partial(self._finish_sample, batch, logits, constrained))
             return self._deferred
         return self._finish_sample(batch, logits, constrained)
+
+    def _start_grammars(self, batch: InputBatch, constrained: list[int]) -> None:
+        """The masks of `batch`'s `constrained` rows begun, once the last step's tokens are on the host: its
+        tokens and the mask request go as one message (`start` accepts what a row's matcher has not had)."""
+        self.grammar_rows.start_step(batch, self.states, constrained)
 
     @torch.inference_mode()  # also when the engine's wait for the tokens launches it
     def _finish_sample(self, batch: InputBatch, logits: torch.Tensor, constrained: list[int]) -> PendingOutput:

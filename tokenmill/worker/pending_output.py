@@ -103,6 +103,7 @@ class PendingOutput:
         self._logprobs = logprobs
         self._next_drafts = None
         self._ahead_of = ahead_of
+        self._when_tokens: list[Callable[[], None]] = []
         self.num_emitted: np.ndarray | None = None
         """[n] the tokens each row emitted, once result() has them (a verifying step)."""
 
@@ -157,6 +158,13 @@ class PendingOutput:
             return True
         return self._arrival is None and (self._event is None or self._event.query())
 
+    def when_tokens(self, call: Callable[[], None]) -> None:
+        """Call `call` once result() has the tokens in the worker's rows (at once if it has)."""
+        if self._output is not None:
+            call()
+        else:
+            self._when_tokens.append(call)
+
     def result(self) -> ModelRunnerOutput:
         """Wait for the copy, store the tokens in the worker's rows, and return the step's output."""
         if self._output is not None:
@@ -191,6 +199,9 @@ class PendingOutput:
                         in zip(self._request_ids, logprob_slices, self._num_logprobs) if k is not None}
         self._output = ModelRunnerOutput(dict(zip(self._request_ids, token_ids)), logprobs, self._prompt_logprobs,
                                          num_drafts)
+        calls, self._when_tokens = self._when_tokens, []
+        for call in calls:
+            call()
         return self._output
 
     def wait_for_tokens(self) -> None:
@@ -229,14 +240,20 @@ class PendingOutput:
 class DeferredSample:
     """A step whose sampler waits for its grammar masks, which a grammar process fills while the engine updates,
     outputs and schedules: launched first thing in the runner's next step, or by result() if that comes first
-    (without async scheduling, at once)."""
+    (without async scheduling, at once). Where the masks' request itself waited for the last step's tokens, that
+    step's result() comes first (`before`)."""
 
-    def __init__(self, launch: Callable[[], PendingOutput]) -> None:
+    def __init__(self, launch: Callable[[], PendingOutput], before: Callable[[], object] | None = None) -> None:
+        """`before`: called first at the launch (the last step's result(), whose tokens begin the masks)."""
         self._launch = launch
+        self._before = before
         self._pending: PendingOutput | None = None
 
     def launch(self) -> PendingOutput:
         if self._pending is None:
+            if self._before is not None:
+                self._before, before = None, self._before
+                before()
             self._pending, self._launch = self._launch(), None
         return self._pending
 
