@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from typing import Any, TypedDict
@@ -118,8 +119,10 @@ class InputProcessor:
             params = dataclasses.replace(params, **{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
                                                     if getattr(params, name) == -1})
         if spec is not params.structured_outputs:
-            # As the compiler builds it: its backend and the engine's options. A copy, as above.
-            params = dataclasses.replace(params, structured_outputs=spec)
+            # As the compiler builds it: its backend and the engine's options. A copy, as above (a shallow one:
+            # the params were validated, and `replace` would check them all again).
+            params = copy.copy(params)
+            params.structured_outputs = spec
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -186,17 +189,27 @@ class InputProcessor:
         spec as it is enforced: what it leaves unset taken from the engine's structured_outputs_config, its backend
         resolved (the spec itself if nothing changed)."""
         config = self.structured_outputs
-        unset = {name: getattr(config, name) for name in _ENGINE_OPTIONS if getattr(spec, name) is None}
-        if unset:
-            spec = dataclasses.replace(spec, **unset)
+        changes = {name: getattr(config, name) for name in _ENGINE_OPTIONS if getattr(spec, name) is None}
+        # A schema or tag given as a dict is kept as its JSON text, written once: the key every cache lookup and
+        # the compile take (json.dumps of it again at each was most of a cached spec's cost).
+        for name in ("json", "structural_tag"):
+            if getattr(spec, name) is not None and not isinstance(getattr(spec, name), str):
+                changes[name] = spec.key[1]
+        if changes:
+            spec = dataclasses.replace(spec, **changes)
         backend, token_ids = validate_structured_outputs(spec, config.backend)
         if past := [t for t in token_ids or () if t >= self.grammar_vocab_size]:
             raise ValueError(f"the structured outputs name the token id {past[0]}, past the vocabulary "
                              f"(ids in [0, {self.grammar_vocab_size}))")
-        return spec if spec.backend == backend else dataclasses.replace(spec, backend=backend)
+        if spec.backend == backend:
+            return spec
+        if changes:  # our copy (the caller's spec is never changed)
+            spec.backend = backend
+            return spec
+        return dataclasses.replace(spec, backend=backend)
 
     def _check_token_ids(self, token_ids: list[int], what: str) -> None:
-        if any(t < 0 or t >= self.vocab_size for t in token_ids):
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):  # C loops: a prompt is long
             raise ValueError(f"{what} must be in [0, {self.vocab_size})")
 
     def _check_an_allowed_token_is_left(self, params: SamplingParams) -> None:
