@@ -216,22 +216,22 @@ class ModelRunner:
         last = self._last_pending
         if last is not None and self.sampling_state.needs_output_ids[rows].any():
             last.result()  # the slow path reads the last step's tokens on the host
-        grammar_rows = [] if constrained is not None or self.grammar_rows is None else \
+        under_grammar = [] if constrained is not None or self.grammar_rows is None else \
             self.grammar_rows.constrained(rows, self.states)
-        defers = bool(grammar_rows or constrained) and self.stage.num_stages == 1 and \
+        defers = bool(under_grammar or constrained) and self.stage.num_stages == 1 and \
             self.grammar_rows.defers_sampler(batch)
-        if grammar_rows:
+        if under_grammar:
             # The grammars read the last step's tokens on the host, which were not there before the forward pass.
             if defers and last is not None and not last.has_tokens():
                 # Handed over when the engine takes them (its update of the last step, after this launch) rather
                 # than waited for here: the last step's sampler was launched only now, at the start of this step.
-                last.when_tokens(functools.partial(self._start_grammars, batch, grammar_rows))
-                self._deferred = DeferredSample(functools.partial(self._finish_sample, batch, logits, grammar_rows),
+                last.when_tokens(functools.partial(self._start_grammars, batch, under_grammar))
+                self._deferred = DeferredSample(functools.partial(self._finish_sample, batch, logits, under_grammar),
                                                 before=last.result)
                 return self._deferred
             if last is not None:
                 last.result()
-            constrained = self.grammar_rows.start_step(batch, self.states, grammar_rows)
+            constrained = self.grammar_rows.start_step(batch, self.states, under_grammar)
         if constrained and defers:
             # The sampler waits for the grammar process's masks until the engine's other host work is done.
             self._deferred = DeferredSample(functools.partial(self._finish_sample, batch, logits, constrained))
