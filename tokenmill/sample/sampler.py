@@ -253,6 +253,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
             logits = apply_top_k_top_p(logits, metadata.top_k, None)
         uniforms = row_uniforms(logits.shape[0], metadata.generators, metadata.top_p)
         return draw_rows(logits, uniforms, metadata.top_p, metadata.min_p)
+    logits = certain_where_overflowed(logits)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
     if metadata.top_k is not None or metadata.top_p is not None:
@@ -278,6 +279,7 @@ def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) ->
         uniforms = row_uniforms(values.shape[0], metadata.generators, metadata.top_p)
         choice = draw_rows(values.gather(1, order), uniforms, metadata.top_p, metadata.min_p)
         return token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    values = certain_where_overflowed(values)
     if metadata.min_p is not None:
         # p / p_max < min_p  <=>  logit < max_logit + log(min_p)
         values = values.masked_fill(values < values[:, :1] + metadata.min_p.log().unsqueeze(1), float("-inf"))
@@ -289,6 +291,15 @@ def sample_top_k_candidates(logits: torch.Tensor, metadata: SamplingMetadata) ->
     noise = exponential_noise(probs, metadata.generators, candidate_ids=token_ids, vocab_size=logits.shape[-1])
     choice = (probs / noise).argmax(dim=-1, keepdim=True)
     return token_ids.gather(1, choice).squeeze(1)
+
+
+def certain_where_overflowed(logits: torch.Tensor) -> torch.Tensor:
+    """Rows with +inf logits (a penalty or the temperature overflowed float32: those tokens are certain) as 0 at
+    them and -inf elsewhere, so that torch's draw takes one of them, equally likely, as the C draw does (a
+    softmax of inf - inf is NaN, and the argmax of NaN weights token 0); other rows as they are."""
+    top = logits.amax(dim=-1, keepdim=True)
+    certain = torch.where(logits == top, 0.0, float("-inf")).to(logits.dtype)
+    return torch.where(torch.isposinf(top), certain, logits)
 
 
 def draw_from_probs(probs: torch.Tensor) -> torch.Tensor:
