@@ -100,23 +100,36 @@ def test_tokens_still_on_the_device_reach_the_grammars_at_the_engines_update(bus
     """On a GPU the last step's tokens are mostly still on the device when the next step is launched (its sampler
     was deferred to that launch): the grammar process then gets them, and the step's mask request, when the engine
     takes them in its update of the last step (PendingOutput.when_tokens), not by a wait in the launch. Here tokens
-    count as arrived only once taken, so every step goes that way; the greedy outputs are those of the same engine
-    with the tokens on the host at once (the CPU's)."""
+    count as arrived only once taken, so every step goes that way; the greedy and seeded outputs (n = 2, preempted)
+    are those of the same engine with the tokens on the host at once (the CPU's)."""
     from tokenmill.worker.model_runner import ModelRunner
     from tokenmill.worker.pending_output import PendingOutput
 
-    generate_all(busy_llm)  # the grammars compiled: both runs below schedule alike
-    expected = [out.outputs[0].token_ids for out in generate_all(busy_llm)]
+    # Greedy, and seeded samples (n = 2) of long prompts that the small pool preempts.
+    story = "Once upon a time a clockmaker lived at the edge of a forest and wound his clocks every morning. " * 5
+    ask = [{"role": "user", "content": story + ASK[0]["content"]}]
+    seeded = [SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=40, structured_outputs=spec) for spec in SPECS]
+
+    def run():
+        preemptions = busy_llm.engine.last_stats.num_preemptions if busy_llm.engine.last_stats else 0
+        outputs = generate_all(busy_llm) + busy_llm.chat([ask] * len(SPECS), seeded, use_tqdm=False)
+        assert busy_llm.engine.last_stats.num_preemptions > preemptions
+        return outputs, [[sample.token_ids for sample in out.outputs] for out in outputs]
+
+    run()  # the grammars compiled: both runs below schedule alike
+    _, expected = run()
     handed_over = []
     start_grammars = ModelRunner._start_grammars
     monkeypatch.setattr(PendingOutput, "has_tokens", lambda self: self._output is not None)
     monkeypatch.setattr(ModelRunner, "_start_grammars",
                         lambda self, *args: handed_over.append(1) or start_grammars(self, *args))
-    outputs = generate_all(busy_llm)
+    outputs, tokens = run()
     assert len(handed_over) > 10
-    assert [out.outputs[0].token_ids for out in outputs] == expected
-    for spec, out in zip(SPECS, outputs):
-        check(spec, out.outputs[0].text)
+    assert tokens == expected
+    for spec, out in zip(SPECS + SPECS, outputs):
+        for sample in out.outputs:
+            if sample.finish_reason == "stop":
+                check(spec, sample.text)
 
 
 def test_a_spec_the_grammar_process_cannot_compile_fails_only_its_request(busy_llm, monkeypatch):
