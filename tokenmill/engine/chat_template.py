@@ -91,15 +91,21 @@ def _is_content(node: jinja2.nodes.Node, names: set[str]) -> bool:
     return isinstance(node, jinja2.nodes.Name) and node.name in names
 
 
-def _call_with_object_arguments(call: Any, where: str) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, dict) else None
-    arguments = function.get("arguments") if isinstance(function, dict) else None
+def object_arguments(arguments: Any) -> dict[str, Any] | None:
+    """A tool call's arguments as the object the templates take (given as one or as its JSON text); None when they
+    are not a JSON object."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except ValueError:
-            arguments = None
-    if not isinstance(arguments, dict):
+            return None
+    return arguments if isinstance(arguments, dict) else None
+
+
+def _call_with_object_arguments(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = object_arguments(function.get("arguments") if isinstance(function, dict) else None)
+    if arguments is None:
         raise ValueError(f"{where}.function.arguments must be a JSON object")
     return {**call, "function": {**function, "arguments": arguments}}
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from tokenmill.engine.chat_template import object_arguments
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.openai_protocol import ChatCompletionRequest
@@ -162,11 +163,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
 def _check_arguments(arguments: str, where: str) -> None:
     """A 400 naming the input item for a call's arguments that are not a JSON object (the chat messages they become
     would say `messages[i].tool_calls[j]`, which the request never had)."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
+    if object_arguments(arguments) is None:
         raise bad_request(f"{where} must be a JSON object (a function call's arguments), got {arguments[:80]!r}",
                           param=where)
 
