@@ -132,6 +132,24 @@ def test_tokens_still_on_the_device_reach_the_grammars_at_the_engines_update(bus
                 check(spec, sample.text)
 
 
+@pytest.mark.parametrize("schema, options", [
+    (PERSON, {}),
+    (PERSON, {"backend": "auto", "disable_any_whitespace": True, "disable_additional_properties": False,
+              "disable_fallback": False}),
+    (json.dumps(PERSON), {"backend": "auto", "disable_any_whitespace": True, "disable_additional_properties": False,
+                          "disable_fallback": False}),
+], ids=["dict_options_unset", "dict_backend_auto", "text_backend_auto"])
+def test_the_callers_spec_is_left_as_it_was(smollm2_llm, schema, options):
+    """The engine enforces its own copy of a spec (the engine's options filled in, the backend resolved, a dict
+    schema kept as its JSON text): the caller's object, which it may send again or elsewhere, is not changed."""
+    spec = StructuredOutputsParams(json=schema, **options)
+    before = dataclasses.replace(spec)
+    out = smollm2_llm.chat([ASK], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec),
+                           use_tqdm=False)
+    check(StructuredOutputsParams(json=PERSON), out[0].outputs[0].text)
+    assert spec == before and spec.json is schema
+
+
 def test_a_spec_the_grammar_process_cannot_compile_fails_only_its_request(busy_llm, monkeypatch):
     """The grammar process compiles the grammars (the engine core's compiler delegates to it): a spec that fails
     there (let past the frontend, which would refuse it) fails its request, saying why (finish_reason "error", the
