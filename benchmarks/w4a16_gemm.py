@@ -20,6 +20,13 @@ symmetric (W1's GPTQ checkpoint), each config timed as 32 layers' distinct weigh
 graph (as a decode step runs them: no weight served from L2); the best per (shape, rows) to
 DIR/int_gemv_<device>.json, the table the engine reads from tokenmill/kernels/configs; then the four projections
 of 32 layers chained, with the old tiles, the best without splits and the best.
+
+--mma-sweep [--out DIR]: the tensor-core GEMV's (column tiles a warp, warps, splits of K, groups a step)
+(kernels.int4_mma_gemv), int4 group 128 symmetric, timed the same way at 1 row; the best of each shape also at 2-4
+and 8 rows with its error against the float64 product, against the CUDA-core GEMV (its tiles table) at 1-4 rows;
+per shape the best tiles and the fewest rows from which they win to DIR/int4_mma_gemv_<device>.json; then the four
+projections of 32 layers chained at 1, 4 and 8 rows: the CUDA-core GEMV as the engine ran it before (its tiles
+table; 8 rows: twice at 4) against the tensor-core one with the best tiles.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import triton
 
 from tokenmill.kernels.dequant_scratch import dequant_scratch, reserve_dequant_scratch
 from tokenmill.kernels.fused_moe import config_path
+from tokenmill.kernels.int4_mma_gemv import MMA_MAX_ROWS, gemv_int4_mma, mma_gemv_key
 from tokenmill.kernels.precompile import precompile
 from tokenmill.kernels.skinny_gemm import skinny_gemm, skinny_gemm_applies
 from tokenmill.kernels.w4a16_gemm import (
@@ -219,6 +227,81 @@ def graph_sweep(args) -> None:
                   f"{time_graph(lambda pick=pick: chain(pick)):.3f} ms", flush=True)
 
 
+MMA_CONFIGS = [(tm, warps, splits, kg) for tm in (1, 2) for warps in (1, 2, 4) for splits in (1, 2, 4, 8)
+               for kg in (1, 2, 4)]
+
+
+def mma_sweep(args) -> None:
+    from skinny_gemm import time_graph  # benchmarks/: 32 launches captured in one graph, ms per replay
+
+    bits, group = 4, 128
+    weights = {name: [make_weight(n, k, bits, group, False, False)[:3] for _ in range(LAYERS)]
+               for name, (n, k) in SHAPES.items()}
+    inputs = {(rows, k): torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+              for rows in (1, 4, MMA_MAX_ROWS) for k in {k for _, k in SHAPES.values()}}
+    fitting = {name: [c for c in MMA_CONFIGS if n % (16 * c[0] * c[1]) == 0 and (k // group) % (c[2] * c[3]) == 0]
+               for name, (n, k) in SHAPES.items()}
+
+    def every_variant() -> None:
+        for name, (_, k) in SHAPES.items():
+            for config in fitting[name]:
+                gemv_int4_mma(inputs[1, k], *weights[name][0], config=config)
+
+    print(f"compiling {precompile(every_variant, torch.device('cuda'))} variants", flush=True)
+    best, fewest = {}, {}
+    for name, (n, k) in SHAPES.items():
+        ws = weights[name]
+        timed = sorted((time_graph(lambda c=config, x=inputs[1, k], ws=ws: [gemv_int4_mma(x, *w, config=c) for w in ws])
+                        / LAYERS * 1e3, config) for config in fitting[name])
+        best[name] = timed[0][1]
+        floor = n * k * bits / 8 / 4.25e6
+        print(f"{name:8s} 1 row: " + "  ".join(f"{c} {t:.1f}" for t, c in timed[:6])
+              + f" us   (the weight at 4.25 TB/s: {floor:.1f} us)", flush=True)
+        q, scale, _ = ws[0]
+        fewest[name] = MMA_MAX_ROWS  # where the CUDA-core GEMV (at most 4 rows a launch) always loses
+        for rows in (1, 2, 3, 4, MMA_MAX_ROWS):
+            x = inputs.setdefault((rows, k), torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+            ref = x.double() @ dequantize_int(q, scale, None, bits, torch.float64).T
+            error = max_error(gemv_int4_mma(x, q, scale, None, config=best[name]), ref)
+            assert error < 2e-2, (name, rows, best[name], error)
+            t = time_graph(lambda x=x, ws=ws, c=best[name]: [gemv_int4_mma(x, *w, config=c) for w in ws]) / LAYERS
+            line = f"{name:8s} {rows} rows at {best[name]}: {t * 1e3:.1f} us, error {error:.1e}"
+            if rows <= GEMV_MAX_ROWS:
+                t_cores = time_graph(lambda x=x, ws=ws: [gemv_int(x, *w, None, bits) for w in ws]) / LAYERS
+                line += f"; CUDA-core GEMV {t_cores * 1e3:.1f} us"
+                if t <= t_cores:
+                    fewest[name] = min(fewest[name], rows)
+            print(line, flush=True)
+    if args.out is not None:
+        path = config_path(torch.cuda.get_device_name(), args.out, kind="int4_mma_gemv")
+        table = {mma_gemv_key(*SHAPES[name], group): [*c, fewest[name]] for name, c in best.items()}
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+                                    "configs": dict(sorted(table.items()))}, indent=1) + "\n")
+        print(f"wrote {path}", flush=True)
+    for rows in (1, 4, MMA_MAX_ROWS):
+        x0 = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+
+        def cuda_cores(x, w):
+            if x.shape[0] <= GEMV_MAX_ROWS:
+                return gemv_int(x, *w, None, bits)
+            out = torch.empty((x.shape[0], w[0].shape[0]), dtype=x.dtype, device=x.device)
+            gemv_int(x[:GEMV_MAX_ROWS], *w, None, bits, out=out[:GEMV_MAX_ROWS])
+            gemv_int(x[GEMV_MAX_ROWS:], *w, None, bits, out=out[GEMV_MAX_ROWS:])
+            return out
+
+        def chain(gemv, x0=x0):
+            x = x0
+            for layer in range(LAYERS):
+                for name, (_, k) in SHAPES.items():
+                    x = gemv(x[:, :k].contiguous(), weights[name][layer], name)
+            return x
+
+        before = time_graph(lambda: chain(lambda x, w, name: cuda_cores(x, w)))
+        after = time_graph(lambda: chain(lambda x, w, name: gemv_int4_mma(x, *w, config=best[name])))
+        print(f"== GEMV chain, rows {rows}, 32 layers x 4 projections: CUDA cores {before:.3f} ms, "
+              f"tensor cores {after:.3f} ms ({before / after:.2f}x)", flush=True)
+
+
 def _gemv_config_before_the_split_sweep(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
     """The engine's tiles for int4 g128 from the sixth session's sweep (kernels.w4a16_gemm._TUNED_GEMV)."""
     from tokenmill.kernels.w4a16_gemm import _TUNED_GEMV
@@ -237,8 +320,13 @@ def main() -> None:
     parser.add_argument("--dequant-sweep", action="store_true")
     parser.add_argument("--rows", default="1,4,16,256,2048", help="row counts, comma-separated (without --large-rows)")
     parser.add_argument("--graph-sweep", action="store_true")
-    parser.add_argument("--out", type=Path, help="--graph-sweep: write the best tiles to DIR/int_gemv_<device>.json")
+    parser.add_argument("--mma-sweep", action="store_true")
+    parser.add_argument("--out", type=Path,
+                        help="--graph-sweep / --mma-sweep: write the best tiles to DIR/<kind>_<device>.json")
     args = parser.parse_args()
+    if args.mma_sweep:
+        mma_sweep(args)
+        return
     if args.graph_sweep:
         graph_sweep(args)
         return

@@ -50,7 +50,10 @@ def compile_job(job: dict) -> tuple[bool, bool]:
         target = GPUTarget(*job["target"])
         options = make_backend(target).parse_options(
             {key: tuple(value) if isinstance(value, list) else value for key, value in data["options"].items()})
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+        source = ASTSource
+        if kernel.is_gluon():  # a Gluon kernel (kernels.int4_mma_gemv) is compiled from its own source type
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
     except Exception:  # noqa: BLE001 - the parent compiles what this process could not
         logger.warning("%s.%s is left to the engine's process", job["module"], job["qualname"], exc_info=True)

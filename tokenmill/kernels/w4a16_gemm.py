@@ -36,6 +36,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.dequant_scratch import dequant_scratch
+from tokenmill.kernels.int4_mma_gemv import gemv_int4_mma, mma_gemv_takes
 from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers, split_range
 from tokenmill.kernels.tile_tables import swept_tiles
 
@@ -516,8 +517,10 @@ points at a small k: a Q4_1 GGUF on the H200 asked 249,856 bytes of Hopper's 232
 
 def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     perm: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """The layer's entry, chosen by the row count only (CUDA graphs capture it). On Llama-3.1-8B's four
-    projections at int4 g128 (H200, BENCHMARKS.md), against bf16's ~154 us:
+    """The layer's entry, chosen by the row count only (CUDA graphs capture it). Int4 weights of group 128 or
+    per-channel without act-order (most GPTQ / AWQ checkpoints) go to the tensor-core GEMV (kernels.int4_mma_gemv)
+    from the shape's fewest rows (its swept table: where it beats the CUDA-core GEMV) up to 8. Otherwise, on
+    Llama-3.1-8B's four projections at int4 g128 (H200, BENCHMARKS.md), against bf16's ~154 us:
     - up to GEMV_MAX_ROWS rows, the GEMV (~70 us at one row, ~117 at four);
     - 5-8 rows, the GEMV twice (each launch reads the weight again: ~190-235 us, where the skinny kernel takes
       ~290-310 and the dequantization ~360-450);
@@ -528,6 +531,8 @@ def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.T
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
+    if mma_gemv_takes(x, weight_packed, scale, perm, bits):
+        return gemv_int4_mma(x, weight_packed, scale, zero)
     if rows <= GEMV_MAX_ROWS:
         return gemv_int(x, weight_packed, scale, zero, perm, bits)
     if rows <= 2 * GEMV_MAX_ROWS:
