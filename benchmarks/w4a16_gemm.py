@@ -258,7 +258,7 @@ def mma_sweep(args) -> None:
         print(f"{name:8s} 1 row: " + "  ".join(f"{c} {t:.1f}" for t, c in timed[:6])
               + f" us   (the weight at 4.25 TB/s: {floor:.1f} us)", flush=True)
         q, scale, _ = ws[0]
-        fewest[name] = MMA_MAX_ROWS  # where the CUDA-core GEMV (at most 4 rows a launch) always loses
+        fewest[name] = GEMV_MAX_ROWS + 1  # past 4 rows the CUDA-core GEMV launches twice: it always loses
         for rows in (1, 2, 3, 4, MMA_MAX_ROWS):
             x = inputs.setdefault((rows, k), torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
             ref = x.double() @ dequantize_int(q, scale, None, bits, torch.float64).T
