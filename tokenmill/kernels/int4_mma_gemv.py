@@ -70,9 +70,6 @@ if gluon is not None:
             lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
             warp_bases=[[0, 0, 0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[8, 4, 4, 8])
 
-
-if gluon is not None:
-
     @gluon.jit
     def _group(acc, words, x_ptrs, s_ptrs, z_ptrs, ones, magic, offset, GROUPED: gl.constexpr,
                HAS_ZERO: gl.constexpr, W_LAYOUT: gl.constexpr):
