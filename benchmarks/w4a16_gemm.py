@@ -52,6 +52,7 @@ from tokenmill.kernels.w4a16_gemm import (
     dequant_int_gemm,
     dequantize_int_weight,
     gemv_int,
+    gemv_int_up_to_8_rows,
     gemv_key,
     int_weight_gemm,
     skinny_int_gemm,
@@ -281,14 +282,6 @@ def mma_sweep(args) -> None:
     for rows in (1, 4, MMA_MAX_ROWS):
         x0 = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
 
-        def cuda_cores(x, w):
-            if x.shape[0] <= GEMV_MAX_ROWS:
-                return gemv_int(x, *w, None, bits)
-            out = torch.empty((x.shape[0], w[0].shape[0]), dtype=x.dtype, device=x.device)
-            gemv_int(x[:GEMV_MAX_ROWS], *w, None, bits, out=out[:GEMV_MAX_ROWS])
-            gemv_int(x[GEMV_MAX_ROWS:], *w, None, bits, out=out[GEMV_MAX_ROWS:])
-            return out
-
         def chain(gemv, x0=x0):
             x = x0
             for layer in range(LAYERS):
@@ -296,7 +289,7 @@ def mma_sweep(args) -> None:
                     x = gemv(x[:, :k].contiguous(), weights[name][layer], name)
             return x
 
-        before = time_graph(lambda: chain(lambda x, w, name: cuda_cores(x, w)))
+        before = time_graph(lambda: chain(lambda x, w, name: gemv_int_up_to_8_rows(x, *w, None, bits)))
         after = time_graph(lambda: chain(lambda x, w, name: gemv_int4_mma(x, *w, config=best[name])))
         print(f"== GEMV chain, rows {rows}, 32 layers x 4 projections: CUDA cores {before:.3f} ms, "
               f"tensor cores {after:.3f} ms ({before / after:.2f}x)", flush=True)

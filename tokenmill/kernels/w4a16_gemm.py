@@ -515,6 +515,18 @@ _SKINNY_DOES_NOT_FIT: set[tuple] = set()
 points at a small k: a Q4_1 GGUF on the H200 asked 249,856 bytes of Hopper's 232,448)."""
 
 
+def gemv_int_up_to_8_rows(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor,
+                          zero: torch.Tensor | None, perm: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """gemv_int for up to 2 * GEMV_MAX_ROWS rows: one launch, or two of at most 4 rows each."""
+    rows = x.shape[0]
+    if rows <= GEMV_MAX_ROWS:
+        return gemv_int(x, weight_packed, scale, zero, perm, bits)
+    out = torch.empty((rows, weight_packed.shape[0]), dtype=x.dtype, device=x.device)
+    gemv_int(x[:GEMV_MAX_ROWS], weight_packed, scale, zero, perm, bits, out=out[:GEMV_MAX_ROWS])
+    gemv_int(x[GEMV_MAX_ROWS:], weight_packed, scale, zero, perm, bits, out=out[GEMV_MAX_ROWS:])
+    return out
+
+
 def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     perm: torch.Tensor | None, bits: int) -> torch.Tensor:
     """The layer's entry, chosen by the row count only (CUDA graphs capture it). Int4 weights of group 128 or
@@ -533,13 +545,8 @@ def int_weight_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.T
     rows = x.shape[0]
     if mma_gemv_takes(x, weight_packed, scale, perm, bits):
         return gemv_int4_mma(x, weight_packed, scale, zero)
-    if rows <= GEMV_MAX_ROWS:
-        return gemv_int(x, weight_packed, scale, zero, perm, bits)
     if rows <= 2 * GEMV_MAX_ROWS:
-        out = torch.empty((rows, weight_packed.shape[0]), dtype=x.dtype, device=x.device)
-        gemv_int(x[:GEMV_MAX_ROWS], weight_packed, scale, zero, perm, bits, out=out[:GEMV_MAX_ROWS])
-        gemv_int(x[GEMV_MAX_ROWS:], weight_packed, scale, zero, perm, bits, out=out[GEMV_MAX_ROWS:])
-        return out
+        return gemv_int_up_to_8_rows(x, weight_packed, scale, zero, perm, bits)
     shape_key = (*weight_packed.shape, bits, scale.shape[1], zero is not None)
     if rows <= SKINNY_MAX_ROWS and shape_key not in _SKINNY_DOES_NOT_FIT:
         try:
