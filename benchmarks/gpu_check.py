@@ -21,7 +21,7 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
                (tokenmill/kernels/configs: skinny_gemm_<device>.json, int_gemv_<device>.json); run W1 and
                W1-int4 before (without the tables) and after in the same call
   steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
-  anatomy8b, anatomy06b
+  anatomy8b, anatomy8b-int4, anatomy06b
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
                and cProfile of the host
 The last lines printed are a table of everything measured; --out gets results.json. Everything takes more
@@ -393,7 +393,7 @@ def decode_anatomy(model: str, sizes: tuple[int, ...], num_prompts: int, input_l
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     with host_profile(True, top=22):
         llm.generate(make_prompts(3), params, use_tqdm=False)
     del llm, runner, graph
@@ -490,6 +490,8 @@ def main() -> int:
                 run_script("benchmarks/step_anatomy.py", timeout=150)
             elif sec == "anatomy8b":
                 decode_anatomy(LLAMA_8B, (1, 8), 1, 128, 64)
+            elif sec == "anatomy8b-int4":
+                decode_anatomy(LLAMA_8B_INT4, (1, 4), 1, 128, 64)
             elif sec == "anatomy06b":
                 decode_anatomy(QWEN3_06B, (256,), 256, 512, 32)
             elif sec in WORKLOADS:

@@ -10,12 +10,15 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.fp8_quant import FUSED_MAX_FEATURES, fp8_quantize
+from tokenmill.kernels.pdl import pdl_launch, pdl_start
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr,
-                         QUANTIZE_FP8: tl.constexpr):
+                         QUANTIZE_FP8: tl.constexpr, PDL: tl.constexpr = False):
     # QUANTIZE_FP8: out is e4m3 and each row's scale goes to scale_ptr; BLOCK then covers the whole row.
+    # PDL: kernels.pdl.
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -45,7 +48,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, out, x2.stride(0), out.stride(0), d, BLOCK=block, QUANTIZE_FP8=False, num_warps=4
+            x2, out, out, x2.stride(0), out.stride(0), d, BLOCK=block, QUANTIZE_FP8=False, num_warps=4,
+            **pdl_launch(x.device),
         )
     return out.view(*x.shape[:-1], d)
 
@@ -64,7 +68,7 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x2, q, scales, x2.stride(0), q.stride(0), d, BLOCK=block, QUANTIZE_FP8=True,
             # 64 elements of gate and of up a thread: at 16,384 wide (Llama-3.1-8B) 8 warps ran 150 us at 8,192 rows
             # on the H200 against 161 at 16 and 158 at 32 (benchmarks/prefill_kernels.py --sections silu).
-            num_warps=min(16, max(4, block // 2048)),
+            num_warps=min(16, max(4, block // 2048)), **pdl_launch(x.device),
         )
     return q.view(*x.shape[:-1], d), scales
 

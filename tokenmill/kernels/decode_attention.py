@@ -27,6 +27,7 @@ from tokenmill.kernels.arrivals import arrival_counters
 from tokenmill.kernels.attention_tile import accumulate_tile, attention_output, key_tile_scores, load_query
 from tokenmill.kernels.kv_fp8 import kv_scales
 from tokenmill.kernels.kv_widen import as_pairs, head_dim_pad, reads_pairs
+from tokenmill.kernels.pdl import pdl_launch, pdl_start
 from tokenmill.kernels.prefill_attention import dot_precision
 
 MAX_SPLITS = 16
@@ -46,8 +47,9 @@ def _decode_kernel(
     QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
+    IS_INT8: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # kernels.pdl
     idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -229,7 +231,7 @@ def decode_attention(
         USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(query.dtype), IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
         PAIRS=pairs, USE_ASM=query.device.type == "cuda",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(query.device),
     )
 
 

@@ -30,6 +30,7 @@ import functools
 import torch
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.pdl import pdl_launch
 from tokenmill.kernels.split_k import split_buffers
 from tokenmill.kernels.tile_tables import swept_tiles
 
@@ -69,6 +70,12 @@ if gluon is not None:
             reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0]],
             lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
             warp_bases=[[0, 0, 0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[8, 4, 4, 8])
+
+    @gluon.jit
+    def _griddepcontrol(OP: gl.constexpr):
+        """kernels.pdl's launch_dependents / wait, which are Triton (not Gluon) functions."""
+        gl.inline_asm_elementwise("griddepcontrol." + OP.value + "; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
     @gluon.jit
     def _group(acc, words, x_ptrs, s_ptrs, z_ptrs, ones, magic, offset, GROUPED: gl.constexpr,
@@ -121,7 +128,8 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["no_bits"])
     def _int4_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, arrivals_ptr, n, stride_xm, stride_om,
                               no_bits, K: gl.constexpr, ROWS: gl.constexpr, TM: gl.constexpr, SPLITS: gl.constexpr,
-                              KG: gl.constexpr, GROUPED: gl.constexpr, HAS_ZERO: gl.constexpr):
+                              KG: gl.constexpr, GROUPED: gl.constexpr, HAS_ZERO: gl.constexpr,
+                              PDL: gl.constexpr = False):
         # K and the strides it sets are constants, so every load's address is a lane's base plus an immediate.
         STRIDE_WN: gl.constexpr = K // 8
         STRIDE_SN: gl.constexpr = K // 128 if GROUPED else 1
@@ -167,7 +175,12 @@ if gluon is not None:
         STEPS: gl.constexpr = GROUPS // KG
         X_STEP: gl.constexpr = KG * 128
         S_STEP: gl.constexpr = KG * G_STEP
+        # kernels.pdl: the first step's words (which no kernel writes) load before the wait for the kernel before.
+        if PDL:
+            _griddepcontrol("launch_dependents")
         current = _load_step(w_ptrs, KG)
+        if PDL:
+            _griddepcontrol("wait")
         for _ in range(STEPS // 2 - 1):
             ahead = _load_step(w_ptrs + KG * 16, KG)
             acc = _step(acc, current, x_ptrs, s_ptrs, z_ptrs, ones, magic, offset, KG, GROUPED, HAS_ZERO, W_LAYOUT)
@@ -285,7 +298,7 @@ def gemv_int4_mma(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Ten
     _int4_mma_gemv_kernel[(tiles, splits)](
         x, weight_packed, scale, zero if zero is not None else scale, out, partials, arrivals, n, x.stride(0),
         out.stride(0), 0, K=k, ROWS=rows, TM=tm, SPLITS=splits, KG=kg, GROUPED=scale.shape[1] > 1,
-        HAS_ZERO=zero is not None, num_warps=num_warps)
+        HAS_ZERO=zero is not None, num_warps=num_warps, **pdl_launch(x.device))
     return out
 
 

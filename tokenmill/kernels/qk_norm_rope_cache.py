@@ -25,6 +25,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.kv_fp8 import kv_scales
+from tokenmill.kernels.pdl import pdl_launch, pdl_start
 from tokenmill.kernels.reshape_and_cache import reshape_and_cache_ref, store_kv, store_kv_int8
 from tokenmill.kernels.rms_norm import rms_norm_ref
 from tokenmill.kernels.rotary import rotary_embedding_ref
@@ -85,8 +86,9 @@ def _qk_norm_rope_cache_kernel(
     num_q_heads, num_kv_heads, head_dim, half, q_eps, k_eps, q_offset, k_offset,
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, HAS_Q_OFFSET: tl.constexpr, HAS_K_OFFSET: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_INT8: tl.constexpr,
+    IS_INT8: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)  # kernels.pdl
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)  # HEADS q heads at a time, then HEADS kv heads at a time
     q_groups = tl.cdiv(num_q_heads, HEADS)
@@ -178,6 +180,7 @@ def qk_norm_rope_cache(
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_D=block, HEADS=heads, IS_FP8=scales.is_fp8, IS_INT8=scales.is_int8,
         num_warps=min(16, max(heads, block // 256)),
         enable_fp_fusion=False,  # a * cos - b * sin as two rounded products, as the reference computes it
+        **pdl_launch(query.device),
     )
     return q_out
 

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.fp8_quant import FUSED_MAX_FEATURES, fp8_quantize
+from tokenmill.kernels.pdl import pdl_launch, pdl_start
 
 
 @triton.jit
@@ -22,8 +23,10 @@ def _rms_norm_kernel(
     stride_xt, stride_xh, num_heads, stride_r, stride_o, stride_ro,
     hidden_size, eps, offset,
     HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    # QUANTIZE_FP8: out is e4m3 and each row's scale goes to scale_ptr.
+    # QUANTIZE_FP8: out is e4m3 and each row's scale goes to scale_ptr. PDL: kernels.pdl.
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -101,7 +104,7 @@ def _rms_norm(
         hidden_size, eps, offset,
         HAS_RESIDUAL=residual is not None, HAS_OFFSET=offset != 0.0, BLOCK=block, QUANTIZE_FP8=quantize_fp8,
         # The same warps either way: the sum of squares then reduces in the same order, bit for bit.
-        num_warps=min(16, max(1, block // 256)),
+        num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device),
     )
     return out, scales, residual_out
 

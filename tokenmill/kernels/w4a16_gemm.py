@@ -37,6 +37,7 @@ import triton.language as tl
 from tokenmill.kernels import fix_cache_keys
 from tokenmill.kernels.dequant_scratch import dequant_scratch
 from tokenmill.kernels.int4_mma_gemv import gemv_int4_mma, mma_gemv_takes
+from tokenmill.kernels.pdl import let_next_launch, pdl_launch, wait_for_previous
 from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers, split_range
 from tokenmill.kernels.tile_tables import swept_tiles
 
@@ -214,6 +215,7 @@ def _gemv_int_kernel(
     stride_sn, stride_om, no_bits,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, H: tl.constexpr, SPLITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # A row or a few on the CUDA cores, each program owning BLOCK_N output columns and walking all of K (or its
     # split's part of it: kernels.split_k).
@@ -284,8 +286,11 @@ def _gemv_int_kernel(
     k_start, k_end = split_range(k, k_per_split, SPLITS)  # this program's part of K (kernels.split_k)
     # The next step's words are loaded before this step's math (registers, not a shared-memory pipeline):
     # two steps of weight bytes in flight per program.
+    # kernels.pdl: the first step's weights (which no kernel writes) load before the wait for the kernel before.
+    let_next_launch(PDL)
     words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, k_start, k, k_start < k_end, P, SUB,
                                    GROUP, HAS_ZERO, EVEN_K)
+    wait_for_previous(PDL)
     for start in range(k_start, k_end, BLOCK_K):
         next_words, next_s, next_z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start + BLOCK_K,
                                                       k, start + BLOCK_K < k_end, P, SUB, GROUP, HAS_ZERO, EVEN_K)
@@ -464,7 +469,7 @@ def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, 
         scale.stride(0), out.stride(0), 0,
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None, ROWS=rows,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, H=words_per_unit, SPLITS=splits,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x.device),
     )
     return out
 

@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (PDL, Hopper and later): the decode path's kernels overlap each other's launch.
+
+A batch-1 decode step is ~290 short kernels (a layer: norm, qkv GEMV, rotary + KV write, attention, o GEMV, norm,
+gate_up GEMV, SiLU-and-mul, down GEMV), each a few microseconds, and each paid its launch and the latency of its
+first loads after the one before it had finished. Launched with PDL, a kernel may start while the kernel before it
+in the stream still runs: it must wait (`griddepcontrol.wait`, which returns once that kernel has completed and its
+writes are visible) before it reads anything an earlier kernel writes or writes anything one reads. So every
+kernel of the chain:
+- lets the next kernel launch as soon as it starts (`launch_dependents`),
+- loads what no kernel writes (the GEMVs: their first step of weights) and then waits,
+- and waits in every program before anything else: a PDL-launched kernel that did not wait could complete before
+  the one before it, and a later kernel launched without PDL would then overtake that one.
+Measured on an H100 (BENCHMARKS.md): 32 layers of int4 GEMVs and the small kernels between them, 1.97 -> 1.71 ms.
+Kernels launched without PDL (torch's, cuBLAS's) keep the plain stream order, before and after.
+
+TOKENMILL_PDL=0 turns it off (for A/B measurements); off the GPU, and below sm_90, it is off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels import fix_cache_keys
+
+try:  # triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - the engine pins a triton that has them
+    gdc_launch_dependents = gdc_wait = None
+
+
+@functools.cache
+def _pdl_on(device: torch.device) -> bool:
+    return (gdc_wait is not None and device.type == "cuda" and os.environ.get("TOKENMILL_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """A launch's extra keyword arguments: {PDL: True, launch_pdl: True} where PDL is on, else none (the kernels'
+    PDL defaults to False: the same specialisation, and cache key, as without it)."""
+    return {"PDL": True, "launch_pdl": True} if _pdl_on(device) else {}
+
+
+@triton.jit
+def let_next_launch(PDL: tl.constexpr):
+    """Lets the kernel after this one launch (it waits for this one's completion before touching data)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Waits until the kernel before this one has completed, its writes visible; every PDL kernel calls it."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A kernel's first lines when nothing it loads can come before the wait: let the next launch, then wait."""
+    let_next_launch(PDL)
+    wait_for_previous(PDL)
+
+
+fix_cache_keys(globals())  # see kernels.fix_cache_keys: the same Triton cache keys in every process
