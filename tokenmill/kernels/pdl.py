@@ -4,16 +4,20 @@ A batch-1 decode step is ~290 short kernels (a layer: norm, qkv GEMV, rotary + K
 gate_up GEMV, SiLU-and-mul, down GEMV), each a few microseconds, and each paid its launch and the latency of its
 first loads after the one before it had finished. Launched with PDL, a kernel may start while the kernel before it
 in the stream still runs: it must wait (`griddepcontrol.wait`, which returns once that kernel has completed and its
-writes are visible) before it reads anything an earlier kernel writes or writes anything one reads. So every
-kernel of the chain:
+writes are visible) before it reads anything an earlier kernel writes or writes anything one reads. So each kernel
+of the chain:
 - lets the next kernel launch as soon as it starts (`launch_dependents`),
-- loads what no kernel writes (the GEMVs: their first step of weights) and then waits,
+- loads what no kernel writes (the int4 GEMVs: their first step of weights) and then waits,
 - and waits in every program before anything else: a PDL-launched kernel that did not wait could complete before
   the one before it, and a later kernel launched without PDL would then overtake that one.
-Measured on an H100 (BENCHMARKS.md): 32 layers of int4 GEMVs and the small kernels between them, 1.97 -> 1.71 ms.
-Kernels launched without PDL (torch's, cuBLAS's) keep the plain stream order, before and after.
+The kernels: RMSNorm, rotary + KV write, decode attention, SiLU-and-mul, and the int4 GEMVs (CUDA-core and
+tensor-core). Measured on an H100 (BENCHMARKS.md, thirty-third session): W1 on int4 weights 1,458 -> 1,306 ms at
+batch 1 (1.12x), 1,884 -> 1,850 at batch 4. Not the bf16 skinny GEMM: launched with PDL it made W1 15% slower
+(2,959 -> 3,399 ms; not understood: its pipelined tiles hold up to ~120 KB of shared memory a program, which
+programs launched early and waiting may keep from the SMs); without it W1 is unchanged (2,956 -> 2,967 ms).
+Kernels launched without PDL (torch's, cuBLAS's, the skinny GEMM) keep the plain stream order, before and after.
 
-TOKENMILL_PDL=0 turns it off (for A/B measurements); off the GPU, and below sm_90, it is off.
+TOKENMILL_PDL=0 turns it off (for A/B measurements); off the GPU, on ROCm and below sm_90 it is off.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ except ImportError:  # pragma: no cover - the engine pins a triton that has them
 
 @functools.cache
 def _pdl_on(device: torch.device) -> bool:
-    return (gdc_wait is not None and device.type == "cuda" and os.environ.get("TOKENMILL_PDL", "1") != "0"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    return (gdc_wait is not None and device.type == "cuda" and torch.version.hip is None  # NVIDIA's PTX only
+            and os.environ.get("TOKENMILL_PDL", "1") != "0" and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def pdl_launch(device: torch.device) -> dict:

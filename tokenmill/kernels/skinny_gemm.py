@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
-from tokenmill.kernels.pdl import pdl_launch, pdl_start
 from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers, split_range
 from tokenmill.kernels.tile_tables import swept_tiles
 
@@ -28,9 +27,7 @@ MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cos
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, num_rows, n, k, stride_xm, stride_wn, stride_om, part_ptr, arrivals_ptr, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_start(PDL)  # kernels.pdl (the pipelined loop loads x with the weights: both wait)
     tile = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,7 +106,7 @@ def skinny_gemm(
         x, weight, out, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), partials, arrivals,
         k_per_split(k, splits, block_k),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, num_warps=num_warps,
-        num_stages=num_stages, **pdl_launch(x.device),
+        num_stages=num_stages,
     )
     return out
 
