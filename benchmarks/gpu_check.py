@@ -21,6 +21,8 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
                (tokenmill/kernels/configs: skinny_gemm_<device>.json, int_gemv_<device>.json); run W1 and
                W1-int4 before (without the tables) and after in the same call
   steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
+  pdl          programmatic dependent launch (kernels.pdl): benchmarks/weight_read_floor.py, then W1-int4 and W1
+               with TOKENMILL_PDL=0 and 1
   anatomy8b, anatomy8b-int4, anatomy06b
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
                and cProfile of the host
@@ -404,14 +406,16 @@ def decode_anatomy(model: str, sizes: tuple[int, ...], num_prompts: int, input_l
 # ---- workloads -------------------------------------------------------------------------------------
 
 
-def run_workload(name: str, out_dir: Path, timeout: float) -> None:
-    json_path = out_dir / f"{name}.json"
-    cmd = [sys.executable, "-m", *WORKLOADS[name], "--output-json", str(json_path)]
+def run_workload(workload: str, out_dir: Path, timeout: float, env: dict[str, str] | None = None) -> None:
+    """One workload in a subprocess; `env`, variables set for it, also names the result (e.g. "W1 TOKENMILL_PDL=0")."""
+    name = " ".join([workload, *(f"{key}={value}" for key, value in (env or {}).items())])
+    json_path = out_dir / f"{name.replace(' ', '_')}.json"
+    cmd = [sys.executable, "-m", *WORKLOADS[workload], "--output-json", str(json_path)]
     print("$ " + " ".join(cmd).replace(str(ROOT) + "/", ""), flush=True)
     start = time.perf_counter()
     ready_at = None
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     lines = []
     try:
         for line in proc.stdout:
@@ -492,6 +496,11 @@ def main() -> int:
                 decode_anatomy(LLAMA_8B, (1, 8), 1, 128, 64)
             elif sec == "anatomy8b-int4":
                 decode_anatomy(LLAMA_8B_INT4, (1, 4), 1, 128, 64)
+            elif sec == "pdl":
+                run_script("benchmarks/weight_read_floor.py", 240)
+                for workload in ("W1-int4", "W1"):
+                    for pdl in ("0", "1"):
+                        run_workload(workload, out_dir, timeouts[workload], env={"TOKENMILL_PDL": pdl})
             elif sec == "anatomy06b":
                 decode_anatomy(QWEN3_06B, (256,), 256, 512, 32)
             elif sec in WORKLOADS:
