@@ -22,7 +22,7 @@ from skinny_gemm import time_graph
 from w4a16_gemm import SHAPES, make_weight
 
 from tokenmill.kernels.int4_mma_gemv import gemv_int4_mma
-from tokenmill.kernels.pdl import pdl_start
+from tokenmill.kernels.pdl import WITH_PDL, pdl_start
 from tokenmill.kernels.w4a16_gemm import gemv_int
 
 LAYERS = 32
@@ -44,8 +44,7 @@ def read(words: torch.Tensor, out: torch.Tensor, sms: int, pdl: bool) -> None:
     chunk = BLOCK
     while words.numel() // (2 * chunk) >= CHUNK_MIN_PROGRAMS * sms and words.numel() % (2 * chunk) == 0:
         chunk *= 2
-    kwargs = {"PDL": True, "launch_pdl": True} if pdl else {}
-    _read[(words.numel() // chunk,)](words, out, CHUNK=chunk, BLOCK=BLOCK, num_warps=8, **kwargs)
+    _read[(words.numel() // chunk,)](words, out, CHUNK=chunk, BLOCK=BLOCK, num_warps=8, **(WITH_PDL if pdl else {}))
 
 
 def main() -> None:

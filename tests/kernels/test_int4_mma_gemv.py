@@ -126,22 +126,16 @@ def test_compiles_for_hopper_without_shared_memory(dtype, tm, num_warps, rows, s
     """Ahead of time for sm_90 (no GPU needed): the unpacked words and x are already in the mma's operand layouts
     (the kernel asserts those conversions trivial, so a wrong layout fails to compile), and the only shared memory
     is the split-K arrival's (a few bytes for the atomic's broadcast)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from aot import compile_for_hopper
 
     from tokenmill.kernels.int4_mma_gemv import _int4_mma_gemv_kernel as kernel
 
-    names = kernel.arg_names
     pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": dtype,
                 "part_ptr": "fp32", "arrivals_ptr": "i32"}
-    constants = dict(K=14336, ROWS=rows, TM=tm, SPLITS=splits, KG=kg, GROUPED=not per_channel, HAS_ZERO=zero)
-    signature = {name: f"*{pointers[name]}" if name in pointers else "constexpr" if name in constants else "i32"
-                 for name in names}
-    aligned = [name for name in names if name in pointers or name in ("n", "stride_xm", "stride_om")]
-    source = GluonASTSource(kernel, signature, {(names.index(key),): value for key, value in constants.items()},
-                            {(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    constants = dict(K=14336, ROWS=rows, TM=tm, SPLITS=splits, KG=kg, GROUPED=not per_channel, HAS_ZERO=zero,
+                     PDL=False)
+    compiled = compile_for_hopper(kernel, pointers, constants, aligned=("n", "stride_xm", "stride_om"),
+                                  num_warps=num_warps)
     assert compiled.metadata.shared <= (16 if splits > 1 else 0)
     assert "mma.sync.aligned.m16n8k16" in compiled.asm["ptx"]
 

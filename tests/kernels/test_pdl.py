@@ -16,27 +16,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from aot import compile_for_hopper  # noqa: E402
 from test_w4a16_gemm import make_weight  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
 
-def ptx_of(kernel, pointers: dict[str, str], constants: dict, floats: tuple[str, ...] = (), num_warps: int = 4,
-           gluon: bool = False) -> str:
-    """The kernel's PTX for sm_90 (no GPU needed); arguments not named are 32-bit integers."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {name: f"*{pointers[name]}" if name in pointers else "constexpr" if name in constants
-                 else "fp32" if name in floats else "i32" for name in names}
-    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers}
-    fixed = {(names.index(name),): value for name, value in constants.items()}
-    if gluon:
-        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: N814
-    options = {"num_warps": num_warps, "launch_pdl": constants.get("PDL", False)}
-    return triton.compile(ASTSource(kernel, signature, fixed, aligned), target=GPUTarget("cuda", 90, 32),
-                          options=options).asm["ptx"]
+def ptx_of(kernel, pointers: dict[str, str], constants: dict, floats: tuple[str, ...] = (), num_warps: int = 4) -> str:
+    return compile_for_hopper(kernel, pointers, constants, floats, num_warps=num_warps).asm["ptx"]
 
 
 def order(ptx: str) -> list[str]:
@@ -62,7 +49,7 @@ def mma_gemv_ptx(pdl: bool) -> str:
     pointers = {name: GEMV_POINTERS[name] for name in ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "out_ptr", "part_ptr",
                                                           "arrivals_ptr")}
     return ptx_of(_int4_mma_gemv_kernel, pointers, dict(K=4096, ROWS=4, TM=1, SPLITS=8, KG=2, GROUPED=True,
-                                                         HAS_ZERO=False, PDL=pdl), gluon=True)
+                                                         HAS_ZERO=False, PDL=pdl))
 
 
 @pytest.mark.parametrize("gemv", ["cuda-core", "cuda-core split-K", "tensor-core"])

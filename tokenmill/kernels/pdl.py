@@ -43,10 +43,14 @@ def _pdl_on(device: torch.device) -> bool:
             and os.environ.get("TOKENMILL_PDL", "1") != "0" and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
+WITH_PDL = {"PDL": True, "launch_pdl": True}
+"""A launch's keyword arguments for a kernel with a PDL constexpr, launched with PDL."""
+
+
 def pdl_launch(device: torch.device) -> dict:
-    """A launch's extra keyword arguments: {PDL: True, launch_pdl: True} where PDL is on, else none (the kernels'
-    PDL defaults to False: the same specialisation, and cache key, as without it)."""
-    return {"PDL": True, "launch_pdl": True} if _pdl_on(device) else {}
+    """A launch's extra keyword arguments: WITH_PDL where PDL is on, else none (the kernels' PDL defaults to False:
+    the same specialisation, and cache key, as without it)."""
+    return WITH_PDL if _pdl_on(device) else {}
 
 
 @triton.jit
