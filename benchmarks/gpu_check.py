@@ -23,8 +23,6 @@ Sections (--sections, comma-separated; the default is env,kernels,models,kbench,
   steps        benchmarks/step_anatomy.py: W3 step by step (host stages, time the host waits for the GPU)
   pdl          programmatic dependent launch (kernels.pdl): benchmarks/weight_read_floor.py, then W1-int4 and W1
                with TOKENMILL_PDL=0 and 1
-  prologue     the decode GEMVs computing their inputs (kernels.gemv_prologue): W1-int4 with
-               TOKENMILL_GEMV_PROLOGUE unset, rms_norm, silu_and_mul and both
   anatomy8b, anatomy8b-int4, anatomy06b
                where a decode step's time goes: graph replay alone, the kernels in it (torch profiler),
                and cProfile of the host
@@ -503,9 +501,6 @@ def main() -> int:
                 for workload in ("W1-int4", "W1"):
                     for pdl in ("0", "1"):
                         run_workload(workload, out_dir, timeouts[workload], env={"TOKENMILL_PDL": pdl})
-            elif sec == "prologue":
-                for kinds in ("", "rms_norm", "silu_and_mul", "rms_norm,silu_and_mul"):
-                    run_workload("W1-int4", out_dir, timeouts["W1-int4"], env={"TOKENMILL_GEMV_PROLOGUE": kinds})
             elif sec == "anatomy06b":
                 decode_anatomy(QWEN3_06B, (256,), 256, 512, 32)
             elif sec in WORKLOADS:

@@ -40,7 +40,7 @@ def cuda_core_gemv_ptx(pdl: bool, splits: int) -> str:
 
     return ptx_of(_gemv_int_kernel, GEMV_POINTERS, dict(
         BITS=4, GROUP=128, HAS_ZERO=False, HAS_PERM=False, ROWS=1, BLOCK_N=8, BLOCK_K=2048, EVEN_K=True, H=4,
-        SPLITS=splits, PDL=pdl, PROLOGUE=0, HAS_RESIDUAL=False, HAS_OFFSET=False), num_warps=2)
+        SPLITS=splits, PDL=pdl), num_warps=2)
 
 
 def mma_gemv_ptx(pdl: bool) -> str:

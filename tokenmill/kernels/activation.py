@@ -14,13 +14,6 @@ from tokenmill.kernels.pdl import pdl_launch, pdl_start
 
 
 @triton.jit
-def silu_and_mul_values(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up from float32 gate and up, rounded to dtype as kernels.activation stores it."""
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (silu * up).to(dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr,
                          QUANTIZE_FP8: tl.constexpr, PDL: tl.constexpr = False):
     # QUANTIZE_FP8: out is e4m3 and each row's scale goes to scale_ptr; BLOCK then covers the whole row.
@@ -32,7 +25,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, d, BLOCK
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    y = silu_and_mul_values(gate, up, dtype)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    y = (silu * up).to(dtype)
     if QUANTIZE_FP8:  # the row as silu_and_mul stores it, then quantize_fp8's per-row scale (masked lanes are 0)
         q, scale = fp8_quantize(y.to(tl.float32))
         tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)

@@ -64,15 +64,6 @@ def rms_norm(
     return out if residual is None else (out, residual_out)
 
 
-def rms_norm_into(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, residual: torch.Tensor | None,
-    residual_out: torch.Tensor | None,
-) -> torch.Tensor:
-    """rms_norm's normed rows, x + residual written into residual_out (contiguous, x's shape) where given: a GEMV
-    prologue's materialization (kernels.gemv_prologue), whose residual_out was handed on already."""
-    return _rms_norm(x, weight, eps, offset, residual, quantize_fp8=False, residual_out=residual_out)[0]
-
-
 def rms_norm_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -85,10 +76,9 @@ def rms_norm_fp8(
 
 def _rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, residual: torch.Tensor | None,
-    quantize_fp8: bool, residual_out: torch.Tensor | None = None,
+    quantize_fp8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(normed rows, in x's dtype or e4m3; their float32 scales [rows, 1] when quantized; x + residual, in
-    residual_out if given)."""
+    """(normed rows, in x's dtype or e4m3; their float32 scales [rows, 1] when quantized; x + residual)."""
     hidden_size = x.shape[-1]
     if x.dim() not in (2, 3) or x.stride(-1) != 1:
         x = x.reshape(-1, hidden_size).contiguous()
@@ -97,13 +87,12 @@ def _rms_norm(
     num_rows = x.numel() // hidden_size
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if quantize_fp8 else x.dtype, device=x.device)
     scales = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device) if quantize_fp8 else None
+    residual_out = None
     if residual is not None:
         residual = residual.reshape(num_rows, hidden_size)
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
-        if residual_out is None:
-            residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        assert residual_out.shape == x.shape and residual_out.is_contiguous()
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out, scales, residual_out
     block = triton.next_power_of_2(hidden_size)

@@ -15,8 +15,7 @@ Two fused kernels, and a dequantization for larger row counts (int_weight_gemm c
   change of layout, no shared memory in the loop), the zero point and the scale applied per unit to the sums
   rather than per weight (scale * (sum q * x - zero * sum x)). The skinny kernel's 16-row tensor-core tile at
   one row ran at a tenth of the weights' read rate on the H200 (BENCHMARKS.md): the unpacking, not the memory,
-  set the pace. Its x may be computed as it is loaded, from the inputs of the RMSNorm or SiLU-and-mul before it
-  (kernels.gemv_prologue, opt-in).
+  set the pace.
 - `skinny_int_gemm`, decode (<= 16 rows): each program owns BLOCK_N output columns and walks all of K, as
   kernels.skinny_gemm does for 16-bit weights; a decode step only streams weights, and these are a quarter
   of the bytes.
@@ -36,9 +35,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
-from tokenmill.kernels.activation import silu_and_mul_values
 from tokenmill.kernels.dequant_scratch import dequant_scratch
-from tokenmill.kernels.gemv_prologue import RMS_NORM, GemvPrologue, gemv_input
 from tokenmill.kernels.int4_mma_gemv import gemv_int4_mma, mma_gemv_takes
 from tokenmill.kernels.pdl import let_next_launch, pdl_launch, wait_for_previous
 from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers, split_range
@@ -181,64 +178,31 @@ def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start, k, valid
 
 
 @triton.jit
-def load_prologue_input(x_ptr, cols, mask, sum_sq, res_ptr, res_out_ptr, norm_w_ptr, norm_offset, up_offset,
-                        store_residual, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                        HAS_OFFSET: tl.constexpr):
-    """A row's input features at `cols` (mask), float32, and its sum of squares so far (RMS_NORM; else unchanged).
-    x_ptr, res_ptr and res_out_ptr point at the row. RMS_NORM: x (+ the residual, rounded to x's dtype and stored
-    where store_residual) times the norm's weight; SILU_AND_MUL: x_ptr is the row of [gate | up], up at
-    up_offset."""
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
-    if PROLOGUE == 2:
-        gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + up_offset + cols, mask=mask, other=0.0).to(tl.float32)
-        return silu_and_mul_values(gate, up, dtype).to(tl.float32), sum_sq
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if PROLOGUE == 1:
-        if HAS_RESIDUAL:
-            x = (x + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-            tl.store(res_out_ptr + cols, x, mask=mask & store_residual)
-            x = x.to(tl.float32)
-        sum_sq += tl.sum(tl.sum(x * x, axis=3), axis=2)  # per unit and group: the threads' own sums
-        w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_OFFSET:
-            w += norm_offset
-        x = x * w
-    return x, sum_sq
-
-
-@triton.jit
-def _gemv_row(acc, sum_sq, f, z, x_ptr, cols, x_mask, s, x_offset, res_ptr, res_out_ptr, norm_w_ptr, norm_offset,
-              up_offset, store_residual, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, F_OFFSET: tl.constexpr,
-              PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr):
+def _gemv_row(acc, f, z, x_ptr, cols, x_mask, s, x_offset, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+              F_OFFSET: tl.constexpr):
     """One row's part of a step: acc [W, G, BLOCK_N] += scale * (sum over each unit's slots of q * x, less
     zero * sum of x), with x [W, G, H, P, 1] in the words' shape; the sums over the units and the groups wait
     for the end. With F_OFFSET, f is c + q per slot: the c * x terms (with the midpoint's for symmetric
-    weights: x_offset) come off once per unit, for all the columns; without, f holds q (less the midpoint).
-    PROLOGUE (kernels.gemv_prologue): x computed as loaded, the RMSNorm's sum of squares gathered in sum_sq."""
-    x, sum_sq = load_prologue_input(x_ptr, cols, x_mask, sum_sq, res_ptr, res_out_ptr, norm_w_ptr, norm_offset,
-                                    up_offset, store_residual, PROLOGUE, HAS_RESIDUAL, HAS_OFFSET)
+    weights: x_offset) come off once per unit, for all the columns; without, f holds q (less the midpoint)."""
+    x = tl.load(x_ptr + cols, mask=x_mask, other=0.0).to(tl.float32)
     dots = tl.sum(tl.sum(f * x, axis=3), axis=2)
     if F_OFFSET:
         dots -= tl.sum(tl.sum(x * x_offset, axis=3), axis=2)
     if HAS_ZERO:  # the zero point once per unit and column, not per weight
         dots -= z * tl.sum(tl.sum(x, axis=3), axis=2)
     if GROUP == 0:
-        return acc + dots, sum_sq  # per-channel: scaled once at the end
-    return acc + dots * s, sum_sq
+        return acc + dots  # per-channel: scaled once at the end
+    return acc + dots * s
 
 
 @triton.jit
-def _gemv_store(out_ptr, acc, s_end, offs_n, n_mask, part_ptr, arrival_ptr, split_stride, sum_sq, k, eps,
-                GROUP: tl.constexpr, SPLITS: tl.constexpr, PROLOGUE: tl.constexpr):
+def _gemv_store(out_ptr, acc, s_end, offs_n, n_mask, part_ptr, arrival_ptr, split_stride, GROUP: tl.constexpr,
+                SPLITS: tl.constexpr):
     """One row's outputs from its accumulator; with SPLITS, this program's part of them (kernels.split_k), part_ptr
-    the row's partials of split 0. An RMS_NORM prologue's 1 / rms comes from the row's sum of squares over all of
-    K (one split)."""
+    the row's partials of split 0."""
     out = tl.sum(tl.sum(acc, axis=0), axis=0)
     if GROUP == 0:
         out = out * s_end
-    if PROLOGUE == 1:
-        out = out / tl.sqrt(tl.sum(sum_sq) / k + eps)
     if SPLITS == 1:
         tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
@@ -248,11 +212,10 @@ def _gemv_store(out_ptr, acc, s_end, offs_n, n_mask, part_ptr, arrival_ptr, spli
 @triton.jit(do_not_specialize=["no_bits"])  # its value (0) would let the compiler fold it
 def _gemv_int_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, arrivals_ptr, n, k, k_per_split, stride_xm, stride_wn,
-    stride_sn, stride_om, no_bits, res_ptr, res_out_ptr, norm_w_ptr, stride_rm, stride_rom, eps, norm_offset,
+    stride_sn, stride_om, no_bits,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, H: tl.constexpr, SPLITS: tl.constexpr,
-    PDL: tl.constexpr = False, PROLOGUE: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False,
-    HAS_OFFSET: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # A row or a few on the CUDA cores, each program owning BLOCK_N output columns and walking all of K (or its
     # split's part of it: kernels.split_k).
@@ -320,13 +283,6 @@ def _gemv_int_kernel(
     acc1 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc2 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc3 = tl.zeros([W, G, BLOCK_N], tl.float32)
-    # PROLOGUE: x computed from its producer's inputs as it is loaded (kernels.gemv_prologue); an RMSNorm's sums of
-    # squares over all of K (one split), its x + residual written by the first column tile.
-    sum_sq0 = tl.zeros([W, G, 1], tl.float32)
-    sum_sq1 = tl.zeros([W, G, 1], tl.float32)
-    sum_sq2 = tl.zeros([W, G, 1], tl.float32)
-    sum_sq3 = tl.zeros([W, G, 1], tl.float32)
-    store_residual = tl.program_id(0) == 0
     k_start, k_end = split_range(k, k_per_split, SPLITS)  # this program's part of K (kernels.split_k)
     # The next step's words are loaded before this step's math (registers, not a shared-memory pipeline):
     # two steps of weight bytes in flight per program.
@@ -353,38 +309,29 @@ def _gemv_int_kernel(
             cols = tl.load(perm_ptr + tl.max_contiguous(start + feature, [1, 1, 1, 1, 1]), mask=x_mask, other=0)
         else:
             cols = start + feature
-        acc0, sum_sq0 = _gemv_row(acc0, sum_sq0, f, zw, x_ptr, cols, x_mask, s, x_offset, res_ptr, res_out_ptr,
-                                  norm_w_ptr, norm_offset, k, store_residual, GROUP, HAS_ZERO, F_OFFSET, PROLOGUE,
-                                  HAS_RESIDUAL, HAS_OFFSET)
+        acc0 = _gemv_row(acc0, f, zw, x_ptr, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
         if ROWS > 1:
-            acc1, sum_sq1 = _gemv_row(acc1, sum_sq1, f, zw, x_ptr + stride_xm, cols, x_mask, s, x_offset,
-                                      res_ptr + stride_rm, res_out_ptr + stride_rom, norm_w_ptr, norm_offset, k,
-                                      store_residual, GROUP, HAS_ZERO, F_OFFSET, PROLOGUE, HAS_RESIDUAL, HAS_OFFSET)
+            acc1 = _gemv_row(acc1, f, zw, x_ptr + stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
         if ROWS > 2:
-            acc2, sum_sq2 = _gemv_row(acc2, sum_sq2, f, zw, x_ptr + 2 * stride_xm, cols, x_mask, s, x_offset,
-                                      res_ptr + 2 * stride_rm, res_out_ptr + 2 * stride_rom, norm_w_ptr, norm_offset,
-                                      k, store_residual, GROUP, HAS_ZERO, F_OFFSET, PROLOGUE, HAS_RESIDUAL,
-                                      HAS_OFFSET)
+            acc2 = _gemv_row(acc2, f, zw, x_ptr + 2 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO,
+                             F_OFFSET)
         if ROWS > 3:
-            acc3, sum_sq3 = _gemv_row(acc3, sum_sq3, f, zw, x_ptr + 3 * stride_xm, cols, x_mask, s, x_offset,
-                                      res_ptr + 3 * stride_rm, res_out_ptr + 3 * stride_rom, norm_w_ptr, norm_offset,
-                                      k, store_residual, GROUP, HAS_ZERO, F_OFFSET, PROLOGUE, HAS_RESIDUAL,
-                                      HAS_OFFSET)
+            acc3 = _gemv_row(acc3, f, zw, x_ptr + 3 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO,
+                             F_OFFSET)
         words, s, z = next_words, next_s, next_z
     # Split partials [SPLITS, ROWS, n]; an arrival counter per column tile and row.
     arrival = arrivals_ptr + tl.program_id(0) * ROWS
     split_stride = ROWS * n
-    _gemv_store(out_ptr, acc0, s_end, offs_n, n_mask, part_ptr, arrival, split_stride, sum_sq0, k, eps, GROUP,
-                SPLITS, PROLOGUE)
+    _gemv_store(out_ptr, acc0, s_end, offs_n, n_mask, part_ptr, arrival, split_stride, GROUP, SPLITS)
     if ROWS > 1:
-        _gemv_store(out_ptr + stride_om, acc1, s_end, offs_n, n_mask, part_ptr + n, arrival + 1, split_stride,
-                    sum_sq1, k, eps, GROUP, SPLITS, PROLOGUE)
+        _gemv_store(out_ptr + stride_om, acc1, s_end, offs_n, n_mask, part_ptr + n, arrival + 1, split_stride, GROUP,
+                    SPLITS)
     if ROWS > 2:
         _gemv_store(out_ptr + 2 * stride_om, acc2, s_end, offs_n, n_mask, part_ptr + 2 * n, arrival + 2, split_stride,
-                    sum_sq2, k, eps, GROUP, SPLITS, PROLOGUE)
+                    GROUP, SPLITS)
     if ROWS > 3:
         _gemv_store(out_ptr + 3 * stride_om, acc3, s_end, offs_n, n_mask, part_ptr + 3 * n, arrival + 3, split_stride,
-                    sum_sq3, k, eps, GROUP, SPLITS, PROLOGUE)
+                    GROUP, SPLITS)
 
 
 def _block_k(group: int, widest: int, narrowest: int) -> int:
@@ -495,15 +442,13 @@ def _gemv_unit(bits: int, group: int, block_k: int, num_warps: int) -> int:
     return words
 
 
-def gemv_int(x: torch.Tensor | GemvPrologue, weight_packed: torch.Tensor, scale: torch.Tensor,
-             zero: torch.Tensor | None, perm: torch.Tensor | None, bits: int, config: tuple[int, ...] | None = None,
+def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+             perm: torch.Tensor | None, bits: int, config: tuple[int, ...] | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows <= 4, k] (bf16/fp16) @ dequant(weight).T on the CUDA cores, into `out` [rows, n] if given (rows of a
     larger output); config = (BLOCK_N, BLOCK_K, num_warps, num_stages[, splits]), powers of 2 but the splits.
     BLOCK_K must be a multiple of the group size or divide it; steps that divide k keep the weight loads unmasked
-    along k. x may be a prologue (kernels.gemv_prologue: the inputs of an RMSNorm, which takes one split, or of a
-    SiLU-and-mul)."""
-    x, prologue_args, prologue = gemv_input(x)
+    along k."""
     rows, n, k = _check(x, weight_packed, scale, zero, perm, bits)
     assert rows <= GEMV_MAX_ROWS
     if out is None:
@@ -515,18 +460,16 @@ def gemv_int(x: torch.Tensor | GemvPrologue, weight_packed: torch.Tensor, scale:
     block_n, block_k, num_warps, num_stages, *rest = config or _gemv_config(n, k, bits, group, rows, x.device)
     assert group == 0 or block_k % group == 0 or group % block_k == 0, (group, block_k)
     splits = min(rest[0] if rest else 1, -(-k // block_k))  # (integer ceilings: triton.cdiv is ~1.5 us a call)
-    if prologue.get("PROLOGUE") == RMS_NORM:
-        splits = 1  # each program sums the squares of all of K
     tiles = -(-n // block_n)
     partials, arrivals = split_buffers(out, splits, rows, n, tiles * rows)
     words_per_unit = _gemv_unit(bits, group, block_k, num_warps)
     _gemv_int_kernel[(tiles, splits)](
         x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
         out, partials, arrivals, n, k, k_per_split(k, splits, block_k), x.stride(0), weight_packed.stride(0),
-        scale.stride(0), out.stride(0), 0, *prologue_args,
+        scale.stride(0), out.stride(0), 0,
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None, ROWS=rows,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, H=words_per_unit, SPLITS=splits,
-        num_warps=num_warps, num_stages=num_stages, **prologue, **pdl_launch(x.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x.device),
     )
     return out
 

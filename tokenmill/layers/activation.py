@@ -7,22 +7,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import use_triton
-from tokenmill.kernels.gemv_prologue import SiluAndMulPrologue
-from tokenmill.layers.quant.base import wants_fp8_input, wants_input_prologue
+from tokenmill.layers.quant.base import wants_fp8_input
 from tokenmill.layers.quant.fp8 import Fp8Activation
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor,
-                consumer: nn.Module | None = None) -> torch.Tensor | Fp8Activation | SiluAndMulPrologue:
+    def forward(self, x: torch.Tensor, consumer: nn.Module | None = None) -> torch.Tensor | Fp8Activation:
         """[..., 2 * d] -> [..., d]. consumer: the linear layer that alone reads the output; where its method
-        computes it in its own GEMV (input_prologue_wanted), the output is x as a SiluAndMulPrologue
-        (kernels.gemv_prologue); where it wants FP8 input (fp8_input_wanted), the output comes quantized from this
-        kernel (Fp8Activation)."""
+        wants FP8 input (fp8_input_wanted), the output comes quantized from this kernel (Fp8Activation)."""
         if use_triton(x):
-            if x.dim() == 2 and x.stride(-1) == 1 and wants_input_prologue(consumer, x[:, : x.shape[1] // 2],
-                                                                           "silu_and_mul"):
-                return SiluAndMulPrologue(x)
             if wants_fp8_input(consumer, x):
                 from tokenmill.kernels.activation import silu_and_mul_fp8
 

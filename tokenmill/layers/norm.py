@@ -6,9 +6,8 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import use_triton
-from tokenmill.kernels.gemv_prologue import RmsNormPrologue
 from tokenmill.layers import cpu_norm
-from tokenmill.layers.quant.base import wants_fp8_input, wants_input_prologue
+from tokenmill.layers.quant.base import wants_fp8_input
 from tokenmill.layers.quant.fp8 import Fp8Activation
 
 
@@ -31,23 +30,14 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, consumer: nn.Module | None = None
-    ) -> torch.Tensor | Fp8Activation | RmsNormPrologue | tuple[torch.Tensor | Fp8Activation | RmsNormPrologue,
-                                                                 torch.Tensor]:
-        """consumer: the linear layer that alone reads the normed output; where its method computes it in its own
-        GEMV (input_prologue_wanted), the output is this norm's inputs (kernels.gemv_prologue's RmsNormPrologue: the
-        new residual is written by that GEMV); where it wants FP8 input (fp8_input_wanted), the output comes
-        quantized from this kernel (Fp8Activation)."""
+    ) -> torch.Tensor | Fp8Activation | tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+        """consumer: the linear layer that alone reads the normed output; where its method wants FP8 input
+        (fp8_input_wanted), the output comes quantized from this kernel (Fp8Activation)."""
         weight = self.weight  # a parameter: each read goes through nn.Module.__getattr__
         if x.is_cpu:
             if cpu_norm.rms_norm_applies(x, weight, residual):
                 return cpu_norm.rms_norm_cpu(x, weight, self.eps, self.offset, residual)
         elif use_triton(x):
-            if (x.dim() == 2 and (residual is None or residual.stride(-1) == 1)
-                    and wants_input_prologue(consumer, x, "rms_norm")):
-                if residual is None:
-                    return RmsNormPrologue(x, weight, self.eps, self.offset, None, None)
-                residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as the GEMV writes it
-                return RmsNormPrologue(x, weight, self.eps, self.offset, residual, residual_out), residual_out
             if wants_fp8_input(consumer, x):
                 from tokenmill.kernels.rms_norm import rms_norm_fp8
 

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from tokenmill.kernels.gemv_prologue import prologue_enabled
-
 if TYPE_CHECKING:
     from tokenmill.layers.linear import LinearBase
 
@@ -38,18 +36,6 @@ class QuantMethod(ABC):
         """Whether apply() takes an input of x's rows, dtype and device quantized already by the kernel that
         produces it (layers.quant.fp8.Fp8Activation: RMSNorm's and SiluAndMul's `consumer`). FP8 methods only."""
         return False
-
-    def input_prologue_wanted(self, layer: LinearBase, x: torch.Tensor) -> bool:
-        """Whether apply() computes an input like x (its rows, features, dtype and device) itself from its producer's
-        inputs, a kernels.gemv_prologue prologue (RMSNorm's and SiluAndMul's `consumer`), in the GEMV that reads it."""
-        return False
-
-
-def wants_input_prologue(consumer: LinearBase | None, x: torch.Tensor, kind: str) -> bool:
-    """Whether the producer of `consumer`'s input x, of kernels.gemv_prologue's `kind` (an RMSNorm, a SiLU-and-mul),
-    should hand it its inputs to compute x in its own GEMV (prologue_enabled, input_prologue_wanted); False without
-    a consumer."""
-    return consumer is not None and prologue_enabled(kind) and consumer.quant_method.input_prologue_wanted(consumer, x)
 
 
 def wants_fp8_input(consumer: LinearBase | None, x: torch.Tensor) -> bool:

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from tokenmill.kernels import use_triton
 from tokenmill.kernels.dequant_scratch import reserve_dequant_scratch
-from tokenmill.kernels.gemv_prologue import GemvPrologue
 from tokenmill.layers.quant.base import QuantMethod
 
 if TYPE_CHECKING:
@@ -135,21 +134,7 @@ class IntWeightMethod(QuantMethod):
         if layer.weight_packed.is_cuda:  # large row counts dequantize the whole weight into a shared scratch
             reserve_dequant_scratch(layer.weight_packed.device, n * k)
 
-    def input_prologue_wanted(self, layer: LinearBase, x: torch.Tensor) -> bool:
-        """Up to GEMV_MAX_ROWS rows that go to the CUDA-core GEMV (not the tensor-core one), without act-order."""
-        if not (use_triton(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
-            return False
-        from tokenmill.kernels.w4a16_gemm import GEMV_MAX_ROWS, mma_gemv_takes
-
-        return (x.shape[0] <= GEMV_MAX_ROWS and layer.input_perm is None
-                and not mma_gemv_takes(x, layer.weight_packed, layer.weight_scale, None, layer.weight_bits))
-
-    def apply(self, layer: LinearBase, x: torch.Tensor | GemvPrologue, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(x, GemvPrologue):  # kernels.gemv_prologue: as input_prologue_wanted said, the GEMV
-            from tokenmill.kernels.w4a16_gemm import gemv_int
-
-            y = gemv_int(x, layer.weight_packed, layer.weight_scale, layer.weight_zero, None, layer.weight_bits)
-            return y if bias is None else y + bias
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         perm = layer.input_perm
