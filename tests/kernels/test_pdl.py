@@ -41,7 +41,7 @@ def cuda_core_gemv_ptx(pdl: bool, splits: int) -> str:
 
     return ptx_of(_gemv_int_kernel, GEMV_POINTERS, dict(
         BITS=4, GROUP=128, HAS_ZERO=False, HAS_PERM=False, ROWS=1, BLOCK_N=8, BLOCK_K=2048, EVEN_K=True, H=4,
-        SPLITS=splits, EVEN_N=True, SCALES_BY_GROUP=True, PDL=pdl), num_warps=2,
+        SPLITS=splits, EVEN_N=True, VECTOR_SCALES=True, PDL=pdl), num_warps=2,
         # As a launch on Llama-8B's shapes specialises them (divisible by 16): 16-byte weight loads, as in the engine.
         aligned=("n", "k", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_sg", "stride_om"))
 

@@ -2,10 +2,12 @@
 
 The weight is in layers.quant.w4a16's layout, the one every checkpoint format (GPTQ, AWQ,
 compressed-tensors pack-quantized) is repacked into at load: `weight_packed` int32 [n, k / pack] packed
-along k (lowest bits first), `weight_scale` [n, groups], `weight_zero` [n, groups] or none (the midpoint
-2^(bits-1)), and an optional input permutation (act-order) applied to x as it is loaded. A program reads
-its weight tile as int32 words, shifts each feature's bits out, and scales by its group: the weight crosses
-memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's is transient, shared by all layers).
+along k (lowest bits first), `weight_scale` [n, groups], `weight_zero` [n, groups] (the same strides) or none (the
+midpoint 2^(bits-1)), and an optional input permutation (act-order) applied to x as it is loaded. The scales may be
+stored by column or, as the layer stores them, by group (a group's n scales contiguous: the GEMV then loads a
+thread's columns at once). A program reads its weight tile as int32 words, shifts each feature's bits out, and
+scales by its group: the weight crosses memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's
+is transient, shared by all layers).
 
 Two fused kernels, and a dequantization for larger row counts (int_weight_gemm chooses by the row count):
 - `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns (and K, or a
@@ -154,7 +156,7 @@ def _dequant_int_kernel(
 @triton.jit
 def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, stride_sg, word, offs_g, start, k, valid,
                      WORD_SLOTS: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                     EVEN_K: tl.constexpr, UNMASKED: tl.constexpr, SCALES_BY_GROUP: tl.constexpr):
+                     EVEN_K: tl.constexpr, UNMASKED: tl.constexpr, VECTOR_SCALES: tl.constexpr):
     """A step's weight words [W, G, H, 1, BLOCK_N] and its scales and zeros [W, G, BLOCK_N] (GROUP 0: none,
     loaded once), each thread loading those of its own words (the same for the W units of a group: cached
     loads), so they need no change of layout either.
@@ -174,12 +176,12 @@ def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, stride_sg, word, offs_g, star
     z = 0.0
     if GROUP != 0:
         group = (start + offs_g * SUB) // GROUP
-        if SCALES_BY_GROUP:  # a group's scales contiguous along n: a thread's columns in one load
+        offs = s_offs + (group * stride_sg)[None, :, None]
+        if VECTOR_SCALES:  # a group's BLOCK_N scales contiguous and aligned: a thread's columns in one load
             columns: tl.constexpr = s_offs.shape[2]
-            offs = s_offs + (group * stride_sg)[None, :, None]
             offs = tl.max_contiguous(tl.multiple_of(offs, [1, 1, columns]), [1, 1, columns])
         else:
-            offs = tl.max_contiguous(s_offs + group[None, :, None], [1, 1, 1])
+            offs = tl.max_contiguous(offs, [1, 1, 1])
         s = tl.load(s_ptr + offs, mask=g_mask, other=None if UNMASKED else 0.0).to(tl.float32)
         if HAS_ZERO:
             z = tl.load(z_ptr + offs, mask=g_mask, other=None if UNMASKED else 0.0).to(tl.float32)
@@ -258,7 +260,7 @@ def _gemv_int_kernel(
     stride_sn, stride_sg, stride_om, no_bits,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, H: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_N: tl.constexpr = False, SCALES_BY_GROUP: tl.constexpr = False, PDL: tl.constexpr = False,
+    EVEN_N: tl.constexpr = False, VECTOR_SCALES: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # A row or a few on the CUDA cores, each program owning BLOCK_N output columns and walking all of K (or its
     # split's part of it: kernels.split_k).
@@ -291,7 +293,7 @@ def _gemv_int_kernel(
     # load in x's layout (threads in the same dimension order).
     w_offs = tl.max_contiguous(word + rows_n[None, None, None, None, :].to(tl.int64) * stride_wn, [1, 1, H, 1, 1])
     w_ptrs = w_ptr + w_offs
-    if SCALES_BY_GROUP:
+    if VECTOR_SCALES:  # stored by group (stride_sn 1), n a multiple of BLOCK_N (EVEN_N: rows_n = offs_n)
         s_offs = tl.zeros([W, 1, 1], tl.int32) + rows_n[None, None, :]  # [W, 1, BLOCK_N]
     else:
         s_offs = tl.zeros([W, 1, 1], tl.int32) + (rows_n * stride_sn)[None, None, :]
@@ -341,7 +343,7 @@ def _gemv_int_kernel(
     # kernels.pdl: the first step's weights (which no kernel writes) load before the wait for the kernel before.
     let_next_launch(PDL)
     words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, stride_sg, word, offs_g, k_start, k, k_start < k_end,
-                                   P, SUB, GROUP, HAS_ZERO, EVEN_K, False, SCALES_BY_GROUP)
+                                   P, SUB, GROUP, HAS_ZERO, EVEN_K, False, VECTOR_SCALES)
     wait_for_previous(PDL)
     if EVEN_K:  # the last step's start
         last = k_end - BLOCK_K
@@ -350,7 +352,7 @@ def _gemv_int_kernel(
     for start in range(k_start, last, BLOCK_K):
         next_words, next_s, next_z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, stride_sg, word, offs_g,
                                                       start + BLOCK_K, k, True, P, SUB, GROUP, HAS_ZERO, EVEN_K,
-                                                      EVEN_K, SCALES_BY_GROUP)
+                                                      EVEN_K, VECTOR_SCALES)
         acc0, acc1, acc2, acc3 = _gemv_step(
             acc0, acc1, acc2, acc3, words, s, z, zw, start, x_ptr, perm_ptr, stride_xm, feature, shift_left,
             shift_right, slot_mask, slot_exponent, x_offset, k, GROUP, HAS_ZERO, HAS_PERM, ROWS, EVEN_K, F_OFFSET)
@@ -510,7 +512,8 @@ def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, 
         *scale.stride(), out.stride(0), 0,
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None, ROWS=rows,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, H=words_per_unit, SPLITS=splits,
-        EVEN_N=n % block_n == 0, SCALES_BY_GROUP=group != 0 and scale.stride(0) == 1, num_warps=num_warps,
+        EVEN_N=n % block_n == 0, VECTOR_SCALES=group != 0 and scale.stride(0) == 1 and n % block_n == 0,
+        num_warps=num_warps,
         num_stages=num_stages, **pdl_launch(x.device),
     )
     return out
