@@ -57,7 +57,7 @@ from tokenmill.kernels.w4a16_gemm import (
     int_weight_gemm,
     skinny_int_gemm,
 )
-from tokenmill.layers.quant.w4a16 import dequantize_int, pack_int32, scales_by_group
+from tokenmill.layers.quant.w4a16 import dequantize_int, pack_int32
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # BLOCK_N 2-16, 64-256 words per column per step over at most BLOCK_K / 8 / 32 warps (more would send the words
@@ -103,12 +103,11 @@ DEQUANT_CONFIGS = [(bn, words, w) for bn, words, w in itertools.product((8, 16, 
 
 
 def make_weight(n: int, k: int, bits: int, group: int, zero: bool, act_order: bool):
-    """Random packed integers, fp16 scales (and zeros) stored by group as the layer stores them, a permutation:
-    int_weight_gemm's arguments after x."""
+    """Random packed integers, fp16 scales (and zeros), a permutation: int_weight_gemm's arguments after x."""
     groups = 1 if group == 0 else k // group
     q = pack_int32(torch.randint(0, 1 << bits, (n, k), device="cuda"), bits, dim=1)
-    scale = scales_by_group(torch.rand(n, groups, device="cuda").half() * 0.01 + 0.001)
-    zeros = scales_by_group(torch.randint(0, 1 << bits, (n, groups), device="cuda").half()) if zero else None
+    scale = torch.rand(n, groups, device="cuda").half() * 0.01 + 0.001
+    zeros = torch.randint(0, 1 << bits, (n, groups), device="cuda").half() if zero else None
     perm = torch.randperm(k, device="cuda").to(torch.int32) if act_order else None
     return q, scale, zeros, perm, bits
 
@@ -331,7 +330,7 @@ def main() -> None:
         total_int, total_dense = 0.0, 0.0
         for name, (n, k) in SHAPES.items():
             q = pack_int32(torch.randint(0, 16, (n, k), device="cuda"), 4, dim=1)
-            scale = scales_by_group(torch.rand(n, k // 128, device="cuda").half() * 0.01)
+            scale = torch.rand(n, k // 128, device="cuda").half() * 0.01
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             t_int = us(functools.partial(int_weight_gemm, x, q, scale, None, None, 4))

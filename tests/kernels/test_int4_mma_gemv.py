@@ -23,17 +23,17 @@ from test_w4a16_gemm import make_weight  # noqa: E402
 gpu = pytest.mark.gpu
 
 
-def make_case(rows, n, k, per_channel, sym, dtype, seed=0, by_group=True):
+def make_case(rows, n, k, per_channel, sym, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    packed, scale, zero, w = make_weight(n, k, 0 if per_channel else 128, 4, sym, g, by_group)
+    packed, scale, zero, w = make_weight(n, k, 0 if per_channel else 128, 4, sym, g)
     x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, :k]  # a strided view, as real activations can be
     return x, packed, scale, zero, x.double() @ w.T
 
 
-def check(rows, n, k, per_channel, sym, dtype, config, seed=0, by_group=True):
+def check(rows, n, k, per_channel, sym, dtype, config, seed=0):
     from tokenmill.kernels.int4_mma_gemv import gemv_int4_mma
 
-    x, packed, scale, zero, ref = make_case(rows, n, k, per_channel, sym, dtype, seed, by_group)
+    x, packed, scale, zero, ref = make_case(rows, n, k, per_channel, sym, dtype, seed)
     cuda = (lambda t: None if t is None else t.cuda())
     out = gemv_int4_mma(cuda(x), cuda(packed), cuda(scale), cuda(zero), config=config)
     assert out.shape == ref.shape and out.dtype == dtype
@@ -64,13 +64,6 @@ def test_every_row_count(dtype, rows, sym):
 ])
 def test_tiles_splits_and_group_counts(dtype, rows, n, k, per_channel, sym, config):
     check(rows, n, k, per_channel, sym, dtype, config)
-
-
-@gpu
-@pytest.mark.parametrize("rows,sym,config", [(1, False, (1, 4, 8, 2)), (4, True, (2, 2, 1, 4))])
-def test_scales_by_column(rows, sym, config):
-    """Scales and zeros row-major [n, groups] (a column's contiguous) rather than by group as the layer stores them."""
-    check(rows, 4096, 4096, False, sym, torch.bfloat16, config, by_group=False)
 
 
 @gpu
@@ -124,14 +117,12 @@ def test_the_layers_entry_takes_it_where_it_fits(monkeypatch):
         assert bool(taken) == expected, (rows, group, act_order)
 
 
-@pytest.mark.parametrize("dtype,tm,num_warps,rows,splits,kg,per_channel,zero,by_group", [
-    ("bf16", 4, 1, 1, 1, 4, False, False, True),
-    ("fp16", 2, 2, 8, 4, 2, False, True, True),
-    ("bf16", 1, 4, 3, 2, 1, True, True, False),
-    ("bf16", 1, 2, 2, 2, 2, False, True, False),
+@pytest.mark.parametrize("dtype,tm,num_warps,rows,splits,kg,per_channel,zero", [
+    ("bf16", 4, 1, 1, 1, 4, False, False),
+    ("fp16", 2, 2, 8, 4, 2, False, True),
+    ("bf16", 1, 4, 3, 2, 1, True, True),
 ])
-def test_compiles_for_hopper_without_shared_memory(dtype, tm, num_warps, rows, splits, kg, per_channel, zero,
-                                                     by_group):
+def test_compiles_for_hopper_without_shared_memory(dtype, tm, num_warps, rows, splits, kg, per_channel, zero):
     """Ahead of time for sm_90 (no GPU needed): the unpacked words and x are already in the mma's operand layouts
     (the kernel asserts those conversions trivial, so a wrong layout fails to compile), and the only shared memory
     is the split-K arrival's (a few bytes for the atomic's broadcast)."""
@@ -142,7 +133,7 @@ def test_compiles_for_hopper_without_shared_memory(dtype, tm, num_warps, rows, s
     pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": "fp16", "z_ptr": "fp16", "out_ptr": dtype,
                 "part_ptr": "fp32", "arrivals_ptr": "i32"}
     constants = dict(K=14336, ROWS=rows, TM=tm, SPLITS=splits, KG=kg, GROUPED=not per_channel, HAS_ZERO=zero,
-                     G_STRIDE=14336 * 2 if by_group and not per_channel else 1, PDL=False)
+                     PDL=False)
     compiled = compile_for_hopper(kernel, pointers, constants, aligned=("n", "stride_xm", "stride_om"),
                                   num_warps=num_warps)
     assert compiled.metadata.shared <= (16 if splits > 1 else 0)
@@ -163,8 +154,7 @@ def test_the_background_compile_process_compiles_it(tmp_path, monkeypatch):
     names = kernel.arg_names
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
                 "part_ptr": "*fp32", "arrivals_ptr": "*i32"}
-    constants = dict(K=1024, ROWS=2, TM=2, SPLITS=1, KG=2, GROUPED=True, HAS_ZERO=False, G_STRIDE=1536,
-                     PDL=False)
+    constants = dict(K=1024, ROWS=2, TM=2, SPLITS=1, KG=2, GROUPED=True, HAS_ZERO=False)
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in names}
     target = GPUTarget("cuda", 90, 32)
     options = make_backend(target).parse_options({"num_warps": 2})

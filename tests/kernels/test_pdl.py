@@ -41,9 +41,9 @@ def cuda_core_gemv_ptx(pdl: bool, splits: int) -> str:
 
     return ptx_of(_gemv_int_kernel, GEMV_POINTERS, dict(
         BITS=4, GROUP=128, HAS_ZERO=False, HAS_PERM=False, ROWS=1, BLOCK_N=8, BLOCK_K=2048, EVEN_K=True, H=4,
-        SPLITS=splits, EVEN_N=True, VECTOR_SCALES=True, PDL=pdl), num_warps=2,
+        SPLITS=splits, PDL=pdl), num_warps=2,
         # As a launch on Llama-8B's shapes specialises them (divisible by 16): 16-byte weight loads, as in the engine.
-        aligned=("n", "k", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_sg", "stride_om"))
+        aligned=("n", "k", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_om"))
 
 
 def mma_gemv_ptx(pdl: bool) -> str:
@@ -52,8 +52,7 @@ def mma_gemv_ptx(pdl: bool) -> str:
     pointers = {name: GEMV_POINTERS[name] for name in ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "out_ptr", "part_ptr",
                                                           "arrivals_ptr")}
     return ptx_of(_int4_mma_gemv_kernel, pointers, dict(K=4096, ROWS=4, TM=1, SPLITS=8, KG=2, GROUPED=True,
-                                                         HAS_ZERO=False, G_STRIDE=4096, PDL=pdl),
-                  aligned=("n",))
+                                                         HAS_ZERO=False, PDL=pdl))
 
 
 @pytest.mark.parametrize("gemv", ["cuda-core", "cuda-core split-K", "tensor-core"])

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tokenmill.layers.quant.w4a16 import pack_int32, scales_by_group
+from tokenmill.layers.quant.w4a16 import pack_int32
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cases  # noqa: E402
@@ -24,10 +24,9 @@ pytestmark = pytest.mark.gpu
 interpret = pytest.mark.interpret
 
 
-def make_weight(n: int, k: int, group: int, bits: int, sym: bool, g: torch.Generator, by_group: bool = True):
+def make_weight(n: int, k: int, group: int, bits: int, sym: bool, g: torch.Generator):
     """Random integers packed in the kernels' layout, fp16 scales and zeros (None: symmetric), and the float64
-    weight they mean [n, k]. The scales stored by group as the layer stores them (w4a16.scales_by_group), or, not
-    by_group, column by column (row-major), which the kernels read too."""
+    weight they mean [n, k]."""
     levels = 1 << bits
     q = torch.randint(0, levels, (n, k), generator=g, dtype=torch.int32)
     groups = 1 if group == 0 else k // group
@@ -35,17 +34,14 @@ def make_weight(n: int, k: int, group: int, bits: int, sym: bool, g: torch.Gener
     zero = None if sym else torch.randint(0, levels, (n, groups), generator=g).half()
     size = k // groups
     w = (q.double() - (levels // 2 if zero is None else zero.double().repeat_interleave(size, 1)))
-    w = w * scale.double().repeat_interleave(size, 1)
-    if by_group:
-        scale, zero = scales_by_group(scale), None if zero is None else scales_by_group(zero)
-    return pack_int32(q, bits, dim=1), scale, zero, w
+    return pack_int32(q, bits, dim=1), scale, zero, w * scale.double().repeat_interleave(size, 1)
 
 
 def make_case(rows: int, n: int, k: int, group: int, bits: int, sym: bool, act_order: bool, dtype, device,
-              seed: int = 0, by_group: bool = True):
+              seed: int = 0):
     """Random integers, fp16 scales and zeros in the kernels' layout, and the float64 reference output."""
     g = torch.Generator().manual_seed(seed)
-    packed, scale, zero, w = make_weight(n, k, group, bits, sym, g, by_group)
+    packed, scale, zero, w = make_weight(n, k, group, bits, sym, g)
     perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
     x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, :k]  # a strided view, as real activations can be
     xs = x.double() if perm is None else x.double()[:, perm.long()]
@@ -54,8 +50,8 @@ def make_case(rows: int, n: int, k: int, group: int, bits: int, sym: bool, act_o
     return (x.to(device), packed.to(device), scale.to(device), on(zero), on(perm)), ref
 
 
-def run(fn, rows, n, k, group, bits, sym, act_order, dtype, device, by_group=True, **kw) -> float:
-    args, ref = make_case(rows, n, k, group, bits, sym, act_order, dtype, device, by_group=by_group)
+def run(fn, rows, n, k, group, bits, sym, act_order, dtype, device, **kw) -> float:
+    args, ref = make_case(rows, n, k, group, bits, sym, act_order, dtype, device)
     out = fn(*args, bits, **kw)
     assert out.shape == ref.shape and out.dtype == dtype
     return cases.rel_error(out.cpu(), ref)
@@ -178,40 +174,6 @@ def test_gemv(device, dtype, rows, group, sym, act_order, bits, config):
     n, k = shape(device)
     assert run(gemv_int, rows, n, k, group, bits, sym, act_order, dtype, device, config=config) \
         < cases.TOLERANCE[dtype]
-
-
-# K not a whole number of steps, several steps a program: the last step (peeled off the GEMV's loop, where the
-# loads are unmasked under EVEN_K) is the ragged one, in one split and in the second of two.
-@interpret
-@pytest.mark.parametrize("rows,config", [(1, (4, 128, 1, 1)), (3, (8, 128, 2, 1, 2)), (2, (4, 64, 1, 1, 3))])
-def test_gemv_ragged_last_step(device, rows, config):
-    from tokenmill.kernels.w4a16_gemm import gemv_int
-
-    n, k = 72, 448  # group 64: 7 groups; 128-wide steps: 3 whole and half of one
-    assert run(gemv_int, rows, n, k, 64, 4, False, True, torch.float16, device, config=config) < \
-        cases.TOLERANCE[torch.float16]
-
-
-# Scales stored column by column (row-major [n, groups]) rather than by group: every kernel reads them by their
-# strides; the GEMV loads a group's columns as one vector only when they are contiguous (by group).
-@pytest.mark.parametrize("kernel,rows,group,sym,config", [
-    pytest.param("gemv", 1, 64, False, (4, 128, 1, 1), marks=interpret),
-    pytest.param("gemv", 2, 32, True, (8, 128, 2, 1, 2), marks=interpret),
-    pytest.param("skinny", 9, 128, False, (32, 64, 4, 2), marks=interpret),
-    pytest.param("dequant", 20, 32, False, None, marks=interpret),
-    pytest.param("gemv", 3, 128, False, (8, 1024, 2, 1, 2)),
-    pytest.param("entry", 1, 128, False, None),  # the tensor-core GEMV where its table takes one row
-    pytest.param("entry", 4, 128, True, None),
-])
-def test_scales_by_column(device, kernel, rows, group, sym, config):
-    from tokenmill.kernels import w4a16_gemm
-
-    fn = {"gemv": w4a16_gemm.gemv_int, "skinny": w4a16_gemm.skinny_int_gemm,
-          "dequant": w4a16_gemm.dequant_int_gemm, "entry": w4a16_gemm.int_weight_gemm}[kernel]
-    kw = {} if config is None else {"config": config}
-    n, k = shape(device)
-    assert run(fn, rows, n, k, group, 4, sym, False, torch.float16, device, by_group=False, **kw) < \
-        cases.TOLERANCE[torch.float16]
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])

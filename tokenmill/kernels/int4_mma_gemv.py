@@ -116,12 +116,12 @@ if gluon is not None:
                 gl.load(w_ptrs + 16 * (3 % KG)))
 
     @gluon.jit
-    def _step(acc, words, x_ptrs, s_ptrs, z_ptrs, g_step, ones, magic, offset, KG: gl.constexpr,
-              GROUPED: gl.constexpr, HAS_ZERO: gl.constexpr, W_LAYOUT: gl.constexpr):
-        """acc += KG consecutive groups' contributions, from their words (x, scales and zeros loaded here; g_step:
-        the scales' stride from a group to the next)."""
+    def _step(acc, words, x_ptrs, s_ptrs, z_ptrs, ones, magic, offset, KG: gl.constexpr, GROUPED: gl.constexpr,
+              HAS_ZERO: gl.constexpr, W_LAYOUT: gl.constexpr):
+        """acc += KG consecutive groups' contributions, from their words (x, scales and zeros loaded here)."""
+        G_STEP: gl.constexpr = 1 if GROUPED else 0
         for g in gl.static_range(KG):
-            acc = _group(acc, words[g], x_ptrs + g * 128, s_ptrs + g * g_step, z_ptrs + g * g_step, ones, magic,
+            acc = _group(acc, words[g], x_ptrs + g * 128, s_ptrs + g * G_STEP, z_ptrs + g * G_STEP, ones, magic,
                          offset, GROUPED, HAS_ZERO, W_LAYOUT)
         return acc
 
@@ -129,13 +129,10 @@ if gluon is not None:
     def _int4_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, arrivals_ptr, n, stride_xm, stride_om,
                               no_bits, K: gl.constexpr, ROWS: gl.constexpr, TM: gl.constexpr, SPLITS: gl.constexpr,
                               KG: gl.constexpr, GROUPED: gl.constexpr, HAS_ZERO: gl.constexpr,
-                              G_STRIDE: gl.constexpr = 1, PDL: gl.constexpr = False):
+                              PDL: gl.constexpr = False):
         # K and the strides it sets are constants, so every load's address is a lane's base plus an immediate.
         STRIDE_WN: gl.constexpr = K // 8
-        # The scales (and zeros) [n, groups]: G_STRIDE apart from a group to the next, n where they are stored by
-        # group (layers.quant.w4a16.scales_by_group), 1 where by column; one per column where not GROUPED.
-        STRIDE_SN: gl.constexpr = K // 128 if GROUPED and G_STRIDE == 1 else 1
-        g_step: gl.constexpr = G_STRIDE if GROUPED else 0
+        STRIDE_SN: gl.constexpr = K // 128 if GROUPED else 1
         GROUPS: gl.constexpr = K // 128 // SPLITS  # this program's
         NW: gl.constexpr = gl.num_warps()
         M: gl.constexpr = 16 * TM * NW
@@ -166,17 +163,18 @@ if gluon is not None:
             xn[:, None, None, None] * stride_xm + xt[None, :, None, None] * 32 + xj[None, None, :, None] * 8
             + xf[None, None, None, :])
         cols = gl.arange(0, M, layout=gl.SliceLayout(1, mma))
-        first_group = split * GROUPS * g_step
+        first_group = split * GROUPS if GROUPED else 0
         s_ptrs = (s_ptr + (tile * M * STRIDE_SN + first_group)) + cols * STRIDE_SN
         z_ptrs = (z_ptr + (tile * M * STRIDE_SN + first_group)) + cols * STRIDE_SN
         ones = gl.full([M, 128], 1.0, dtype, layout=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
         acc = gl.zeros([M, 8], gl.float32, layout=mma)
+        G_STEP: gl.constexpr = 1 if GROUPED else 0  # scales (and zeros) per group, or one per column
         # Steps of KG groups (the words of a step loaded at once: KG * 64 contiguous bytes a column), each step's
         # words loaded while the step before is computed; two steps a turn, so that the words loaded ahead need no
         # register copies.
         STEPS: gl.constexpr = GROUPS // KG
         X_STEP: gl.constexpr = KG * 128
-        S_STEP: gl.constexpr = KG * g_step
+        S_STEP: gl.constexpr = KG * G_STEP
         # kernels.pdl: the first step's words (which no kernel writes) load before the wait for the kernel before.
         if PDL:
             _griddepcontrol("launch_dependents")
@@ -185,29 +183,26 @@ if gluon is not None:
             _griddepcontrol("wait")
         for _ in range(STEPS // 2 - 1):
             ahead = _load_step(w_ptrs + KG * 16, KG)
-            acc = _step(acc, current, x_ptrs, s_ptrs, z_ptrs, g_step, ones, magic, offset, KG, GROUPED, HAS_ZERO,
-                        W_LAYOUT)
+            acc = _step(acc, current, x_ptrs, s_ptrs, z_ptrs, ones, magic, offset, KG, GROUPED, HAS_ZERO, W_LAYOUT)
             current = _load_step(w_ptrs + 2 * KG * 16, KG)
-            acc = _step(acc, ahead, x_ptrs + X_STEP, s_ptrs + S_STEP, z_ptrs + S_STEP, g_step, ones, magic, offset, KG,
+            acc = _step(acc, ahead, x_ptrs + X_STEP, s_ptrs + S_STEP, z_ptrs + S_STEP, ones, magic, offset, KG,
                         GROUPED, HAS_ZERO, W_LAYOUT)
             w_ptrs += 2 * KG * 16
             x_ptrs += 2 * X_STEP
             s_ptrs += 2 * S_STEP
             z_ptrs += 2 * S_STEP
         if STEPS == 1:
-            acc = _step(acc, current, x_ptrs, s_ptrs, z_ptrs, g_step, ones, magic, offset, KG, GROUPED, HAS_ZERO,
-                        W_LAYOUT)
+            acc = _step(acc, current, x_ptrs, s_ptrs, z_ptrs, ones, magic, offset, KG, GROUPED, HAS_ZERO, W_LAYOUT)
         else:  # the last two steps, or three
             ahead = _load_step(w_ptrs + KG * 16, KG)
-            acc = _step(acc, current, x_ptrs, s_ptrs, z_ptrs, g_step, ones, magic, offset, KG, GROUPED, HAS_ZERO,
-                        W_LAYOUT)
+            acc = _step(acc, current, x_ptrs, s_ptrs, z_ptrs, ones, magic, offset, KG, GROUPED, HAS_ZERO, W_LAYOUT)
             if STEPS % 2 == 1:
                 current = _load_step(w_ptrs + 2 * KG * 16, KG)
-            acc = _step(acc, ahead, x_ptrs + X_STEP, s_ptrs + S_STEP, z_ptrs + S_STEP, g_step, ones, magic, offset, KG,
+            acc = _step(acc, ahead, x_ptrs + X_STEP, s_ptrs + S_STEP, z_ptrs + S_STEP, ones, magic, offset, KG,
                         GROUPED, HAS_ZERO, W_LAYOUT)
             if STEPS % 2 == 1:
-                acc = _step(acc, current, x_ptrs + 2 * X_STEP, s_ptrs + 2 * S_STEP, z_ptrs + 2 * S_STEP, g_step, ones,
-                            magic, offset, KG, GROUPED, HAS_ZERO, W_LAYOUT)
+                acc = _step(acc, current, x_ptrs + 2 * X_STEP, s_ptrs + 2 * S_STEP, z_ptrs + 2 * S_STEP, ones, magic,
+                            offset, KG, GROUPED, HAS_ZERO, W_LAYOUT)
         if not GROUPED:
             acc = acc * gl.load(s_ptr + tile * M + cols).to(gl.float32)[:, None]
         out_cols = tile * M + cols
@@ -289,9 +284,7 @@ def gemv_int4_mma(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Ten
     (mma_gemv_takes), into `out` [rows, n] if given; config = (TM, warps, splits, KG: groups a step)."""
     rows, k = x.shape
     n = weight_packed.shape[0]
-    assert x.stride(-1) == 1 and weight_packed.is_contiguous()
-    assert scale.is_contiguous() or scale.t().is_contiguous(), "scales by column or by group"
-    assert zero is None or zero.stride() == scale.stride()
+    assert x.stride(-1) == 1 and weight_packed.is_contiguous() and scale.is_contiguous()
     assert weight_packed.shape[1] * 8 == k and rows <= MMA_MAX_ROWS, (weight_packed.shape, k, rows)
     if out is None:
         out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -305,8 +298,7 @@ def gemv_int4_mma(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Ten
     _int4_mma_gemv_kernel[(tiles, splits)](
         x, weight_packed, scale, zero if zero is not None else scale, out, partials, arrivals, n, x.stride(0),
         out.stride(0), 0, K=k, ROWS=rows, TM=tm, SPLITS=splits, KG=kg, GROUPED=scale.shape[1] > 1,
-        HAS_ZERO=zero is not None, G_STRIDE=scale.stride(1) if scale.shape[1] > 1 else 1, num_warps=num_warps,
-        **pdl_launch(x.device))
+        HAS_ZERO=zero is not None, num_warps=num_warps, **pdl_launch(x.device))
     return out
 
 

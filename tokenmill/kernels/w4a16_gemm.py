@@ -2,12 +2,10 @@
 
 The weight is in layers.quant.w4a16's layout, the one every checkpoint format (GPTQ, AWQ,
 compressed-tensors pack-quantized) is repacked into at load: `weight_packed` int32 [n, k / pack] packed
-along k (lowest bits first), `weight_scale` [n, groups], `weight_zero` [n, groups] (the same strides) or none (the
-midpoint 2^(bits-1)), and an optional input permutation (act-order) applied to x as it is loaded. The scales may be
-stored by column or, as the layer stores them, by group (a group's n scales contiguous: the GEMV then loads a
-thread's columns at once). A program reads its weight tile as int32 words, shifts each feature's bits out, and
-scales by its group: the weight crosses memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's
-is transient, shared by all layers).
+along k (lowest bits first), `weight_scale` [n, groups], `weight_zero` [n, groups] or none (the midpoint
+2^(bits-1)), and an optional input permutation (act-order) applied to x as it is loaded. A program reads
+its weight tile as int32 words, shifts each feature's bits out, and scales by its group: the weight crosses
+memory at 4 (or 8) bits, and no 16-bit copy is kept (the large-row path's is transient, shared by all layers).
 
 Two fused kernels, and a dequantization for larger row counts (int_weight_gemm chooses by the row count):
 - `gemv_int`, decode of up to 4 rows: on the CUDA cores, each program owning BLOCK_N output columns (and K, or a
@@ -58,7 +56,7 @@ def _load_x(x_ptr, perm_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, HAS_PERM
 
 @triton.jit
 def _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask, k_mask, start, k_end, stride_wn, stride_sn,
-                  stride_sg, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   HAS_ZERO: tl.constexpr):
     """The float32 weight tile [BLOCK_N, BLOCK_K] of features start + offs_k. GROUP 0: per-channel."""
     PACK: tl.constexpr = 32 // BITS
@@ -79,11 +77,11 @@ def _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask, k_mask, start, k_
             group = 0
         else:
             group = start // GROUP
-        s = tl.load(s_ptr + offs_n * stride_sn + group * stride_sg, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        s = tl.load(s_ptr + offs_n * stride_sn + group, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         if HAS_ZERO:
-            z = tl.load(z_ptr + offs_n * stride_sn + group * stride_sg, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_ptr + offs_n * stride_sn + group, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     else:
-        index = row * stride_sn + (offs_k // GROUP)[None, :] * stride_sg
+        index = row * stride_sn + (offs_k // GROUP)[None, :]
         s = tl.load(s_ptr + index, mask=mask, other=0.0).to(tl.float32)
         if HAS_ZERO:
             z = tl.load(z_ptr + index, mask=mask, other=0.0).to(tl.float32)
@@ -95,8 +93,8 @@ def _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask, k_mask, start, k_
 # The row count changes with the batch: one compiled variant for all of them.
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_int_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, num_rows, n, k, stride_xm, stride_wn, stride_sn, stride_sg,
-    stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, num_rows, n, k, stride_xm, stride_wn, stride_sn, stride_om,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
@@ -108,7 +106,7 @@ def _skinny_int_kernel(
         k_mask = offs_k < k
         x = _load_x(x_ptr, perm_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, HAS_PERM)
         w = _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, n_mask, k_mask, start, k, stride_wn, stride_sn,
-                          stride_sg, BITS, GROUP, BLOCK_N, BLOCK_K, HAS_ZERO)
+                          BITS, GROUP, BLOCK_N, BLOCK_K, HAS_ZERO)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -116,7 +114,7 @@ def _skinny_int_kernel(
 
 @triton.jit
 def _dequant_int_kernel(
-    w_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_wn, stride_sn, stride_sg, stride_on,
+    w_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_wn, stride_sn, stride_on,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # The weight tile unpacked in the words' shape, [BLOCK_N, words, PACK slots], then read as [BLOCK_N, BLOCK_K]
@@ -138,10 +136,10 @@ def _dequant_int_kernel(
     q = (bits | TWO_23).to(tl.float32, bitcast=True)
     if GROUP == 0 or GROUP % BLOCK_K == 0:  # one group per row in this tile
         group = 0 if GROUP == 0 else tl.program_id(1) * BLOCK_K // GROUP
-        s_offs = row * stride_sn + group * stride_sg
+        s_offs = row * stride_sn + group
         s_mask = n_mask
     else:  # several: each word's (a group spans whole words)
-        s_offs = row * stride_sn + (offs_w * PACK // GROUP)[None, :] * stride_sg
+        s_offs = row * stride_sn + (offs_w * PACK // GROUP)[None, :]
         s_mask = mask
     s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
     if HAS_ZERO:  # q exactly, then less the zero point: GGUF's are ratios (-m / d), which 2^23 + zero would round
@@ -154,37 +152,28 @@ def _dequant_int_kernel(
 
 
 @triton.jit
-def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, stride_sg, word, offs_g, start, k, valid,
-                     WORD_SLOTS: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                     EVEN_K: tl.constexpr, UNMASKED: tl.constexpr, VECTOR_SCALES: tl.constexpr):
+def _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start, k, valid, WORD_SLOTS: tl.constexpr,
+                     SUB: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr):
     """A step's weight words [W, G, H, 1, BLOCK_N] and its scales and zeros [W, G, BLOCK_N] (GROUP 0: none,
     loaded once), each thread loading those of its own words (the same for the W units of a group: cached
     loads), so they need no change of layout either.
     `valid` (scalar) turns the prefetch past the last step off; without EVEN_K the words and groups past k are
-    masked off too. UNMASKED: the step is known to be whole and in bounds (no masks at all)."""
-    if UNMASKED:
-        w_mask = None
-        g_mask = None
-    elif EVEN_K:
+    masked off too."""
+    if EVEN_K:
         w_mask = valid
         g_mask = valid
     else:
         w_mask = valid & (start // WORD_SLOTS + word < k // WORD_SLOTS)
         g_mask = valid & (start + offs_g * SUB < k)[None, :, None]
-    words = tl.load(w_ptrs + start // WORD_SLOTS, mask=w_mask, other=None if UNMASKED else 0)
+    words = tl.load(w_ptrs + start // WORD_SLOTS, mask=w_mask, other=0)
     s = 0.0
     z = 0.0
     if GROUP != 0:
         group = (start + offs_g * SUB) // GROUP
-        offs = s_offs + (group * stride_sg)[None, :, None]
-        if VECTOR_SCALES:  # a group's BLOCK_N scales contiguous and aligned: a thread's columns in one load
-            columns: tl.constexpr = s_offs.shape[2]
-            offs = tl.max_contiguous(tl.multiple_of(offs, [1, 1, columns]), [1, 1, columns])
-        else:
-            offs = tl.max_contiguous(offs, [1, 1, 1])
-        s = tl.load(s_ptr + offs, mask=g_mask, other=None if UNMASKED else 0.0).to(tl.float32)
+        offs = tl.max_contiguous(s_offs + group[None, :, None], [1, 1, 1])
+        s = tl.load(s_ptr + offs, mask=g_mask, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            z = tl.load(z_ptr + offs, mask=g_mask, other=None if UNMASKED else 0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs, mask=g_mask, other=0.0).to(tl.float32)
     return words, s, z
 
 
@@ -195,10 +184,7 @@ def _gemv_row(acc, f, z, x_ptr, cols, x_mask, s, x_offset, GROUP: tl.constexpr, 
     zero * sum of x), with x [W, G, H, P, 1] in the words' shape; the sums over the units and the groups wait
     for the end. With F_OFFSET, f is c + q per slot: the c * x terms (with the midpoint's for symmetric
     weights: x_offset) come off once per unit, for all the columns; without, f holds q (less the midpoint)."""
-    if x_mask is None:
-        x = tl.load(x_ptr + cols).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + cols, mask=x_mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + cols, mask=x_mask, other=0.0).to(tl.float32)
     dots = tl.sum(tl.sum(f * x, axis=3), axis=2)
     if F_OFFSET:
         dots -= tl.sum(tl.sum(x * x_offset, axis=3), axis=2)
@@ -207,37 +193,6 @@ def _gemv_row(acc, f, z, x_ptr, cols, x_mask, s, x_offset, GROUP: tl.constexpr, 
     if GROUP == 0:
         return acc + dots  # per-channel: scaled once at the end
     return acc + dots * s
-
-
-@triton.jit
-def _gemv_step(acc0, acc1, acc2, acc3, words, s, z, zw, start, x_ptr, perm_ptr, stride_xm, feature, shift_left,
-               shift_right, slot_mask, slot_exponent, x_offset, k, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-               HAS_PERM: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, F_OFFSET: tl.constexpr):
-    """One step's math: each row's accumulator += its part of the step's words (loaded by _gemv_step_loads)."""
-    if GROUP != 0 and HAS_ZERO:
-        zw = z
-    elif GROUP != 0:
-        zw = 0.0
-    bits = words.to(tl.uint32, bitcast=True)
-    f = ((((bits << shift_left) >> shift_right) & slot_mask) | slot_exponent).to(tl.float32, bitcast=True)
-    if not F_OFFSET:  # q itself (exactly), once for all the rows: fewer instructions than c * x per row
-        f -= x_offset
-    x_mask = None if EVEN_K else start + feature < k
-    if HAS_PERM:  # act-order: the weight's feature j is the input's feature perm[j]
-        # Loaded in the words' layout (one element per thread and slot, as the hint makes it): the gathered
-        # x then is too. As 16-byte vectors both would cross threads through shared memory every step.
-        cols = tl.load(perm_ptr + tl.max_contiguous(start + feature, [1, 1, 1, 1, 1]), mask=x_mask,
-                       other=None if EVEN_K else 0)
-    else:
-        cols = start + feature
-    acc0 = _gemv_row(acc0, f, zw, x_ptr, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
-    if ROWS > 1:
-        acc1 = _gemv_row(acc1, f, zw, x_ptr + stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
-    if ROWS > 2:
-        acc2 = _gemv_row(acc2, f, zw, x_ptr + 2 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
-    if ROWS > 3:
-        acc3 = _gemv_row(acc3, f, zw, x_ptr + 3 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
-    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -257,10 +212,10 @@ def _gemv_store(out_ptr, acc, s_end, offs_n, n_mask, part_ptr, arrival_ptr, spli
 @triton.jit(do_not_specialize=["no_bits"])  # its value (0) would let the compiler fold it
 def _gemv_int_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, arrivals_ptr, n, k, k_per_split, stride_xm, stride_wn,
-    stride_sn, stride_sg, stride_om, no_bits,
+    stride_sn, stride_om, no_bits,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, H: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_N: tl.constexpr = False, VECTOR_SCALES: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # A row or a few on the CUDA cores, each program owning BLOCK_N output columns and walking all of K (or its
     # split's part of it: kernels.split_k).
@@ -278,10 +233,7 @@ def _gemv_int_kernel(
     W: tl.constexpr = SUB // (P * H)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
-    if EVEN_N:
-        rows_n = offs_n
-    else:
-        rows_n = tl.minimum(offs_n, n - 1)  # the last block's extra columns read the last row: no load masks on n
+    rows_n = tl.minimum(offs_n, n - 1)  # the last block's extra columns read the last row: no load masks on n
     offs_g = tl.arange(0, G)
     offs_h = tl.arange(0, H)[None, None, :, None, None]
     offs_p = tl.arange(0, P)
@@ -293,10 +245,7 @@ def _gemv_int_kernel(
     # load in x's layout (threads in the same dimension order).
     w_offs = tl.max_contiguous(word + rows_n[None, None, None, None, :].to(tl.int64) * stride_wn, [1, 1, H, 1, 1])
     w_ptrs = w_ptr + w_offs
-    if VECTOR_SCALES:  # stored by group (stride_sn 1), n a multiple of BLOCK_N (EVEN_N: rows_n = offs_n)
-        s_offs = tl.zeros([W, 1, 1], tl.int32) + rows_n[None, None, :]  # [W, 1, BLOCK_N]
-    else:
-        s_offs = tl.zeros([W, 1, 1], tl.int32) + (rows_n * stride_sn)[None, None, :]
+    s_offs = tl.zeros([W, 1, 1], tl.int32) + (rows_n * stride_sn)[None, None, :]  # [W, 1, BLOCK_N]
     # Unpacking in one instruction per weight (and 2 shifts per int4 word), no int-to-float conversion (a
     # quarter-rate instruction) and, up to 2 rows, no fma: slot p's bits at bit `pos` of the mantissa under the
     # exponent of 2^(23 - pos) make the float f = 2^(23 - pos) + q, exactly. The dots take f as it is; the
@@ -330,37 +279,46 @@ def _gemv_int_kernel(
             zw = 0.0
     else:
         s_end = 1.0
-        zw = 0.0  # (per step, in _gemv_step)
     acc0 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc1 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc2 = tl.zeros([W, G, BLOCK_N], tl.float32)
     acc3 = tl.zeros([W, G, BLOCK_N], tl.float32)
     k_start, k_end = split_range(k, k_per_split, SPLITS)  # this program's part of K (kernels.split_k)
     # The next step's words are loaded before this step's math (registers, not a shared-memory pipeline):
-    # two steps of weight bytes in flight per program. The last step is peeled off the loop, so the loop's
-    # prefetch is always in bounds: under EVEN_K no load in the loop is masked (a masked load also zeroes its
-    # registers first: 2 instructions per 16 bytes).
+    # two steps of weight bytes in flight per program.
     # kernels.pdl: the first step's weights (which no kernel writes) load before the wait for the kernel before.
     let_next_launch(PDL)
-    words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, stride_sg, word, offs_g, k_start, k, k_start < k_end,
-                                   P, SUB, GROUP, HAS_ZERO, EVEN_K, False, VECTOR_SCALES)
+    words, s, z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, k_start, k, k_start < k_end, P, SUB,
+                                   GROUP, HAS_ZERO, EVEN_K)
     wait_for_previous(PDL)
-    if EVEN_K:  # the last step's start
-        last = k_end - BLOCK_K
-    else:  # (ragged)
-        last = k_start + (k_end - k_start - 1) // BLOCK_K * BLOCK_K
-    for start in range(k_start, last, BLOCK_K):
-        next_words, next_s, next_z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, stride_sg, word, offs_g,
-                                                      start + BLOCK_K, k, True, P, SUB, GROUP, HAS_ZERO, EVEN_K,
-                                                      EVEN_K, VECTOR_SCALES)
-        acc0, acc1, acc2, acc3 = _gemv_step(
-            acc0, acc1, acc2, acc3, words, s, z, zw, start, x_ptr, perm_ptr, stride_xm, feature, shift_left,
-            shift_right, slot_mask, slot_exponent, x_offset, k, GROUP, HAS_ZERO, HAS_PERM, ROWS, EVEN_K, F_OFFSET)
+    for start in range(k_start, k_end, BLOCK_K):
+        next_words, next_s, next_z = _gemv_step_loads(w_ptrs, s_ptr, z_ptr, s_offs, word, offs_g, start + BLOCK_K,
+                                                      k, start + BLOCK_K < k_end, P, SUB, GROUP, HAS_ZERO, EVEN_K)
+        if GROUP != 0 and HAS_ZERO:
+            zw = z
+        elif GROUP != 0:
+            zw = 0.0
+        bits = words.to(tl.uint32, bitcast=True)
+        f = ((((bits << shift_left) >> shift_right) & slot_mask) | slot_exponent).to(tl.float32, bitcast=True)
+        if not F_OFFSET:  # q itself (exactly), once for all the rows: fewer instructions than c * x per row
+            f -= x_offset
+        x_mask = start + feature < k
+        if HAS_PERM:  # act-order: the weight's feature j is the input's feature perm[j]
+            # Loaded in the words' layout (one element per thread and slot, as the hint makes it): the gathered
+            # x then is too. As 16-byte vectors both would cross threads through shared memory every step.
+            cols = tl.load(perm_ptr + tl.max_contiguous(start + feature, [1, 1, 1, 1, 1]), mask=x_mask, other=0)
+        else:
+            cols = start + feature
+        acc0 = _gemv_row(acc0, f, zw, x_ptr, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
+        if ROWS > 1:
+            acc1 = _gemv_row(acc1, f, zw, x_ptr + stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO, F_OFFSET)
+        if ROWS > 2:
+            acc2 = _gemv_row(acc2, f, zw, x_ptr + 2 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO,
+                             F_OFFSET)
+        if ROWS > 3:
+            acc3 = _gemv_row(acc3, f, zw, x_ptr + 3 * stride_xm, cols, x_mask, s, x_offset, GROUP, HAS_ZERO,
+                             F_OFFSET)
         words, s, z = next_words, next_s, next_z
-    if k_start < k_end:  # (an empty split has no steps)
-        acc0, acc1, acc2, acc3 = _gemv_step(
-            acc0, acc1, acc2, acc3, words, s, z, zw, last, x_ptr, perm_ptr, stride_xm, feature, shift_left,
-            shift_right, slot_mask, slot_exponent, x_offset, k, GROUP, HAS_ZERO, HAS_PERM, ROWS, EVEN_K, F_OFFSET)
     # Split partials [SPLITS, ROWS, n]; an arrival counter per column tile and row.
     arrival = arrivals_ptr + tl.program_id(0) * ROWS
     split_stride = ROWS * n
@@ -398,9 +356,8 @@ def _check(x, weight_packed, scale, zero, perm, bits) -> tuple[int, int, int]:
     rows, k = x.shape
     n = weight_packed.shape[0]
     assert bits in (4, 8) and weight_packed.shape[1] * (32 // bits) == k, (weight_packed.shape, k, bits)
-    assert x.stride(-1) == 1 and weight_packed.is_contiguous() and scale.shape[0] == n
-    assert scale.is_contiguous() or scale.t().is_contiguous(), "scales by column or by group (scales_by_group)"
-    assert k % scale.shape[1] == 0 and (zero is None or zero.shape == scale.shape and zero.stride() == scale.stride())
+    assert x.stride(-1) == 1 and weight_packed.is_contiguous() and scale.is_contiguous() and scale.shape[0] == n
+    assert k % scale.shape[1] == 0 and (zero is None or zero.shape == scale.shape)
     assert perm is None or perm.shape == (k,)
     return rows, n, k
 
@@ -418,7 +375,7 @@ def skinny_int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.T
     block_n, block_k, num_warps, num_stages = config or (32, _block_k(group, 256, 128), 4, 4)
     _skinny_int_kernel[(triton.cdiv(n, block_n),)](
         x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
-        out, rows, n, k, x.stride(0), weight_packed.stride(0), *scale.stride(), out.stride(0),
+        out, rows, n, k, x.stride(0), weight_packed.stride(0), scale.stride(0), out.stride(0),
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None,
         BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
@@ -509,12 +466,10 @@ def gemv_int(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor, 
     _gemv_int_kernel[(tiles, splits)](
         x, weight_packed, scale, zero if zero is not None else scale, perm if perm is not None else weight_packed,
         out, partials, arrivals, n, k, k_per_split(k, splits, block_k), x.stride(0), weight_packed.stride(0),
-        *scale.stride(), out.stride(0), 0,
+        scale.stride(0), out.stride(0), 0,
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, HAS_PERM=perm is not None, ROWS=rows,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, H=words_per_unit, SPLITS=splits,
-        EVEN_N=n % block_n == 0, VECTOR_SCALES=group != 0 and scale.stride(0) == 1 and n % block_n == 0,
-        num_warps=num_warps,
-        num_stages=num_stages, **pdl_launch(x.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x.device),
     )
     return out
 
@@ -535,16 +490,14 @@ def dequantize_int_weight(weight_packed: torch.Tensor, scale: torch.Tensor, zero
     packed order (act-order: multiply x[:, perm] by it). config = (BLOCK_N, BLOCK_K, num_warps), powers of 2."""
     n, words = weight_packed.shape
     k = words * (32 // bits)
-    assert bits in (4, 8) and weight_packed.is_contiguous() and scale.shape[0] == n
-    assert scale.is_contiguous() or scale.t().is_contiguous(), "scales by column or by group (scales_by_group)"
-    assert zero is None or zero.stride() == scale.stride()
+    assert bits in (4, 8) and weight_packed.is_contiguous() and scale.is_contiguous() and scale.shape[0] == n
     assert out.shape == (n, k) and out.is_contiguous() and out.dtype in (torch.bfloat16, torch.float16)
     group = _group_of(k, scale)
     block_n, block_k, num_warps = config or _dequant_config(bits, group)
     assert block_k >= 32 // bits and group % (32 // bits) == 0, (group, block_k)  # a word in one group
     _dequant_int_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight_packed, scale, zero if zero is not None else scale, out, n, k,
-        weight_packed.stride(0), *scale.stride(), out.stride(0),
+        weight_packed.stride(0), scale.stride(0), out.stride(0),
         BITS=bits, GROUP=group, HAS_ZERO=zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
     return out

@@ -28,7 +28,7 @@ from torch import nn
 
 from tokenmill.kernels import use_triton
 from tokenmill.kernels.dequant_scratch import reserve_dequant_scratch
-from tokenmill.layers.quant.w4a16 import IntWeights, int_linear_torch, pack_int32, scales_by_group
+from tokenmill.layers.quant.w4a16 import IntWeights, int_linear_torch, pack_int32
 
 if TYPE_CHECKING:
     from tokenmill.layers.linear import LinearBase
@@ -104,13 +104,12 @@ def hold_int_runs(layer: LinearBase, runs: list[tuple[int, list[torch.Tensor]]],
         bits = INT_GGML_TYPES.get(ggml_type, 0)
         if bits:
             w = gguf_int_weights(raw, ggml_type, layer.input_size)
-            tensors = (pack_int32(w.q, bits, dim=1).contiguous(), scales_by_group(w.scale),
-                       None if w.zero is None else scales_by_group(w.zero))
+            tensors = (pack_int32(w.q, bits, dim=1), w.scale, w.zero)
         else:
-            tensors = (dense(ggml_type, raw).contiguous(),)
+            tensors = (dense(ggml_type, raw),)
         for name, t in zip(("weight", "scale", "zero"), tensors):
             if t is not None:
-                setattr(layer, f"gguf_{name}{i}", nn.Parameter(t.to(device), requires_grad=False))  # strides kept
+                setattr(layer, f"gguf_{name}{i}", nn.Parameter(t.to(device).contiguous(), requires_grad=False))
         held.append((offset, raw.shape[0], bits, tuple(None if t is None else getattr(layer, f"gguf_{name}{i}")
                                                          for name, t in zip(("weight", "scale", "zero"), tensors))))
         if bits and getattr(layer, f"gguf_weight{i}").is_cuda:  # see layers.quant.w4a16: large row counts

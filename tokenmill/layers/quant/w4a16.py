@@ -7,11 +7,9 @@ path and one pair of kernels (kernels.w4a16_gemm) serve every format:
   int32, the lowest bits first (feature k sits in int32 k // pack at bits b * (k % pack)). A row of the
   weight is contiguous, as the GEMM walks it.
 - `weight_scale` [n, k / group] in the 16-bit dtype that holds the checkpoint's scales exactly (fp16 or
-  bf16, as the checkpoint had them); one group spans the whole input for per-channel scales. Stored by group
-  (`scales_by_group`: a group's n scales contiguous, strides (1, n)), so that a decode GEMV thread's scales of
-  consecutive columns are one load.
-- `weight_zero` [n, k / group] in the same dtype and strides (small integers, exact there), or None:
-  symmetric, the zero point is the midpoint 2^(b-1). The weight is (q - zero) * scale.
+  bf16, as the checkpoint had them); one group spans the whole input for per-channel scales.
+- `weight_zero` [n, k / group] in the same dtype (small integers, exact there), or None: symmetric, the
+  zero point is the midpoint 2^(b-1). The weight is (q - zero) * scale.
 - `input_perm` int32 [k'] or None: GPTQ's act-order (`g_idx`) puts input features in groups by their
   rank in the calibration, not by position. The repack sorts the input features by group, so the groups
   are contiguous again, and the activations are gathered in that order (x[:, input_perm]): the same
@@ -129,8 +127,8 @@ class IntWeightMethod(QuantMethod):
             delattr(layer, name)
         scale = narrow_exactly(w.scale)
         layer.weight_packed = _frozen(pack_int32(q, self.bits, dim=1))
-        layer.weight_scale = _frozen(scales_by_group(scale))
-        layer.weight_zero = None if zero is None else _frozen(scales_by_group(zero.to(scale.dtype)))
+        layer.weight_scale = _frozen(scale.contiguous())
+        layer.weight_zero = None if zero is None else _frozen(zero.to(scale.dtype).contiguous())
         layer.input_perm = None if perm is None else _frozen(perm.to(torch.int32))
         layer.weight_bits = self.bits
         if layer.weight_packed.is_cuda:  # large row counts dequantize the whole weight into a shared scratch
@@ -151,13 +149,6 @@ class IntWeightMethod(QuantMethod):
         else:
             y = int_linear_torch(x2, *args, bias)
         return y.reshape(*shape[:-1], y.shape[-1])
-
-
-def scales_by_group(t: torch.Tensor) -> torch.Tensor:
-    """Scales or zeros [n, groups] stored group by group (strides (1, n)): the layout's, which the kernels read
-    fastest (the CUDA-core GEMV's 8 columns of a group in one 16-byte load: 38 of its 871 instructions a step
-    fewer, AOT for sm_90)."""
-    return t.t().contiguous().t()
 
 
 def narrow_exactly(scale: torch.Tensor) -> torch.Tensor:
