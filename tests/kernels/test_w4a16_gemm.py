@@ -176,6 +176,18 @@ def test_gemv(device, dtype, rows, group, sym, act_order, bits, config):
         < cases.TOLERANCE[dtype]
 
 
+# K not a whole number of steps, several steps a program (in one split, and in the second of two or three): the
+# ragged last step's words, scales and x masked, the steps before it whole.
+@interpret
+@pytest.mark.parametrize("rows,config", [(1, (4, 128, 1, 1)), (3, (8, 128, 2, 1, 2)), (2, (4, 64, 1, 1, 3))])
+def test_gemv_ragged_last_step(device, rows, config):
+    from tokenmill.kernels.w4a16_gemm import gemv_int
+
+    n, k = 72, 448  # group 64: 7 groups; 128-wide steps: 3 whole and half of one
+    assert run(gemv_int, rows, n, k, 64, 4, False, True, torch.float16, device, config=config) < \
+        cases.TOLERANCE[torch.float16]
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])
 def test_layer_apply_on_the_device_matches_the_cpu_path(fmt):
     """Each format's layer, repacked at load, through the kernels (GPU) and through the CPU path: one apply."""
