@@ -4,7 +4,8 @@ Each case is 32 layers' worth of one projection, every layer its own weight (so 
 L2), launched back to back in a CUDA graph; the time is per launch, the rate the weight bytes over it.
 Checks each config's result against torch first. The configs include splits of K (kernels.split_k).
 With --out DIR the best per (shape, rows) go to DIR/skinny_gemm_<device>.json, the table the engine reads
-from tokenmill/kernels/configs.
+from tokenmill/kernels/configs. Last, the LM head (128,256 x 4,096, which cuBLAS runs in the engine) against the
+skinny GEMM's configs.
 
     PYTHONPATH=. python3 benchmarks/skinny_gemm.py [--out tokenmill/kernels/configs]
 """
@@ -26,6 +27,7 @@ from tokenmill.kernels.tile_tables import forget_tables
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
+LM_HEAD = (128256, 4096)  # Llama-3's: 1 GB a read, beyond L2 with two copies; cuBLAS runs it (layers.embedding)
 # 8 warps never won the first sweep (2026-11-30): 4 warps, and K in up to 4 splits.
 CONFIGS = [(bn, bk, 4, s, splits) for bn, bk, s, splits in itertools.product((16, 32, 64), (128, 256, 512), (3, 5),
                                                                              (1, 2, 3, 4))
@@ -96,6 +98,28 @@ def _chain(rows: int, weights, configs, unsplit) -> None:
               flush=True)
 
 
+def lm_head(rows_list) -> None:
+    """The LM head at decode's row counts: cuBLAS (what the engine runs) against the skinny GEMM's configs, to see
+    whether routing it through the skinny GEMM would pay (not in the table: the engine does not read it)."""
+    n, k = LM_HEAD
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(2)]
+    for rows in rows_list:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ ws[0].double().T
+        cublas = time_graph(lambda x=x: [torch.mm(x, w.T) for w in ws]) / len(ws)
+        timed = []
+        for config in CONFIGS:
+            try:
+                err = ((skinny_gemm(x, ws[0], config).double() - ref).norm() / ref.norm()).item()
+            except Exception:  # noqa: BLE001 - e.g. a config over the shared-memory limit
+                continue
+            assert err < 1e-2, (rows, config, err)
+            timed.append((time_graph(lambda x=x, c=config: [skinny_gemm(x, w, c) for w in ws]) / len(ws), config))
+        best = min(timed)
+        print(f"== LM head {n}x{k}, rows {rows}: cuBLAS {cublas * 1e3:.1f} us ({n * k * 2 / cublas / 1e9:.2f} TB/s), "
+              f"skinny best {best[0] * 1e3:.1f} us ({n * k * 2 / best[0] / 1e9:.2f} TB/s) {best[1]}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, help="write the best tiles to DIR/skinny_gemm_<device>.json")
@@ -142,6 +166,7 @@ def main() -> None:
         print(f"wrote {path}", flush=True)
         forget_tables()
     chain(weights, {(rows, name): (best[1], unsplit[1]) for rows, name, _, best, unsplit in results}, rows_list)
+    lm_head(rows_list)
     for rows in rows_list:
         c = sum(r[2] for r in results if r[0] == rows) * LAYERS
         t = sum(r[3][0] for r in results if r[0] == rows) * LAYERS
