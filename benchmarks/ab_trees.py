@@ -51,32 +51,22 @@ def make_variant(name: str, overlay: str, scratch: Path) -> Path:
 
 
 def environment(tree: Path) -> dict[str, str]:
-    """The variant's tree first on the path, and no other copy of the repository (the device's command puts
-    the working tree on PYTHONPATH; installed wheels stay)."""
-    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-              if p and Path(p).resolve() != ROOT and Path(p).resolve() != tree]
+    """The variant's tree first on the path and the repository off it (the device's command puts the working tree
+    on PYTHONPATH; installed wheels stay)."""
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *others]), "PYTHONUNBUFFERED": "1"}
 
 
 def run_workload(tree: Path, workload: str, timeout: float, out_dir: Path, label: str) -> float | None:
     """A gpu_check workload in `tree`: its median latency (ms) or total throughput (tok/s; a fixed workload's
     output share is the same in every variant), None if it failed."""
-    from gpu_check import WORKLOADS
+    from gpu_check import run_workload as run_in
 
-    json_path = out_dir / f"{label}.json"
-    cmd = [sys.executable, "-m", *WORKLOADS[workload], "--output-json", str(json_path)]
-    try:
-        proc = subprocess.run(cmd, cwd=tree, env=environment(tree), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"  {label}: timed out after {timeout:.0f} s", flush=True)
+    result = run_in(workload, out_dir, timeout, {"PYTHONPATH": environment(tree)["PYTHONPATH"]}, cwd=tree,
+                    label=label)
+    if result is None:
         return None
-    if proc.returncode != 0 or not json_path.exists():
-        print(f"  {label}: failed (rc {proc.returncode})\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}", flush=True)
-        return None
-    result = json.loads(json_path.read_text())
-    value = result["median_s"] * 1e3 if "median_s" in result else result["total_tokens_per_s"]
-    print(f"  {label}: {value:,.1f}", flush=True)
-    return value
+    return result["median_s"] * 1e3 if "median_s" in result else result["total_tokens_per_s"]
 
 
 def run_command(tree: Path, command: str, timeout: float, label: str) -> None:
@@ -115,8 +105,7 @@ def main() -> int:
         for workload in args.workload:
             for name, tree in variants.items():
                 label = f"{workload} {name} round {round_}"
-                table[workload][name].append(run_workload(tree, workload, args.timeout, out_dir,
-                                                          label.replace(" ", "_")))
+                table[workload][name].append(run_workload(tree, workload, args.timeout, out_dir, label))
     for command in args.command:
         for name, tree in variants.items():
             run_command(tree, command, args.timeout, f"{name}: {command}")

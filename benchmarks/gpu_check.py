@@ -406,15 +406,17 @@ def decode_anatomy(model: str, sizes: tuple[int, ...], num_prompts: int, input_l
 # ---- workloads -------------------------------------------------------------------------------------
 
 
-def run_workload(workload: str, out_dir: Path, timeout: float, env: dict[str, str] | None = None) -> None:
-    """One workload in a subprocess; `env`, variables set for it, also names the result (e.g. "W1 TOKENMILL_PDL=0")."""
-    name = " ".join([workload, *(f"{key}={value}" for key, value in (env or {}).items())])
+def run_workload(workload: str, out_dir: Path, timeout: float, env: dict[str, str] | None = None, *,
+                 cwd: Path = ROOT, label: str | None = None) -> dict | None:
+    """One workload in a subprocess run in `cwd` (a tree's root); `env`, variables set for it, also names the result
+    (e.g. "W1 TOKENMILL_PDL=0") unless `label` does. Returns the result (None if it failed)."""
+    name = label or " ".join([workload, *(f"{key}={value}" for key, value in (env or {}).items())])
     json_path = out_dir / f"{name.replace(' ', '_')}.json"
     cmd = [sys.executable, "-m", *WORKLOADS[workload], "--output-json", str(json_path)]
     print("$ " + " ".join(cmd).replace(str(ROOT) + "/", ""), flush=True)
     start = time.perf_counter()
     ready_at = None
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     lines = []
     try:
@@ -431,7 +433,7 @@ def run_workload(workload: str, out_dir: Path, timeout: float, env: dict[str, st
         proc.kill()
     if proc.returncode != 0 or not json_path.exists():
         note(name, f"FAILED (rc {proc.returncode}) after {time.perf_counter() - start:.0f} s")
-        return
+        return None
     result = json.loads(json_path.read_text())
     result["process_to_ready_s"] = ready_at
     RESULTS[name] = result
@@ -447,6 +449,7 @@ def run_workload(workload: str, out_dir: Path, timeout: float, env: dict[str, st
     phases = [line.strip() for line in lines
               if re.search(r"loaded |memory profile|KV cache:|captured|sampler|ready in", line)]
     RESULTS[name]["startup_log"] = phases
+    return result
 
 
 def main() -> int:

@@ -98,6 +98,21 @@ def _chain(rows: int, weights, configs, unsplit) -> None:
               flush=True)
 
 
+def time_configs(x: torch.Tensor, ws: list[torch.Tensor], name: str, rows: int) -> list[tuple[float, tuple]]:
+    """(ms a launch, config) for every config of CONFIGS that runs, each checked against float64 first."""
+    ref = x.double() @ ws[0].double().T
+    timed = []
+    for config in CONFIGS:
+        try:
+            err = ((skinny_gemm(x, ws[0], config).double() - ref).norm() / ref.norm()).item()
+        except Exception as e:  # noqa: BLE001 - e.g. a config over the shared-memory limit
+            print(f"  {config}: {type(e).__name__}")
+            continue
+        assert err < 1e-2, (name, rows, config, err)
+        timed.append((time_graph(lambda c=config: [skinny_gemm(x, w, c) for w in ws]) / len(ws), config))
+    return timed
+
+
 def lm_head(rows_list) -> None:
     """The LM head at decode's row counts: cuBLAS (what the engine runs) against the skinny GEMM's configs, to see
     whether routing it through the skinny GEMM would pay (not in the table: the engine does not read it)."""
@@ -105,17 +120,8 @@ def lm_head(rows_list) -> None:
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(2)]
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        ref = x.double() @ ws[0].double().T
         cublas = time_graph(lambda x=x: [torch.mm(x, w.T) for w in ws]) / len(ws)
-        timed = []
-        for config in CONFIGS:
-            try:
-                err = ((skinny_gemm(x, ws[0], config).double() - ref).norm() / ref.norm()).item()
-            except Exception:  # noqa: BLE001 - e.g. a config over the shared-memory limit
-                continue
-            assert err < 1e-2, (rows, config, err)
-            timed.append((time_graph(lambda x=x, c=config: [skinny_gemm(x, w, c) for w in ws]) / len(ws), config))
-        best = min(timed)
+        best = min(time_configs(x, ws, "lm_head", rows))
         print(f"== LM head {n}x{k}, rows {rows}: cuBLAS {cublas * 1e3:.1f} us ({n * k * 2 / cublas / 1e9:.2f} TB/s), "
               f"skinny best {best[0] * 1e3:.1f} us ({n * k * 2 / best[0] / 1e9:.2f} TB/s) {best[1]}", flush=True)
 
@@ -140,19 +146,9 @@ def main() -> None:
     results = []
     for rows, (name, (n, k)) in itertools.product(rows_list, SHAPES.items()):
         x, ws = inputs[rows, k], weights[name]
-        ref = (x.double() @ ws[0].double().T)
         gbytes = n * k * 2 / 1e9
         cublas = time_graph(lambda x=x, ws=ws: [torch.mm(x, w.T) for w in ws]) / LAYERS
-        timed = []
-        for config in CONFIGS:
-            try:
-                err = ((skinny_gemm(x, ws[0], config).double() - ref).norm() / ref.norm()).item()
-            except Exception as e:  # noqa: BLE001 - e.g. a config over the shared-memory limit
-                print(f"  {config}: {type(e).__name__}")
-                continue
-            assert err < 1e-2, (name, rows, config, err)
-            timed.append((time_graph(lambda x=x, ws=ws, c=config: [skinny_gemm(x, w, c) for w in ws]) / LAYERS,
-                          config))
+        timed = time_configs(x, ws, name, rows)
         best, unsplit = min(timed), min(t for t in timed if t[1][4] == 1)
         results.append((rows, name, cublas, best, unsplit))
         print(f"rows {rows:2d} {name:8s} cuBLAS {cublas * 1e3:7.2f} us ({gbytes / cublas:5.2f} TB/s)   "
