@@ -89,6 +89,27 @@ def test_the_other_decode_kernels_wait_first():
         assert not any(step.startswith("griddepcontrol") for step in without)
 
 
+def test_the_skinny_gemm_waits_first_and_lets_the_next_launch_after_its_k_loop():
+    """The bf16 skinny GEMM: the wait before any load (its x is the kernel before's output), the next launch let in
+    only after every load of its K loop (kernels.pdl: earlier, waiting programs cost W1 15%), then the stores."""
+    from tokenmill.kernels.skinny_gemm import _skinny_gemm_kernel
+
+    pointers = {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "part_ptr": "fp32", "arrivals_ptr": "i32"}
+    for splits in (1, 4):
+        constants = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLITS=splits)
+        steps = order(ptx_of(_skinny_gemm_kernel, pointers, constants | {"PDL": True}, num_warps=4,
+                             aligned=("n", "k", "k_per_split", "stride_xm", "stride_wn", "stride_om")))
+        assert steps[0] == "griddepcontrol.wait" and steps.count("griddepcontrol.wait") == 1
+        signal = steps.index("griddepcontrol.launch_dependents")
+        loads = [i for i, step in enumerate(steps) if step in ("ld.global", "cp.async.ca", "cp.async.cg")]
+        stores = [i for i, step in enumerate(steps) if step in ("st.global", "atom.global")]
+        first_write = min(stores)  # (split-K: the partials' reads come after it, once a tile's splits are in)
+        assert max(i for i in loads if i < first_write) < signal < first_write, (splits, steps)
+        without = order(ptx_of(_skinny_gemm_kernel, pointers, constants | {"PDL": False}, num_warps=4,
+                               aligned=("n", "k", "k_per_split", "stride_xm", "stride_wn", "stride_om")))
+        assert not any(step.startswith("griddepcontrol") for step in without)
+
+
 def test_off_the_gpu_launches_add_nothing():
     from tokenmill.kernels.pdl import pdl_launch
 
@@ -103,9 +124,8 @@ def hopper() -> bool:
 @pytest.mark.skipif(not hopper(), reason="programmatic dependent launch needs sm_90+")
 @pytest.mark.parametrize("rows", [1, 4])
 def test_a_decode_layer_in_a_cuda_graph_gives_the_same_outputs_with_and_without_pdl(monkeypatch, rows):
-    """Norm, int4 GEMV, SiLU-and-mul, int4 GEMV, norm and a bf16 skinny GEMM (launched without PDL: the plain
-    order between PDL kernels), eight layers, replayed on new inputs: with PDL the outputs equal those without, bit
-    for bit (the kernels are deterministic)."""
+    """Norm, int4 GEMV, SiLU-and-mul, int4 GEMV, norm and a bf16 skinny GEMM, eight layers, replayed on new
+    inputs: with PDL the outputs equal those without, bit for bit (the kernels are deterministic)."""
     from tokenmill.kernels import pdl
     from tokenmill.kernels.activation import silu_and_mul
     from tokenmill.kernels.rms_norm import rms_norm

@@ -10,14 +10,13 @@ of the chain:
 - loads what no kernel writes (the int4 GEMVs: their first step of weights) and then waits,
 - and waits in every program before anything else: a PDL-launched kernel that did not wait could complete before
   the one before it, and a later kernel launched without PDL would then overtake that one.
-The kernels: RMSNorm, rotary + KV write, decode attention, SiLU-and-mul, and the int4 GEMVs (CUDA-core and
-tensor-core). Measured on an H100 (BENCHMARKS.md, thirty-third session): W1 on int4 weights 1,458 -> 1,306 ms at
-batch 1 (1.12x), 1,884 -> 1,850 at batch 4. Not the bf16 skinny GEMM: launched with PDL it made W1 15% slower
-(2,959 -> 3,399 ms; not understood: its pipelined tiles hold up to ~120 KB of shared memory a program, which
-programs launched early and waiting may keep from the SMs); without it W1 is unchanged (2,956 -> 2,967 ms). The
-thirty-fourth session placed its signal elsewhere: at its start 3,395 ms, after its K loop 2,890, never 2,901, no PDL
-2,966 (one call), but after the loop 2,966 again on another machine: not adopted until one call shows it.
-Kernels launched without PDL (torch's, cuBLAS's, the skinny GEMM) keep the plain stream order, before and after.
+The kernels: RMSNorm, rotary + KV write, decode attention, SiLU-and-mul, the int4 GEMVs (CUDA-core and
+tensor-core) and the bf16 skinny GEMM. Measured on an H100 (BENCHMARKS.md, thirty-third session): W1 on int4 weights
+1,458 -> 1,306 ms at batch 1 (1.12x), 1,884 -> 1,850 at batch 4. The skinny GEMM lets the next kernel launch only
+after its K loop: letting it in at the start made W1 15% slower (2,959 -> 3,399 ms; its pipelined tiles hold up to
+~120 KB of shared memory a program, which programs launched early and waiting may keep from the SMs); after the loop,
+W1 3,061-3,071 -> 2,983-3,004 ms (2.3% faster; one H100, six runs alternated over two calls, thirty-sixth session).
+Kernels launched without PDL (torch's, cuBLAS's) keep the plain stream order, before and after.
 
 TOKENMILL_PDL=0 turns it off (for A/B measurements); off the GPU, on ROCm and below sm_90 it is off.
 """

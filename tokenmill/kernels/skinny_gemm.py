@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import fix_cache_keys
+from tokenmill.kernels.pdl import let_next_launch, pdl_launch, wait_for_previous
 from tokenmill.kernels.split_k import finish_split, k_per_split, split_buffers, split_range
 from tokenmill.kernels.tile_tables import swept_tiles
 
@@ -27,7 +28,9 @@ MAX_ROWS = 16  # the tensor-core tile's minimum height: up to this many rows cos
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, num_rows, n, k, stride_xm, stride_wn, stride_om, part_ptr, arrivals_ptr, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)  # kernels.pdl: x is the kernel before's output
     tile = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -45,6 +48,9 @@ def _skinny_gemm_kernel(
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    # The next kernel launches only once this one's K loop is done: let in at the start, its programs waiting on the
+    # SMs made W1 15% slower (kernels.pdl).
+    let_next_launch(PDL)
     mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLITS == 1:
@@ -106,7 +112,7 @@ def skinny_gemm(
         x, weight, out, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), partials, arrivals,
         k_per_split(k, splits, block_k),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_launch(x.device),
     )
     return out
 
