@@ -27,7 +27,7 @@ from tokenmill.kernels.tile_tables import forget_tables
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
-LM_HEAD = (128256, 4096)  # Llama-3's: 1 GB a read, beyond L2 with two copies; cuBLAS runs it (layers.embedding)
+LM_HEAD = (128256, 4096)  # Llama-3's: 1 GB a read, beyond L2 with two copies
 # 8 warps never won the first sweep (2026-11-30): 4 warps, and K in up to 4 splits.
 CONFIGS = [(bn, bk, 4, s, splits) for bn, bk, s, splits in itertools.product((16, 32, 64), (128, 256, 512), (3, 5),
                                                                              (1, 2, 3, 4))
@@ -113,17 +113,20 @@ def time_configs(x: torch.Tensor, ws: list[torch.Tensor], name: str, rows: int) 
     return timed
 
 
-def lm_head(rows_list) -> None:
-    """The LM head at decode's row counts: cuBLAS (what the engine runs) against the skinny GEMM's configs, to see
-    whether routing it through the skinny GEMM would pay (not in the table: the engine does not read it)."""
+def lm_head(rows_list) -> dict[str, list]:
+    """The LM head at decode's row counts: cuBLAS against the skinny GEMM's configs (the engine takes the skinny GEMM
+    for it: layers.embedding); returns the best tiles per row count, the table's entries."""
     n, k = LM_HEAD
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(2)]
+    table = {}
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         cublas = time_graph(lambda x=x: [torch.mm(x, w.T) for w in ws]) / len(ws)
         best = min(time_configs(x, ws, "lm_head", rows))
         print(f"== LM head {n}x{k}, rows {rows}: cuBLAS {cublas * 1e3:.1f} us ({n * k * 2 / cublas / 1e9:.2f} TB/s), "
               f"skinny best {best[0] * 1e3:.1f} us ({n * k * 2 / best[0] / 1e9:.2f} TB/s) {best[1]}", flush=True)
+        table[tuned_key(n, k, rows)] = list(best[1])
+    return table
 
 
 def main() -> None:
@@ -154,15 +157,15 @@ def main() -> None:
         print(f"rows {rows:2d} {name:8s} cuBLAS {cublas * 1e3:7.2f} us ({gbytes / cublas:5.2f} TB/s)   "
               f"triton {best[0] * 1e3:7.2f} us ({gbytes / best[0]:5.2f} TB/s) {best[1]}   without splits "
               f"{unsplit[0] * 1e3:7.2f} us {unsplit[1]}", flush=True)
+    head_table = lm_head(rows_list)
     if args.out is not None:
         path = config_path(torch.cuda.get_device_name(), args.out, kind="skinny_gemm")
-        table = {tuned_key(*SHAPES[name], rows): list(best[1]) for rows, name, _, best, _ in results}
+        table = {tuned_key(*SHAPES[name], rows): list(best[1]) for rows, name, _, best, _ in results} | head_table
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
                                     "configs": dict(sorted(table.items()))}, indent=1) + "\n")
         print(f"wrote {path}", flush=True)
         forget_tables()
     chain(weights, {(rows, name): (best[1], unsplit[1]) for rows, name, _, best, unsplit in results}, rows_list)
-    lm_head(rows_list)
     for rows in rows_list:
         c = sum(r[2] for r in results if r[0] == rows) * LAYERS
         t = sum(r[3][0] for r in results if r[0] == rows) * LAYERS

@@ -154,6 +154,27 @@ def test_linear_takes_the_skinny_gemm_only_where_it_applies(device):
     assert not skinny_gemm_applies(torch.empty(1, 4096, dtype=torch.bfloat16, device=device), small)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the LM head takes the skinny GEMM on CUDA only")
+def test_the_lm_head_takes_the_skinny_gemm_at_decode_rows():
+    """Llama-3's LM head (128,256 x 4,096, bf16): a decode step's rows are the skinny GEMM's output, bit for bit,
+    and close to cuBLAS's; a prefill's 17 rows stay cuBLAS's."""
+    from tokenmill.kernels.skinny_gemm import skinny_gemm
+    from tokenmill.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(128256, 4096).to(device="cuda", dtype=torch.bfloat16)
+    head.weight.data.normal_(0, 4096**-0.5)
+    for rows in (1, 16, 17):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        logits = head.compute_logits(x)
+        cublas = torch.nn.functional.linear(x, head.weight)
+        if rows <= 16:
+            assert torch.equal(logits, skinny_gemm(x, head.weight))
+            assert cases.rel_error(logits, cublas) < cases.TOLERANCE[torch.bfloat16]
+        else:
+            assert torch.equal(logits, cublas)
+
+
 @interpret
 def test_tree_attention_sees_each_node_s_ancestors_only(device):
     """Draft-tree masks (spec/tree.py) in the prefill kernel: a verify run (root and 6 nodes after a context), an

@@ -87,7 +87,7 @@ def _config(n: int, k: int, rows: int, device: torch.device) -> SkinnyConfig:
     tuned = swept_tiles("skinny_gemm", device, tuned_key(n, k, next(r for r in TUNED_ROWS if r >= rows)))
     if tuned is not None:
         return tuned
-    if k >= 8192:
+    if k >= 8192 or n >= 65536:  # (an LM head: Llama-3's 128,256 x 4,096 took these at 1-16 rows on an H100)
         return 32, 512, 4, 5, 1
     if n >= 16384:
         return 64, 256, 4, 3, 1

@@ -8,6 +8,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from tokenmill.layers.cpu_lm_head import cpu_logits
+from tokenmill.layers.quant.unquantized import dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,8 +57,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.device.type == "cpu":  # the largest GEMM of a decode step: layers.cpu_lm_head
             logits = cpu_logits(hidden_states, self.weight, self.bias)
-        else:
-            logits = F.linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
+        else:  # a decode step's few rows take the skinny GEMM on CUDA (Llama-3's 128,256-row head: 339 us against
+            # cuBLAS's 374 on an H100), others cuBLAS
+            logits = dense_linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
         # Every rank gets the whole vocabulary's logits (and samples alike): [num_tokens, tp * shard_size].
         logits = tp_all_gather(logits)
         return logits[..., : self.vocab_size]
