@@ -95,19 +95,23 @@ def test_the_skinny_gemm_waits_first_and_lets_the_next_launch_after_its_k_loop()
     from tokenmill.kernels.skinny_gemm import _skinny_gemm_kernel
 
     pointers = {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "part_ptr": "fp32", "arrivals_ptr": "i32"}
+
+    def skinny_steps(pdl: bool, splits: int) -> list[str]:
+        constants = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLITS=splits, PDL=pdl)
+        return order(ptx_of(_skinny_gemm_kernel, pointers, constants, num_warps=4,
+                            aligned=("n", "k", "k_per_split", "stride_xm", "stride_wn", "stride_om")))
+
     for splits in (1, 4):
-        constants = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLITS=splits)
-        steps = order(ptx_of(_skinny_gemm_kernel, pointers, constants | {"PDL": True}, num_warps=4,
-                             aligned=("n", "k", "k_per_split", "stride_xm", "stride_wn", "stride_om")))
+        steps = skinny_steps(True, splits)
         assert steps[0] == "griddepcontrol.wait" and steps.count("griddepcontrol.wait") == 1
         signal = steps.index("griddepcontrol.launch_dependents")
         loads = [i for i, step in enumerate(steps) if step in ("ld.global", "cp.async.ca", "cp.async.cg")]
         stores = [i for i, step in enumerate(steps) if step in ("st.global", "atom.global")]
         first_write = min(stores)  # (split-K: the partials' reads come after it, once a tile's splits are in)
         assert max(i for i in loads if i < first_write) < signal < first_write, (splits, steps)
-        without = order(ptx_of(_skinny_gemm_kernel, pointers, constants | {"PDL": False}, num_warps=4,
-                               aligned=("n", "k", "k_per_split", "stride_xm", "stride_wn", "stride_om")))
+        without = skinny_steps(False, splits)
         assert not any(step.startswith("griddepcontrol") for step in without)
+        assert len(without) == len(steps) - 2  # the same loads and stores, in the same order
 
 
 def test_off_the_gpu_launches_add_nothing():
