@@ -26,15 +26,19 @@ generate: setup
 
 test: setup
 	$(PY) -m ruff check tokenmill tests
-# The kernel tests' small cases on the CPU, under Triton's interpreter: a process of its own, since the
-# variable must be set before triton is imported and must not reach the main run. It runs beside the main run,
-# on the core the engines under test leave free (one torch thread each); its output is printed after.
-	@TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m interpret tests/kernels > .interpret-tests.log 2>&1 & \
-	interpret=$$!; \
-	$(PY) -m pytest -q -m "not gpu"; main=$$?; \
-	wait $$interpret; kernels=$$?; \
-	echo "== kernel tests under Triton's interpreter"; cat .interpret-tests.log; rm -f .interpret-tests.log; \
-	test $$main -eq 0 && test $$kernels -eq 0
+	@$(PY) -c "from tokenmill.default_model import default_model_path; default_model_path()"  # once, before both runs
+# Two runs side by side, one per core (each engine under test takes one torch thread): the end-to-end tests, and
+# the kernel tests' small cases under Triton's interpreter (the variable must be set before triton is imported and
+# must not reach the other runs, hence a process of its own) followed by the unit, model and kernel tests. The
+# second run's output is printed after the first's.
+	@( TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m interpret tests/kernels; kernels=$$?; \
+	   $(PY) -m pytest -q -m "not gpu" tests/unit tests/models tests/kernels; others=$$?; \
+	   test $$kernels -eq 0 && test $$others -eq 0 ) > .unit-tests.log 2>&1 & \
+	units=$$!; \
+	$(PY) -m pytest -q -m "not gpu" tests/e2e; e2e=$$?; \
+	wait $$units; units_rc=$$?; \
+	echo "== kernel tests under Triton's interpreter, then the unit, model and kernel tests"; cat .unit-tests.log; \
+	rm -f .unit-tests.log; test $$e2e -eq 0 && test $$units_rc -eq 0
 
 lint: setup
 	$(PY) -m ruff check tokenmill tests
