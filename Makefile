@@ -24,8 +24,8 @@ serve: setup
 generate: setup
 	$(VENV)/bin/tokenmill generate "$(PROMPT)" $(ARGS)
 
-# End-to-end files that run in the second run, to even the two out (alone the end-to-end tests took 12:21, the
-# interpreter's cases and the unit, model and kernel tests 7:13, on 2 cores).
+# End-to-end files that run in the second run, to even the two out (on 2 cores the end-to-end tests alone took 12:21,
+# the other run 7:13; with these moved 10:39 and 11:10, and `make test` 12:28 in all from a fresh clone).
 E2E_BESIDE := tests/e2e/test_structured_outputs.py tests/e2e/test_data_parallel_experts.py
 
 test: setup
