@@ -4,8 +4,8 @@ Each case is 32 layers' worth of one projection, every layer its own weight (so 
 L2), launched back to back in a CUDA graph; the time is per launch, the rate the weight bytes over it.
 Checks each config's result against torch first. The configs include splits of K (kernels.split_k).
 With --out DIR the best per (shape, rows) go to DIR/skinny_gemm_<device>.json, the table the engine reads
-from tokenmill/kernels/configs. Last, the LM head (128,256 x 4,096, which cuBLAS runs in the engine) against the
-skinny GEMM's configs.
+from tokenmill/kernels/configs, with the LM head's (128,256 x 4,096, timed against cuBLAS too: the engine runs
+its decode rows through the skinny GEMM, layers.embedding).
 
     PYTHONPATH=. python3 benchmarks/skinny_gemm.py [--out tokenmill/kernels/configs]
 """

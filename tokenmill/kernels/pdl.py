@@ -6,7 +6,7 @@ first loads after the one before it had finished. Launched with PDL, a kernel ma
 in the stream still runs: it must wait (`griddepcontrol.wait`, which returns once that kernel has completed and its
 writes are visible) before it reads anything an earlier kernel writes or writes anything one reads. So each kernel
 of the chain:
-- lets the next kernel launch as soon as it starts (`launch_dependents`),
+- lets the next kernel launch as soon as it starts (`launch_dependents`; the skinny GEMM only after its K loop),
 - loads what no kernel writes (the int4 GEMVs: their first step of weights) and then waits,
 - and waits in every program before anything else: a PDL-launched kernel that did not wait could complete before
   the one before it, and a later kernel launched without PDL would then overtake that one.
